@@ -1,0 +1,176 @@
+"""The engine loop: schedule -> prepare -> forward -> sample -> update, one step at a time.
+
+Mirrors TensorRT-LLM ``PyExecutor._executor_loop`` (schedule, prepare resources, forward,
+sample, update requests) and llama.cpp server ``update_slots`` -> ``llama_decode`` ->
+``common_sampler_sample``. One request is a batch of one: there is no other path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from infertrace.engine.request import Request
+from infertrace.engine.sampler import SamplingParams, sample
+from infertrace.engine.scheduler import ScheduledBatch, Scheduler
+from infertrace.errors import InfertraceError
+from infertrace.kv.base import ChunkSpec
+from infertrace.kv.cells import CellsKV
+from infertrace.kv.paged import DEFAULT_TOKENS_PER_BLOCK, PagedKV
+from infertrace.model.llama import NULL_TRACER, LlamaModel
+
+
+@dataclass
+class EngineOptions:
+    """Run-time options (CLI flags of ``run``).
+
+    backend: ``cells`` (llama.cpp) or ``paged`` (TensorRT-LLM/vLLM).
+    ctx_size: KV capacity in tokens (cells: number of cells; paged: default pool size)
+        and the per-request context limit.
+    num_blocks / tokens_per_block: paged pool (num_blocks None = ctx_size / tokens_per_block).
+    max_batch_tokens / prefill_chunk: scheduler budget and chunked prefill.
+    attention: ``torch``, ``triton`` or ``auto``.
+    """
+
+    backend: str = "cells"
+    ctx_size: int = 2048
+    num_blocks: int | None = None
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
+    max_batch_tokens: int = 2048
+    prefill_chunk: int | None = None
+    attention: str = "auto"
+    n_seq_max: int = 64
+
+
+def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
+    """Build the KV backend named by ``opts.backend``.
+
+    Raises:
+        InfertraceError: unknown backend or invalid sizes.
+    """
+    cfg = model.cfg
+    if opts.ctx_size < 1:
+        raise InfertraceError("--ctx-size must be >= 1")
+    if opts.backend == "cells":
+        return CellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device)
+    if opts.backend == "paged":
+        nb = opts.num_blocks if opts.num_blocks is not None else -(-opts.ctx_size // opts.tokens_per_block)
+        return PagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device, attn_impl)
+    raise InfertraceError(f"unknown backend {opts.backend!r}; use cells or paged")
+
+
+class Engine:
+    """Runs requests to completion over one model and one KV backend.
+
+    Args:
+        model: :class:`LlamaModel`.
+        tokenizer: for EOG ids.
+        opts: :class:`EngineOptions`.
+        tracer: a :class:`~infertrace.trace.recorder.Recorder` or the null tracer.
+    """
+
+    def __init__(self, model: LlamaModel, tokenizer: Any, opts: EngineOptions | None = None, tracer: Any = NULL_TRACER):
+        self.model = model
+        self.tok = tokenizer
+        self.opts = opts or EngineOptions()
+        self.attn_impl = self._resolve_attention(self.opts.attention)
+        self.kv = make_kv(model, self.opts, self.attn_impl)
+        self.scheduler = Scheduler(self.kv, self.opts.max_batch_tokens, self.opts.prefill_chunk)
+        self.tracer = tracer
+        self.requests: dict[int, Request] = {}
+        self.step_no = 0
+        self.eog = set(getattr(tokenizer, "eog_ids", ()) or ())
+
+    def _resolve_attention(self, req: str) -> str:
+        if self.opts.backend == "cells":
+            if req == "triton":
+                raise InfertraceError("--attention triton needs --backend paged (the Triton kernel reads the paged pool)")
+            return "torch"
+        try:
+            from infertrace.attention.select import resolve_attention
+        except ImportError:  # pragma: no cover - select.py ships with the package
+            return "torch"
+        return resolve_attention(req, self.model.device)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, arrival_step: int = 0,
+                    prompt_text: str = "") -> Request:
+        """Queue a request. seq_ids are assigned 0, 1, 2 ... in call order.
+
+        Raises:
+            InfertraceError: empty prompt, or prompt longer than the context.
+        """
+        params = (params or SamplingParams()).validate()
+        if not prompt_ids:
+            raise InfertraceError("the prompt is empty after tokenization; pass some text with --prompt")
+        limit = min(self.opts.ctx_size, self.kv.capacity_tokens)
+        if len(prompt_ids) >= limit:
+            raise InfertraceError(
+                f"prompt has {len(prompt_ids)} tokens but the context holds {limit}; shorten the prompt or raise --ctx-size"
+            )
+        seq_id = len(self.requests)
+        if self.kv.kind == "cells" and seq_id >= self.opts.n_seq_max:
+            raise InfertraceError(f"too many requests for the cells backend (n_seq_max = {self.opts.n_seq_max})")
+        r = Request(seq_id, list(prompt_ids), params, arrival_step, prompt_text)
+        self.requests[seq_id] = r
+        self.scheduler.add(r)
+        return r
+
+    def step(self) -> ScheduledBatch | None:
+        """Run one step. Returns the scheduled batch, or None when all requests are done.
+        A step with no runnable request (waiting for a later arrival) computes nothing."""
+        if not self.scheduler.has_work():
+            return None
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule(self.step_no)
+        if not batch.chunks:
+            self.step_no += 1
+            return batch
+        specs = [ChunkSpec(c.req.seq_id, c.C, c.T) for c in batch.chunks]
+        inp = self.kv.prepare(specs)
+        ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)  # [N]
+        rows, r = [], 0
+        for c in batch.chunks:
+            r += c.T
+            if c.need_logits:
+                rows.append(r - 1)
+        tracer = self.tracer
+        if tracer.enabled:
+            tracer.begin_step()
+        logits = self.model.forward(ids, inp, self.kv, torch.tensor(rows, dtype=torch.int64), tracer)  # [M, V]
+        samples, finished, j = {}, {}, 0
+        for c in batch.chunks:
+            req = c.req
+            req.num_computed += c.T
+            if not c.need_logits:
+                continue
+            res = sample(logits[j], req.params, req.all_ids, req.generator)
+            j += 1
+            samples[req.seq_id] = res
+            req.output_ids.append(res.token)
+            reason = None
+            if res.token in self.eog and not req.params.ignore_eos:
+                reason = "eos"
+            elif len(req.output_ids) >= req.params.max_new_tokens:
+                reason = "max_new_tokens"
+            elif len(req.all_ids) >= self.opts.ctx_size:
+                reason = "ctx_full"
+            if reason:
+                finished[req.seq_id] = reason
+        if tracer.enabled:
+            tracer.end_step({"step": self.step_no, "batch": batch, "inp": inp, "kv": self.kv, "attention": self.attn_impl,
+                             "logits": logits, "logits_rows": rows, "samples": samples, "finished": finished,
+                             "requests": self.requests, "time_ms": (time.perf_counter() - t0) * 1e3})
+        for sid, reason in finished.items():
+            self.scheduler.finish(self.requests[sid], reason)
+        self.step_no += 1
+        return batch
+
+    def run(self, max_steps: int = 100_000) -> list[Request]:
+        """Step until every request finished (or ``max_steps``); returns requests by seq_id."""
+        for _ in range(max_steps):
+            if self.step() is None:
+                break
+        return [self.requests[k] for k in sorted(self.requests)]

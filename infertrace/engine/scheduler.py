@@ -1,0 +1,152 @@
+"""Iteration-level (continuous) batching scheduler with chunked prefill and preemption.
+
+Each step: decode tokens of running requests first, then prefill chunks (partially
+prefilled running requests, then waiting ones, first come first served), under a token
+budget ``max_batch_tokens`` and a per-request ``prefill_chunk``. When the KV storage cannot
+hold a running request's next tokens, the most recently admitted other request is
+preempted: its cache is freed and it is recomputed later (vLLM ``Scheduler._preempt`` in
+recompute mode; TensorRT-LLM ``MaxUtilizationScheduler``). Mirrors nano-vllm's
+``scheduler.py`` loop shape.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from infertrace.engine.request import FINISHED, RUNNING, WAITING, Request
+from infertrace.errors import InfertraceError
+from infertrace.kv.base import KVBackend
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens ``all_ids[C : C+T]`` of ``req`` computed this step."""
+
+    req: Request
+    phase: str
+    C: int
+    token_ids: list[int]
+    need_logits: bool
+
+    @property
+    def T(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: chunks in packed order, plus requests preempted to make room."""
+
+    step: int
+    chunks: list[ScheduledChunk]
+    preempted: list[int] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)
+
+    @property
+    def N(self) -> int:
+        return sum(c.T for c in self.chunks)
+
+
+class Scheduler:
+    """Args: kv backend (capacity checks), ``max_batch_tokens`` budget per step,
+    ``prefill_chunk`` (max prompt tokens per request per step; None = budget)."""
+
+    def __init__(self, kv: KVBackend, max_batch_tokens: int = 2048, prefill_chunk: int | None = None):
+        if max_batch_tokens < 1:
+            raise InfertraceError("--max-batch-tokens must be >= 1")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise InfertraceError("--prefill-chunk must be >= 1")
+        self.kv = kv
+        self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk = prefill_chunk
+        self.future: list[Request] = []  # not arrived yet
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.future.append(req)
+        self.future.sort(key=lambda r: (r.arrival_step, r.seq_id))
+
+    def has_work(self) -> bool:
+        return bool(self.future or self.waiting or self.running)
+
+    def _take(self, req: Request, budget: int) -> int:
+        n = min(req.num_pending, budget)
+        if req.phase == "prefill" and self.prefill_chunk is not None:
+            n = min(n, self.prefill_chunk)
+        return n
+
+    def _preempt(self, victim: Request) -> None:
+        self.kv.release(victim.seq_id)
+        victim.num_computed = 0
+        victim.status = WAITING
+        victim.num_preemptions += 1
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+
+    def schedule(self, step: int) -> ScheduledBatch:
+        """Choose this step's chunks. Mutates request status (admission, preemption).
+
+        Raises:
+            InfertraceError: a single request cannot fit even with everything else preempted.
+        """
+        batch = ScheduledBatch(step, [])
+        while self.future and self.future[0].arrival_step <= step:
+            self.waiting.append(self.future.pop(0))
+        budget = self.max_batch_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted meanwhile
+                continue
+            n = self._take(req, budget)
+            if n <= 0:
+                continue
+            while not self.kv.can_fit(self._plan(batch, req, n)):
+                victims = [r for r in self.running if r is not req and r not in [c.req for c in batch.chunks]]
+                if not victims:
+                    if len(self.running) == 1 and not batch.chunks:
+                        raise InfertraceError(
+                            f"request {req.seq_id} needs more KV storage than exists ({self.kv.capacity_tokens} tokens); raise --ctx-size / --num-blocks"
+                        )
+                    break
+                v = victims[-1]
+                self._preempt(v)
+                batch.preempted.append(v.seq_id)
+            if not self.kv.can_fit(self._plan(batch, req, n)):
+                continue
+            batch.chunks.append(self._chunk(req, n))
+            budget -= n
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            n = self._take(req, budget)
+            if not self.kv.can_fit(self._plan(batch, req, n)):
+                if not self.running and not batch.chunks:
+                    raise InfertraceError(
+                        f"request {req.seq_id} needs more KV storage than exists ({self.kv.capacity_tokens} tokens); raise --ctx-size / --num-blocks"
+                    )
+                break
+            self.waiting.popleft()
+            req.status = RUNNING
+            self.running.append(req)
+            batch.admitted.append(req.seq_id)
+            batch.chunks.append(self._chunk(req, n))
+            budget -= n
+        return batch
+
+    @staticmethod
+    def _plan(batch: ScheduledBatch, req: Request, n: int) -> list[tuple[int, int]]:
+        return [(c.req.seq_id, c.T) for c in batch.chunks] + [(req.seq_id, n)]
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        C = req.num_computed
+        ids = req.all_ids[C : C + n]
+        return ScheduledChunk(req, req.phase, C, ids, need_logits=(C + n == len(req.all_ids)))
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = FINISHED
+        req.stop_reason = reason
+        self.kv.release(req.seq_id)
+        if req in self.running:
+            self.running.remove(req)

@@ -1,0 +1,185 @@
+"""TensorRT-LLM / vLLM-style paged KV cache: a block pool, free list, block tables, slot mapping.
+
+Mirrors TensorRT-LLM ``_torch/pyexecutor/resource_manager.py`` (``KVCacheManager``: pools
+``[num_blocks, 2, n_kv_heads, tokens_per_block, head_dim]`` per layer, ``add_token`` growth,
+block offsets per request, ``free_resources``) and vLLM's block manager / ``slot_mapping``.
+Attention gets no dense mask: mask type ``causal`` plus ``seq_lens``, ``kv_lens``,
+``cu_seqlens`` and block tables (TensorRT-LLM ``attention_backend/trtllm.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from infertrace.attention.reference import paged_attention_torch, write_kv_paged_torch
+from infertrace.errors import InfertraceError
+from infertrace.kv.base import AttnInputs, ChunkSpec, ranges_text
+
+#: TensorRT-LLM's default ``tokens_per_block`` (vLLM uses 16).
+DEFAULT_TOKENS_PER_BLOCK = 32
+
+
+class PagedKV:
+    """Paged pool for ``n_layer`` layers.
+
+    Args:
+        n_layer, n_kv_heads, head_dim: model shape.
+        num_blocks: blocks in the pool (shared by all requests).
+        tokens_per_block: B, slots per block.
+        dtype, device: pool dtype/device.
+        attn_impl: ``"torch"`` or ``"triton"`` (see :mod:`infertrace.attention.select`).
+
+    Storage: ``pool[layer]``: ``[num_blocks, 2, n_kv_heads, B, head_dim]`` (0 = K, 1 = V).
+    """
+
+    kind = "paged"
+
+    def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, num_blocks: int,
+                 tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", attn_impl: str = "torch"):
+        if num_blocks < 1 or tokens_per_block < 1:
+            raise InfertraceError("--num-blocks and --tokens-per-block must be >= 1")
+        self.B = tokens_per_block
+        self.num_blocks = num_blocks
+        self.capacity_tokens = num_blocks * tokens_per_block
+        self.pool = [torch.zeros(num_blocks, 2, n_kv_heads, tokens_per_block, head_dim, dtype=dtype, device=device)
+                     for _ in range(n_layer)]  # [num_blocks, 2, n_kv_heads, B, hd]
+        self.free: list[int] = list(range(num_blocks))  # free list, lowest id first
+        self.tables: dict[int, list[int]] = {}  # seq_id -> block table
+        self.lens: dict[int, int] = {}  # seq_id -> tokens stored
+        self.device = device
+        self.attn_impl = attn_impl
+
+    # --- bookkeeping -------------------------------------------------------------
+    def blocks_needed(self, seq_id: int, n_new: int) -> int:
+        """New blocks ``seq_id`` needs to hold ``n_new`` more tokens."""
+        have = len(self.tables.get(seq_id, []))
+        need = -(-(self.lens.get(seq_id, 0) + n_new) // self.B)
+        return max(0, need - have)
+
+    def can_fit(self, plan: list[tuple[int, int]]) -> bool:
+        """Whether every ``(seq_id, n_new)`` of ``plan`` fits at once (free blocks)."""
+        return sum(self.blocks_needed(s, n) for s, n in plan) <= len(self.free)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self.lens.get(seq_id, 0)
+
+    def slot(self, seq_id: int, p: int) -> int:
+        """Physical slot of logical position ``p``: ``table[p // B] * B + p % B``."""
+        return self.tables[seq_id][p // self.B] * self.B + p % self.B
+
+    def _grow(self, seq_id: int, n_new: int) -> None:
+        need = self.blocks_needed(seq_id, n_new)
+        if need > len(self.free):
+            raise InfertraceError(
+                f"KV pool exhausted: seq {seq_id} needs {need} blocks, {len(self.free)} free of {self.num_blocks}; raise --num-blocks"
+            )
+        tab = self.tables.setdefault(seq_id, [])
+        for _ in range(need):
+            tab.append(self.free.pop(0))
+        self.lens[seq_id] = self.lens.get(seq_id, 0) + n_new
+
+    # --- per step ----------------------------------------------------------------
+    def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
+        """Grow each request's block table for its current tokens and build the metadata.
+
+        ``extra``: ``slot_mapping`` ``[N]`` int64, ``block_tables`` ``[num_seqs, max_blocks]``
+        int32 (-1 padded), ``seq_lens``/``kv_lens`` ``[num_seqs]`` int32, ``cu_seqlens``
+        ``[num_seqs+1]`` int32, ``num_contexts``, ``request_types``, ``mask_type="causal"``.
+        Context requests (T > 1 or first chunk) are packed first as TensorRT-LLM does only
+        by convention; here the packed order is the scheduler's.
+        """
+        positions, seq_ids, slots = [], [], []
+        for c in chunks:
+            if self.lens.get(c.seq_id, 0) != c.C:
+                raise InfertraceError(f"internal: seq {c.seq_id} has {self.lens.get(c.seq_id, 0)} cached tokens, step expects C={c.C}")
+            self._grow(c.seq_id, c.T)
+            for p in range(c.C, c.C + c.T):
+                positions.append(p)
+                seq_ids.append(c.seq_id)
+                slots.append(self.slot(c.seq_id, p))
+        max_blocks = max(len(self.tables[c.seq_id]) for c in chunks)
+        bt = torch.full((len(chunks), max_blocks), -1, dtype=torch.int32)  # [num_seqs, max_blocks]
+        for i, c in enumerate(chunks):
+            tab = self.tables[c.seq_id]
+            bt[i, : len(tab)] = torch.tensor(tab, dtype=torch.int32)
+        seq_lens = torch.tensor([c.T for c in chunks], dtype=torch.int32)  # [num_seqs]
+        kv_lens = torch.tensor([c.C + c.T for c in chunks], dtype=torch.int32)  # [num_seqs]
+        cu = torch.zeros(len(chunks) + 1, dtype=torch.int32)  # [num_seqs+1]
+        cu[1:] = torch.cumsum(seq_lens, 0)
+        types = ["context" if (c.C == 0 or c.T > 1) else "generation" for c in chunks]
+        return AttnInputs(
+            list(chunks), torch.tensor(positions, dtype=torch.int64), torch.tensor(seq_ids, dtype=torch.int64), self.kind,
+            {"slot_mapping": torch.tensor(slots, dtype=torch.int64), "block_tables": bt, "seq_lens": seq_lens,
+             "kv_lens": kv_lens, "cu_seqlens": cu, "request_types": types,
+             "num_contexts": sum(t == "context" for t in types), "mask_type": "causal",
+             "tokens_per_block": self.B},
+        )
+
+    def _dev(self, inp: AttnInputs) -> dict[str, torch.Tensor]:
+        cache = inp.extra.get("_dev")
+        if cache is None:
+            cache = {k: inp.extra[k].to(self.device) for k in ("slot_mapping", "block_tables", "seq_lens", "kv_lens", "cu_seqlens")}
+            inp.extra["_dev"] = cache
+        return cache
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: AttnInputs) -> None:
+        """Scatter current K/V ``[N, n_kv_heads, hd]`` to ``slot_mapping`` (``update_kv_cache``)."""
+        d = self._dev(inp)
+        if self.attn_impl == "triton":
+            from infertrace.attention.select import write_kv_paged
+
+            write_kv_paged("triton", self.pool[layer], k, v, d["slot_mapping"])
+        else:
+            write_kv_paged_torch(self.pool[layer], k, v, d["slot_mapping"])
+
+    def attend(self, layer: int, q: torch.Tensor, inp: AttnInputs, scale: float) -> torch.Tensor:
+        """Causal varlen attention read through block tables; no dense mask."""
+        d = self._dev(inp)
+        args = (q, self.pool[layer], d["block_tables"], d["seq_lens"], d["kv_lens"], d["cu_seqlens"], scale)
+        if self.attn_impl == "triton":
+            from infertrace.attention.select import paged_attention
+
+            return paged_attention("triton", *args)
+        return paged_attention_torch(*args)
+
+    def release(self, seq_id: int) -> None:
+        """Return ``seq_id``'s blocks to the free list (``free_resources``)."""
+        for b in self.tables.pop(seq_id, []):
+            self.free.append(b)
+        self.free.sort()
+        self.lens.pop(seq_id, None)
+
+    # --- views -------------------------------------------------------------------
+    def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        L = self.lens.get(seq_id, 0)
+        slots = torch.tensor([self.slot(seq_id, p) for p in range(L)], dtype=torch.int64)
+        pool = self.pool[layer]
+        k = pool[slots // self.B, 0, :, slots % self.B, :]  # [L, n_kv_heads, hd]
+        v = pool[slots // self.B, 1, :, slots % self.B, :]  # [L, n_kv_heads, hd]
+        return k, v
+
+    def logical_mask(self, inp: AttnInputs) -> list[torch.Tensor]:
+        """Per request, the keep-matrix ``[T, kv_len]`` implied by mask type ``causal`` and
+        the lengths: query j (position ``kv_len - T + j``) sees keys ``0..kv_len-T+j`` of its
+        own block-table row (isolation by construction)."""
+        out = []
+        for T, L in zip(inp.extra["seq_lens"].tolist(), inp.extra["kv_lens"].tolist()):
+            q = torch.arange(L - T, L).unsqueeze(1)  # [T, 1]
+            out.append(torch.arange(L).unsqueeze(0) <= q)  # [T, L]
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """Pool usage, free blocks and each request's block table with the logical positions per block."""
+        reqs = {}
+        for sid, tab in sorted(self.tables.items()):
+            L = self.lens[sid]
+            reqs[str(sid)] = {
+                "block_table": list(tab), "len": L,
+                "blocks": [{"block": b, "pos": ranges_text(range(i * self.B, min(L, (i + 1) * self.B)))} for i, b in enumerate(tab)],
+            }
+        return {"kind": self.kind, "num_blocks": self.num_blocks, "tokens_per_block": self.B,
+                "used_blocks": self.num_blocks - len(self.free), "free_blocks": len(self.free),
+                "free_list_head": self.free[:8], "requests": reqs}

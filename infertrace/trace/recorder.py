@@ -1,0 +1,227 @@
+"""The tracer: collects tap-point tensors during a step and turns them into a :class:`StepTrace`.
+
+Passed to the engine explicitly (no globals). Taps are read-only: nothing here changes a
+tensor the engine uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from infertrace.kv.base import ranges_text
+from infertrace.model.rope import inv_freq_table
+from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
+
+VARIABLES = ("hidden", "positions", "mask", "kv", "decode")
+
+
+def _r(x: float, nd: int = 6) -> float:
+    return float(round(float(x), nd))
+
+
+def _dtype(t: torch.Tensor | torch.dtype) -> str:
+    d = t if isinstance(t, torch.dtype) else t.dtype
+    return str(d).replace("torch.", "")
+
+
+class Recorder:
+    """Records the five variables of every step.
+
+    Args:
+        tokenizer: for token pieces.
+        config: the model's :class:`ModelConfig`.
+        layer: layer whose RoPE evidence and K/V values are captured.
+        show: subset of :data:`VARIABLES` to capture.
+        n_first: how many leading values of rows/cos/sin/K/V to keep.
+        top_k: sampling candidates kept per request.
+        mask_rows, mask_cols: size of the kq_mask slice kept.
+    """
+
+    enabled = True
+
+    def __init__(self, tokenizer: Any, config: Any, layer: int = 0, show: tuple[str, ...] = VARIABLES,
+                 n_first: int = 4, top_k: int = 5, mask_rows: int = 8, mask_cols: int = 16):
+        self.tok = tokenizer
+        self.cfg = config
+        self.layer = layer
+        self.layers = frozenset({layer})
+        self.show = set(show)
+        self.n_first = n_first
+        self.top_k = top_k
+        self.mask_rows, self.mask_cols = mask_rows, mask_cols
+        self.inv_freq = inv_freq_table(config)
+        self.steps: list[StepTrace] = []
+        self._taps: dict[str, dict[str, Any]] = {}
+
+    def tap(self, name: str, **tensors: Any) -> None:
+        self._taps[name] = tensors
+
+    def begin_step(self) -> None:
+        self._taps = {}
+
+    # ------------------------------------------------------------------ build
+    def end_step(self, ctx: dict[str, Any]) -> StepTrace:
+        """Build and keep the step record.
+
+        ``ctx`` keys: step, batch (ScheduledBatch), inp (AttnInputs), kv (backend),
+        attention (impl name), logits ``[M, V]``, logits_rows, samples {seq_id: SampleResult},
+        finished {seq_id: reason}, time_ms.
+        """
+        batch, inp, kv = ctx["batch"], ctx["inp"], ctx["kv"]
+        logical = kv.logical_mask(inp)
+        rows_of, row, logits_row = {}, 0, {}
+        for i, ch in enumerate(batch.chunks):
+            rows_of[ch.req.seq_id] = list(range(row, row + ch.T))
+            row += ch.T
+        for j, r in enumerate(ctx["logits_rows"]):
+            logits_row[r] = j
+        reqs = []
+        for ch, m in zip(batch.chunks, logical):
+            sid = ch.req.seq_id
+            s = ctx["samples"].get(sid)
+            vis = [ranges_text([j for j in range(m.shape[1]) if bool(m[i, j])]) for i in range(ch.T)]
+            reqs.append(ReqStep(
+                seq_id=sid, phase=ch.phase, C=ch.C, T=ch.T, token_ids=list(ch.token_ids),
+                pieces=[self.tok.piece(t) for t in ch.token_ids], positions=list(range(ch.C, ch.C + ch.T)),
+                visible=vis, cache_before=ranges_text(range(ch.C)), cache_after=ranges_text(range(ch.C + ch.T)),
+                rows=rows_of[sid], logits_row=logits_row.get(rows_of[sid][-1]) if ch.need_logits else None,
+                sampled=s.token if s else None, sampled_piece=self.tok.piece(s.token) if s else None,
+                finished=ctx["finished"].get(sid),
+            ))
+        st = StepTrace(step=ctx["step"], backend=kv.kind, attention=ctx["attention"], N=batch.N, batch=reqs,
+                       preempted=list(batch.preempted), admitted=list(batch.admitted), time_ms=_r(ctx.get("time_ms", 0.0), 3))
+        if "hidden" in self.show and "embed" in self._taps:
+            st.hidden = self._hidden(batch, self._taps["embed"]["hidden"])
+        if "positions" in self.show:
+            st.positions = self._positions(inp, kv)
+        if "mask" in self.show:
+            st.mask = self._mask(inp, kv, reqs, logical)
+        if "kv" in self.show:
+            st.kv = self._kv(batch, inp, kv)
+        if "decode" in self.show:
+            st.decode = self._decode(ctx, reqs)
+        self.steps.append(st)
+        return st
+
+    def _hidden(self, batch: Any, x: torch.Tensor) -> HiddenRec:
+        xf = x.float()
+        rows, r = [], 0
+        for ch in batch.chunks:
+            for j, t in enumerate(ch.token_ids):
+                v = xf[r]
+                rows.append(RowStat(ch.req.seq_id, ch.C + j, int(t), self.tok.piece(int(t)), _r(v.mean()), _r(v.std()),
+                                    _r(v.min()), _r(v.max()), _r(v.norm()), [_r(a) for a in v[: self.n_first].tolist()]))
+                r += 1
+        N, H = x.shape
+        return HiddenRec([N, H], _dtype(x), [H, N], [N, H], rows, 0)
+
+    def _positions(self, inp: Any, kv: Any) -> PositionsRec:
+        cfg = self.cfg
+        pos = inp.positions.tolist()
+        npair = min(3, cfg.rope_dim // 2)
+        cs = []
+        for p in pos[: 16]:
+            ang = [p * float(self.inv_freq[i]) for i in range(npair)]
+            cs.append({"pos": p, "cos": [_r(torch.tensor(a).cos()) for a in ang], "sin": [_r(torch.tensor(a).sin()) for a in ang]})
+        ev: dict[str, Any] = {"layer": self.layer}
+        t = self._taps.get("rope")
+        if t is not None:
+            q, k, v, qr, kr = t["q"].float(), t["k"].float(), t["v"].float(), t["q_rot"].float(), t["k_rot"].float()
+            ev["rows"] = [
+                {"pos": p, "dq_max": _r((qr[i] - q[i]).abs().max()), "dk_max": _r((kr[i] - k[i]).abs().max()),
+                 "q_norm_before": _r(q[i].norm()), "q_norm_after": _r(qr[i].norm())}
+                for i, p in enumerate(pos[: 16])
+            ]
+            # V as stored in the cache equals the un-rotated projection; K equals the rotated one.
+            dv, dk_cache = 0.0, 0.0
+            r = 0
+            for c in inp.chunks:
+                kc, vc = kv.read(self.layer, c.seq_id)  # [C+T, nkv, hd]
+                dv = max(dv, float((vc[c.C : c.C + c.T].float() - v[r : r + c.T]).abs().max()))
+                dk_cache = max(dk_cache, float((kc[c.C : c.C + c.T].float() - kr[r : r + c.T]).abs().max()))
+                r += c.T
+            ev["v_cache_minus_v_proj_max"] = _r(dv, 9)
+            ev["k_cache_minus_k_rot_max"] = _r(dk_cache, 9)
+            ev["q_changed"] = bool(max(e["dq_max"] for e in ev["rows"]) > 0) if ev["rows"] else False
+        sc = cfg.rope_scaling
+        return PositionsRec(
+            inp_pos=pos, position_ids=pos, pairing="neox", pairing_in_file=cfg.rope_pairing_in_file,
+            theta=cfg.rope_theta, theta_is_default=cfg.rope_theta_is_default, rope_dim=cfg.rope_dim, head_dim=cfg.head_dim,
+            scaling={"type": sc.type, "factor": sc.factor, "freq_factors": "rope_freqs.weight" if cfg.rope_freq_factors else None},
+            inv_freq_first=[_r(float(x), 9) for x in self.inv_freq[:npair]], cos_sin=cs, evidence=ev,
+        )
+
+    def _mask(self, inp: Any, kv: Any, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
+        vis = [{"seq_id": r.seq_id, "queries": [{"pos": p, "keys": v} for p, v in zip(r.positions, r.visible)]} for r in reqs]
+        lg = [m.int().tolist() for m in logical]
+        if kv.kind == "cells":
+            m = inp.extra["kq_mask"]  # [1, 1, n_pad, n_kv]
+            n_kv, n_pad = inp.extra["n_kv"], inp.extra["n_tokens_pad"]
+            sl = m[0, 0, : min(inp.n_tokens, self.mask_rows), : min(n_kv, self.mask_cols)]
+            cell_pos = kv.pos[: min(n_kv, self.mask_cols)].tolist()
+            return MaskRec("cells", "keep iff cell holds the query's seq_id and cell.pos <= query pos",
+                           vis, {"ne": [n_kv, n_pad, 1, 1], "torch_shape": list(m.shape), "dtype": _dtype(m), "n_kv": n_kv,
+                                 "n_tokens": inp.n_tokens, "cell_pos": cell_pos,
+                                 "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]},
+                           None, lg)
+        e = inp.extra
+        return MaskRec("paged", "mask_type causal: query at position p of request r sees keys 0..p of r's block-table row",
+                       vis, None,
+                       {"mask_type": e["mask_type"], "seq_lens": e["seq_lens"].tolist(), "kv_lens": e["kv_lens"].tolist(),
+                        "cu_seqlens": e["cu_seqlens"].tolist(), "request_types": list(e["request_types"]),
+                        "num_contexts": e["num_contexts"], "request_ids": [c.seq_id for c in inp.chunks],
+                        "block_tables": e["block_tables"].tolist(), "dense_mask_tensor": None}, lg)
+
+    def _kv(self, batch: Any, inp: Any, kv: Any) -> KVRec:
+        cfg = self.cfg
+        per, view = [], {"layer": self.layer, "requests": []}
+        for c in inp.chunks:
+            d: dict[str, Any] = {"seq_id": c.seq_id, "shape_before": [c.C, cfg.n_head_kv, cfg.head_dim],
+                                 "shape_after": [c.C + c.T, cfg.n_head_kv, cfg.head_dim],
+                                 "written_pos": ranges_text(range(c.C, c.C + c.T))}
+            per.append(d)
+            k, v = kv.read(self.layer, c.seq_id)  # [C+T, nkv, hd]
+            view["requests"].append({"seq_id": c.seq_id, "rows": [
+                {"pos": p, "k": [_r(a) for a in k[p, 0, : self.n_first].tolist()], "v": [_r(a) for a in v[p, 0, : self.n_first].tolist()]}
+                for p in range(c.C, c.C + c.T)][:8]})
+        if kv.kind == "cells":
+            idx = inp.extra["cell_idx"].tolist()
+            r = 0
+            for d, c in zip(per, inp.chunks):
+                d["cells"] = ranges_text(idx[r : r + c.T])
+                r += c.T
+            phys = [kv.size, cfg.n_head_kv, cfg.head_dim]
+            extra = {"head_before": inp.extra["head_before"], "head_after": inp.extra["head_after"]}
+        else:
+            sm = inp.extra["slot_mapping"].tolist()
+            r = 0
+            for d, c in zip(per, inp.chunks):
+                d["slot_mapping"] = sm[r : r + c.T]
+                d["block_table"] = list(kv.tables[c.seq_id])
+                r += c.T
+            phys = [kv.num_blocks, 2, cfg.n_head_kv, kv.B, cfg.head_dim]
+            extra = {}
+        snap = kv.snapshot()
+        snap.update(extra)
+        dtype = kv.k[0].dtype if kv.kind == "cells" else kv.pool[0].dtype
+        return KVRec(kv.kind, _dtype(dtype), cfg.n_layer, per, view, snap, phys)
+
+    def _decode(self, ctx: dict[str, Any], reqs: list[ReqStep]) -> DecodeRec:
+        logits = ctx["logits"]
+        per = []
+        for r in reqs:
+            s = ctx["samples"].get(r.seq_id)
+            if s is None:
+                per.append({"seq_id": r.seq_id, "row": None, "note": "prefill chunk: no logits needed"})
+                continue
+            req = ctx["requests"][r.seq_id]
+            per.append({
+                "seq_id": r.seq_id, "row": r.logits_row, "sampler": req.params.to_dict(),
+                "top": [{"id": i, "piece": self.tok.piece(i), "logit": _r(lg, 5), "prob": _r(p, 5)} for i, lg, p in s.top[: self.top_k]],
+                "chosen": s.token, "chosen_piece": self.tok.piece(s.token),
+                "next_input": None if r.finished else s.token, "next_pos": None if r.finished else r.positions[-1] + 1,
+                "stop": r.finished,
+            })
+        return DecodeRec(list(logits.shape), _dtype(logits), list(ctx["logits_rows"]), per)

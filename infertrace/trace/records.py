@@ -1,0 +1,175 @@
+"""Trace records: one :class:`StepTrace` per engine step, holding all five variables.
+
+Plain dataclasses of JSON-ready values (lists, floats, strings), so a record prints,
+serialises and compares without torch. Tensors chosen for saving travel separately.
+Vocabulary follows ``design.md``: step, seq_id, phase, C, T, N, H, n_kv, kq_mask,
+block table, slot mapping, seq_lens / kv_lens / cu_seqlens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class ReqStep:
+    """One request's part of a step (the worked-example table row).
+
+    positions: ``[C .. C+T-1]``; visible: per query, the visible key positions as text
+    (``"0..2"``); cache_after: positions held after the step; output: sampled token piece.
+    """
+
+    seq_id: int
+    phase: str
+    C: int
+    T: int
+    token_ids: list[int]
+    pieces: list[str]
+    positions: list[int]
+    visible: list[str]
+    cache_before: str
+    cache_after: str
+    rows: list[int]  # rows of the packed batch this request occupies
+    logits_row: int | None = None
+    sampled: int | None = None
+    sampled_piece: str | None = None
+    finished: str | None = None
+
+
+@dataclass
+class RowStat:
+    seq_id: int
+    pos: int
+    token_id: int
+    piece: str
+    mean: float
+    std: float
+    min: float
+    max: float
+    l2: float
+    first: list[float]
+
+
+@dataclass
+class HiddenRec:
+    """Initial hidden states (embedding output) of the tokens computed this step."""
+
+    logical_shape: list[int]  # [T, H] per request; here [N, H] packed
+    dtype: str
+    ggml_ne: list[int]  # llama.cpp inpL ne = [H, N]
+    packed_shape: list[int]  # TensorRT-LLM hidden_states [N, H]
+    rows: list[RowStat]
+    cached_tokens_recomputed: int  # always 0: only current tokens are embedded
+
+
+@dataclass
+class PositionsRec:
+    inp_pos: list[int]  # llama.cpp I32 inp_pos, length N
+    position_ids: list[int]  # TensorRT-LLM packed position_ids (same values)
+    pairing: str  # "neox" (half-split) at run time
+    pairing_in_file: str
+    theta: float
+    theta_is_default: bool
+    rope_dim: int
+    head_dim: int
+    scaling: dict[str, Any]
+    inv_freq_first: list[float]
+    cos_sin: list[dict[str, Any]]  # per token: pos, cos/sin of the first pairs
+    evidence: dict[str, Any]  # layer, per token |dq|, |dk|, |dv| = 0, norms kept
+
+
+@dataclass
+class MaskRec:
+    backend: str
+    rule: str
+    visible: list[dict[str, Any]]  # per request: seq_id, per-query visible key text
+    kq_mask: dict[str, Any] | None  # cells: ne, shape, n_kv, rows (slice as "0"/"-inf")
+    metadata: dict[str, Any] | None  # paged: mask_type, seq_lens, kv_lens, cu_seqlens, ...
+    logical: list[list[list[int]]]  # per request [T][C+T] keep (1/0), materialised
+
+
+@dataclass
+class KVRec:
+    backend: str
+    dtype: str
+    layers: int
+    per_request: list[dict[str, Any]]  # seq_id, shape_before, shape_after, written positions, cells/slots
+    layer_view: dict[str, Any]  # chosen layer: K/V first values of the written positions
+    physical: dict[str, Any]  # backend snapshot after the step (cells map or block tables)
+    physical_shape: list[int]
+
+
+@dataclass
+class DecodeRec:
+    logits_shape: list[int]  # [M, vocab], only rows that need logits
+    logits_dtype: str
+    logits_rows: list[int]
+    per_request: list[dict[str, Any]]  # seq_id, row, sampler, top-k, chosen, next input/pos, stop
+
+
+@dataclass
+class StepTrace:
+    """Everything captured in one step."""
+
+    step: int
+    backend: str
+    attention: str
+    N: int
+    batch: list[ReqStep]
+    hidden: HiddenRec | None = None
+    positions: PositionsRec | None = None
+    mask: MaskRec | None = None
+    kv: KVRec | None = None
+    decode: DecodeRec | None = None
+    preempted: list[int] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)
+    time_ms: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "StepTrace":
+        """Rebuild from :meth:`to_dict` output (raises KeyError/TypeError on malformed input)."""
+        def opt(cls, key):
+            v = d.get(key)
+            return None if v is None else cls(**v)
+
+        hidden = d.get("hidden")
+        if hidden is not None:
+            hidden = dict(hidden)
+            hidden["rows"] = [RowStat(**r) for r in hidden["rows"]]
+            hidden = HiddenRec(**hidden)
+        return StepTrace(
+            step=d["step"], backend=d["backend"], attention=d["attention"], N=d["N"],
+            batch=[ReqStep(**b) for b in d["batch"]], hidden=hidden,
+            positions=opt(PositionsRec, "positions"), mask=opt(MaskRec, "mask"), kv=opt(KVRec, "kv"),
+            decode=opt(DecodeRec, "decode"), preempted=list(d.get("preempted", [])),
+            admitted=list(d.get("admitted", [])), time_ms=float(d.get("time_ms", 0.0)),
+        )
+
+
+@dataclass
+class RunTrace:
+    """A whole run: model identity, config, options, per-step records, final outputs."""
+
+    model: dict[str, Any]
+    config: dict[str, Any]
+    options: dict[str, Any]
+    notes: list[str]
+    steps: list[StepTrace]
+    requests: list[dict[str, Any]]  # seq_id, prompt, prompt_ids, output_ids, text, stop_reason
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "RunTrace":
+        return RunTrace(model=d["model"], config=d["config"], options=d["options"], notes=list(d.get("notes", [])),
+                        steps=[StepTrace.from_dict(s) for s in d["steps"]], requests=list(d["requests"]),
+                        schema_version=int(d.get("schema_version", SCHEMA_VERSION)))
