@@ -178,7 +178,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None) -> Checkp
         except (ValueError, IndexError, TypeError) as e:
             raise InfertraceError(f"cannot dequantise tensor {t.name} ({qtype.name}): {e}; the file is corrupt") from None
         shape = [int(x) for x in reversed(list(t.shape))]  # ggml ne -> torch order
-        ten = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))  # [out, in]
+        ten = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))  # [out, in]
         name = t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name
         weights[name] = ten
         if progress:

