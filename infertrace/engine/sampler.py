@@ -96,8 +96,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, seen: Iterable[int], ge
     if params.greedy:
         probs = torch.softmax(x, -1)  # [V]
         tok = int(torch.argmax(x))  # first max index
-        vals, idx = torch.sort(x, descending=True, stable=True)
-        top = [(int(i), float(raw[i]), float(probs[i])) for i in idx[:n_top]]
+        idx = torch.topk(x, n_top).indices.tolist()  # display only
+        idx = [tok] + [i for i in idx if i != tok][: n_top - 1]
+        top = [(int(i), float(raw[i]), float(probs[i])) for i in idx]
         return SampleResult(tok, top)
     x = x / params.temperature
     vals, idx = torch.sort(x, descending=True, stable=True)  # [V] each, ties keep index order
