@@ -129,7 +129,8 @@ class CellsKV:
         return AttnInputs(
             list(chunks), pos_t, sid_t, self.kind,
             {"cell_idx": idx_t, "n_kv": n_kv, "kq_mask": mask, "n_tokens_pad": n_pad,
-             "head_before": head_before, "head_after": self.head},
+             "head_before": head_before, "head_after": self.head,
+             "cell_pos": self.pos[:n_kv].clone(), "cell_seq": self.seq[:n_kv].clone()},
         )
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: AttnInputs) -> None:
@@ -164,20 +165,23 @@ class CellsKV:
 
     def logical_mask(self, inp: AttnInputs) -> list[torch.Tensor]:
         """Per chunk, bool ``[T, C+T]`` keep-matrix read back from the real kq_mask:
-        entry (i, j) is True iff some cell with pos j owned by the chunk's seq is 0 in row i."""
+        entry (i, j) is True iff some cell with pos j owned by the chunk's seq is 0 in row i.
+        If a query could see a cell its sequence does not own (a broken mask), one extra
+        last column is appended and set for that query, so comparisons fail loudly."""
         mask = inp.extra["kq_mask"][0, 0]  # [n_pad, n_kv]
         n_kv = inp.extra["n_kv"]
+        cell_pos, cell_seq = inp.extra["cell_pos"], inp.extra["cell_seq"]  # state when the mask was filled
         out, row = [], 0
         for c in inp.chunks:
             m = torch.zeros(c.T, c.C + c.T, dtype=torch.bool)
             keep = mask[row : row + c.T, :n_kv] == 0  # [T, n_kv]
             for cell in range(n_kv):
-                p = int(self.pos[cell])
+                p = int(cell_pos[cell])
                 if p < 0 or p >= c.C + c.T:
                     continue
                 m[:, p] |= keep[:, cell]
             # a cell visible to a query but not owned by its seq would be a leak: expose it
-            owned = self.seq[:n_kv, c.seq_id]
+            owned = cell_seq[:, c.seq_id]
             leak = keep & ~owned.unsqueeze(0)
             if bool(leak.any()):
                 m = torch.cat([m, leak.any(dim=1, keepdim=True)], dim=1)  # extra column flags a foreign key

@@ -160,7 +160,7 @@ class Recorder:
             m = inp.extra["kq_mask"]  # [1, 1, n_pad, n_kv]
             n_kv, n_pad = inp.extra["n_kv"], inp.extra["n_tokens_pad"]
             sl = m[0, 0, : min(inp.n_tokens, self.mask_rows), : min(n_kv, self.mask_cols)]
-            cell_pos = kv.pos[: min(n_kv, self.mask_cols)].tolist()
+            cell_pos = inp.extra["cell_pos"][: self.mask_cols].tolist()
             return MaskRec("cells", "keep iff cell holds the query's seq_id and cell.pos <= query pos",
                            vis, {"ne": [n_kv, n_pad, 1, 1], "torch_shape": list(m.shape), "dtype": _dtype(m), "n_kv": n_kv,
                                  "n_tokens": inp.n_tokens, "cell_pos": cell_pos,

@@ -1,0 +1,32 @@
+"""Shared fixtures: the real SmolLM2-135M GGUF loaded once per session, and HF transformers
+on the same file (fp32) as the independent reference."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smol_path():
+    from infertrace.model.weights import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smol(smol_path):
+    from infertrace.runner import load_model
+
+    return load_model(smol_path)
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name,
+                                                              dtype=torch.float32)
+    model.eval()
+    return tok, model
