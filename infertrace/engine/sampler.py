@@ -96,7 +96,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seen: Iterable[int], ge
     if params.greedy:
         probs = torch.softmax(x, -1)  # [V]
         tok = int(torch.argmax(x))  # first max index
-        idx = torch.topk(x, n_top).indices.tolist()  # display only
+        idx = torch.topk(x, min(n_top, x.numel())).indices.tolist()  # display only
         idx = [tok] + [i for i in idx if i != tok][: n_top - 1]
         top = [(int(i), float(raw[i]), float(probs[i])) for i in idx]
         return SampleResult(tok, top)

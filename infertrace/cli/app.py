@@ -1,0 +1,105 @@
+"""The ``infertrace`` Typer app: global options, command registration and error policy.
+
+Error policy (fastapi-cli style, design.md): a user error (:class:`InfertraceError`) prints
+one line ``error: <message>`` to stderr and exits with its ``exit_code`` (2); anything
+unexpected prints ``error: internal error: <Type>: <msg> (rerun with --debug ...)`` and exits 1.
+``--debug`` prints the traceback first (same exit codes). Typer/click usage errors keep
+their own message and exit code 2.
+
+The policy lives in :func:`cli_errors`, which wraps every command, so it holds both for the
+console script (:func:`main`) and for ``typer.testing.CliRunner`` invoking :data:`app`.
+"""
+
+import functools
+import sys
+import traceback
+from typing import Annotated, Any, Callable, TypeVar
+
+import typer
+
+from infertrace.cli import inspect_cmd, run
+from infertrace.errors import InfertraceError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+app = typer.Typer(
+    name="infertrace",
+    help="Trace the five inference variables (hidden, positions/RoPE, mask, KV cache, decode loop) of a "
+         "Llama-family model step by step, in llama.cpp and TensorRT-LLM/vLLM conventions.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+#: set by the global callback at every invocation (so CliRunner runs do not leak it into each other)
+_STATE = {"debug": False}
+
+
+def _is_cli_control(e: BaseException) -> bool:
+    """Exit/Abort/usage errors of click or Typer (Typer >= 0.2x vendors its own click)."""
+    return type(e).__module__.split(".")[0] in ("click", "typer")
+
+
+def report_error(exc: BaseException, debug: bool) -> int:
+    """Print the one-line message for ``exc`` to stderr (after the traceback when ``debug``);
+    return the exit code: ``exc.exit_code`` for :class:`InfertraceError`, 1 otherwise."""
+    if debug:
+        exc.__suppress_context__ = False  # show the low-level cause a user error was raised from
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    if isinstance(exc, InfertraceError):
+        typer.echo(f"error: {_one_line(exc.message)}", err=True)
+        return exc.exit_code
+    hint = "" if debug else " (rerun with --debug for the traceback)"
+    typer.echo(f"error: internal error: {type(exc).__name__}: {_one_line(str(exc))}{hint}", err=True)
+    return 1
+
+
+def cli_errors(fn: F) -> F:
+    """Wrap a command: InfertraceError / unexpected exceptions -> one line + ``typer.Exit(code)``.
+
+    Click's own control-flow exceptions (Exit, Abort, usage errors) pass through unchanged.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the CLI's single error boundary
+            if _is_cli_control(e):
+                raise
+            raise typer.Exit(report_error(e, _STATE["debug"])) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@app.callback()
+def _global(
+    debug: Annotated[bool, typer.Option("--debug", envvar="INFERTRACE_DEBUG",
+                                        help="Show the Python traceback of an error (before the one-line message).")] = False,
+) -> None:
+    """Trace the five inference variables of a Llama-family model, step by step."""
+    _STATE["debug"] = debug
+
+
+app.command("run", help=run.HELP, no_args_is_help=True)(cli_errors(run.run))
+app.command("inspect", help=inspect_cmd.HELP, no_args_is_help=True)(cli_errors(inspect_cmd.inspect))
+
+
+def main() -> None:
+    """Console-script entry point (``infertrace``): runs :data:`app` and exits with its code."""
+    try:
+        app(prog_name="infertrace")
+    except Exception as e:  # noqa: BLE001 - errors raised outside a command (e.g. while parsing)
+        if _is_cli_control(e):
+            raise
+        sys.exit(report_error(e, _STATE["debug"]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

