@@ -104,17 +104,21 @@ class Scheduler:
             if n <= 0:
                 continue
             while not self.kv.can_fit(self._plan(batch, req, n)):
-                victims = [r for r in self.running if r is not req and r not in [c.req for c in batch.chunks]]
+                scheduled = [c.req for c in batch.chunks]
+                victims = [r for r in self.running if r is not req and r not in scheduled]
                 if not victims:
                     if len(self.running) == 1 and not batch.chunks:
                         raise InfertraceError(
                             f"request {req.seq_id} needs more KV storage than exists ({self.kv.capacity_tokens} tokens); raise --ctx-size / --num-blocks"
                         )
-                    break
+                    # lowest priority left is the request itself: preempt it (vLLM does the same)
+                    victims = [req]
                 v = victims[-1]
                 self._preempt(v)
                 batch.preempted.append(v.seq_id)
-            if not self.kv.can_fit(self._plan(batch, req, n)):
+                if v is req:
+                    break
+            if req.status != RUNNING or not self.kv.can_fit(self._plan(batch, req, n)):
                 continue
             batch.chunks.append(self._chunk(req, n))
             budget -= n

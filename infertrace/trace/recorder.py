@@ -161,9 +161,10 @@ class Recorder:
             n_kv, n_pad = inp.extra["n_kv"], inp.extra["n_tokens_pad"]
             sl = m[0, 0, : min(inp.n_tokens, self.mask_rows), : min(n_kv, self.mask_cols)]
             cell_pos = inp.extra["cell_pos"][: self.mask_cols].tolist()
+            cell_seq = [row.nonzero().flatten().tolist() for row in inp.extra["cell_seq"][: self.mask_cols]]
             return MaskRec("cells", "keep iff cell holds the query's seq_id and cell.pos <= query pos",
                            vis, {"ne": [n_kv, n_pad, 1, 1], "torch_shape": list(m.shape), "dtype": _dtype(m), "n_kv": n_kv,
-                                 "n_tokens": inp.n_tokens, "cell_pos": cell_pos,
+                                 "n_tokens": inp.n_tokens, "cell_pos": cell_pos, "cell_seq": cell_seq,
                                  "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]},
                            None, lg)
         e = inp.extra
