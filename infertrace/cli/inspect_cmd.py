@@ -171,7 +171,7 @@ def inspect(
     """Load ``model`` as ``run`` would (same one-line errors) and print what the loader saw."""
     with progress_display(enabled=not as_json) as progress:
         task = progress.add_task(f"loading {model.name}", total=None)
-        ck = load_checkpoint(model, progress=lambda d, n, name: progress.update(task, completed=d, total=n,
+        ck = load_checkpoint(model, header_only=True, progress=lambda d, n, name: progress.update(task, completed=d, total=n,
                                                                                description=f"reading {name}"))
     facts = inspect_facts(ck)
     if as_json:

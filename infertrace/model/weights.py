@@ -71,7 +71,8 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, progress: Progress | None = None) -> Checkpoint:
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, progress: Progress | None = None,
+                    header_only: bool = False) -> Checkpoint:
     """Load a GGUF file or an HF model directory.
 
     Args:
@@ -79,6 +80,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, progre
             (or ``model.safetensors.index.json`` shards) + ``tokenizer.json``.
         dtype: dtype of the returned weights (dequantised GGUF tensors are float32 first).
         progress: optional callback ``(done, total, name)`` while dequantising.
+        header_only: read metadata, tokenizer and the tensor table but no tensor data
+            (``weights`` stays empty); what ``inspect`` needs, instant on large files.
 
     Raises:
         InfertraceError: missing path, pickle checkpoint, wrong magic, truncated file,
@@ -92,8 +95,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, progre
             f"refusing to load pickle checkpoint {p.name}: unpickling can run arbitrary code; convert it to safetensors or GGUF"
         )
     if p.is_dir():
-        return _load_hf_dir(p, dtype, progress)
-    return _load_gguf(p, dtype, progress)
+        return _load_hf_dir(p, dtype, progress, header_only)
+    return _load_gguf(p, dtype, progress, header_only)
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -130,7 +133,7 @@ def read_gguf(p: Path):
         ) from None
 
 
-def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None) -> Checkpoint:
+def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_only: bool = False) -> Checkpoint:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -164,7 +167,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None) -> Checkp
     for i, t in enumerate(reader.tensors):
         qtype = GGMLQuantizationType(t.tensor_type)
         infos.append(TensorInfo(t.name, qtype.name, [int(x) for x in t.shape], int(t.n_bytes)))
-        if t.name == "rope_freqs.weight":
+        if t.name == "rope_freqs.weight" or header_only:
             continue
         try:
             if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -183,10 +186,12 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None) -> Checkp
         weights[name] = ten
         if progress:
             progress(i + 1, total, t.name)
-    for i in range(cfg.n_layer):
+    _check_names(cfg, {n[: -len(".weight")] if n.endswith(".weight") else n for n in names}, p.name)
+    for i in range(cfg.n_layer if not header_only else 0):
         weights[f"blk.{i}.attn_q"] = unpermute_from_norm(weights[f"blk.{i}.attn_q"], cfg.n_head)
         weights[f"blk.{i}.attn_k"] = unpermute_from_norm(weights[f"blk.{i}.attn_k"], cfg.n_head_kv)
-    _check_weights(cfg, weights, p.name)
+    if not header_only:
+        _check_weights(cfg, weights, p.name)
     weights = {k: v.to(dtype) for k, v in weights.items()}
     notes = [
         "GGUF Q/K rows are stored permuted for adjacent-pair RoPE (llama.cpp 'norm'); "
@@ -199,13 +204,18 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None) -> Checkp
     return Checkpoint(cfg, weights, tokenizer, p, infos, meta, notes)
 
 
-def _check_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], where: str) -> None:
+def _check_names(cfg: ModelConfig, names: set[str], where: str) -> None:
+    """Raise :class:`InfertraceError` when an engine-named tensor the config implies is absent."""
     need = ["token_embd", "output_norm"] + [
         f"blk.{i}.{n}" for i in range(cfg.n_layer) for n in _HF_LAYER_NAMES.values()
     ]
-    missing = [n for n in need if n not in w]
+    missing = [n for n in need if n not in names]
     if missing:
         raise InfertraceError(f"{where} lacks tensor {missing[0]} ({len(missing)} missing); the checkpoint is incomplete")
+
+
+def _check_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], where: str) -> None:
+    _check_names(cfg, set(w), where)
     exp = {"token_embd": (cfg.vocab_size, cfg.n_embd), "blk.0.attn_q": (cfg.n_head * cfg.head_dim, cfg.n_embd),
            "blk.0.attn_k": (cfg.n_head_kv * cfg.head_dim, cfg.n_embd)}
     for n, shp in exp.items():
@@ -216,7 +226,7 @@ def _check_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], where: str) -> 
 # ----------------------------------------------------------------------------- HF
 
 
-def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None) -> Checkpoint:
+def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_only: bool = False) -> Checkpoint:
     from safetensors import safe_open
 
     cfg_path = d / "config.json"
@@ -252,9 +262,16 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None) -> Chec
             with safe_open(str(f), framework="pt") as fh:
                 keys = list(fh.keys())
                 for k in keys:
-                    t = fh.get_tensor(k)
+                    if header_only:
+                        sl = fh.get_slice(k)
+                        shape, dt = list(sl.get_shape()), str(sl.get_dtype()).lower()
+                        t = torch.empty(shape, dtype=torch.float32, device="meta")  # [shape] no data
+                        nbytes = int(np.prod(shape)) * {"f32": 4, "bf16": 2, "f16": 2}.get(dt, 4)
+                    else:
+                        t = fh.get_tensor(k)
+                        dt, nbytes = str(t.dtype).replace("torch.", ""), t.numel() * t.element_size()
                     sd[k] = t
-                    infos.append(TensorInfo(k, str(t.dtype).replace("torch.", ""), list(t.shape), t.numel() * t.element_size()))
+                    infos.append(TensorInfo(k, dt, list(t.shape), nbytes))
                     if progress:
                         progress(len(sd), max(len(sd), len(keys)), k)
         except InfertraceError:
@@ -279,7 +296,7 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None) -> Chec
     if cfg.tie_embeddings:
         w.pop("output", None)
     _check_weights(cfg, w, d.name)
-    w = {k: v.to(dtype) for k, v in w.items()}
+    w = {} if header_only else {k: v.to(dtype) for k, v in w.items()}
     from infertrace.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_hf_dir(d)
