@@ -215,3 +215,36 @@ def test_p3_isolation_mixed_steps_match_solo_logits(smol, backend):
         assert len(got[i]) == len(solos[i][1]) == 5
         for a, b in zip(got[i], solos[i][1]):
             assert (a - b).abs().max().item() < 1e-4
+
+
+def test_gguf_and_safetensors_copies_give_same_logits(smol, hf_smol, tmp_path):
+    """HF transformers dequantises the same GGUF and saves it as safetensors (HF half-split Q/K
+    order); our loader reads both copies; the logits agree."""
+    from infertrace.model.llama import LlamaModel
+    from infertrace.model.weights import load_checkpoint
+
+    import json
+
+    from safetensors.torch import save_file
+
+    tok, model = hf_smol
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    tok.save_pretrained(str(tmp_path))
+    ck = load_checkpoint(tmp_path)
+    assert ck.config.source == "hf" and ck.config.rope_pairing_in_file == "neox"
+    assert ck.config.n_head_kv == 3 and ck.config.tie_embeddings
+    ids = smol.tokenizer.encode("The capital of France is")
+    assert ck.tokenizer.encode("The capital of France is") == ids
+    hf_model = LlamaModel(ck.config, ck.weights)
+    out = []
+    for m in (smol.model, hf_model):
+        kv = make_kv(m, EngineOptions(ctx_size=64), "torch")
+        inp = kv.prepare([ChunkSpec(0, 0, len(ids))])
+        out.append(m.forward(torch.tensor(ids), inp, kv, torch.arange(len(ids))))  # [T, V]
+    assert (out[0] - out[1]).abs().max().item() < 1e-4

@@ -186,7 +186,8 @@ def config_from_hf(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
     Mirrors HF ``LlamaConfig`` and ``_compute_llama3_parameters`` inputs.
     """
     archs = cfg.get("architectures") or []
-    if not any(a in SUPPORTED_HF_ARCHS for a in archs):
+    by_type = not archs and cfg.get("model_type") in ("llama", "mistral")  # configs without architectures
+    if not by_type and not any(a in SUPPORTED_HF_ARCHS for a in archs):
         raise InfertraceError(
             f"unsupported architecture {archs!r} in config.json (supported: {', '.join(SUPPORTED_HF_ARCHS)})"
         )
