@@ -20,12 +20,15 @@ PROMPTS = [
 
 def _greedy_hf(hf, ids, n):
     """HF forward with its own KV cache, argmax each step, no EOS handling (like ignore_eos)."""
+    import inspect
+
     _, model = hf
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out, past, x = [], None, torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(x, use_cache=True, **{key: past})
+            past = getattr(res, "cache", None) or res.past_key_values
             nxt = int(res.logits[0, -1].argmax())
             out.append(nxt)
             x = torch.tensor([[nxt]])
