@@ -35,16 +35,17 @@ def attention_with_kq_mask(
     Mirrors llama.cpp ``build_attn_mha`` (``kq = k*q; kq = soft_max_ext(kq, kq_mask, scale)``).
     Rows whose mask is all -inf are not allowed (every query sees at least itself).
     """
-    n_head, n_kv_heads = q.shape[1], k.shape[1]
+    N, n_head, hd = q.shape
+    n_kv_heads = k.shape[1]
     group = n_head // n_kv_heads
-    qh = q.transpose(0, 1)  # [n_head, N, hd]
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [n_head, n_kv, hd]
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)  # [n_head, n_kv, hd]
-    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [n_head, N, n_kv]
-    scores = scores + kq_mask.to(scores.dtype).unsqueeze(0)  # [n_head, N, n_kv]
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [n_head, N, n_kv]
-    out = torch.matmul(probs, vh)  # [n_head, N, hd]
-    return out.transpose(0, 1).contiguous()  # [N, n_head, hd]
+    qg = q.view(N, n_kv_heads, group, hd).permute(1, 2, 0, 3).reshape(n_kv_heads, group * N, hd)  # [n_kv_heads, g*N, hd]
+    kh = k.transpose(0, 1)  # [n_kv_heads, n_kv, hd]
+    vh = v.transpose(0, 1)  # [n_kv_heads, n_kv, hd]
+    scores = torch.matmul(qg, kh.transpose(1, 2)) * scale  # [n_kv_heads, g*N, n_kv]
+    scores = scores.view(n_kv_heads, group, N, -1) + kq_mask.to(scores.dtype)  # [n_kv_heads, g, N, n_kv]
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [n_kv_heads, g, N, n_kv]
+    out = torch.matmul(probs.view(n_kv_heads, group * N, -1), vh)  # [n_kv_heads, g*N, hd]
+    return out.view(n_kv_heads, group, N, hd).permute(2, 0, 1, 3).reshape(N, n_head, hd)  # [N, n_head, hd]
 
 
 def write_kv_paged_torch(
@@ -96,24 +97,34 @@ def paged_attention_torch(
     ``trtllm.py`` passes exactly these lengths and block offsets to the kernel).
     """
     B = kv_pool.shape[3]
-    n_head, n_kv_heads = q.shape[1], kv_pool.shape[2]
+    N, n_head, hd = q.shape
+    n_kv_heads = kv_pool.shape[2]
     group = n_head // n_kv_heads
+    S = int(seq_lens.shape[0])
+    T_list, L_list = seq_lens.tolist(), kv_lens.tolist()
+    T_max, L_max = max(T_list), max(L_list)
+    nb = (L_max + B - 1) // B
+    dev = q.device
+    blocks = block_tables[:, :nb].long().clamp_min(0)  # [S, nb] (-1 padding read as block 0, masked below)
+    kv = kv_pool[blocks]  # [S, nb, 2, n_kv_heads, B, hd]
+    k = kv[:, :, 0].permute(0, 2, 1, 3, 4).reshape(S, n_kv_heads, nb * B, hd)[:, :, :L_max].to(q.dtype)  # [S, n_kv_heads, L, hd]
+    v = kv[:, :, 1].permute(0, 2, 1, 3, 4).reshape(S, n_kv_heads, nb * B, hd)[:, :, :L_max].to(q.dtype)  # [S, n_kv_heads, L, hd]
+    # pad the packed queries per request: row t of request i is packed row cu_seqlens[i] + t
+    starts = cu_seqlens[:-1].long().to(dev)  # [S]
+    t_idx = torch.arange(T_max, device=dev)  # [T_max]
+    valid_q = t_idx.unsqueeze(0) < seq_lens.long().to(dev).unsqueeze(1)  # [S, T_max]
+    rows = (starts.unsqueeze(1) + t_idx.unsqueeze(0)).clamp_max(N - 1)  # [S, T_max]
+    qp = q[rows]  # [S, T_max, n_head, hd]
+    qg = qp.view(S, T_max, n_kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(S, n_kv_heads, group * T_max, hd)  # [S, kvh, g*T, hd]
+    scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [S, kvh, g*T, L]
+    # causal rule from the lengths: query t of request i sits at kv_len - T + t and sees keys 0..that
+    qpos = (kv_lens.long().to(dev) - seq_lens.long().to(dev)).unsqueeze(1) + t_idx.unsqueeze(0)  # [S, T_max]
+    keep = torch.arange(L_max, device=dev).view(1, 1, L_max) <= qpos.unsqueeze(2)  # [S, T_max, L]
+    keep &= valid_q.unsqueeze(2)
+    scores = scores.view(S, n_kv_heads, group, T_max, L_max).masked_fill(~keep.view(S, 1, 1, T_max, L_max), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)  # [S, kvh, g, T, L]
+    o = torch.matmul(probs.view(S, n_kv_heads, group * T_max, L_max), v)  # [S, kvh, g*T, hd]
+    o = o.view(S, n_kv_heads, group, T_max, hd).permute(0, 3, 1, 2, 4).reshape(S, T_max, n_head, hd)  # [S, T, n_head, hd]
     out = torch.empty_like(q)  # [N, n_head, hd]
-    for i in range(int(seq_lens.shape[0])):
-        T, L = int(seq_lens[i]), int(kv_lens[i])
-        s = int(cu_seqlens[i])
-        nb = (L + B - 1) // B
-        blocks = block_tables[i, :nb].long()  # [nb]
-        kv = kv_pool[blocks]  # [nb, 2, n_kv_heads, B, hd]
-        k = kv[:, 0].permute(1, 0, 2, 3).reshape(n_kv_heads, nb * B, -1)[:, :L]  # [n_kv_heads, L, hd]
-        v = kv[:, 1].permute(1, 0, 2, 3).reshape(n_kv_heads, nb * B, -1)[:, :L]  # [n_kv_heads, L, hd]
-        k = k.repeat_interleave(group, dim=0).to(q.dtype)  # [n_head, L, hd]
-        v = v.repeat_interleave(group, dim=0).to(q.dtype)  # [n_head, L, hd]
-        qi = q[s : s + T].transpose(0, 1)  # [n_head, T, hd]
-        scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [n_head, T, L]
-        qpos = torch.arange(L - T, L).unsqueeze(1)  # [T, 1]
-        kpos = torch.arange(L).unsqueeze(0)  # [1, L]
-        scores = scores.masked_fill(kpos > qpos, float("-inf"))  # [n_head, T, L]
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [n_head, T, L]
-        out[s : s + T] = torch.matmul(probs, v).transpose(0, 1)  # [T, n_head, hd]
+    out[rows[valid_q]] = o[valid_q]
     return out
