@@ -120,12 +120,21 @@ class Engine:
 
     def step(self) -> ScheduledBatch | None:
         """Run one step. Returns the scheduled batch, or None when all requests are done.
-        A step with no runnable request (waiting for a later arrival) computes nothing."""
+
+        A step with no runnable request (waiting for a later arrival) computes nothing; an
+        enabled tracer still gets ``end_step`` with ``inp=None`` and an empty batch (an idle step).
+        """
         if not self.scheduler.has_work():
             return None
         t0 = time.perf_counter()
         batch = self.scheduler.schedule(self.step_no)
-        if not batch.chunks:
+        if not batch.chunks:  # idle: waiting for a later arrival; recorded so the step numbers have no gaps
+            if self.tracer.enabled:
+                self.tracer.begin_step()
+                self.tracer.end_step({"step": self.step_no, "batch": batch, "inp": None, "kv": self.kv,
+                                      "attention": self.attn_impl, "logits": None, "logits_rows": [], "samples": {},
+                                      "finished": {}, "requests": self.requests,
+                                      "time_ms": (time.perf_counter() - t0) * 1e3})
             self.step_no += 1
             return batch
         specs = [ChunkSpec(c.req.seq_id, c.C, c.T) for c in batch.chunks]

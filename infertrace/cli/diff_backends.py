@@ -1,0 +1,90 @@
+"""``infertrace diff-backends``: the same requests through cells and paged in lockstep (or through our
+engine and an external reference), logical variables compared, physical layouts side by side.
+
+Thin: validate options (as ``run``), load the model, call
+:func:`infertrace.engine.compare.diff_backends` or
+:func:`infertrace.engine.against.compare_with_reference`, print (rich or ``--json``).
+Exit codes: 0 logically identical, 1 a logical mismatch (CI can rely on it), 2 bad input.
+"""
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from infertrace.cli import run_options as o
+from infertrace.cli.run import check_choice, load_with_progress, progress_display, stdout_console
+from infertrace.errors import InfertraceError
+
+HELP = ("Run the same requests through both cache backends (cells and paged) step by step and compare the logical "
+        "variables (positions, visible keys, K/V of all layers, tokens, logits) beside the physical layouts; exit 1 on "
+        "a logical mismatch. --against hf|llama.cpp compares our engine with an external implementation instead.")
+
+
+def diff_backends(
+    prompt: o.Prompt = None,
+    prompts: o.Prompts = None,
+    model: o.Model = None,
+    arrival: o.Arrival = None,
+    against: Annotated[Optional[str], typer.Option("--against", help="Compare our engine (--backend) with hf (transformers) or llama.cpp (llama-cpp-python) instead of the other backend.")] = None,
+    atol: Annotated[Optional[float], typer.Option("--atol", help="Tolerance on logits and K/V (default 1e-4 for float32 backends; 1e-3 against hf; 1.0 against llama.cpp).")] = None,
+    as_json: o.Json = False,
+    max_new_tokens: o.MaxNewTokens = o.D.max_new_tokens,
+    chat: o.Chat = False,
+    temperature: o.Temperature = o.D.temperature,
+    top_k: o.TopK = o.D.top_k,
+    top_p: o.TopP = o.D.top_p,
+    min_p: o.MinP = o.D.min_p,
+    repetition_penalty: o.RepetitionPenalty = o.D.repetition_penalty,
+    seed: o.Seed = o.D.seed,
+    ignore_eos: o.IgnoreEos = False,
+    backend: Annotated[str, typer.Option("--backend", help="With --against: our engine's backend (cells or paged). Without: both run.")] = "cells",
+    ctx_size: o.CtxSize = o.E.ctx_size,
+    num_blocks: o.NumBlocks = None,
+    tokens_per_block: o.TokensPerBlock = o.E.tokens_per_block,
+    max_batch_tokens: o.MaxBatchTokens = o.E.max_batch_tokens,
+    prefill_chunk: o.PrefillChunk = None,
+    attention: o.Attention = "auto",
+    dtype: o.Dtype = "float32",
+    device: o.Device = "cpu",
+) -> None:
+    """Prints the report; ``typer.Exit(1)`` after it when anything logical differs."""
+    if against is not None:
+        against = check_choice("--against", against, ("hf", "llama.cpp"))
+    if atol is not None and not atol >= 0:
+        raise InfertraceError(f"--atol must be >= 0 (got {atol})")
+    specs, opts = o.build_run_inputs(
+        prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
+        tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
+        attention=attention, dtype=dtype, device=device)
+    if against == "hf":  # fail before loading anything
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise InfertraceError("--against hf needs transformers: pip install 'infertrace[dev]'") from None
+    elif against == "llama.cpp":
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise InfertraceError("--against llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'") from None
+    with progress_display(enabled=not as_json) as progress:
+        loaded = load_with_progress(model, dtype, device, progress)
+        progress.add_task("comparing" + (f" with {against}" if against else " cells and paged in lockstep"), total=None)
+        if against is None:
+            from infertrace.engine.compare import diff_backends as run_diff
+
+            rep = run_diff(loaded, specs, opts, atol=atol)
+        else:
+            from infertrace.engine.against import compare_with_reference
+
+            rep = compare_with_reference(loaded, specs, opts, against, atol=atol)
+    if as_json:
+        typer.echo(json.dumps(rep, ensure_ascii=False))
+    else:
+        from infertrace.trace.render_compare import render_backends_diff, render_reference_diff
+
+        (render_backends_diff if against is None else render_reference_diff)(stdout_console(), rep)
+    if not rep["identical"]:
+        raise typer.Exit(1)

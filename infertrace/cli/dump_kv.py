@@ -1,0 +1,88 @@
+"""``infertrace dump-kv --step N [DIR]``: the KV cache right after step N of a live run, or of a
+trace saved with ``run --save DIR`` (:func:`infertrace.trace.saved_kv.dump_saved`, no model needed).
+
+Thin: validate options (as ``run``), load the model, call
+:func:`infertrace.kv.dump.dump_kv_at_step`, print with
+:func:`infertrace.trace.render_kv.render_kv_dump` or as JSON.
+"""
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from infertrace.cli import run_options as o
+from infertrace.cli.run import load_with_progress, progress_display, stdout_console
+from infertrace.errors import InfertraceError
+from infertrace.kv.dump import dump_kv_at_step, parse_positions
+
+HELP = ("Show the KV cache right after step N of a run (same options as run): cells map with head/used/n_kv "
+        "(cells) or pool usage, free list, block tables and slot mapping (paged); --layer/--head add K/V values. "
+        "With a saved trace DIR (run --save DIR) it reads the step's record instead of running.")
+
+
+def dump_kv(
+    step: Annotated[int, typer.Option("--step", help="Step whose end state is shown (0-based; idle steps count).")],
+    trace_dir: Annotated[Optional[Path], typer.Argument(help="A trace saved with 'run --save DIR' (then no prompt/model options).", show_default=False)] = None,
+    prompt: o.Prompt = None,
+    prompts: o.Prompts = None,
+    model: o.Model = None,
+    arrival: o.Arrival = None,
+    layer: Annotated[Optional[int], typer.Option("--layer", help="Add K/V values of this layer (default 0 when --head is given).")] = None,
+    head: Annotated[Optional[int], typer.Option("--head", help="kv head of the values (default 0 when --layer is given).")] = None,
+    positions: Annotated[Optional[str], typer.Option("--positions", help="Positions of the values: 0,3,5 or 0..4 (default: all cached).")] = None,
+    full: Annotated[bool, typer.Option("--full", help="All head_dim values instead of the first 4.")] = False,
+    as_json: o.Json = False,
+    max_new_tokens: o.MaxNewTokens = o.D.max_new_tokens,
+    chat: o.Chat = False,
+    temperature: o.Temperature = o.D.temperature,
+    top_k: o.TopK = o.D.top_k,
+    top_p: o.TopP = o.D.top_p,
+    min_p: o.MinP = o.D.min_p,
+    repetition_penalty: o.RepetitionPenalty = o.D.repetition_penalty,
+    seed: o.Seed = o.D.seed,
+    ignore_eos: o.IgnoreEos = False,
+    backend: o.Backend = "cells",
+    ctx_size: o.CtxSize = o.E.ctx_size,
+    num_blocks: o.NumBlocks = None,
+    tokens_per_block: o.TokensPerBlock = o.E.tokens_per_block,
+    max_batch_tokens: o.MaxBatchTokens = o.E.max_batch_tokens,
+    prefill_chunk: o.PrefillChunk = None,
+    attention: o.Attention = "auto",
+    dtype: o.Dtype = "float32",
+    device: o.Device = "cpu",
+) -> None:
+    """Every user error is one ``error:`` line, exit 2 (including a step out of range)."""
+    if step < 0:
+        raise InfertraceError(f"step {step} out of range: steps are numbered from 0")
+    for opt, val in (("--layer", layer), ("--head", head)):
+        if val is not None and val < 0:
+            raise InfertraceError(f"{opt} must be >= 0 (got {val})")
+    pos = parse_positions(positions)
+    if (pos is not None or full) and layer is None and head is None:
+        raise InfertraceError("--positions / --full choose K/V values: add --layer L and/or --head H")
+    if trace_dir is not None:  # a saved trace: the step's record (+ saved tensors for values), no model, no run
+        from infertrace.trace.render_kv import render_kv_dump
+        from infertrace.trace.saved_kv import dump_saved
+
+        if prompt or prompts:
+            raise InfertraceError("--prompt/--prompts are for a live run; the saved trace DIR already holds its prompts")
+        d = dump_saved(trace_dir, step, layer=layer, head=head, positions=pos, full=full)
+        return typer.echo(json.dumps(d, ensure_ascii=False)) if as_json else render_kv_dump(stdout_console(), d)
+    specs, opts = o.build_run_inputs(
+        prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
+        tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
+        attention=attention, dtype=dtype, device=device)
+    with progress_display(enabled=not as_json) as progress:
+        loaded = load_with_progress(model, dtype, device, progress)
+        progress.add_task(f"running to step {step}", total=None)
+        d = dump_kv_at_step(loaded, specs, opts, step, layer=layer, head=head, positions=pos, full=full)
+    if as_json:
+        typer.echo(json.dumps(d, ensure_ascii=False))
+        return
+    from infertrace.trace.render_kv import render_kv_dump
+
+    render_kv_dump(stdout_console(), d)

@@ -1,0 +1,144 @@
+"""Rich rendering of a ``dump-kv`` dict (:mod:`infertrace.kv.dump`): the cache right after one step.
+
+A pure function of the dict (live run or saved trace render the same way). ``cells``: header
+like llama.cpp's ``find_slot`` debug print (``n``/used/head/size), one line per stretch of
+cells, a character map (``.`` empty, seq_id, ``M`` several owners), per-seq pos min/max.
+``paged``: pool usage, free list head, per-request block tables with the positions each block
+holds, the step's slot mapping. Then the K/V values when the dict has them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.panel import Panel
+from rich.text import Text
+
+from infertrace.kv.base import ranges_text
+from infertrace.trace.render import DIM, _facts, _table, floats, human_bytes
+
+_ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _storage_line(d: dict[str, Any]) -> str:
+    s, L = d["physical_shape"], d["n_layer"]
+    n = 1
+    for x in s:
+        n *= x
+    item = _ITEM.get(d["dtype"], 4)
+    if d["backend"] == "cells":
+        per = n * 2 * item
+        return (f"k_l, v_l per layer [{s[0]} cells, {s[1]} kv heads, {s[2]}] {d['dtype']} × {L} layers "
+                f"({human_bytes(per)} per layer, {human_bytes(per * L)} in all)")
+    per = n * item
+    return (f"pool per layer [{s[0]} blocks, 2 (K,V), {s[2]} kv heads, {s[3]} tokens/block, {s[4]}] {d['dtype']} × {L} layers "
+            f"({human_bytes(per)} per layer, {human_bytes(per * L)} in all)")
+
+
+def _batch_line(d: dict[str, Any]) -> Text:
+    if d["idle"]:
+        return Text("idle: nothing scheduled (waiting for arrivals), nothing written", style=DIM)
+    where = "cells" if d["backend"] == "cells" else "slots"
+    by = {w["seq_id"]: w for w in d["writes"]}
+    parts = []
+    for b in d["batch"]:
+        w = by.get(b["seq_id"], {})
+        parts.append(f"seq {b['seq_id']} {b['phase']} C={b['C']} T={b['T']} pos {ranges_text(w.get('pos', []))} "
+                     f"→ {where} {ranges_text(w.get(where, []))}")
+    n = sum(b["T"] for b in d["batch"])
+    return Text(f"N={n}: " + " · ".join(parts))
+
+
+def _cells_view(d: dict[str, Any]) -> list[RenderableType]:
+    ph, lay = d["physical"], d["layout"]
+    parts: list[RenderableType] = [_facts([
+        ("cells", f"size {ph['size']} · used {ph['used']} · head {ph.get('head_before', ph['head'])} → "
+                  f"{ph.get('head_after', ph['head'])} · n = used_max_p1 {lay['used_max_p1']} · n_kv {ph['n_kv']} "
+                  "(cells the graph reads: used_max_p1 padded to 32)"),
+    ])]
+    t = _table("cells", "seq_id", "pos", "")
+    for s in lay["stretches"]:
+        if not s["seq_ids"]:
+            t.add_row(s["cells"], Text("empty", style=DIM), Text("-", style=DIM),
+                      Text(f"({s['last'] - s['first'] + 1} cells)", style=DIM))
+        else:
+            t.add_row(s["cells"], ",".join(str(x) for x in s["seq_ids"]), s["pos"], "")
+    parts += [Text("stretches (consecutive cells with the same owner and consecutive positions):", style="italic"), t]
+    m = lay["map"]
+    g = Text(f"cell map, cells 0..{lay['map_cells'] - 1} ('.' empty, seq_id, M = several seqs):\n", style="italic")
+    for i in range(0, len(m), 64):
+        g.append(f"  {i:>5} ", style=DIM)
+        line = m[i:i + 64]
+        for j in range(0, len(line), 8):
+            for ch in line[j:j + 8]:
+                g.append(ch, style=DIM if ch == "." else "bold cyan")
+            g.append(" ")
+        g.append("\n")
+    g.rstrip()
+    parts.append(g)
+    seqs = ph.get("seqs", {})
+    if seqs:
+        parts.append(_facts([(f"seq {s}", f"cells {v['cells']} · pos {v['pos']}") for s, v in seqs.items()],
+                            label_style="bold cyan"))
+    return parts
+
+
+def _paged_view(d: dict[str, Any]) -> list[RenderableType]:
+    ph = d["physical"]
+    B = ph["tokens_per_block"]
+    reqs = ph.get("requests", {})
+    tokens = sum(v["len"] for v in reqs.values())
+    parts: list[RenderableType] = [_facts([
+        ("pool", f"{ph['used_blocks']} / {ph['num_blocks']} blocks used · {ph['free_blocks']} free · "
+                 f"tokens_per_block {B} · {tokens} tokens in {ph['used_blocks'] * B} reserved slots"),
+        ("free list", f"head {ph['free_list_head']}{' …' if ph['free_blocks'] > len(ph['free_list_head']) else ''} "
+                      "(next blocks handed out, lowest id first)"),
+    ])]
+    t = _table("seq", "len", "block table", "block: logical positions")
+    for s, v in reqs.items():
+        t.add_row(s, str(v["len"]), str(v["block_table"]), " · ".join(f"{b['block']}: {b['pos']}" for b in v["blocks"]))
+    if not reqs:
+        t.add_row("-", "", "", Text("no request holds blocks", style=DIM))
+    parts += [Text("block tables (block offsets per request):", style="italic"), t]
+    if d["writes"]:
+        sm = _table("seq", "pos", "slot", "= block·B + offset")
+        for w in d["writes"]:
+            for p, slot in zip(w["pos"], w["slots"]):
+                sm.add_row(str(w["seq_id"]), str(p), str(slot), f"{slot // B}·{B} + {slot % B}")
+        parts += [Text(f"slot mapping of step {d['step']}'s writes: slot(p) = table[p // B]·B + p % B", style="italic"), sm]
+    return parts
+
+
+def _values_view(d: dict[str, Any]) -> RenderableType:
+    v = d["values"]
+    loc = "cell" if d["backend"] == "cells" else "slot"
+    what = "all" if v["full"] else f"first {v['n_values']}"
+    src = "recorded in the trace" if v.get("source") == "trace" else "read back from the backend at its physical location"
+    t = _table("seq", "pos", loc, f"K (rotated), {what} values", f"V, {what} values")
+    for r in v["requests"]:
+        for row in r["rows"]:
+            t.add_row(str(r["seq_id"]), str(row["pos"]), str(row.get(loc, "?")), floats(row["k"]), floats(row["v"]))
+    t.columns[3].overflow = t.columns[4].overflow = "fold"
+    return Group(Text(f"K/V values: layer {v['layer']}, kv head {v['head']} ({src})", style="italic"), t)
+
+
+def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
+    """Print a dump dict (from :func:`infertrace.kv.dump.dump_kv_at_step` or :func:`dump_from_step`)."""
+    be = d["backend"]
+    conv = "llama.cpp-style cells" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool"
+    parts: list[RenderableType] = [_facts([
+        ("storage", _storage_line(d)),
+        (f"step {d['step']}", _batch_line(d)),
+    ])]
+    parts += _cells_view(d) if be == "cells" else _paged_view(d)
+    if d.get("finished"):
+        freed = "cells" if be == "cells" else "blocks"
+        parts.append(Text(" · ".join(f"seq {s} finished ({r})" for s, r in d["finished"].items())
+                          + f": its {freed} are freed right after this step (shown here still held)", style="yellow"))
+    if d.get("values"):
+        parts.append(_values_view(d))
+    console.print(Panel(Group(*parts), title=f"[b]kv cache after step {d['step']}[/b] · {be} ({conv})",
+                        title_align="left", box=box.ROUNDED))
+
