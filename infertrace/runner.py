@@ -11,7 +11,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -99,7 +99,8 @@ def encode_prompt(tok: Any, spec: PromptSpec) -> list[int]:
 
 def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions | None = None, trace: bool = True,
                  layer: int = 0, show: tuple[str, ...] = VARIABLES, on_step: Callable[[Any], None] | None = None,
-                 options_for_record: dict[str, Any] | None = None) -> RunTrace:
+                 options_for_record: dict[str, Any] | None = None, tensors: dict[str, torch.Tensor] | None = None,
+                 tensor_layers: Sequence[int] | None = None) -> RunTrace:
     """Run ``prompts`` through one engine and return the trace.
 
     Args:
@@ -110,6 +111,9 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
         layer: layer for RoPE evidence and K/V values.
         show: variables to capture.
         on_step: callback with each :class:`StepTrace` as it is made.
+        tensors: when a dict is given (and ``trace``), each step's tensors are copied into it
+            (see :meth:`Recorder._capture`; names like ``step3/layer0/q_pre_rope``).
+        tensor_layers: layers whose tensors are kept (default: ``layer``).
 
     Raises:
         InfertraceError: bad layer, prompt too long, cache too small, ...
@@ -117,6 +121,9 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     cfg = loaded.config
     if not 0 <= layer < cfg.n_layer:
         raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
+    for li in tensor_layers or ():
+        if not 0 <= li < cfg.n_layer:
+            raise InfertraceError(f"--layers {li} out of range: the model has layers 0..{cfg.n_layer - 1}")
     bad = [v for v in show if v not in VARIABLES]
     if bad:
         raise InfertraceError(f"unknown variable {bad[0]!r} in --show; choose from {', '.join(VARIABLES)}")
@@ -124,7 +131,7 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
         raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
     opts = opts or EngineOptions()
     tok = loaded.tokenizer
-    rec = Recorder(tok, cfg, layer=layer, show=tuple(show)) if trace else NULL_TRACER
+    rec = Recorder(tok, cfg, layer=layer, show=tuple(show), layers=tensor_layers, tensors=tensors) if trace else NULL_TRACER
     eng = Engine(loaded.model, tok, opts, rec)
     for s in prompts:
         eng.add_request(encode_prompt(tok, s), s.params, s.arrival_step, s.text)

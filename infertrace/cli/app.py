@@ -18,6 +18,8 @@ from typing import Annotated, Any, Callable, TypeVar
 import typer
 
 from infertrace.cli import inspect_cmd, run
+from infertrace.cli import diff_backends, dump_kv
+from infertrace.cli import diff_cmd, report_cmd, show
 from infertrace.errors import InfertraceError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -89,6 +91,11 @@ def _global(
 
 app.command("run", help=run.HELP, no_args_is_help=True)(cli_errors(run.run))
 app.command("inspect", help=inspect_cmd.HELP, no_args_is_help=True)(cli_errors(inspect_cmd.inspect))
+app.command("dump-kv", help=dump_kv.HELP, no_args_is_help=True)(cli_errors(dump_kv.dump_kv))
+app.command("diff-backends", help=diff_backends.HELP, no_args_is_help=True)(cli_errors(diff_backends.diff_backends))
+app.command("show", help=show.HELP, no_args_is_help=True)(cli_errors(show.show))
+app.command("diff", help=diff_cmd.HELP, no_args_is_help=True)(cli_errors(diff_cmd.diff))
+app.command("report", help=report_cmd.HELP, no_args_is_help=True)(cli_errors(report_cmd.report))
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
 from infertrace.runner import Loaded, PromptSpec, load_model, parse_dtype, run_requests
 from infertrace.trace.recorder import VARIABLES
+from infertrace.trace.store import KEEP, parse_layers, save_trace
 
 HELP = ("Generate from prompts and show, step by step, the five inference variables: hidden, positions (RoPE), "
         "mask, kv, decode. First a table like the study's worked example, then one panel per variable per step.")
@@ -187,6 +188,25 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
     return specs
 
 
+def save_options(save: Optional[Path], keep: Optional[str], layers: Optional[str]) -> bool:
+    """Validate ``--save/--keep/--layers`` before the model loads; True when tensors are kept.
+
+    Raises:
+        InfertraceError: --keep or --layers without --save, an unknown --keep, --layers with
+            --keep summary, malformed --layers.
+    """
+    if save is None:
+        if keep is not None or layers is not None:
+            raise InfertraceError(f"{'--keep' if keep is not None else '--layers'} needs --save DIR")
+        return False
+    k = check_choice("--keep", keep or "tensors", KEEP)
+    if layers is not None:
+        if k == "summary":
+            raise InfertraceError("--layers chooses the layers whose tensors are kept; it needs --keep tensors, not summary")
+        parse_layers(layers)  # syntax now; the range once the model is loaded
+    return k == "tensors"
+
+
 # ----------------------------------------------------------------------------- the command
 
 
@@ -217,6 +237,9 @@ def run(
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")] = "float32",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     steps: Annotated[Optional[str], typer.Option("--steps", help="Steps whose panels are printed: 0,1,2 or 0..3 or 5.. (the table and --json keep all).")] = None,
+    save: Annotated[Optional[Path], typer.Option("--save", help="Also write the trace to this directory (trace.json, tensors.safetensors, timing.json) for show, diff, report, dump-kv.")] = None,
+    keep: Annotated[Optional[str], typer.Option("--keep", help="With --save: summary (trace.json only) or tensors (also Q/K/V, K/V cache, hidden, top-k logits of --layers; default).")] = None,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="With --save --keep tensors: layers whose tensors are kept, e.g. 0,5 or 0..3 or all (default: --layer).")] = None,
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
@@ -227,6 +250,7 @@ def run(
     attention = check_choice("--attention", attention, ATTENTION)
     device = check_choice("--device", device, DEVICES)
     parse_dtype(dtype)
+    keep_tensors = save_options(save, keep, layers)
     if device == "cuda":
         import torch
 
@@ -261,8 +285,16 @@ def run(
         def on_step(st: Any) -> None:
             progress.update(task, description=f"step {st.step}: N={st.N} tokens")
 
+        tensor_layers = (parse_layers(layers, loaded.config.n_layer) or [layer]) if keep_tensors else None
+        tensors: Optional[dict] = {} if keep_tensors else None
         trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                             options_for_record={"dtype": dtype, "device": device})
+                             options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
+                             tensor_layers=tensor_layers)
+    if save is not None:
+        from infertrace.trace.render import human_bytes
+
+        sizes = save_trace(trace, save, tensors, tensor_layers or ())
+        typer.echo(f"saved trace to {save}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
 
     if as_json:
         typer.echo(json.dumps(trace.to_dict(), ensure_ascii=False))

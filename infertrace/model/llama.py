@@ -95,7 +95,7 @@ class LlamaModel:
             logits_rows: ``[M]`` int64 rows of the packed batch that need logits
                 (last prompt token of a finished prefill, each decode token).
             tracer: tap observer; taps ``embed`` (hidden ``[N, H]``) and, for layers in
-                ``tracer.layers``, ``rope`` (q/k before and after RoPE, v).
+                ``tracer.layers``, ``rope`` (layer input x, q/k before and after RoPE, v).
 
         Returns:
             ``[M, vocab]`` float32 logits.
@@ -117,7 +117,7 @@ class LlamaModel:
             q_r = apply_rope_neox(q, cos, sin)  # [N, nh, hd]
             k_r = apply_rope_neox(k, cos, sin)  # [N, nkv, hd]
             if tracer.enabled and il in tracer.layers:
-                tracer.tap("rope", layer=il, q=q, k=k, v=v, q_rot=q_r, k_rot=k_r, cos=cos, sin=sin)
+                tracer.tap("rope", layer=il, x=x, q=q, k=k, v=v, q_rot=q_r, k_rot=k_r, cos=cos, sin=sin)
             kv.write(il, k_r, v, attn)
             o = kv.attend(il, q_r, attn, self.scale)  # [N, nh, hd]
             x = x + F.linear(o.reshape(N, nh * hd), L["wo"])  # [N, H]

@@ -6,7 +6,7 @@ tensor the engine uses.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -37,16 +37,27 @@ class Recorder:
         n_first: how many leading values of rows/cos/sin/K/V to keep.
         top_k: sampling candidates kept per request.
         mask_rows, mask_cols: size of the kq_mask slice kept.
+        layers: layers tapped for tensors (default: ``layer`` only); only used with ``tensors``.
+        tensors: when a dict is given, full tensors are copied into it each step (for
+            ``run --save --keep tensors``; names in :meth:`_capture`). None (default): no
+            tensor is copied, the trace stays summary-sized.
+        top_k_tensors: logits kept per logits row in ``tensors`` (values and ids).
     """
 
     enabled = True
 
     def __init__(self, tokenizer: Any, config: Any, layer: int = 0, show: tuple[str, ...] = VARIABLES,
-                 n_first: int = 4, top_k: int = 5, mask_rows: int = 8, mask_cols: int = 16):
+                 n_first: int = 4, top_k: int = 5, mask_rows: int = 8, mask_cols: int = 16,
+                 layers: Iterable[int] | None = None, tensors: dict[str, torch.Tensor] | None = None,
+                 top_k_tensors: int = 20):
         self.tok = tokenizer
         self.cfg = config
         self.layer = layer
-        self.layers = frozenset({layer})
+        self.tensors = tensors
+        self.tensor_layers = tuple(sorted(set(layers))) if layers is not None else (layer,)
+        self.top_k_tensors = top_k_tensors
+        self.layers = frozenset({layer}) | (frozenset(self.tensor_layers) if tensors is not None else frozenset())
+        self._rope: dict[int, dict[str, Any]] = {}
         self.show = set(show)
         self.n_first = n_first
         self.top_k = top_k
@@ -56,10 +67,15 @@ class Recorder:
         self._taps: dict[str, dict[str, Any]] = {}
 
     def tap(self, name: str, **tensors: Any) -> None:
+        if name == "rope":  # one per tapped layer; the evidence uses ``self.layer``'s
+            self._rope[tensors.get("layer", self.layer)] = tensors
+            if tensors.get("layer", self.layer) != self.layer:
+                return
         self._taps[name] = tensors
 
     def begin_step(self) -> None:
         self._taps = {}
+        self._rope = {}
 
     # ------------------------------------------------------------------ build
     def end_step(self, ctx: dict[str, Any]) -> StepTrace:
@@ -67,9 +83,18 @@ class Recorder:
 
         ``ctx`` keys: step, batch (ScheduledBatch), inp (AttnInputs), kv (backend),
         attention (impl name), logits ``[M, V]``, logits_rows, samples {seq_id: SampleResult},
-        finished {seq_id: reason}, time_ms.
+        finished {seq_id: reason}, time_ms. An idle step (nothing scheduled) has ``inp`` None
+        and an empty batch: its record has ``N = 0``, ``batch = []`` and only the cache state.
         """
         batch, inp, kv = ctx["batch"], ctx["inp"], ctx["kv"]
+        if inp is None:  # idle step: nothing scheduled (waiting for arrivals); N = 0, no variables but the cache
+            st = StepTrace(step=ctx["step"], backend=kv.kind, attention=ctx["attention"], N=0, batch=[],
+                           preempted=list(batch.preempted), admitted=list(batch.admitted),
+                           time_ms=_r(ctx.get("time_ms", 0.0), 3))
+            if "kv" in self.show:
+                st.kv = self._kv(batch, None, kv)
+            self.steps.append(st)
+            return st
         logical = kv.logical_mask(inp)
         rows_of, row, logits_row = {}, 0, {}
         for i, ch in enumerate(batch.chunks):
@@ -102,8 +127,46 @@ class Recorder:
             st.kv = self._kv(batch, inp, kv)
         if "decode" in self.show:
             st.decode = self._decode(ctx, reqs)
+        if self.tensors is not None:
+            self._capture(ctx, st.step)
         self.steps.append(st)
         return st
+
+    def _capture(self, ctx: dict[str, Any], step: int) -> None:
+        """Copy this step's tensors into ``self.tensors`` (CPU, contiguous, compute dtype):
+
+        ``step{s}/hidden`` ``[N, H]`` (embedding output); per layer ``l`` in ``tensor_layers``:
+        ``step{s}/layer{l}/hidden_in`` ``[N, H]`` (residual stream entering the layer),
+        ``q_pre_rope``/``q_post_rope`` ``[N, n_head, hd]``, ``k_pre_rope``/``k_post_rope``/``v``
+        ``[N, n_kv, hd]``, ``seq{id}/k_cache``/``v_cache`` ``[len, n_kv, hd]`` (the cache of every
+        request holding one after the step, by position); ``step{s}/logits_topk_values`` float32 and
+        ``step{s}/logits_topk_ids`` int64 ``[M, k]`` (rows = ``DecodeRec.logits_rows``).
+        """
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=True).contiguous()
+
+        out, p = self.tensors, f"step{step}/"
+        if "embed" in self._taps:
+            out[p + "hidden"] = keep(self._taps["embed"]["hidden"])
+        names = (("x", "hidden_in"), ("q", "q_pre_rope"), ("q_rot", "q_post_rope"), ("k", "k_pre_rope"),
+                 ("k_rot", "k_post_rope"), ("v", "v"))
+        for il in self.tensor_layers:
+            t = self._rope.get(il)
+            if t is None:
+                continue
+            for src, name in names:
+                if src in t:
+                    out[f"{p}layer{il}/{name}"] = keep(t[src])
+            for sid in sorted(ctx["requests"]):  # every request holding cache, computed this step or not
+                if ctx["kv"].seq_len(sid) == 0:
+                    continue
+                k, v = ctx["kv"].read(il, sid)  # [len, n_kv, hd] each
+                out[f"{p}layer{il}/seq{sid}/k_cache"] = keep(k)
+                out[f"{p}layer{il}/seq{sid}/v_cache"] = keep(v)
+        logits = ctx["logits"]  # [M, V]
+        if logits.shape[0]:
+            vals, ids = torch.topk(logits.float(), min(self.top_k_tensors, logits.shape[-1]), dim=-1)  # [M, k]
+            out[p + "logits_topk_values"], out[p + "logits_topk_ids"] = keep(vals), keep(ids.to(torch.int64))
 
     def _hidden(self, batch: Any, x: torch.Tensor) -> HiddenRec:
         xf = x.float()
@@ -178,7 +241,8 @@ class Recorder:
     def _kv(self, batch: Any, inp: Any, kv: Any) -> KVRec:
         cfg = self.cfg
         per, view = [], {"layer": self.layer, "requests": []}
-        for c in inp.chunks:
+        chunks = inp.chunks if inp is not None else []  # idle step: no chunks
+        for c in chunks:
             d: dict[str, Any] = {"seq_id": c.seq_id, "shape_before": [c.C, cfg.n_head_kv, cfg.head_dim],
                                  "shape_after": [c.C + c.T, cfg.n_head_kv, cfg.head_dim],
                                  "written_pos": ranges_text(range(c.C, c.C + c.T))}
@@ -188,17 +252,18 @@ class Recorder:
                 {"pos": p, "k": [_r(a) for a in k[p, 0, : self.n_first].tolist()], "v": [_r(a) for a in v[p, 0, : self.n_first].tolist()]}
                 for p in range(c.C, c.C + c.T)][:8]})
         if kv.kind == "cells":
-            idx = inp.extra["cell_idx"].tolist()
+            idx = inp.extra["cell_idx"].tolist() if inp is not None else []
             r = 0
-            for d, c in zip(per, inp.chunks):
+            for d, c in zip(per, chunks):
                 d["cells"] = ranges_text(idx[r : r + c.T])
                 r += c.T
             phys = [kv.size, cfg.n_head_kv, cfg.head_dim]
-            extra = {"head_before": inp.extra["head_before"], "head_after": inp.extra["head_after"]}
+            extra = ({"head_before": inp.extra["head_before"], "head_after": inp.extra["head_after"]} if inp is not None
+                     else {"head_before": kv.head, "head_after": kv.head})
         else:
-            sm = inp.extra["slot_mapping"].tolist()
+            sm = inp.extra["slot_mapping"].tolist() if inp is not None else []
             r = 0
-            for d, c in zip(per, inp.chunks):
+            for d, c in zip(per, chunks):
                 d["slot_mapping"] = sm[r : r + c.T]
                 d["block_table"] = list(kv.tables[c.seq_id])
                 r += c.T

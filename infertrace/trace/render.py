@@ -24,11 +24,14 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from infertrace.kv.base import ranges_text
 from infertrace.trace.recorder import VARIABLES
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
 
 _VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
 KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"
+#: what an idle step (nothing scheduled, N = 0) shows
+IDLE_TEXT = "nothing scheduled (waiting for arrivals)"
 
 
 # ----------------------------------------------------------------------------- small formatters
@@ -170,6 +173,8 @@ def worked_example_table(trace: RunTrace, width: int = 120) -> Table:
     heads = ("step", "phase", "seq", "current tokens", "positions", "visible keys", "cache after", "output")
     rows = []
     for st in trace.steps:
+        if not st.batch:  # idle step: nothing scheduled
+            rows.append((st, 0, None, [str(st.step), Text("idle", style=DIM), "-", None, "-", None, "-", Text("-", style=DIM)]))
         for i, r in enumerate(st.batch):
             out = Text(piece_text(r.sampled_piece), style="bold") if r.sampled is not None else Text("(no logits)", style=DIM)
             if r.finished:
@@ -189,8 +194,11 @@ def worked_example_table(trace: RunTrace, width: int = 120) -> Table:
         t.add_column(h, justify="right" if h in ("step", "seq") else "left", overflow="fold")
     sections = any(len(st.batch) > 1 for st in trace.steps)  # separate steps only when they hold several rows
     for st, i, r, cells in rows:
-        cells[3], cells[5] = tokens_text(r, tok_w), visible_text(r, vis_w)
-        t.add_row(*cells, end_section=sections and i == len(st.batch) - 1)
+        if r is None:
+            cells[3], cells[5] = Text("nothing scheduled", style=DIM), Text("waiting for arrivals", style=DIM)
+        else:
+            cells[3], cells[5] = tokens_text(r, tok_w), visible_text(r, vis_w)
+        t.add_row(*cells, end_section=sections and i == max(0, len(st.batch) - 1))
     return t
 
 
@@ -416,7 +424,25 @@ def decode_view(st: StepTrace, d: DecodeRec) -> RenderableType:
 # ----------------------------------------------------------------------------- step and run
 
 
+def packed_batch_view(st: StepTrace) -> RenderableType:
+    """The packed batch of a step, one line per request: ``rows 1..3 → seq 1, pos 3..5 · prefill · C=3 T=3``
+    (row = index in the packed ``[N, H]`` batch = llama.cpp ubatch token index)."""
+    if not st.batch:
+        return Text(f"packed batch N=0: {IDLE_TEXT}", style=DIM)
+    g = Table.grid(padding=(0, 1))
+    for _ in range(6):
+        g.add_column(no_wrap=True)
+    for i, r in enumerate(st.batch):
+        rows = ranges_text(r.rows)
+        g.add_row(Text(f"packed batch N={st.N}" if i == 0 else "", style="bold"),
+                  f"{'rows' if len(r.rows) > 1 else 'row'} {rows}", "→", Text(f"seq {r.seq_id}, pos {ranges_text(r.positions)}", style="cyan"),
+                  Text(r.phase, style="magenta" if r.phase == "prefill" else "blue"), f"C={r.C} T={r.T}")
+    return g
+
+
 def _step_title(st: StepTrace) -> str:
+    if not st.batch:
+        return f"step {st.step} · idle · N=0 · {IDLE_TEXT}"
     phases = sorted({r.phase for r in st.batch})
     seqs = ", ".join(f"{r.seq_id}" for r in st.batch)
     extra = ""
@@ -430,6 +456,9 @@ def _step_title(st: StepTrace) -> str:
 def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES) -> None:
     """One rule line for the step, then one panel per recorded variable in ``show``."""
     console.rule(Text(_step_title(st), style="bold"), align="left")
+    if not st.batch:  # idle: no variables to show
+        return
+    console.print(packed_batch_view(st))
     views = {
         "hidden": lambda: st.hidden and hidden_view(st, st.hidden),
         "positions": lambda: st.positions and positions_view(st, st.positions),

@@ -1,0 +1,47 @@
+"""``infertrace diff A B``: the first place two saved traces diverge.
+
+Thin: load both manifests (and tensors when both kept them), call
+:func:`infertrace.trace.diff.diff_traces`, print :func:`format_diff`. Exit 0 when equal within
+tolerance, 1 on a difference, 2 on a broken trace or bad option.
+"""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from infertrace.errors import InfertraceError
+from infertrace.trace.diff import DEFAULT_ATOL, DEFAULT_RTOL, diff_traces, format_diff
+from infertrace.trace.store import load_tensors, read_manifest
+
+HELP = ("Compare two saved traces and report the first divergence (step, seq, variable, field, A vs B). "
+        "Floats within --atol/--rtol; exit 0 equal, 1 different, 2 broken trace.")
+
+
+def diff(
+    a: Annotated[Path, typer.Argument(help="First trace directory (A).", show_default=False)],
+    b: Annotated[Path, typer.Argument(help="Second trace directory (B).", show_default=False)],
+    atol: Annotated[float, typer.Option("--atol", help="Absolute float tolerance.")] = DEFAULT_ATOL,
+    rtol: Annotated[float, typer.Option("--rtol", help="Relative float tolerance.")] = DEFAULT_RTOL,
+    ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Field path (or prefix) to leave out, e.g. options.attention; repeatable.")] = None,
+    tensors: Annotated[bool, typer.Option("--tensors/--no-tensors", help="Compare saved tensors when both traces kept them.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    if atol < 0 or rtol < 0:
+        raise InfertraceError(f"--atol and --rtol must be >= 0 (got {atol:g}, {rtol:g})")
+    ma, mb = read_manifest(a), read_manifest(b)
+    ta = load_tensors(a, ma) if tensors else None
+    tb = load_tensors(b, mb) if tensors else None
+    res = diff_traces(ma, mb, atol, rtol, ta, tb, ignore=ignore or ())
+    if as_json:
+        out = {"equal": res.equal, "count": res.count, "atol": atol, "rtol": rtol, "tensors": res.tensors_note,
+               "first": None if res.first is None else
+               {k: v for k, v in asdict(res.first).items() if k not in ("context_a", "context_b")}}
+        typer.echo(json.dumps(out, ensure_ascii=False, default=str))
+    else:
+        for line in format_diff(res, ma, mb, str(a), str(b)):
+            typer.echo(line)
+    if not res.equal:
+        raise typer.Exit(1)

@@ -1,0 +1,57 @@
+"""``infertrace show DIR``: print a saved trace exactly as ``run`` printed it.
+
+Thin: load with :func:`infertrace.trace.store.load_trace`, then the same
+:func:`infertrace.trace.render.render_run` on the same console width, so
+``show DIR --var V --step S`` prints the same bytes as ``run ... --show V --steps S`` did.
+"""
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from infertrace.cli.run import parse_show, parse_steps, stdout_console
+from infertrace.errors import InfertraceError
+from infertrace.trace.records import RunTrace
+from infertrace.trace.store import load_saved
+
+HELP = ("Print a trace saved with 'run --save DIR' exactly as run printed it: header, worked-example table, "
+        "the five variables per step, outputs.")
+
+
+def render_saved(trace: RunTrace, where: str, show: tuple[str, ...], steps: Optional[list[int]]) -> None:
+    """:func:`render_run` on stdout; a malformed record that rendering trips over becomes a
+    one-line :class:`InfertraceError` naming ``where`` (the file is at fault, not the program)."""
+    from infertrace.trace.render import render_run
+
+    try:
+        render_run(stdout_console(), trace, show=show, steps=steps)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise InfertraceError(f"{where}: malformed record, cannot render it ({type(e).__name__}: {e})") from None
+
+
+def select_steps(trace: RunTrace, text: Optional[str]) -> Optional[list[int]]:
+    """Step numbers matching ``--step`` (None = all).
+
+    Raises:
+        InfertraceError: malformed text, or no step of the trace matches.
+    """
+    pred = parse_steps(text)
+    if pred is None:
+        return None
+    wanted = [s.step for s in trace.steps if pred(s.step)]
+    if not wanted:
+        have = f"0..{trace.steps[-1].step}" if trace.steps else "none"
+        raise InfertraceError(f"--step {text}: no such step in this trace (steps {have})")
+    return wanted
+
+
+def show(
+    trace_dir: Annotated[Path, typer.Argument(help="Directory written by 'infertrace run --save DIR'.", show_default=False)],
+    step: Annotated[Optional[str], typer.Option("--step", "--steps", help="Steps whose panels are printed: 3 or 0,1,2 or 0..3 or 5.. (the table keeps all).")] = None,
+    var: Annotated[Optional[list[str]], typer.Option("--var", "--show", help="Variables whose panels are printed, comma-separated: hidden,positions,mask,kv,decode (default: all recorded).")] = None,
+) -> None:
+    """Errors (missing/broken/newer trace, bad options) are one ``error:`` line, exit 2."""
+    variables = parse_show(var)
+    trace, _ = load_saved(trace_dir)  # a broken tensors file is reported too
+    render_saved(trace, str(trace_dir), variables, select_steps(trace, step))

@@ -1,0 +1,1 @@
+"""Testing helpers shipped with infertrace: the ``infertrace_snapshot`` pytest fixture (golden traces)."""

@@ -1,0 +1,370 @@
+"""Saved traces: one directory per run, written by ``run --save DIR`` and read by ``show``,
+``diff``, ``report`` and ``dump-kv DIR``.
+
+Layout::
+
+    DIR/trace.json            manifest: RunTrace.to_dict() without timings, plus "store"
+                              (keep, tensor layers, tensor index {name: {dtype, shape}})
+    DIR/tensors.safetensors   only with keep="tensors": names like step3/layer0/q_pre_rope
+    DIR/timing.json           per-step time_ms (machine-dependent, kept out of trace.json)
+
+Same run, same bytes: trace.json is written with sorted keys, one-space ``indent=1`` and
+Python's shortest round-trip float repr (platform independent); timings live only in
+timing.json; safetensors orders its header deterministically and gets no timestamps.
+Loading validates before trusting: every problem is an :class:`InfertraceError` (exit 2)
+with one line naming the file and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+from infertrace.errors import InfertraceError
+from infertrace.trace.records import (SCHEMA_VERSION, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep,
+                                      RowStat, RunTrace, StepTrace)
+
+MANIFEST, TENSORS, TIMING = "trace.json", "tensors.safetensors", "timing.json"
+KEEP = ("summary", "tensors")
+#: per-step fields that depend on the machine, not on the run; stored in timing.json
+TIMING_FIELDS = ("time_ms",)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def canonical_json(obj: Any, indent: int | None = 1) -> str:
+    """Deterministic JSON text: sorted keys, ``repr`` floats (shortest round trip), UTF-8
+    kept as is, a final newline. Equal objects give equal text on every platform."""
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, indent=indent, allow_nan=True,
+                      separators=(",", ": ") if indent is not None else (",", ":")) + "\n"
+
+
+def manifest_dict(trace: RunTrace, store: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``trace.to_dict()`` without the timing fields (they are not part of the run's content),
+    plus the ``store`` section (keep, tensor index)."""
+    d = trace.to_dict()
+    for st in d["steps"]:
+        for k in TIMING_FIELDS:
+            st.pop(k, None)
+    d["store"] = store or {"keep": "summary", "tensor_layers": [], "tensors": {}}
+    return d
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def save_trace(trace: RunTrace, directory: str | Path, tensors: dict[str, Any] | None = None,
+               tensor_layers: Iterable[int] = ()) -> dict[str, int]:
+    """Write ``trace`` (and ``tensors``, when given and non-empty) to ``directory``.
+
+    Args:
+        trace: the run (live or loaded).
+        directory: created if missing; existing trace files in it are replaced.
+        tensors: ``{name: torch.Tensor}`` from :func:`infertrace.runner.run_requests`
+            (``tensors=``); None or empty = ``keep summary`` (manifest only).
+        tensor_layers: layers the tensors were taken from (recorded in the manifest).
+
+    Returns:
+        ``{file name: size in bytes}`` of what was written.
+
+    Raises:
+        InfertraceError: the directory cannot be created or written.
+    """
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        written: dict[str, int] = {}
+        index = {}
+        if tensors:
+            from safetensors.torch import save as st_save
+
+            index = {k: {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)} for k, t in sorted(tensors.items())}
+            data = st_save({k: t.contiguous() for k, t in tensors.items()}, metadata={"format": "pt"})
+            _write(d / TENSORS, data)
+            written[TENSORS] = len(data)
+        elif (d / TENSORS).exists():
+            (d / TENSORS).unlink()  # a summary save must not leave an older run's tensors behind
+        store = {"keep": "tensors" if tensors else "summary", "tensor_layers": sorted(set(tensor_layers)) if tensors else [],
+                 "tensors": index}
+        text = canonical_json(manifest_dict(trace, store)).encode("utf-8")
+        _write(d / MANIFEST, text)
+        written[MANIFEST] = len(text)
+        timing = canonical_json({"steps": [{"step": s.step, "time_ms": s.time_ms} for s in trace.steps]}).encode()
+        _write(d / TIMING, timing)
+        written[TIMING] = len(timing)
+    except OSError as e:
+        raise InfertraceError(f"cannot write trace to {d}: {e.strerror or e}") from None
+    return written
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _where(directory: Path) -> str:
+    return str(directory / MANIFEST)
+
+
+def _json_error(path: Path, text: str, e: json.JSONDecodeError) -> InfertraceError:
+    if not text.strip():
+        return InfertraceError(f"{path}: empty file (truncated?); re-save the trace with infertrace run --save")
+    if e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string"):
+        end = text.rstrip()
+        return InfertraceError(f"{path}: truncated JSON (the text stops at line {end.count(chr(10)) + 1} before the document "
+                               "is complete); re-save the trace with infertrace run --save")
+    return InfertraceError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})")
+
+
+def _required(cls: type) -> list[str]:
+    return [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]  # type: ignore[misc]
+
+
+def _check(obj: Any, cls: type, where: str, strict: bool = True) -> None:
+    """InfertraceError naming ``where`` when ``obj`` is not a dict holding ``cls``'s required keys
+    (``strict``: and no key ``cls`` does not know, since ``cls(**obj)`` would fail on it)."""
+    if not isinstance(obj, dict):
+        raise InfertraceError(f"{where}: expected an object, got {type(obj).__name__}")
+    for k in _required(cls):
+        if k not in obj:
+            raise InfertraceError(f"{where}: missing key {k!r}")
+    unknown = set(obj) - {f.name for f in fields(cls)}
+    if strict and unknown:
+        raise InfertraceError(f"{where}: unknown key {sorted(unknown)[0]!r} (written by a different infertrace?)")
+
+
+def _check_list(obj: Any, where: str) -> list:
+    if not isinstance(obj, list):
+        raise InfertraceError(f"{where}: expected a list, got {type(obj).__name__}")
+    return obj
+
+
+def validate_manifest(d: Any, path: str) -> None:
+    """Check the structure :meth:`RunTrace.from_dict` relies on; the message names the field.
+
+    Raises:
+        InfertraceError: not an object, a schema newer than :data:`SCHEMA_VERSION`, missing or
+            mistyped keys.
+    """
+    if not isinstance(d, dict):
+        raise InfertraceError(f"{path}: expected a JSON object at the top, got {type(d).__name__}")
+    if "schema_version" not in d:
+        raise InfertraceError(f"{path}: missing key 'schema_version' (not an infertrace trace?)")
+    v = d["schema_version"]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise InfertraceError(f"{path}: schema_version must be a positive integer, got {json.dumps(v)}")
+    if v > SCHEMA_VERSION:
+        raise InfertraceError(f"trace schema {v} is newer than this infertrace supports ({SCHEMA_VERSION}); upgrade infertrace")
+    for k in ("model", "config", "options", "steps", "requests"):
+        if k not in d:
+            raise InfertraceError(f"{path}: missing key {k!r}")
+    for k in ("model", "config", "options"):
+        if not isinstance(d[k], dict):
+            raise InfertraceError(f"{path}: {k!r} must be an object")
+    for i, r in enumerate(_check_list(d["requests"], f"{path}: requests")):
+        if not isinstance(r, dict) or "seq_id" not in r:
+            raise InfertraceError(f"{path}: requests[{i}]: missing key 'seq_id'")
+    parts = {"hidden": HiddenRec, "positions": PositionsRec, "mask": MaskRec, "kv": KVRec, "decode": DecodeRec}
+    for i, st in enumerate(_check_list(d["steps"], f"{path}: steps")):
+        w = f"{path}: steps[{i}]"
+        _check(st, StepTrace, w, strict=False)
+        for j, b in enumerate(_check_list(st["batch"], f"{w}.batch")):
+            _check(b, ReqStep, f"{w}.batch[{j}]")
+        for name, cls in parts.items():
+            if st.get(name) is not None:
+                _check(st[name], cls, f"{w}.{name}")
+        if st.get("hidden") is not None:
+            for j, r in enumerate(_check_list(st["hidden"]["rows"], f"{w}.hidden.rows")):
+                _check(r, RowStat, f"{w}.hidden.rows[{j}]")
+    store = d.get("store", {})
+    if not isinstance(store, dict) or store.get("keep", "summary") not in KEEP:
+        raise InfertraceError(f"{path}: 'store' must be an object with keep summary or tensors")
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The validated manifest dict of a saved trace (``directory`` or its ``trace.json``).
+
+    Raises:
+        InfertraceError: missing directory or file, unreadable, invalid or truncated JSON,
+            newer schema, missing keys.
+    """
+    d = Path(directory)
+    if d.is_file() and d.name == MANIFEST:
+        d = d.parent
+    if not d.exists():
+        raise InfertraceError(f"trace directory {d} does not exist; save one with infertrace run --save {d}")
+    if not d.is_dir():
+        raise InfertraceError(f"{d} is not a trace directory (expected a directory holding {MANIFEST})")
+    p = d / MANIFEST
+    if not p.is_file():
+        raise InfertraceError(f"{d}: no {MANIFEST} here, not a saved trace (write one with infertrace run --save {d})")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InfertraceError(f"{p}: not UTF-8 text (corrupted?)") from None
+    except OSError as e:
+        raise InfertraceError(f"cannot read {p}: {e.strerror or e}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _json_error(p, text, e) from None
+    validate_manifest(obj, str(p))
+    return obj
+
+
+def trace_from_manifest(m: dict[str, Any], where: str = MANIFEST) -> RunTrace:
+    """Build the :class:`RunTrace` (the ``store`` section is ignored).
+
+    Raises:
+        InfertraceError: values of the wrong type that :func:`validate_manifest` let through.
+    """
+    try:
+        return RunTrace.from_dict(m)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise InfertraceError(f"{where}: malformed record ({type(e).__name__}: {e})") from None
+
+
+def load_trace(directory: str | Path, timings: bool = True, manifest: dict[str, Any] | None = None) -> RunTrace:
+    """Load a saved trace. Tensors are not read here: see :func:`load_tensors` (lazy).
+
+    Args:
+        directory: a directory written by :func:`save_trace` (or its ``trace.json``).
+        timings: merge ``time_ms`` back from ``timing.json`` when present.
+        manifest: the already read :func:`read_manifest` dict (else it is read here).
+
+    Raises:
+        InfertraceError: see :func:`read_manifest`.
+    """
+    m = manifest if manifest is not None else read_manifest(directory)
+    d = Path(directory)
+    d = d.parent if d.is_file() else d
+    tr = trace_from_manifest(m, _where(d))
+    if timings and (d / TIMING).is_file():
+        try:
+            t = {s["step"]: float(s["time_ms"]) for s in json.loads((d / TIMING).read_text())["steps"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            t = {}  # timings are informational; a broken timing.json only loses them
+        for st in tr.steps:
+            st.time_ms = t.get(st.step, st.time_ms)
+    return tr
+
+
+class TraceTensors:
+    """Lazy access to ``tensors.safetensors`` (memory-mapped; a tensor is read when asked).
+
+    Attributes:
+        index: ``{name: {"dtype": str, "shape": [..]}}`` from the manifest.
+        layers: the layers whose tensors were kept.
+    """
+
+    def __init__(self, path: Path, index: dict[str, Any], layers: list[int]):
+        self.path, self.index, self.layers = path, index, layers
+        try:
+            from safetensors import safe_open
+
+            self._f = safe_open(str(path), framework="pt")
+            names = set(self._f.keys())
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise InfertraceError(f"{path}: cannot read tensors ({_one(e)}); the file may be truncated; "
+                                  "re-save the trace with infertrace run --save --keep tensors") from None
+        missing = sorted(set(index) - names)
+        if missing:
+            raise InfertraceError(f"{path}: tensor {missing[0]!r} listed in {MANIFEST} is missing from the file")
+        if path.stat().st_size != self._expected_size():
+            raise InfertraceError(f"{path}: size does not match its header (truncated?); re-save the trace")
+
+    def _expected_size(self) -> int:
+        with open(self.path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return 8 + n + end
+
+    def names(self, prefix: str = "") -> list[str]:
+        return sorted(k for k in self.index if k.startswith(prefix))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def get(self, name: str) -> Any:
+        """The tensor ``name`` (torch, CPU).
+
+        Raises:
+            InfertraceError: no such tensor, or the file cannot be read.
+        """
+        if name not in self.index:
+            raise InfertraceError(f"{self.path}: no tensor {name!r} in this trace")
+        try:
+            return self._f.get_tensor(name)
+        except Exception as e:  # noqa: BLE001
+            raise InfertraceError(f"{self.path}: cannot read tensor {name!r} ({_one(e)})") from None
+
+
+def _one(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+def load_tensors(directory: str | Path, manifest: dict[str, Any] | None = None) -> TraceTensors | None:
+    """Open the saved tensors lazily; None when the trace was saved with ``--keep summary``.
+
+    Raises:
+        InfertraceError: keep says tensors but the file is missing, truncated or unreadable.
+    """
+    d = Path(directory)
+    d = d.parent if d.is_file() else d
+    m = manifest if manifest is not None else read_manifest(d)
+    store = m.get("store", {})
+    if store.get("keep", "summary") != "tensors":
+        return None
+    p = d / TENSORS
+    if not p.is_file():
+        raise InfertraceError(f"{d}: {MANIFEST} says tensors were kept but {TENSORS} is missing")
+    return TraceTensors(p, store.get("tensors", {}), list(store.get("tensor_layers", [])))
+
+
+def load_saved(directory: str | Path) -> tuple[RunTrace, TraceTensors | None]:
+    """:func:`load_trace` plus :func:`load_tensors` (opened lazily, header checked): a trace
+    whose tensors file is missing or truncated is reported even when only records are needed.
+
+    Raises:
+        InfertraceError: see :func:`read_manifest` and :func:`load_tensors`.
+    """
+    m = read_manifest(directory)
+    tensors = load_tensors(directory, m)
+    return load_trace(directory, manifest=m), tensors
+
+
+def parse_layers(text: str | None, n_layer: int | None = None) -> list[int] | None:
+    """``"0,5"`` / ``"0..3"`` / ``"all"`` -> sorted layer list (None when ``text`` is None).
+
+    Raises:
+        InfertraceError: malformed text or a layer outside ``0..n_layer-1``.
+    """
+    if text is None:
+        return None
+    out: set[int] = set()
+    every = False
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part == "all":  # without n_layer (syntax check before loading) it adds nothing yet
+            every = True
+            out.update(range(n_layer or 0))
+            continue
+        a, sep, b = part.partition("..")
+        try:
+            lo, hi = int(a), int(b) if sep else int(a)
+        except ValueError:
+            raise InfertraceError(f"--layers {text!r}: {part!r} is not a layer number or range (use 0,5 or 0..3 or all)") from None
+        if lo < 0 or hi < lo:
+            raise InfertraceError(f"--layers {text!r}: {part!r} is not a valid layer range")
+        out.update(range(lo, hi + 1))
+    if not out and not every:
+        raise InfertraceError(f"--layers {text!r}: no layer given")
+    if n_layer is not None and out and max(out) >= n_layer:
+        raise InfertraceError(f"--layers {max(out)} out of range: the model has layers 0..{n_layer - 1}")
+    return sorted(out)
