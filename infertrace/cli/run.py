@@ -246,36 +246,16 @@ def run(
     # -- validate everything that does not need the model, before loading it
     show_vars = parse_show(show)
     step_filter = parse_steps(steps)
-    backend = check_choice("--backend", backend, BACKENDS)
-    attention = check_choice("--attention", attention, ATTENTION)
-    device = check_choice("--device", device, DEVICES)
-    parse_dtype(dtype)
     keep_tensors = save_options(save, keep, layers)
-    if device == "cuda":
-        import torch
+    check_min("--layer", layer, 0)
+    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
 
-        if not torch.cuda.is_available():
-            raise InfertraceError("--device cuda requested but CUDA is not available; use --device cpu")
-    for opt, val, lo in (("--layer", layer, 0), ("--ctx-size", ctx_size, 1), ("--num-blocks", num_blocks, 1),
-                         ("--tokens-per-block", tokens_per_block, 1), ("--max-batch-tokens", max_batch_tokens, 1),
-                         ("--prefill-chunk", prefill_chunk, 1), ("--seed", seed, 0)):
-        check_min(opt, val, lo)
-    defaults = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "ignore_eos": ignore_eos}
-    params = SamplingParams(**defaults).validate()
-    texts = list(prompt or [])
-    arrivals = list(arrival or [])
-    if arrivals and len(arrivals) != len(texts):
-        raise InfertraceError(f"--arrival given {len(arrivals)} time(s) for {len(texts)} --prompt(s); give one per --prompt")
-    for a in arrivals:
-        check_min("--arrival", a, 0)
-    specs = [PromptSpec(t, params, arrivals[i] if arrivals else 0, chat) for i, t in enumerate(texts)]
-    if prompts is not None:
-        specs += read_prompts_file(prompts, defaults, chat)
-    if not specs:
-        raise InfertraceError("no prompt given; pass --prompt TEXT (repeatable) or --prompts FILE.jsonl")
-    opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
-                         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention)
+    specs, opts = build_run_inputs(
+        prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
+        tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
+        attention=attention, dtype=dtype, device=device)
 
     # -- load and run (progress on stderr only)
     with progress_display(enabled=not as_json) as progress:
