@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from infertrace.attention.reference import paged_attention_torch, write_kv_paged_torch
+from infertrace.attention.select import paged_attention, write_kv_paged
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec, ranges_text
 
@@ -128,22 +128,13 @@ class PagedKV:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: AttnInputs) -> None:
         """Scatter current K/V ``[N, n_kv_heads, hd]`` to ``slot_mapping`` (``update_kv_cache``)."""
         d = self._dev(inp)
-        if self.attn_impl == "triton":
-            from infertrace.attention.select import write_kv_paged
-
-            write_kv_paged("triton", self.pool[layer], k, v, d["slot_mapping"])
-        else:
-            write_kv_paged_torch(self.pool[layer], k, v, d["slot_mapping"])
+        write_kv_paged(self.attn_impl, self.pool[layer], k, v, d["slot_mapping"])
 
     def attend(self, layer: int, q: torch.Tensor, inp: AttnInputs, scale: float) -> torch.Tensor:
         """Causal varlen attention read through block tables; no dense mask."""
         d = self._dev(inp)
-        args = (q, self.pool[layer], d["block_tables"], d["seq_lens"], d["kv_lens"], d["cu_seqlens"], scale)
-        if self.attn_impl == "triton":
-            from infertrace.attention.select import paged_attention
-
-            return paged_attention("triton", *args)
-        return paged_attention_torch(*args)
+        return paged_attention(self.attn_impl, q, self.pool[layer], d["block_tables"], d["seq_lens"], d["kv_lens"],
+                               d["cu_seqlens"], scale)
 
     def release(self, seq_id: int) -> None:
         """Return ``seq_id``'s blocks to the free list (``free_resources``)."""
