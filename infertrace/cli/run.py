@@ -41,11 +41,19 @@ PROMPT_KEYS: dict[str, tuple[type, ...]] = {
 # ----------------------------------------------------------------------------- shared helpers
 
 
+#: narrowest layout the panels are designed for; narrower terminals soft-wrap whole lines
+#: instead of rich truncating cells (values, mask rows) mid-number.
+MIN_WIDTH = 120
+
+
 def stdout_console() -> Console:
-    """Console for the report: the terminal's width, or 120 columns when piped (unless COLUMNS is set)."""
+    """Console for the report: the terminal's width but at least :data:`MIN_WIDTH` columns, or
+    exactly 120 when piped (unless COLUMNS is set)."""
     c = Console(highlight=False)
     if not c.is_terminal and "COLUMNS" not in os.environ:
-        c = Console(highlight=False, width=120)
+        return Console(highlight=False, width=120)
+    if c.width < MIN_WIDTH:
+        return Console(highlight=False, width=MIN_WIDTH)
     return c
 
 
@@ -276,10 +284,13 @@ def run(
         sizes = save_trace(trace, save, tensors, tensor_layers or ())
         typer.echo(f"saved trace to {save}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
 
+    wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]
+    if wanted == [] and not as_json:
+        last = trace.steps[-1].step if trace.steps else -1
+        raise InfertraceError(f"--steps {steps} selects no step: the run has steps 0..{last}")
     if as_json:
         typer.echo(json.dumps(trace.to_dict(), ensure_ascii=False))
         return
     from infertrace.trace.render import render_run
 
-    wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]
     render_run(stdout_console(), trace, show=show_vars, steps=wanted)

@@ -62,6 +62,14 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     attention = check_choice("--attention", attention, ATTENTION)
     device = check_choice("--device", device, DEVICES)
     parse_dtype(dtype)
+    if attention == "triton":  # fail before the model loads, with the engine's own messages
+        import torch
+
+        from infertrace.attention.select import resolve_attention
+
+        if backend == "cells":
+            raise InfertraceError("--attention triton needs --backend paged (the Triton kernel reads the paged pool)")
+        resolve_attention("triton", torch.device(device if device == "cpu" else "cuda"))
     if device == "cuda":
         import torch
 

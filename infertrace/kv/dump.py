@@ -290,8 +290,12 @@ def dump_from_step(st: Any) -> dict[str, Any]:
     lv = kv.layer_view or {}
     values = None
     if lv.get("requests"):
+        key = "cell" if kv.backend == "cells" else "slot"
+        where = {(w["seq_id"], p): loc for w in writes for p, loc in zip(w["pos"], w.get("cells", w.get("slots", [])))}
         values = {"layer": lv.get("layer", 0), "head": 0, "full": False, "n_values": N_FIRST, "source": "trace",
-                  "requests": [{"seq_id": q["seq_id"], "len": None, "rows": [dict(x) for x in q["rows"]]}
+                  "requests": [{"seq_id": q["seq_id"], "len": None,
+                                "rows": [{**dict(x), **({key: where[(q["seq_id"], x["pos"])]} if (q["seq_id"], x["pos"]) in where else {})}
+                                         for x in q["rows"]]}
                                for q in lv["requests"]]}
     finished = {str(r.seq_id): r.finished for r in st.batch if r.finished}
     return build_dump(step=st.step, backend=kv.backend, physical=dict(kv.physical), physical_shape=kv.physical_shape,

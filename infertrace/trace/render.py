@@ -49,7 +49,8 @@ def piece_text(piece: str | None) -> str:
             out.append(f"\\x{ord(ch):02x}")
         else:
             out.append(ch)
-    return "'" + "".join(out) + "'"
+    body = "".join(out)
+    return f'"{body}"' if "'" in body and '"' not in body else f"'{body}'"
 
 
 def short(items: Sequence[str], head: int = 3, tail: int = 1, sep: str = " ") -> str:
@@ -136,7 +137,7 @@ def render_header(console: Console, trace: RunTrace) -> None:
     conv = "llama.cpp-style cells + kq_mask" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool + metadata"
     detail = f"ctx {eng.get('ctx_size')}"
     if be == "paged":
-        detail += f" · tokens_per_block {eng.get('tokens_per_block')} · num_blocks {eng.get('num_blocks') or 'ctx/B'}"
+        detail += f" · tokens_per_block {eng.get('tokens_per_block')} · num_blocks {eng.get('num_blocks') or -(-int(eng.get('ctx_size') or 0) // int(eng.get('tokens_per_block') or 1))}"
     if eng.get("prefill_chunk"):
         detail += f" · prefill_chunk {eng['prefill_chunk']}"
     extra = " · ".join(f"{k} {o[k]}" for k in ("dtype", "device") if k in o)

@@ -119,7 +119,7 @@ def _values_view(d: dict[str, Any]) -> RenderableType:
     t = _table("seq", "pos", loc, f"K (rotated), {what} values", f"V, {what} values")
     for r in v["requests"]:
         for row in r["rows"]:
-            t.add_row(str(r["seq_id"]), str(row["pos"]), str(row.get(loc, "?")), floats(row["k"]), floats(row["v"]))
+            t.add_row(str(r["seq_id"]), str(row["pos"]), str(row.get(loc, "-")), floats(row["k"]), floats(row["v"]))
     t.columns[3].overflow = t.columns[4].overflow = "fold"
     return Group(Text(f"K/V values: layer {v['layer']}, kv head {v['head']} ({src})", style="italic"), t)
 

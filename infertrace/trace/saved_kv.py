@@ -92,5 +92,10 @@ def dump_saved(directory: str | Path, step: int, layer: int | None = None, head:
             raise InfertraceError(f"{directory} was saved with --keep summary: it holds no K/V values; re-run with "
                                   "--save DIR --keep tensors --layers L, or run dump-kv live with the same options")
         d["values"] = values_from_tensors(tt, st, layer or 0, head or 0, positions, full)
+    elif tt is not None and st.kv is not None:  # tensors kept: show every cached position of the record's layer
+        try:
+            d["values"] = values_from_tensors(tt, st, (st.kv.layer_view or {}).get("layer", 0), 0, positions, full)
+        except InfertraceError:
+            pass  # that layer's tensors were not kept: keep the record's values
     d["attention"] = st.attention
     return d
