@@ -186,7 +186,9 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
         weights[name] = ten
         if progress:
             progress(i + 1, total, t.name)
-    _check_names(cfg, {n[: -len(".weight")] if n.endswith(".weight") else n for n in names}, p.name)
+    metas = {(t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name):
+             torch.empty([int(x) for x in reversed(list(t.shape))], device="meta") for t in reader.tensors}  # shapes only
+    _check_weights(cfg, metas, p.name)
     for i in range(cfg.n_layer if not header_only else 0):
         weights[f"blk.{i}.attn_q"] = unpermute_from_norm(weights[f"blk.{i}.attn_q"], cfg.n_head)
         weights[f"blk.{i}.attn_k"] = unpermute_from_norm(weights[f"blk.{i}.attn_k"], cfg.n_head_kv)
@@ -214,13 +216,27 @@ def _check_names(cfg: ModelConfig, names: set[str], where: str) -> None:
         raise InfertraceError(f"{where} lacks tensor {missing[0]} ({len(missing)} missing); the checkpoint is incomplete")
 
 
-def _check_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], where: str) -> None:
+def _check_weights(cfg: ModelConfig, w: dict[str, Any], where: str) -> None:
+    """Every tensor the config implies exists with the shape it implies (torch order ``[out, in]``).
+
+    ``w`` maps engine names to anything with ``.shape`` (real or meta tensors).
+
+    Raises:
+        InfertraceError: a missing tensor or a shape that disagrees with the config.
+    """
     _check_names(cfg, set(w), where)
-    exp = {"token_embd": (cfg.vocab_size, cfg.n_embd), "blk.0.attn_q": (cfg.n_head * cfg.head_dim, cfg.n_embd),
-           "blk.0.attn_k": (cfg.n_head_kv * cfg.head_dim, cfg.n_embd)}
+    H, V, ff = cfg.n_embd, cfg.vocab_size, cfg.n_ff
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    exp = {"token_embd": (V, H), "output_norm": (H,), "output": (V, H)}
+    per_layer = {"attn_norm": (H,), "attn_q": (q, H), "attn_k": (kv, H), "attn_v": (kv, H), "attn_output": (H, q),
+                 "ffn_norm": (H,), "ffn_gate": (ff, H), "ffn_up": (ff, H), "ffn_down": (H, ff)}
+    for i in range(cfg.n_layer):
+        exp.update({f"blk.{i}.{n}": shp for n, shp in per_layer.items()})
     for n, shp in exp.items():
-        if tuple(w[n].shape) != shp:
-            raise InfertraceError(f"{where}: tensor {n} has shape {list(w[n].shape)}, config implies {list(shp)}")
+        if n in w and tuple(w[n].shape) != shp:
+            raise InfertraceError(
+                f"{where}: tensor {n} has shape {list(w[n].shape)}, the config implies {list(shp)}; the checkpoint is inconsistent"
+            )
 
 
 # ----------------------------------------------------------------------------- HF
@@ -236,6 +252,10 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise InfertraceError(f"{cfg_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InfertraceError(f"cannot read {cfg_path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    if not isinstance(raw, dict):
+        raise InfertraceError(f"{cfg_path} must hold a JSON object, got {type(raw).__name__}")
     files: list[Path]
     index = d / "model.safetensors.index.json"
     if (d / "model.safetensors").exists():
