@@ -90,6 +90,10 @@ def encode_prompt(tok: Any, spec: PromptSpec) -> list[int]:
     if spec.ids is not None:
         return list(spec.ids)
     text = spec.text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InfertraceError("the prompt is not valid text (it holds unpaired surrogates / undecodable bytes); pass UTF-8 text") from None
     if spec.chat:
         if not getattr(tok, "chat_template", None):
             raise InfertraceError("--chat given but the model has no chat template (tokenizer.chat_template)")

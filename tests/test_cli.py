@@ -222,7 +222,7 @@ def test_bad_model_files(bad_files, name, expect, command):
     (["--prompt", "hi", "--show", "bogus"], "unknown variable 'bogus'"),
     (["--prompt", "hi", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
     (["--prompt", "hi", "--ctx-size", "0"], "--ctx-size must be >= 1"),
-    (["--prompt", "hi", "--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["--prompt", "hi", "--temperature", "-0.5"], "--temperature must be 0 (greedy) or >= 0.001"),
     (["--prompt", "hi", "--backend", "dense"], "--backend must be one of cells, paged"),
     (["--prompt", "a", "--prompt", "b", "--arrival", "1"], "one per --prompt"),
     (["--prompt", "hi", "--steps", "3..1"], "is empty"),
@@ -239,7 +239,7 @@ def test_bad_prompts_file_names_the_line(tmp_path):
     f.write_text('{"prompt": "ok"}\n\n{"prompt": oops}\n')
     assert "p.jsonl line 3: not valid JSON" in _one_error_line(invoke("run", "--prompts", str(f)))
     f.write_text('{"prompt": "ok", "temperature": -1}\n')
-    assert "line 1: 'temperature' must be >= 0" in _one_error_line(invoke("run", "--prompts", str(f)))
+    assert "line 1: 'temperature' must be 0 (greedy) or >= 0.001" in _one_error_line(invoke("run", "--prompts", str(f)))
 
 
 def test_debug_shows_traceback(bad_files):

@@ -20,12 +20,20 @@ HELP = ("Write one self-contained HTML page (inline CSS/JS/SVG, no network) for 
 def report(
     trace_dir: Annotated[Path, typer.Argument(help="Directory written by 'infertrace run --save DIR'.", show_default=False)],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML file to write (default: DIR/report.html).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
 ) -> None:
     """Errors (missing/broken/newer trace, unwritable output) are one ``error:`` line, exit 2."""
     from infertrace.trace.report import build_report
 
     trace, _ = load_saved(trace_dir)  # a broken tensors file is reported too
     out = output if output is not None else Path(trace_dir) / "report.html"
+    trace_files = {(Path(trace_dir) / n).resolve() for n in ("trace.json", "tensors.safetensors", "timing.json")}
+    if out.resolve() in trace_files:
+        raise InfertraceError(f"-o {out} is a file of the trace itself; write the report somewhere else")
+    if out.is_dir():
+        raise InfertraceError(f"-o {out} is a directory; give a file name such as {out / 'report.html'}")
+    if out.exists() and not force:
+        raise InfertraceError(f"{out} exists; pass --force to replace it or choose another -o")
     try:
         html = build_report(trace, source=str(trace_dir))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:

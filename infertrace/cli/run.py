@@ -196,6 +196,24 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
     return specs
 
 
+def check_output_dir(save: Path, force: bool) -> None:
+    """Refuse a ``--save`` target that would lose something, before the run.
+
+    Raises:
+        InfertraceError: empty path, an existing file, a non-empty directory (without
+            ``--force``), or a place that cannot be written.
+    """
+    if str(save).strip() in ("", "."):
+        raise InfertraceError("--save needs a directory name (e.g. --save runs/first)")
+    if save.exists() and not save.is_dir():
+        raise InfertraceError(f"--save {save}: a file of that name exists; choose a directory name")
+    if save.is_dir() and any(save.iterdir()) and not force:
+        raise InfertraceError(f"--save {save}: the directory is not empty; choose a new one or pass --force to replace its trace")
+    parent = save if save.exists() else next((p for p in save.parents if p.exists()), Path("."))
+    if not os.access(parent, os.W_OK | os.X_OK) or not parent.is_dir():
+        raise InfertraceError(f"--save {save}: cannot write in {parent}")
+
+
 def save_options(save: Optional[Path], keep: Optional[str], layers: Optional[str]) -> bool:
     """Validate ``--save/--keep/--layers`` before the model loads; True when tensors are kept.
 
@@ -248,6 +266,7 @@ def run(
     save: Annotated[Optional[Path], typer.Option("--save", help="Also write the trace to this directory (trace.json, tensors.safetensors, timing.json) for show, diff, report, dump-kv.")] = None,
     keep: Annotated[Optional[str], typer.Option("--keep", help="With --save: summary (trace.json only) or tensors (also Q/K/V, K/V cache, hidden, top-k logits of --layers; default).")] = None,
     layers: Annotated[Optional[str], typer.Option("--layers", help="With --save --keep tensors: layers whose tensors are kept, e.g. 0,5 or 0..3 or all (default: --layer).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="With --save: replace the trace in a non-empty directory.")] = False,
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
@@ -255,6 +274,8 @@ def run(
     show_vars = parse_show(show)
     step_filter = parse_steps(steps)
     keep_tensors = save_options(save, keep, layers)
+    if save is not None:
+        check_output_dir(save, force)
     check_min("--layer", layer, 0)
     from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
 

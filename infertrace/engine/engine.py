@@ -23,6 +23,10 @@ from infertrace.kv.paged import DEFAULT_TOKENS_PER_BLOCK, PagedKV
 from infertrace.model.llama import NULL_TRACER, LlamaModel
 
 
+#: idle steps (waiting for an arrival) recorded one by one; a longer wait is skipped in one jump.
+MAX_IDLE_RECORDED = 64
+
+
 @dataclass
 class EngineOptions:
     """Run-time options (CLI flags of ``run``).
@@ -54,6 +58,18 @@ def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
     cfg = model.cfg
     if opts.ctx_size < 1:
         raise InfertraceError("--ctx-size must be >= 1")
+    try:
+        return _make_kv(model, opts, attn_impl)
+    except (RuntimeError, OverflowError, MemoryError, TypeError) as e:
+        if isinstance(e, InfertraceError):
+            raise
+        raise InfertraceError(
+            f"cannot allocate the KV cache ({type(e).__name__}); lower --ctx-size / --num-blocks / --tokens-per-block"
+        ) from None
+
+
+def _make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
+    cfg = model.cfg
     if opts.backend == "cells":
         return CellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device)
     if opts.backend == "paged":
@@ -108,7 +124,8 @@ class Engine:
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)
         if len(prompt_ids) >= limit:
             raise InfertraceError(
-                f"prompt has {len(prompt_ids)} tokens but the context holds {limit}; shorten the prompt or raise --ctx-size"
+                f"prompt has {len(prompt_ids)} tokens but the context holds {limit} (the prompt plus at least one "
+                "generated token must fit); shorten the prompt or raise --ctx-size"
             )
         seq_id = len(self.requests)
         if self.kv.kind == "cells" and seq_id >= self.opts.n_seq_max:
@@ -135,7 +152,11 @@ class Engine:
                                       "attention": self.attn_impl, "logits": None, "logits_rows": [], "samples": {},
                                       "finished": {}, "requests": self.requests,
                                       "time_ms": (time.perf_counter() - t0) * 1e3})
-            self.step_no += 1
+            sch = self.scheduler
+            if not sch.running and not sch.waiting and sch.future and sch.future[0].arrival_step - self.step_no > MAX_IDLE_RECORDED:
+                self.step_no = sch.future[0].arrival_step  # fast-forward a long wait (one idle record, then a gap)
+            else:
+                self.step_no += 1
             return batch
         specs = [ChunkSpec(c.req.seq_id, c.C, c.T) for c in batch.chunks]
         inp = self.kv.prepare(specs)
@@ -149,6 +170,11 @@ class Engine:
         if tracer.enabled:
             tracer.begin_step()
         logits = self.model.forward(ids, inp, self.kv, torch.tensor(rows, dtype=torch.int64), tracer)  # [M, V]
+        if rows and not bool(torch.isfinite(logits).all()):
+            raise InfertraceError(
+                f"the model produced NaN/inf logits at step {self.step_no}; its weights or hyper-parameters "
+                "(rope theta, rms epsilon) are broken - check the file with infertrace inspect"
+            )
         samples, finished, j = {}, {}, 0
         for c in batch.chunks:
             req = c.req

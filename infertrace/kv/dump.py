@@ -315,6 +315,10 @@ def _expand(text: str) -> list[int]:
     return out
 
 
+#: upper bound for position arguments (no context here is longer; keeps ranges small).
+MAX_POSITION = 1 << 20
+
+
 def parse_positions(text: str | None) -> list[int] | None:
     """``"0,3,5"`` or ``"0..4"`` (mixed: ``"0..2,7"``) -> sorted positions; None/empty -> None.
 
@@ -333,6 +337,8 @@ def parse_positions(text: str | None) -> list[int] | None:
             raise InfertraceError(f"--positions {text!r}: {part!r} is not a position or range (use 0,3,5 or 0..4)") from None
         if lo < 0 or hi < lo:
             raise InfertraceError(f"--positions {text!r}: {part!r} is empty or negative")
+        if hi >= MAX_POSITION:
+            raise InfertraceError(f"--positions {text!r}: {hi} is beyond any context this tool runs (< {MAX_POSITION})")
         out.update(range(lo, hi + 1))
     return sorted(out)
 

@@ -90,6 +90,12 @@ class ModelConfig:
 
     def validate(self) -> "ModelConfig":
         """Check shape consistency; raise :class:`InfertraceError` on a broken config."""
+        for name, val in (("block_count", self.n_layer), ("embedding_length", self.n_embd), ("feed_forward_length", self.n_ff),
+                          ("vocab_size", self.vocab_size), ("head_dim", self.head_dim)):
+            if val <= 0:
+                raise InfertraceError(f"{name} is {val}; the model file is broken (it must be >= 1)")
+        if not (self.rope_theta > 0 and self.rms_eps > 0):
+            raise InfertraceError(f"rope theta ({self.rope_theta}) and rms epsilon ({self.rms_eps}) must be > 0; the model file is broken")
         if self.n_head <= 0 or self.n_head_kv <= 0 or self.n_head % self.n_head_kv:
             raise InfertraceError(
                 f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}; the model file is inconsistent"
@@ -104,6 +110,14 @@ class ModelConfig:
 
 
 def config_from_gguf_fields(meta: dict[str, Any], tensor_names: set[str], freq_factors: tuple[float, ...] | None) -> ModelConfig:
+    """See :func:`_config_from_gguf_fields`; wrong value types become :class:`InfertraceError`."""
+    try:
+        return _config_from_gguf_fields(meta, tensor_names, freq_factors)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise InfertraceError(f"GGUF metadata has an invalid value ({type(e).__name__}: {e}); the file is broken") from None
+
+
+def _config_from_gguf_fields(meta: dict[str, Any], tensor_names: set[str], freq_factors: tuple[float, ...] | None) -> ModelConfig:
     """Build a :class:`ModelConfig` from decoded GGUF key/values.
 
     Args:
@@ -130,6 +144,8 @@ def config_from_gguf_fields(meta: dict[str, Any], tensor_names: set[str], freq_f
 
     n_embd = int(req("embedding_length"))
     n_head = int(req("attention.head_count"))
+    if n_head <= 0:
+        raise InfertraceError(f"{arch}.attention.head_count is {n_head}; the model file is broken")
     n_head_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
     head_dim = int(meta.get(f"{arch}.attention.key_length", n_embd // n_head))
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
@@ -174,6 +190,14 @@ def config_from_gguf_fields(meta: dict[str, Any], tensor_names: set[str], freq_f
 
 
 def config_from_hf(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
+    """See :func:`_config_from_hf`; wrong value types become :class:`InfertraceError`."""
+    try:
+        return _config_from_hf(cfg, tie_default)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise InfertraceError(f"config.json has an invalid value ({type(e).__name__}: {e}); fix the checkpoint's config") from None
+
+
+def _config_from_hf(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
     """Build a :class:`ModelConfig` from an HF ``config.json`` dict.
 
     Args:

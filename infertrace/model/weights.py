@@ -118,12 +118,17 @@ def read_gguf(p: Path):
     """
     from gguf import GGUFReader
 
+    if not p.is_file():
+        raise InfertraceError(f"{p} is not a regular file; pass a .gguf file or an HF model directory")
     with open(p, "rb") as fh:
         magic = fh.read(4)
+        version = int.from_bytes(fh.read(4), "little")
     if magic != b"GGUF":
         raise InfertraceError(
             f"{p.name} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or an HF model directory"
         )
+    if version not in (2, 3):
+        raise InfertraceError(f"{p.name} is GGUF version {version}, which is not supported (versions 2 and 3); convert it with a current llama.cpp")
     try:
         return GGUFReader(str(p), "r")
     except Exception as e:  # noqa: BLE001 - numpy/struct errors from a short file
@@ -173,7 +178,8 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
             if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                 arr = np.asarray(t.data, dtype=np.float32)
             else:
-                arr = dequantize(t.data, qtype)
+                with np.errstate(all="ignore"):  # broken scales give inf/nan; the engine reports non-finite logits
+                    arr = dequantize(t.data, qtype)
         except NotImplementedError:
             raise InfertraceError(
                 f"tensor {t.name} has quant type {qtype.name}, which gguf-py cannot dequantise; requantise the model (e.g. Q8_0, Q4_K)"
@@ -225,6 +231,9 @@ def _check_weights(cfg: ModelConfig, w: dict[str, Any], where: str) -> None:
         InfertraceError: a missing tensor or a shape that disagrees with the config.
     """
     _check_names(cfg, set(w), where)
+    extra = sorted({n.split(".")[1] for n in w if n.startswith("blk.") and int(n.split(".")[1]) >= cfg.n_layer}, key=int)
+    if extra:
+        raise InfertraceError(f"{where} has tensors for layer {extra[0]} but the config says {cfg.n_layer} layers; the checkpoint is inconsistent")
     H, V, ff = cfg.n_embd, cfg.vocab_size, cfg.n_ff
     q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
     exp = {"token_embd": (V, H), "output_norm": (H,), "output": (V, H)}
@@ -263,9 +272,14 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     elif index.exists():
         try:
             wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
+        except (json.JSONDecodeError, KeyError, TypeError, OSError, UnicodeDecodeError):
             raise InfertraceError(f"{index} is broken (no weight_map)") from None
+        if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+            raise InfertraceError(f"{index} is broken (weight_map must map tensor names to file names)")
         files = [d / f for f in sorted(set(wm.values()))]
+        outside = [f for f in files if f.resolve().parent != d.resolve()]
+        if outside:
+            raise InfertraceError(f"{index} points outside the model directory ({outside[0].name}); refusing to read it")
     else:
         pick = [f.name for f in d.iterdir() if f.suffix in PICKLE_SUFFIXES]
         if pick:

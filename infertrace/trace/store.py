@@ -362,6 +362,9 @@ def parse_layers(text: str | None, n_layer: int | None = None) -> list[int] | No
             raise InfertraceError(f"--layers {text!r}: {part!r} is not a layer number or range (use 0,5 or 0..3 or all)") from None
         if lo < 0 or hi < lo:
             raise InfertraceError(f"--layers {text!r}: {part!r} is not a valid layer range")
+        if hi >= (n_layer if n_layer is not None else 4096):
+            lim = f"the model has layers 0..{n_layer - 1}" if n_layer is not None else "no model has that many layers"
+            raise InfertraceError(f"--layers {hi} out of range: {lim}")
         out.update(range(lo, hi + 1))
     if not out and not every:
         raise InfertraceError(f"--layers {text!r}: no layer given")
