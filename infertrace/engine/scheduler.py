@@ -65,10 +65,12 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
+        """Queue ``req``; it becomes schedulable at its ``arrival_step``."""
         self.future.append(req)
         self.future.sort(key=lambda r: (r.arrival_step, r.seq_id))
 
     def has_work(self) -> bool:
+        """True while any request is not finished (arrived or not)."""
         return bool(self.future or self.waiting or self.running)
 
     def _take(self, req: Request, budget: int) -> int:
@@ -149,6 +151,7 @@ class Scheduler:
         return ScheduledChunk(req, req.phase, C, ids, need_logits=(C + n == len(req.all_ids)))
 
     def finish(self, req: Request, reason: str) -> None:
+        """Mark ``req`` finished with ``reason`` and free its cells/blocks (TensorRT-LLM ``free_resources``)."""
         req.status = FINISHED
         req.stop_reason = reason
         self.kv.release(req.seq_id)

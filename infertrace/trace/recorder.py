@@ -74,6 +74,7 @@ class Recorder:
         self._taps[name] = tensors
 
     def begin_step(self) -> None:
+        """Forget the previous step's taps."""
         self._taps = {}
         self._rope = {}
 

@@ -41,6 +41,8 @@ class ReqStep:
 
 @dataclass
 class RowStat:
+    """Statistics of one hidden row (float32 units of the embedding), ``first`` = leading values."""
+
     seq_id: int
     pos: int
     token_id: int
@@ -67,6 +69,9 @@ class HiddenRec:
 
 @dataclass
 class PositionsRec:
+    """Positions and RoPE of a step: ``inp_pos``/``position_ids`` ``[N]`` int, pairing, theta, cos/sin
+    of the first pairs per token, and evidence that RoPE rotates Q/K and leaves V alone."""
+
     inp_pos: list[int]  # llama.cpp I32 inp_pos, length N
     position_ids: list[int]  # TensorRT-LLM packed position_ids (same values)
     pairing: str  # "neox" (half-split) at run time
@@ -83,6 +88,9 @@ class PositionsRec:
 
 @dataclass
 class MaskRec:
+    """Visibility of a step: per-query visible keys, the real kq_mask slice (cells) or the paged
+    metadata, and the materialised logical keep-matrix per request ``[T][C+T]``."""
+
     backend: str
     rule: str
     visible: list[dict[str, Any]]  # per request: seq_id, per-query visible key text
@@ -93,6 +101,9 @@ class MaskRec:
 
 @dataclass
 class KVRec:
+    """KV cache of a step: logical K/V shapes before/after per request, written cells or slots, the
+    backend snapshot after the step and the physical storage shape."""
+
     backend: str
     dtype: str
     layers: int
@@ -104,6 +115,9 @@ class KVRec:
 
 @dataclass
 class DecodeRec:
+    """Decode loop of a step: logits ``[M, vocab]`` (only rows that need them), per request the
+    sampler settings, top-k candidates, chosen token, next input/position and stop reason."""
+
     logits_shape: list[int]  # [M, vocab], only rows that need logits
     logits_dtype: str
     logits_rows: list[int]
