@@ -29,7 +29,7 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not on PA
 def golden(name: str):
     p = GOLDEN / name
     if not (p / "trace.json").is_file():
-        pytest.skip(f"golden {name} missing (pytest --infertrace-update tests/test_snapshots.py)")
+        pytest.fail(f"golden {name} missing (pytest --infertrace-update tests/test_snapshots.py)")
     return p
 
 

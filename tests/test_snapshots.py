@@ -48,7 +48,7 @@ def test_goldens_are_small_and_machine_independent(smol):
     for name in SCENARIOS:
         p = snap.path(name)
         if not p.is_file():
-            pytest.skip(f"{p} not generated yet")
+            pytest.fail(f"{p} is missing; regenerate with fixtures/golden/regenerate.sh")
         text = p.read_text(encoding="utf-8")
         assert len(text.encode()) < 60_000, (name, len(text))
         d = json.loads(text)
