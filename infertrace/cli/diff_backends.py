@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from infertrace.cli import run_options as o
-from infertrace.cli.run import check_choice, load_with_progress, progress_display, stdout_console
+from infertrace.cli.common import check_choice, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
 
 HELP = ("Run the same requests through both cache backends (cells and paged) step by step and compare the logical "

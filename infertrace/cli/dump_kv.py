@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from infertrace.cli import run_options as o
-from infertrace.cli.run import load_with_progress, progress_display, stdout_console
+from infertrace.cli.common import load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
 from infertrace.kv.dump import dump_kv_at_step, parse_positions
 

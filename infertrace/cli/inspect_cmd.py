@@ -10,7 +10,7 @@ and fails with the same one-line errors.
 import json
 import re
 from pathlib import Path
-from typing import Optional, Annotated, Any
+from typing import TYPE_CHECKING, Optional, Annotated, Any
 
 import typer
 from rich import box
@@ -19,10 +19,12 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from infertrace.cli.run import progress_display, stdout_console
-from infertrace.model.weights import Checkpoint, TensorInfo, default_model_path, load_checkpoint
-from infertrace.kv.base import ranges_text
+from infertrace.cli.common import progress_display, stdout_console
+from infertrace.ranges import ranges_text
 from infertrace.trace.render import human_bytes, piece_text
+
+if TYPE_CHECKING:
+    from infertrace.model.weights import Checkpoint, TensorInfo
 
 HELP = "Show a model's architecture, config, tokenizer, load notes and tensor table (GGUF file or HF directory)."
 
@@ -51,7 +53,7 @@ def tokenizer_facts(tok: Any) -> dict[str, Any]:
     }
 
 
-def type_totals(tensors: list[TensorInfo]) -> list[dict[str, Any]]:
+def type_totals(tensors: list["TensorInfo"]) -> list[dict[str, Any]]:
     """Per tensor type: count, elements, bytes and bits per weight (largest first)."""
     tot: dict[str, dict[str, Any]] = {}
     for t in tensors:
@@ -64,12 +66,12 @@ def type_totals(tensors: list[TensorInfo]) -> list[dict[str, Any]]:
     return sorted(tot.values(), key=lambda d: -d["bytes"])
 
 
-def grouped_tensors(tensors: list[TensorInfo]) -> list[tuple[str, TensorInfo, int]]:
+def grouped_tensors(tensors: list["TensorInfo"]) -> list[tuple[str, "TensorInfo", int]]:
     """Collapse per-layer tensors with the same suffix, type and shape into one row
     ``blk.{0..29}.attn_q.weight``; returns ``(display name, example, count)`` in file order."""
     groups: dict[tuple, list[int]] = {}
     order: list[tuple] = []
-    first: dict[tuple, TensorInfo] = {}
+    first: dict[tuple, "TensorInfo"] = {}
     for t in tensors:
         m = _BLK.match(t.name)
         if m:
@@ -93,7 +95,7 @@ def grouped_tensors(tensors: list[TensorInfo]) -> list[tuple[str, TensorInfo, in
     return rows
 
 
-def inspect_facts(ck: Checkpoint) -> dict[str, Any]:
+def inspect_facts(ck: "Checkpoint") -> dict[str, Any]:
     """Everything ``inspect`` shows, JSON-ready."""
     meta = {k: v for k, v in ck.metadata.items() if not str(k).startswith("tokenizer.chat_template")}
     return {
@@ -148,6 +150,8 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
               show_edge=False, padding=(0, 1))
     for col, j in (("name", "left"), ("type", "left"), ("shape", "left"), ("bytes each", "right"), ("count", "right")):
         t.add_column(col, justify=j, overflow="fold")
+    from infertrace.model.weights import TensorInfo
+
     infos = [TensorInfo(d["name"], d["type"], d["shape"], d["bytes"]) for d in f["tensors"]]
     rows = [(i.name, i, 1) for i in infos] if all_tensors else grouped_tensors(infos)
     for name, ti, n in rows:
@@ -169,6 +173,8 @@ def inspect(
     all_tensors: Annotated[bool, typer.Option("--all-tensors", help="One row per tensor instead of per-layer groups.")] = False,
 ) -> None:
     """Load ``model`` as ``run`` would (same one-line errors) and print what the loader saw."""
+    from infertrace.model.weights import default_model_path, load_checkpoint  # numpy/gguf: only when run
+
     if model is None:
         model = default_model_path()
     with progress_display(enabled=not as_json) as progress:

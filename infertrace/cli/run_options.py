@@ -4,16 +4,19 @@ returns the prompt specs and engine options. Typer needs each option in the comm
 signature, so commands list the aliases; the help texts and checks live here once.
 """
 
+from __future__ import annotations
+
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from infertrace.cli.run import ATTENTION, BACKENDS, DEVICES, check_choice, check_min, read_prompts_file
-from infertrace.engine.engine import EngineOptions
-from infertrace.engine.sampler import SamplingParams
+from infertrace.cli.common import ATTENTION, BACKENDS, DEVICES, check_choice, check_min, read_prompts_file
+from infertrace.engine.options import EngineOptions, SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.runner import PromptSpec, parse_dtype
+
+if TYPE_CHECKING:
+    from infertrace.runner import PromptSpec
 
 Prompt = Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text; repeat for several requests (seq 0, 1, ...).")]
 Prompts = Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file, one {\"prompt\": ..., \"arrival\": ..., sampling keys} per line.")]
@@ -58,6 +61,8 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     Raises:
         InfertraceError: any invalid option, with the option's name in the one-line message.
     """
+    from infertrace.runner import PromptSpec, parse_dtype  # the engine side (torch): only when a run is coming
+
     backend = check_choice("--backend", backend, BACKENDS)
     attention = check_choice("--attention", attention, ATTENTION)
     device = check_choice("--device", device, DEVICES)

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from infertrace.cli.run import parse_show, parse_steps, stdout_console
+from infertrace.cli.common import parse_show, parse_steps, stdout_console
 from infertrace.errors import InfertraceError
 from infertrace.trace.records import RunTrace
 from infertrace.trace.store import load_saved

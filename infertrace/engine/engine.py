@@ -8,45 +8,23 @@ sample, update requests) and llama.cpp server ``update_slots`` -> ``llama_decode
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from infertrace.engine.options import EngineOptions  # noqa: F401 - torch-free home; re-exported
 from infertrace.engine.request import Request
 from infertrace.engine.sampler import SamplingParams, sample
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
-from infertrace.kv.paged import DEFAULT_TOKENS_PER_BLOCK, PagedKV
+from infertrace.kv.paged import PagedKV
 from infertrace.model.llama import NULL_TRACER, LlamaModel
 
 
 #: idle steps (waiting for an arrival) recorded one by one; a longer wait is skipped in one jump.
 MAX_IDLE_RECORDED = 64
-
-
-@dataclass
-class EngineOptions:
-    """Run-time options (CLI flags of ``run``).
-
-    backend: ``cells`` (llama.cpp) or ``paged`` (TensorRT-LLM/vLLM).
-    ctx_size: KV capacity in tokens (cells: number of cells; paged: default pool size)
-        and the per-request context limit.
-    num_blocks / tokens_per_block: paged pool (num_blocks None = ctx_size / tokens_per_block).
-    max_batch_tokens / prefill_chunk: scheduler budget and chunked prefill.
-    attention: ``torch``, ``triton`` or ``auto``.
-    """
-
-    backend: str = "cells"
-    ctx_size: int = 2048
-    num_blocks: int | None = None
-    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
-    max_batch_tokens: int = 2048
-    prefill_chunk: int | None = None
-    attention: str = "auto"
-    n_seq_max: int = 64
 
 
 def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):

@@ -12,6 +12,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from infertrace.ranges import ranges_text  # noqa: F401 - torch-free home; re-exported for old imports
+
 
 @dataclass
 class ChunkSpec:
@@ -77,19 +79,3 @@ class KVBackend(Protocol):
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-ready description of the physical state (for traces and ``dump-kv``)."""
-
-
-def ranges_text(positions: Sequence[int]) -> str:
-    """Compact text of sorted ints: ``[0,1,2,5]`` -> ``"0..2,5"``."""
-    ps = sorted(positions)
-    if not ps:
-        return "-"
-    out, start, prev = [], ps[0], ps[0]
-    for p in ps[1:]:
-        if p == prev + 1:
-            prev = p
-            continue
-        out.append(f"{start}..{prev}" if prev > start else f"{start}")
-        start = prev = p
-    out.append(f"{start}..{prev}" if prev > start else f"{start}")
-    return ",".join(out)

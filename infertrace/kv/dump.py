@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import ranges_text
+from infertrace.ranges import ranges_text
 
 #: leading values of head_dim shown per K/V row unless ``full``
 N_FIRST = 4

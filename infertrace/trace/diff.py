@@ -166,28 +166,29 @@ def _tensor_variable(name: str) -> str:
 
 
 def compare_tensors(names: Sequence[str], ta: Any, tb: Any, step: int, atol: float, rtol: float) -> Iterator[Divergence]:
-    """Tensors ``names`` of one step, in name order; floats with tolerance, ints exactly."""
-    import torch
+    """Tensors ``names`` of one step, in name order; floats with tolerance, ints exactly
+    (numpy, as ``torch.isclose``: ``|a - b| <= atol + rtol * |b|`` in float32, NaN equals NaN)."""
+    import numpy as np
 
     for n in names:
-        x, y = ta.get(n), tb.get(n)
+        x, y = ta.array(n), tb.array(n)
         m = re.search(r"/seq(\d+)/", n)
         sid = int(m.group(1)) if m else None
         d = dict(path=f"tensors[{n}]", variable=_tensor_variable(n), field=n.split("/", 1)[1], step=step, seq_id=sid)
         if list(x.shape) != list(y.shape):
             yield Divergence(a=list(x.shape), b=list(y.shape), kind="shape", note="tensor shapes differ", **d)
             continue
-        if x.dtype.is_floating_point or y.dtype.is_floating_point:
-            xf, yf = x.float(), y.float()
-            bad = ~torch.isclose(xf, yf, atol=atol, rtol=rtol, equal_nan=True)
+        if np.issubdtype(x.dtype, np.floating) or np.issubdtype(y.dtype, np.floating):
+            xf, yf = x.astype(np.float32), y.astype(np.float32)
+            bad = ~np.isclose(xf, yf, atol=atol, rtol=rtol, equal_nan=True)
         else:
             xf, yf = x, y
             bad = x != y
         if bool(bad.any()):
-            idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
-            mx = float((xf.float() - yf.float()).abs().max())
+            idx = tuple(int(i) for i in np.argwhere(bad)[0].tolist())
+            mx = float(np.abs(xf.astype(np.float32) - yf.astype(np.float32)).max())
             yield Divergence(a=xf[idx].item(), b=yf[idx].item(), kind="tensor",
-                             note=f"at index {list(idx)}; {int(bad.sum())} of {bad.numel()} elements differ, max |Δ| = {mx:.3g}",
+                             note=f"at index {list(idx)}; {int(bad.sum())} of {bad.size} elements differ, max |Δ| = {mx:.3g}",
                              **{**d, "field": f"{d['field']}{list(idx)}"})
 
 

@@ -10,11 +10,10 @@ from typing import Any, Iterable
 
 import torch
 
-from infertrace.kv.base import ranges_text
+from infertrace.ranges import ranges_text
 from infertrace.model.rope import inv_freq_table
+from infertrace.trace.records import VARIABLES  # noqa: F401 - re-exported (defined torch-free in records)
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
-
-VARIABLES = ("hidden", "positions", "mask", "kv", "decode")
 
 
 def _r(x: float, nd: int = 6) -> float:

@@ -13,6 +13,9 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 
+#: the five inference variables a :class:`StepTrace` holds, in display order
+VARIABLES = ("hidden", "positions", "mask", "kv", "decode")
+
 
 @dataclass
 class ReqStep:

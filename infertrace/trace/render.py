@@ -24,9 +24,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from infertrace.kv.base import ranges_text
-from infertrace.trace.recorder import VARIABLES
-from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
+from infertrace.ranges import ranges_text
+from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
 
 _VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
 KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"

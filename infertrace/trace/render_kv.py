@@ -16,7 +16,7 @@ from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
 from rich.text import Text
 
-from infertrace.kv.base import ranges_text
+from infertrace.ranges import ranges_text
 from infertrace.trace.render import DIM, _facts, _table, floats, human_bytes
 
 _ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}

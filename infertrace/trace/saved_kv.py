@@ -25,7 +25,7 @@ def values_from_tensors(tt: Any, st: Any, layer: int, head: int, positions: Sequ
     Raises:
         InfertraceError: the layer was not kept, head out of range, positions not cached.
     """
-    from infertrace.kv.base import ranges_text
+    from infertrace.ranges import ranges_text
 
     pre = f"step{st.step}/layer{layer}/"
     names = [n for n in tt.names(pre) if n.endswith("/k_cache")]
@@ -49,7 +49,7 @@ def values_from_tensors(tt: Any, st: Any, layer: int, head: int, positions: Sequ
     reqs, n_values = [], n_first
     for n in sorted(names, key=lambda x: int(x[len(pre) + 3:].split("/")[0])):
         sid = int(n[len(pre) + 3:].split("/")[0])
-        k, v = tt.get(n), tt.get(n[: -len("k_cache")] + "v_cache")  # [len, n_kv, hd]
+        k, v = tt.array(n), tt.array(n[: -len("k_cache")] + "v_cache")  # [len, n_kv, hd] numpy
         if not 0 <= head < k.shape[1]:
             raise InfertraceError(f"--head {head} out of range: the cache holds kv heads 0..{k.shape[1] - 1}")
         n_values = k.shape[2] if full else min(n_first, k.shape[2])
@@ -57,8 +57,8 @@ def values_from_tensors(tt: Any, st: Any, layer: int, head: int, positions: Sequ
         for p in range(k.shape[0]):
             if wanted is not None and p not in wanted:
                 continue
-            rows.append({"pos": p, **where.get((sid, p), {}), "k": k[p, head, :n_values].float().tolist(),
-                         "v": v[p, head, :n_values].float().tolist()})
+            rows.append({"pos": p, **where.get((sid, p), {}), "k": k[p, head, :n_values].astype("float32").tolist(),
+                         "v": v[p, head, :n_values].astype("float32").tolist()})
         reqs.append({"seq_id": sid, "len": int(k.shape[0]), "rows": rows})
     if positions is not None and reqs and not any(r["rows"] for r in reqs):
         lens = ", ".join(f"seq {r['seq_id']}: 0..{r['len'] - 1}" for r in reqs)

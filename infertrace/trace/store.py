@@ -267,7 +267,7 @@ class TraceTensors:
         try:
             from safetensors import safe_open
 
-            self._f = safe_open(str(path), framework="pt")
+            self._f = safe_open(str(path), framework="np")  # numpy: reading a trace needs no torch
             names = set(self._f.keys())
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise InfertraceError(f"{path}: cannot read tensors ({_one(e)}); the file may be truncated; "
@@ -282,6 +282,7 @@ class TraceTensors:
         with open(self.path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
+        self._header, self._data_start = header, 8 + n
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         return 8 + n + end
 
@@ -291,8 +292,33 @@ class TraceTensors:
     def __contains__(self, name: str) -> bool:
         return name in self.index
 
+    def array(self, name: str) -> Any:
+        """The tensor ``name`` as a numpy array (no torch): its saved dtype, except ``bfloat16``
+        (numpy has none), which comes back as the exactly equal ``float32`` values.
+
+        Raises:
+            InfertraceError: no such tensor, or the file cannot be read.
+        """
+        import numpy as np
+
+        if name not in self.index:
+            raise InfertraceError(f"{self.path}: no tensor {name!r} in this trace")
+        try:
+            info = self._header.get(name) or {}
+            if info.get("dtype") == "BF16":  # bf16 = the high 16 bits of a float32
+                lo, hi = (int(x) for x in info["data_offsets"])
+                shape = [int(x) for x in info["shape"]]
+                if hi - lo != 2 * int(np.prod(shape, dtype=np.int64)):
+                    raise ValueError("bf16 data size does not match its shape")
+                raw = np.fromfile(self.path, dtype="<u2", count=(hi - lo) // 2, offset=self._data_start + lo)
+                return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+            return self._f.get_tensor(name)
+        except Exception as e:  # noqa: BLE001
+            raise InfertraceError(f"{self.path}: cannot read tensor {name!r} ({_one(e)})") from None
+
     def get(self, name: str) -> Any:
-        """The tensor ``name`` (torch, CPU).
+        """The tensor ``name`` (torch, CPU, its saved dtype); imports torch. Presentation and
+        ``diff`` use :meth:`array` instead.
 
         Raises:
             InfertraceError: no such tensor, or the file cannot be read.
@@ -300,7 +326,10 @@ class TraceTensors:
         if name not in self.index:
             raise InfertraceError(f"{self.path}: no tensor {name!r} in this trace")
         try:
-            return self._f.get_tensor(name)
+            from safetensors import safe_open
+
+            with safe_open(str(self.path), framework="pt") as f:
+                return f.get_tensor(name)
         except Exception as e:  # noqa: BLE001
             raise InfertraceError(f"{self.path}: cannot read tensor {name!r} ({_one(e)})") from None
 

@@ -1,0 +1,196 @@
+"""What the commands share: consoles, progress, model loading with progress, option checks.
+
+Torch-free at import (the engine loads inside :func:`load_with_progress`), so every command
+module can import it and ``infertrace --help``/``show``/``diff``/``report`` never load torch.
+``cli/run.py`` and ``cli/run_options.py`` both import from here; neither imports the other back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from infertrace.engine.options import SamplingParams
+from infertrace.errors import InfertraceError
+from infertrace.trace.records import VARIABLES
+
+if TYPE_CHECKING:
+    from infertrace.runner import Loaded, PromptSpec
+
+BACKENDS = ("cells", "paged")
+ATTENTION = ("torch", "triton", "auto")
+DEVICES = ("cpu", "cuda")
+
+#: JSONL keys of ``--prompts`` and their types (bool is not accepted as a number).
+PROMPT_KEYS: dict[str, tuple[type, ...]] = {
+    "prompt": (str,), "arrival": (int,), "max_new_tokens": (int,), "temperature": (int, float), "top_k": (int,),
+    "top_p": (int, float), "min_p": (int, float), "repetition_penalty": (int, float), "seed": (int,),
+    "chat": (bool,), "ignore_eos": (bool,),
+}
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+#: narrowest layout the panels are designed for; narrower terminals soft-wrap whole lines
+#: instead of rich truncating cells (values, mask rows) mid-number.
+MIN_WIDTH = 120
+
+
+def stdout_console() -> Console:
+    """Console for the report: the terminal's width but at least :data:`MIN_WIDTH` columns, or
+    exactly 120 when piped (unless COLUMNS is set)."""
+    c = Console(highlight=False)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        return Console(highlight=False, width=120)
+    if c.width < MIN_WIDTH:
+        return Console(highlight=False, width=MIN_WIDTH)
+    return c
+
+
+def progress_display(enabled: bool) -> Progress:
+    """Transient progress on stderr; disabled (prints nothing) when ``enabled`` is False or
+    stderr is not a terminal."""
+    err = Console(stderr=True)
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=err, transient=True, disable=not (enabled and err.is_terminal))
+
+
+_LOADED: dict[tuple, Loaded] = {}
+
+
+def load_with_progress(model: Optional[Path], dtype: str, device: str, progress: Progress) -> Loaded:
+    """:func:`load_model` with a progress bar while dequantising. Memoised per process on
+    (path, size, mtime, dtype, device), so repeated in-process invocations (tests) load once.
+
+    Raises:
+        InfertraceError: as :func:`load_model`.
+    """
+    from infertrace.model.weights import default_model_path
+    from infertrace.runner import load_model
+
+    path = Path(model) if model is not None else default_model_path()
+    key = None
+    if path.exists():
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns, dtype, device)
+        if key in _LOADED:
+            return _LOADED[key]
+    task = progress.add_task(f"loading {path.name}", total=None)
+
+    def cb(done: int, total: int, name: str) -> None:
+        progress.update(task, completed=done, total=total, description=f"dequantising {name}")
+
+    loaded = load_model(path, dtype=dtype, device=device, progress=cb)
+    progress.remove_task(task)
+    if key is not None:
+        _LOADED.clear()  # keep at most one model in memory
+        _LOADED[key] = loaded
+    return loaded
+
+
+def check_choice(option: str, value: str, choices: tuple[str, ...]) -> str:
+    """Lower-cased ``value`` if it is one of ``choices``; else InfertraceError naming the option."""
+    v = value.strip().lower()
+    if v not in choices:
+        raise InfertraceError(f"{option} must be one of {', '.join(choices)} (got {value!r})")
+    return v
+
+
+def check_min(option: str, value: Optional[int], lo: int) -> None:
+    """InfertraceError when ``value`` is given and below ``lo``."""
+    if value is not None and value < lo:
+        raise InfertraceError(f"{option} must be >= {lo} (got {value})")
+
+
+def parse_show(values: Optional[list[str]]) -> tuple[str, ...]:
+    """``["hidden,mask", "kv"]`` -> variables in canonical order; ``all`` or nothing -> all five.
+
+    Raises:
+        InfertraceError: an unknown name.
+    """
+    if not values:
+        return VARIABLES
+    names = [n.strip().lower() for v in values for n in v.split(",") if n.strip()]
+    if not names or "all" in names:
+        return VARIABLES
+    bad = [n for n in names if n not in VARIABLES]
+    if bad:
+        raise InfertraceError(f"unknown variable {bad[0]!r} in --show; choose from {', '.join(VARIABLES)} (comma-separated) or all")
+    return tuple(v for v in VARIABLES if v in names)
+
+
+def parse_steps(text: Optional[str]) -> Optional[Callable[[int], bool]]:
+    """``"0,1,2"``, ``"0..3"``, ``"0-3"``, ``"5.."`` -> predicate on step numbers (None = all).
+
+    Raises:
+        InfertraceError: malformed text.
+    """
+    if text is None or not text.strip():
+        return None
+    ranges: list[tuple[int, Optional[int]]] = []
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:(?:\.\.|-)(\d*))?", part)
+        if not m:
+            raise InfertraceError(f"--steps {text!r}: {part!r} is not a step number or range (use 0,1,2 or 0..3 or 5..)")
+        lo = int(m.group(1))
+        hi = lo if m.group(2) is None else (int(m.group(2)) if m.group(2) else None)
+        if hi is not None and hi < lo:
+            raise InfertraceError(f"--steps {text!r}: range {part!r} is empty")
+        ranges.append((lo, hi))
+    return lambda s: any(lo <= s and (hi is None or s <= hi) for lo, hi in ranges)
+
+
+def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival: int = 0) -> list[PromptSpec]:
+    """Parse ``--prompts`` JSONL: one object per non-empty line, keys of :data:`PROMPT_KEYS`
+    (``prompt`` required; the others default to the command-line values).
+
+    Raises:
+        InfertraceError: unreadable file, or a malformed line (message names the line number).
+    """
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InfertraceError(f"cannot read --prompts {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    from infertrace.runner import PromptSpec
+
+    specs = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {no}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InfertraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise InfertraceError(f"{where}: expected a JSON object like {{\"prompt\": \"...\"}}")
+        unknown = sorted(set(obj) - set(PROMPT_KEYS))
+        if unknown:
+            raise InfertraceError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(PROMPT_KEYS)}")
+        if "prompt" not in obj:
+            raise InfertraceError(f"{where}: missing \"prompt\"")
+        for k, v in obj.items():
+            types = PROMPT_KEYS[k]
+            if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
+                raise InfertraceError(f"{where}: {k!r} must be {' or '.join(t.__name__ for t in types)}, got {json.dumps(v)}")
+        params = {k: obj.get(k, dv) for k, dv in defaults.items()}
+        try:
+            sp = SamplingParams(**params).validate()
+        except InfertraceError as e:
+            msg = re.sub(r"--([a-z-]+)", lambda m: repr(m.group(1).replace("-", "_")), e.message)
+            raise InfertraceError(f"{where}: {msg}") from None
+        a = obj.get("arrival", arrival)
+        if a < 0:
+            raise InfertraceError(f"{where}: 'arrival' must be >= 0 (got {a})")
+        specs.append(PromptSpec(obj["prompt"], sp, a, bool(obj.get("chat", chat))))
+    if not specs:
+        raise InfertraceError(f"--prompts {path} holds no prompts")
+    return specs

@@ -1,0 +1,85 @@
+"""Run options as torch-free dataclasses: :class:`SamplingParams` (per request) and
+:class:`EngineOptions` (per run). The CLI builds its option defaults from them without importing
+the engine; :mod:`infertrace.engine.sampler` and :mod:`infertrace.engine.engine` re-export them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from infertrace.errors import InfertraceError
+
+#: slots per block of the paged pool (vLLM ``block_size``, TensorRT-LLM ``tokens_per_block``);
+#: :data:`infertrace.kv.paged.DEFAULT_TOKENS_PER_BLOCK` is the same value (a test checks)
+DEFAULT_TOKENS_PER_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    temperature 0 = greedy; top_k 0 = off; top_p 1 = off; min_p 0 = off;
+    repetition_penalty 1 = off; ``seed`` seeds the request's generator.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 16
+    ignore_eos: bool = False
+
+    def validate(self) -> "SamplingParams":
+        """Raise :class:`InfertraceError` for out-of-range values."""
+        for name, val in (("temperature", self.temperature), ("top-p", self.top_p), ("min-p", self.min_p),
+                          ("repetition-penalty", self.repetition_penalty)):
+            if not math.isfinite(val):
+                raise InfertraceError(f"--{name} must be a finite number (got {val})")
+        if self.temperature < 0 or 0 < self.temperature < 1e-3:
+            raise InfertraceError(f"--temperature must be 0 (greedy) or >= 0.001 (got {self.temperature})")
+        if not 0 <= self.seed < 2**63:
+            raise InfertraceError(f"--seed must be in 0..2^63-1 (got {self.seed})")
+        if self.top_k < 0:
+            raise InfertraceError(f"--top-k must be >= 0 (got {self.top_k})")
+        if not 1e-6 <= self.top_p <= 1:
+            raise InfertraceError(f"--top-p must be in [1e-6, 1] (got {self.top_p})")
+        if not 0 <= self.min_p < 1:
+            raise InfertraceError(f"--min-p must be in [0, 1) (got {self.min_p})")
+        if not 0.01 <= self.repetition_penalty <= 100:
+            raise InfertraceError(f"--repetition-penalty must be in [0.01, 100] (got {self.repetition_penalty})")
+        if self.max_new_tokens < 1:
+            raise InfertraceError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+
+@dataclass
+class EngineOptions:
+    """Run-time options (CLI flags of ``run``).
+
+    backend: ``cells`` (llama.cpp) or ``paged`` (TensorRT-LLM/vLLM).
+    ctx_size: KV capacity in tokens (cells: number of cells; paged: default pool size)
+        and the per-request context limit.
+    num_blocks / tokens_per_block: paged pool (num_blocks None = ctx_size / tokens_per_block).
+    max_batch_tokens / prefill_chunk: scheduler budget and chunked prefill.
+    attention: ``torch``, ``triton`` or ``auto``.
+    """
+
+    backend: str = "cells"
+    ctx_size: int = 2048
+    num_blocks: int | None = None
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
+    max_batch_tokens: int = 2048
+    prefill_chunk: int | None = None
+    attention: str = "auto"
+    n_seq_max: int = 64
