@@ -36,7 +36,7 @@ import math
 import pathlib
 import re
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
@@ -190,6 +190,8 @@ def _gguf_value(reader: "gguf.GGUFReader", key: str) -> Any:
     String arrays are decoded leniently (invalid UTF-8 -> U+FFFD) so a bad token cannot make
     the whole file unreadable.
     """
+    if isinstance(reader, dict):  # already decoded by this function (infertrace.model.gguf_meta's cache)
+        return reader.get(key)
     field = reader.fields.get(key)
     if field is None:
         return None
@@ -276,7 +278,7 @@ class Tokenizer:
         pre: str | None,
         tokens: list[str],
         token_types: list[int],
-        backend: _HFTokenizer,
+        backend: _HFTokenizer | Callable[[], _HFTokenizer],
         bos_id: int | None,
         eos_id: int | None,
         unk_id: int | None,
@@ -294,7 +296,7 @@ class Tokenizer:
         self.pre = pre
         self._tokens = tokens
         self._types = token_types
-        self._backend = backend
+        self._backend_or_build = backend  # a callable builds it on first encode (inspect never pays for it)
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.unk_id = unk_id
@@ -317,7 +319,22 @@ class Tokenizer:
         ]
         special.sort(key=lambda i: (-len(tokens[i].encode("utf-8")), i))
         self._special_cache = special
-        self._pieces = [self._piece_bytes(i) for i in range(len(tokens))]
+        self._piece_memo: dict[int, bytes] = {}  # token id -> piece bytes, filled on first use
+
+    @property
+    def _backend(self) -> _HFTokenizer:
+        """The ``tokenizers`` backend, built on first use when construction was deferred."""
+        b = self._backend_or_build
+        if callable(b) and not isinstance(b, _HFTokenizer):
+            b = self._backend_or_build = b()
+        return b
+
+    def _piece(self, token_id: int) -> bytes:
+        """:meth:`_piece_bytes` of a checked id, memoised."""
+        p = self._piece_memo.get(token_id)
+        if p is None:
+            p = self._piece_memo[token_id] = self._piece_bytes(token_id)
+        return p
 
     # -----------------------------------------------------------------------------------------
     # construction
@@ -336,7 +353,8 @@ class Tokenizer:
         and for the ``gpt2`` pre-tokenizers llama.cpp marks (llama3 family, tekken), else false.
 
         Args:
-            reader: an open ``gguf.GGUFReader``.
+            reader: an open ``gguf.GGUFReader``, or the ``tokenizer.*`` values it decodes to
+                (:attr:`infertrace.model.gguf_meta.GGUFHeader.values`, e.g. from the cache).
 
         Returns:
             Tokenizer
@@ -479,6 +497,8 @@ class Tokenizer:
     def _byte_level_backend(
         tokens: list[str], merges_raw: list[str], regexes: tuple[str, ...], ignore_merges: bool
     ) -> tuple[_HFTokenizer, int]:
+        """Merges filtered now (their count of dropped ones is a load warning); the BPE backend
+        itself is returned as a builder, run on the first :meth:`encode`."""
         vocab = {t: i for i, t in enumerate(tokens)}
         merges: list[tuple[str, str]] = []
         dropped = 0
@@ -492,14 +512,18 @@ class Tokenizer:
                 merges.append((left, right))
             else:
                 dropped += 1
-        tok = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
-        tok.normalizer = None
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-        tok.decoder = decoders.ByteLevel()
-        return tok, dropped
+
+        def build() -> _HFTokenizer:
+            tok = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+            tok.normalizer = None
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            )
+            tok.decoder = decoders.ByteLevel()
+            return tok
+
+        return build, dropped  # type: ignore[return-value]
 
     @staticmethod
     def _spm_backend(
@@ -772,7 +796,7 @@ class Tokenizer:
         Raises:
             InfertraceError: an id outside ``[0, vocab_size)``.
         """
-        chunks = [self._pieces[self._check_id(i)] for i in ids]
+        chunks = [self._piece(self._check_id(i)) for i in ids]
         if chunks and self.model == "llama" and self.add_space_prefix and chunks[0].startswith(b" "):
             chunks[0] = chunks[0][1:]
         return b"".join(chunks).decode("utf-8", errors="replace")
@@ -786,7 +810,7 @@ class Tokenizer:
         Raises:
             InfertraceError: an id outside ``[0, vocab_size)``.
         """
-        return self._pieces[self._check_id(token_id)].decode("utf-8", errors="backslashreplace")
+        return self._piece(self._check_id(token_id)).decode("utf-8", errors="backslashreplace")
 
     def is_control(self, token_id: int) -> bool:
         """True for control tokens (``token_type`` 3, plus EOG-looking tokens llama.cpp forces to control).

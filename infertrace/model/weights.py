@@ -11,14 +11,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig, config_from_gguf_fields, config_from_hf
-from infertrace.model.rope import unpermute_from_norm
+
+if TYPE_CHECKING:  # torch loads only when tensor data is read (header_only = inspect stays torch-free)
+    import torch
 
 #: progress(done, total, tensor_name)
 Progress = Callable[[int, int, str], None]
@@ -71,14 +72,15 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, progress: Progress | None = None,
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, progress: Progress | None = None,
                     header_only: bool = False) -> Checkpoint:
     """Load a GGUF file or an HF model directory.
 
     Args:
         path: ``*.gguf`` file, or a directory with ``config.json`` + ``model.safetensors``
             (or ``model.safetensors.index.json`` shards) + ``tokenizer.json``.
-        dtype: dtype of the returned weights (dequantised GGUF tensors are float32 first).
+        dtype: dtype of the returned weights (None = ``torch.float32``; dequantised GGUF
+            tensors are float32 first).
         progress: optional callback ``(done, total, name)`` while dequantising.
         header_only: read metadata, tokenizer and the tensor table but no tensor data
             (``weights`` stays empty); what ``inspect`` needs, instant on large files.
@@ -87,6 +89,10 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, progre
         InfertraceError: missing path, pickle checkpoint, wrong magic, truncated file,
             unsupported architecture / quant type / tokenizer.
     """
+    if dtype is None and not header_only:
+        import torch
+
+        dtype = torch.float32
     p = Path(path)
     if not p.exists():
         raise InfertraceError(f"model not found: {p}; pass --model with a .gguf file or an HF model directory")
@@ -100,14 +106,6 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, progre
 
 
 # ----------------------------------------------------------------------------- GGUF
-
-
-def _field_value(f: Any) -> Any:
-    try:
-        v = f.contents()
-    except Exception:  # noqa: BLE001 - gguf raises various errors on odd fields
-        return None
-    return v
 
 
 def read_gguf(p: Path):
@@ -139,47 +137,49 @@ def read_gguf(p: Path):
 
 
 def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_only: bool = False) -> Checkpoint:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from infertrace.model.gguf_meta import load_header
 
-    reader = read_gguf(p)
-    meta: dict[str, Any] = {}
-    for k, f in reader.fields.items():
-        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
-            meta[k] = f"<{len(f.data)} entries>"
-            continue
-        meta[k] = _field_value(f)
-    names = {t.name for t in reader.tensors}
-    if "tokenizer.ggml.tokens" in reader.fields:
-        meta_tokens = list(range(len(reader.fields["tokenizer.ggml.tokens"].data)))
-    else:
-        meta_tokens = []
+    if not header_only:
+        import torch
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        from infertrace.model.rope import unpermute_from_norm
+    # the header (metadata + tensor table) from the cache when the file is unchanged, else from
+    # gguf.GGUFReader (then cached); tensor data is memory-mapped at the offsets gguf-py computed
+    header, _reader = load_header(p, read_gguf)
+    meta: dict[str, Any] = dict(header.display)
+    names = {t.name for t in header.tensors}
+    meta_tokens = list(range(header.n_tokens))
     freq_factors = None
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in header.tensors}
+    mm = np.memmap(p, mode="r")
     if "rope_freqs.weight" in tensors:
-        freq_factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).ravel())
+        rf = header.tensor_data(tensors["rope_freqs.weight"], mm)
+        freq_factors = tuple(float(x) for x in np.asarray(rf, dtype=np.float32).ravel())
     meta_for_cfg = dict(meta)
     meta_for_cfg["tokenizer.ggml.tokens"] = meta_tokens
     cfg = config_from_gguf_fields(meta_for_cfg, names, freq_factors)
 
     from infertrace.model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_gguf(reader)
+    tokenizer = Tokenizer.from_gguf(header.values)
 
     infos: list[TensorInfo] = []
     weights: dict[str, torch.Tensor] = {}
-    total = len(reader.tensors)
-    for i, t in enumerate(reader.tensors):
-        qtype = GGMLQuantizationType(t.tensor_type)
-        infos.append(TensorInfo(t.name, qtype.name, [int(x) for x in t.shape], int(t.n_bytes)))
+    total = len(header.tensors)
+    for i, t in enumerate(header.tensors):
+        infos.append(TensorInfo(t.name, t.type_name, list(t.shape), int(t.n_bytes)))
         if t.name == "rope_freqs.weight" or header_only:
             continue
+        qtype = GGMLQuantizationType(t.type_id)
+        data = header.tensor_data(t, mm)
         try:
             if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                arr = np.asarray(t.data, dtype=np.float32)
+                arr = np.asarray(data, dtype=np.float32)
             else:
                 with np.errstate(all="ignore"):  # broken scales give inf/nan; the engine reports non-finite logits
-                    arr = dequantize(t.data, qtype)
+                    arr = dequantize(data, qtype)
         except NotImplementedError:
             raise InfertraceError(
                 f"tensor {t.name} has quant type {qtype.name}, which gguf-py cannot dequantise; requantise the model (e.g. Q8_0, Q4_K)"
@@ -193,7 +193,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
         if progress:
             progress(i + 1, total, t.name)
     metas = {(t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name):
-             torch.empty([int(x) for x in reversed(list(t.shape))], device="meta") for t in reader.tensors}  # shapes only
+             _Shape(tuple(int(x) for x in reversed(list(t.shape)))) for t in header.tensors}  # shapes only, torch order
     _check_weights(cfg, metas, p.name)
     for i in range(cfg.n_layer if not header_only else 0):
         weights[f"blk.{i}.attn_q"] = unpermute_from_norm(weights[f"blk.{i}.attn_q"], cfg.n_head)
@@ -210,6 +210,13 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     if cfg.tie_embeddings:
         notes.append("no output.weight: lm head tied to token_embd")
     return Checkpoint(cfg, weights, tokenizer, p, infos, meta, notes)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A tensor's shape without its data (what :func:`_check_weights` reads)."""
+
+    shape: tuple[int, ...]
 
 
 def _check_names(cfg: ModelConfig, names: set[str], where: str) -> None:
@@ -252,6 +259,7 @@ def _check_weights(cfg: ModelConfig, w: dict[str, Any], where: str) -> None:
 
 
 def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_only: bool = False) -> Checkpoint:
+    import torch
     from safetensors import safe_open
 
     cfg_path = d / "config.json"
