@@ -152,6 +152,11 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
                      "num_preemptions": r.num_preemptions, "params": r.params.to_dict()})
     options = {"backend": opts.backend, "attention": eng.attn_impl, **(options_for_record or {}),
                "engine": asdict(opts), "layer": layer, "show": list(show)}
-    return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
-                    notes=list(loaded.ckpt.notes) + list(getattr(tok, "warnings", []) or []),
-                    steps=list(rec.steps) if trace else [], requests=reqs)
+    out = RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
+                   notes=list(loaded.ckpt.notes) + list(getattr(tok, "warnings", []) or []),
+                   steps=list(rec.steps) if trace else [], requests=reqs)
+    from infertrace.threads import current
+
+    th = current()
+    out.runtime = {"threads": th.n, "threads_reason": th.reason}
+    return out

@@ -3,7 +3,16 @@ on the same file (fp32) as the independent reference."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# CLI runs choose torch's thread count from the cores idle at that moment; tests keep one fixed
+# count (torch's own default) so results never depend on what else the machine is doing
+if "INFERTRACE_THREADS" not in os.environ:
+    import torch
+
+    os.environ["INFERTRACE_THREADS"] = str(torch.get_num_threads())
 
 
 @pytest.fixture(scope="session")

@@ -65,15 +65,22 @@ def progress_display(enabled: bool) -> Progress:
 _LOADED: dict[tuple, Loaded] = {}
 
 
-def load_with_progress(model: Optional[Path], dtype: str, device: str, progress: Progress) -> Loaded:
+def load_with_progress(model: Optional[Path], dtype: str, device: str, progress: Progress,
+                       threads: Optional[int] = None) -> Loaded:
     """:func:`load_model` with a progress bar while dequantising. Memoised per process on
     (path, size, mtime, dtype, device), so repeated in-process invocations (tests) load once.
+    First sets torch's thread count: ``threads`` (``--threads``) or the cores available now
+    (:func:`infertrace.threads.choose_threads`).
 
     Raises:
-        InfertraceError: as :func:`load_model`.
+        InfertraceError: as :func:`load_model`; ``threads`` < 1.
     """
     from infertrace.model.weights import default_model_path
     from infertrace.runner import load_model
+    from infertrace.threads import apply_threads, choose_threads
+
+    check_min("--threads", threads, 1)
+    apply_threads(choose_threads(threads))
 
     path = Path(model) if model is not None else default_model_path()
     key = None

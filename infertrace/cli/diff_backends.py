@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from infertrace.cli import run_options as o
-from infertrace.cli.common import check_choice, load_with_progress, progress_display, stdout_console
+from infertrace.cli.common import check_min, check_choice, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
 
 HELP = ("Run the same requests through both cache backends (cells and paged) step by step and compare the logical "
@@ -47,12 +47,14 @@ def diff_backends(
     attention: o.Attention = "auto",
     dtype: o.Dtype = "float32",
     device: o.Device = "cpu",
+    threads: o.Threads = None,
 ) -> None:
     """Prints the report; ``typer.Exit(1)`` after it when anything logical differs."""
     if against is not None:
         against = check_choice("--against", against, ("hf", "llama.cpp"))
     if atol is not None and not atol >= 0:
         raise InfertraceError(f"--atol must be >= 0 (got {atol})")
+    check_min("--threads", threads, 1)
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -70,7 +72,7 @@ def diff_backends(
         except ImportError:
             raise InfertraceError("--against llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'") from None
     with progress_display(enabled=not as_json) as progress:
-        loaded = load_with_progress(model, dtype, device, progress)
+        loaded = load_with_progress(model, dtype, device, progress, threads)
         progress.add_task("comparing" + (f" with {against}" if against else " cells and paged in lockstep"), total=None)
         if against is None:
             from infertrace.engine.compare import diff_backends as run_diff

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from infertrace.cli import run_options as o
-from infertrace.cli.common import load_with_progress, progress_display, stdout_console
+from infertrace.cli.common import check_min, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
 from infertrace.kv.dump import dump_kv_at_step, parse_positions
 
@@ -52,6 +52,7 @@ def dump_kv(
     attention: o.Attention = "auto",
     dtype: o.Dtype = "float32",
     device: o.Device = "cpu",
+    threads: o.Threads = None,
 ) -> None:
     """Every user error is one ``error:`` line, exit 2 (including a step out of range)."""
     if step < 0:
@@ -70,6 +71,7 @@ def dump_kv(
             raise InfertraceError("--prompt/--prompts are for a live run; the saved trace DIR already holds its prompts")
         d = dump_saved(trace_dir, step, layer=layer, head=head, positions=pos, full=full)
         return typer.echo(json.dumps(d, ensure_ascii=False)) if as_json else render_kv_dump(stdout_console(), d)
+    check_min("--threads", threads, 1)
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -77,7 +79,7 @@ def dump_kv(
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
         attention=attention, dtype=dtype, device=device)
     with progress_display(enabled=not as_json) as progress:
-        loaded = load_with_progress(model, dtype, device, progress)
+        loaded = load_with_progress(model, dtype, device, progress, threads)
         progress.add_task(f"running to step {step}", total=None)
         d = dump_kv_at_step(loaded, specs, opts, step, layer=layer, head=head, positions=pos, full=full)
     if as_json:

@@ -95,6 +95,7 @@ def run(
     keep: Annotated[Optional[str], typer.Option("--keep", help="With --save: summary (trace.json only) or tensors (also Q/K/V, K/V cache, hidden, top-k logits of --layers; default).")] = None,
     layers: Annotated[Optional[str], typer.Option("--layers", help="With --save --keep tensors: layers whose tensors are kept, e.g. 0,5 or 0..3 or all (default: --layer).")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --save: replace the trace in a non-empty directory.")] = False,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)] = None,
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
@@ -105,6 +106,7 @@ def run(
     if save is not None:
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
+    check_min("--threads", threads, 1)
     from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
     from infertrace.runner import run_requests  # the engine (torch) loads only when a run starts
 
@@ -117,7 +119,7 @@ def run(
 
     # -- load and run (progress on stderr only)
     with progress_display(enabled=not as_json) as progress:
-        loaded = load_with_progress(model, dtype, device, progress)
+        loaded = load_with_progress(model, dtype, device, progress, threads)
         task = progress.add_task("running steps", total=None)
 
         def on_step(st: Any) -> None:

@@ -40,6 +40,7 @@ PrefillChunk = Annotated[Optional[int], typer.Option("--prefill-chunk", help="Ma
 Attention = Annotated[str, typer.Option("--attention", help="Attention implementation: torch, triton (paged only) or auto.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
+Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
 
 D = SamplingParams  # defaults

@@ -89,7 +89,9 @@ class GGUFHeader:
         """
         mm = np.memmap(self.path, mode="r") if mm is None else mm
         dt = np.dtype(t.np_dtype)
-        return mm[t.data_offset: t.data_offset + t.n_bytes].view(dt).reshape(t.np_shape)
+        # a plain ndarray over the mapping: dequantising memmap-subclass views costs one
+        # __array_finalize__ per row split (seconds on a 135M model)
+        return np.asarray(mm[t.data_offset: t.data_offset + t.n_bytes]).view(dt).reshape(t.np_shape)
 
 
 # ----------------------------------------------------------------------------- reading with gguf-py

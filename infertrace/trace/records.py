@@ -9,7 +9,7 @@ block table, slot mapping, seq_lens / kv_lens / cu_seqlens.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 SCHEMA_VERSION = 1
 
@@ -180,6 +180,9 @@ class RunTrace:
     steps: list[StepTrace]
     requests: list[dict[str, Any]]  # seq_id, prompt, prompt_ids, output_ids, text, stop_reason
     schema_version: int = SCHEMA_VERSION
+    #: machine facts of the run, like ``time_ms`` kept out of ``to_dict``/trace.json (timing.json
+    #: holds them): ``{"threads": int, "threads_reason": str}``; an instance sets its own dict
+    runtime: ClassVar[dict[str, Any]] = {}
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

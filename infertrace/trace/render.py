@@ -143,6 +143,9 @@ def render_header(console: Console, trace: RunTrace) -> None:
     lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))
+    if trace.runtime.get("threads"):
+        n = trace.runtime["threads"]
+        lines.append(("cpu", f"{n} thread{'s' if n != 1 else ''} ({trace.runtime.get('threads_reason', '')})"))
     for n in trace.notes:
         lines.append(("note", Text(n, style="yellow")))
     console.print(Panel(_facts(lines), title="[b]infertrace run[/b]", title_align="left", box=box.ROUNDED))

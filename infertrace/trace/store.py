@@ -96,7 +96,8 @@ def save_trace(trace: RunTrace, directory: str | Path, tensors: dict[str, Any] |
         text = canonical_json(manifest_dict(trace, store)).encode("utf-8")
         _write(d / MANIFEST, text)
         written[MANIFEST] = len(text)
-        timing = canonical_json({"steps": [{"step": s.step, "time_ms": s.time_ms} for s in trace.steps]}).encode()
+        timing = canonical_json({"steps": [{"step": s.step, "time_ms": s.time_ms} for s in trace.steps],
+                                 **({"runtime": trace.runtime} if trace.runtime else {})}).encode()
         _write(d / TIMING, timing)
         written[TIMING] = len(timing)
     except OSError as e:
@@ -245,12 +246,18 @@ def load_trace(directory: str | Path, timings: bool = True, manifest: dict[str, 
     d = d.parent if d.is_file() else d
     tr = trace_from_manifest(m, _where(d))
     if timings and (d / TIMING).is_file():
+        rt: Any = None
         try:
-            t = {s["step"]: float(s["time_ms"]) for s in json.loads((d / TIMING).read_text())["steps"]}
-        except (OSError, ValueError, KeyError, TypeError):
+            doc = json.loads((d / TIMING).read_text())
+            t = {s["step"]: float(s["time_ms"]) for s in doc["steps"]}
+            rt = doc.get("runtime")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             t = {}  # timings are informational; a broken timing.json only loses them
         for st in tr.steps:
             st.time_ms = t.get(st.step, st.time_ms)
+        if (isinstance(rt, dict) and isinstance(rt.get("threads"), int) and not isinstance(rt["threads"], bool)
+                and 1 <= rt["threads"] <= 65536 and isinstance(rt.get("threads_reason"), str)):
+            tr.runtime = {"threads": rt["threads"], "threads_reason": rt["threads_reason"][:200]}
     return tr
 
 
