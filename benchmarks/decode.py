@@ -111,10 +111,13 @@ def main() -> None:
     ap.add_argument("--backend", default="cells")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-load", action="store_true", help="skip the runs beside a busy process")
+    ap.add_argument("--threads", type=int, default=None, help="threads for the first table (default: the policy)")
     a = ap.parse_args()
     default_threads = torch.get_num_threads()
-    print(f"torch {torch.__version__}, default threads {default_threads}, model {default_model_path().name}, "
-          f"{a.tokens} decode tokens, {a.repeats} alternating repeats")
+    choice = choose_threads(a.threads)
+    torch.set_num_threads(choice.n)
+    print(f"torch {torch.__version__}, default threads {default_threads}, first table on {choice.n} ({choice.reason}), "
+          f"model {default_model_path().name}, {a.tokens} decode tokens, {a.repeats} alternating repeats")
     models = {dtype: load_model(dtype=dtype) for dtype in dict.fromkeys([a.dtype, "float16"])}
     for loaded in models.values():
         engine_decode_tps(loaded, 4, False, a.backend)  # warm-up

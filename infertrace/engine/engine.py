@@ -8,16 +8,17 @@ sample, update requests) and llama.cpp server ``update_slots`` -> ``llama_decode
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from infertrace.engine.options import EngineOptions  # noqa: F401 - torch-free home; re-exported
 from infertrace.engine.request import Request
-from infertrace.engine.sampler import SamplingParams, sample
+from infertrace.engine.sampler import SampleResult, SamplingParams, sample
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import ChunkSpec
+from infertrace.kv.base import AttnInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.paged import PagedKV
 from infertrace.model.llama import NULL_TRACER, LlamaModel
@@ -25,6 +26,44 @@ from infertrace.model.llama import NULL_TRACER, LlamaModel
 
 #: idle steps (waiting for an arrival) recorded one by one; a longer wait is skipped in one jump.
 MAX_IDLE_RECORDED = 64
+
+
+@dataclass
+class StepContext:
+    """What the engine hands ``tracer.end_step`` after each step (typed; read by attribute).
+
+    Attributes:
+        step: step number. batch: the :class:`ScheduledBatch` (chunks in packed order).
+        inp: the step's :class:`AttnInputs`; None for an idle step (nothing scheduled).
+        kv: the KV backend (state after the step's writes). attention: attention impl name.
+        logits: ``[M, V]`` float, rows ``logits_rows`` of the packed batch (None when idle).
+        samples: ``{seq_id: SampleResult}``. finished: ``{seq_id: stop reason}``.
+        requests: every request the engine holds, by seq_id. time_ms: wall time of the step.
+
+    ``ctx["step"]`` and ``ctx.get("time_ms")`` still work, for tracers written against the
+    dict this replaced.
+    """
+
+    step: int
+    batch: ScheduledBatch
+    inp: AttnInputs | None
+    kv: Any
+    attention: str
+    logits: torch.Tensor | None
+    logits_rows: list[int]
+    samples: dict[int, SampleResult]
+    finished: dict[int, str]
+    requests: dict[int, Request]
+    time_ms: float = 0.0
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
 
 
 def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
@@ -126,10 +165,10 @@ class Engine:
         if not batch.chunks:  # idle: waiting for a later arrival; recorded so the step numbers have no gaps
             if self.tracer.enabled:
                 self.tracer.begin_step()
-                self.tracer.end_step({"step": self.step_no, "batch": batch, "inp": None, "kv": self.kv,
-                                      "attention": self.attn_impl, "logits": None, "logits_rows": [], "samples": {},
-                                      "finished": {}, "requests": self.requests,
-                                      "time_ms": (time.perf_counter() - t0) * 1e3})
+                self.tracer.end_step(StepContext(step=self.step_no, batch=batch, inp=None, kv=self.kv,
+                                                 attention=self.attn_impl, logits=None, logits_rows=[], samples={},
+                                                 finished={}, requests=self.requests,
+                                                 time_ms=(time.perf_counter() - t0) * 1e3))
             sch = self.scheduler
             if not sch.running and not sch.waiting and sch.future and sch.future[0].arrival_step - self.step_no > MAX_IDLE_RECORDED:
                 self.step_no = sch.future[0].arrival_step  # fast-forward a long wait (one idle record, then a gap)
@@ -173,9 +212,9 @@ class Engine:
             if reason:
                 finished[req.seq_id] = reason
         if tracer.enabled:
-            tracer.end_step({"step": self.step_no, "batch": batch, "inp": inp, "kv": self.kv, "attention": self.attn_impl,
-                             "logits": logits, "logits_rows": rows, "samples": samples, "finished": finished,
-                             "requests": self.requests, "time_ms": (time.perf_counter() - t0) * 1e3})
+            tracer.end_step(StepContext(step=self.step_no, batch=batch, inp=inp, kv=self.kv, attention=self.attn_impl,
+                                        logits=logits, logits_rows=rows, samples=samples, finished=finished,
+                                        requests=self.requests, time_ms=(time.perf_counter() - t0) * 1e3))
         for sid, reason in finished.items():
             self.scheduler.finish(self.requests[sid], reason)
         self.step_no += 1

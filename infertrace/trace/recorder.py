@@ -6,14 +6,17 @@ tensor the engine uses.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from infertrace.ranges import ranges_text
 from infertrace.model.rope import inv_freq_table
+from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES  # noqa: F401 - re-exported (defined torch-free in records)
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
+
+if TYPE_CHECKING:
+    from infertrace.engine.engine import StepContext
 
 
 def _r(x: float, nd: int = 6) -> float:
@@ -78,19 +81,19 @@ class Recorder:
         self._rope = {}
 
     # ------------------------------------------------------------------ build
-    def end_step(self, ctx: dict[str, Any]) -> StepTrace:
+    def end_step(self, ctx: StepContext) -> StepTrace:
         """Build and keep the step record.
 
-        ``ctx`` keys: step, batch (ScheduledBatch), inp (AttnInputs), kv (backend),
-        attention (impl name), logits ``[M, V]``, logits_rows, samples {seq_id: SampleResult},
-        finished {seq_id: reason}, time_ms. An idle step (nothing scheduled) has ``inp`` None
-        and an empty batch: its record has ``N = 0``, ``batch = []`` and only the cache state.
+        ``ctx``: the engine's :class:`~infertrace.engine.engine.StepContext` (step, batch,
+        inp, kv, attention, logits ``[M, V]``, logits_rows, samples, finished, requests,
+        time_ms). An idle step (nothing scheduled) has ``inp`` None and an empty batch: its
+        record has ``N = 0``, ``batch = []`` and only the cache state.
         """
-        batch, inp, kv = ctx["batch"], ctx["inp"], ctx["kv"]
+        batch, inp, kv = ctx.batch, ctx.inp, ctx.kv
         if inp is None:  # idle step: nothing scheduled (waiting for arrivals); N = 0, no variables but the cache
-            st = StepTrace(step=ctx["step"], backend=kv.kind, attention=ctx["attention"], N=0, batch=[],
+            st = StepTrace(step=ctx.step, backend=kv.kind, attention=ctx.attention, N=0, batch=[],
                            preempted=list(batch.preempted), admitted=list(batch.admitted),
-                           time_ms=_r(ctx.get("time_ms", 0.0), 3))
+                           time_ms=_r(ctx.time_ms, 3))
             if "kv" in self.show:
                 st.kv = self._kv(batch, None, kv)
             self.steps.append(st)
@@ -100,12 +103,12 @@ class Recorder:
         for i, ch in enumerate(batch.chunks):
             rows_of[ch.req.seq_id] = list(range(row, row + ch.T))
             row += ch.T
-        for j, r in enumerate(ctx["logits_rows"]):
+        for j, r in enumerate(ctx.logits_rows):
             logits_row[r] = j
         reqs = []
         for ch, m in zip(batch.chunks, logical):
             sid = ch.req.seq_id
-            s = ctx["samples"].get(sid)
+            s = ctx.samples.get(sid)
             vis = [ranges_text([j for j in range(m.shape[1]) if bool(m[i, j])]) for i in range(ch.T)]
             reqs.append(ReqStep(
                 seq_id=sid, phase=ch.phase, C=ch.C, T=ch.T, token_ids=list(ch.token_ids),
@@ -113,10 +116,10 @@ class Recorder:
                 visible=vis, cache_before=ranges_text(range(ch.C)), cache_after=ranges_text(range(ch.C + ch.T)),
                 rows=rows_of[sid], logits_row=logits_row.get(rows_of[sid][-1]) if ch.need_logits else None,
                 sampled=s.token if s else None, sampled_piece=self.tok.piece(s.token) if s else None,
-                finished=ctx["finished"].get(sid),
+                finished=ctx.finished.get(sid),
             ))
-        st = StepTrace(step=ctx["step"], backend=kv.kind, attention=ctx["attention"], N=batch.N, batch=reqs,
-                       preempted=list(batch.preempted), admitted=list(batch.admitted), time_ms=_r(ctx.get("time_ms", 0.0), 3))
+        st = StepTrace(step=ctx.step, backend=kv.kind, attention=ctx.attention, N=batch.N, batch=reqs,
+                       preempted=list(batch.preempted), admitted=list(batch.admitted), time_ms=_r(ctx.time_ms, 3))
         if "hidden" in self.show and "embed" in self._taps:
             st.hidden = self._hidden(batch, self._taps["embed"]["hidden"])
         if "positions" in self.show:
@@ -132,7 +135,7 @@ class Recorder:
         self.steps.append(st)
         return st
 
-    def _capture(self, ctx: dict[str, Any], step: int) -> None:
+    def _capture(self, ctx: StepContext, step: int) -> None:
         """Copy this step's tensors into ``self.tensors`` (CPU, contiguous, compute dtype):
 
         ``step{s}/hidden`` ``[N, H]`` (embedding output); per layer ``l`` in ``tensor_layers``:
@@ -157,13 +160,13 @@ class Recorder:
             for src, name in names:
                 if src in t:
                     out[f"{p}layer{il}/{name}"] = keep(t[src])
-            for sid in sorted(ctx["requests"]):  # every request holding cache, computed this step or not
-                if ctx["kv"].seq_len(sid) == 0:
+            for sid in sorted(ctx.requests):  # every request holding cache, computed this step or not
+                if ctx.kv.seq_len(sid) == 0:
                     continue
-                k, v = ctx["kv"].read(il, sid)  # [len, n_kv, hd] each
+                k, v = ctx.kv.read(il, sid)  # [len, n_kv, hd] each
                 out[f"{p}layer{il}/seq{sid}/k_cache"] = keep(k)
                 out[f"{p}layer{il}/seq{sid}/v_cache"] = keep(v)
-        logits = ctx["logits"]  # [M, V]
+        logits = ctx.logits  # [M, V]
         if logits.shape[0]:
             vals, ids = torch.topk(logits.float(), min(self.top_k_tensors, logits.shape[-1]), dim=-1)  # [M, k]
             out[p + "logits_topk_values"], out[p + "logits_topk_ids"] = keep(vals), keep(ids.to(torch.int64))
@@ -274,15 +277,15 @@ class Recorder:
         dtype = kv.k[0].dtype if kv.kind == "cells" else kv.pool[0].dtype
         return KVRec(kv.kind, _dtype(dtype), cfg.n_layer, per, view, snap, phys)
 
-    def _decode(self, ctx: dict[str, Any], reqs: list[ReqStep]) -> DecodeRec:
-        logits = ctx["logits"]
+    def _decode(self, ctx: StepContext, reqs: list[ReqStep]) -> DecodeRec:
+        logits = ctx.logits
         per = []
         for r in reqs:
-            s = ctx["samples"].get(r.seq_id)
+            s = ctx.samples.get(r.seq_id)
             if s is None:
                 per.append({"seq_id": r.seq_id, "row": None, "note": "prefill chunk: no logits needed"})
                 continue
-            req = ctx["requests"][r.seq_id]
+            req = ctx.requests[r.seq_id]
             per.append({
                 "seq_id": r.seq_id, "row": r.logits_row, "sampler": req.params.to_dict(),
                 "top": [{"id": i, "piece": self.tok.piece(i), "logit": _r(lg, 5), "prob": _r(p, 5)} for i, lg, p in s.top[: self.top_k]],
@@ -290,4 +293,4 @@ class Recorder:
                 "next_input": None if r.finished else s.token, "next_pos": None if r.finished else r.positions[-1] + 1,
                 "stop": r.finished,
             })
-        return DecodeRec(list(logits.shape), _dtype(logits), list(ctx["logits_rows"]), per)
+        return DecodeRec(list(logits.shape), _dtype(logits), list(ctx.logits_rows), per)
