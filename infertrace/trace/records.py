@@ -9,7 +9,7 @@ block table, slot mapping, seq_lens / kv_lens / cu_seqlens.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 SCHEMA_VERSION = 1
 
@@ -180,9 +180,9 @@ class RunTrace:
     steps: list[StepTrace]
     requests: list[dict[str, Any]]  # seq_id, prompt, prompt_ids, output_ids, text, stop_reason
     schema_version: int = SCHEMA_VERSION
-    #: machine facts of the run, like ``time_ms`` kept out of ``to_dict``/trace.json (timing.json
-    #: holds them): ``{"threads": int, "threads_reason": str}``; an instance sets its own dict
-    runtime: ClassVar[dict[str, Any]] = {}
+    #: machine facts of the run, like ``time_ms``: in ``to_dict`` (``run --json``) but not in
+    #: trace.json (timing.json holds them): ``{"threads": int, "threads_reason": str}`` or empty
+    runtime: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -192,4 +192,13 @@ class RunTrace:
     def from_dict(d: dict[str, Any]) -> "RunTrace":
         return RunTrace(model=d["model"], config=d["config"], options=d["options"], notes=list(d.get("notes", [])),
                         steps=[StepTrace.from_dict(s) for s in d["steps"]], requests=list(d["requests"]),
-                        schema_version=int(d.get("schema_version", SCHEMA_VERSION)))
+                        schema_version=int(d.get("schema_version", SCHEMA_VERSION)), runtime=checked_runtime(d.get("runtime")))
+
+
+def checked_runtime(rt: Any) -> dict[str, Any]:
+    """``RunTrace.runtime`` from untrusted JSON: ``{"threads": 1..65536, "threads_reason": str}``
+    (reason cut at 200 characters), or ``{}`` for anything else."""
+    if (isinstance(rt, dict) and isinstance(rt.get("threads"), int) and not isinstance(rt["threads"], bool)
+            and 1 <= rt["threads"] <= 65536 and isinstance(rt.get("threads_reason"), str)):
+        return {"threads": rt["threads"], "threads_reason": rt["threads_reason"][:200]}
+    return {}

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from infertrace.errors import InfertraceError
 from infertrace.trace.records import (SCHEMA_VERSION, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep,
-                                      RowStat, RunTrace, StepTrace)
+                                      RowStat, RunTrace, StepTrace, checked_runtime)
 
 MANIFEST, TENSORS, TIMING = "trace.json", "tensors.safetensors", "timing.json"
 KEEP = ("summary", "tensors")
@@ -47,6 +47,7 @@ def manifest_dict(trace: RunTrace, store: dict[str, Any] | None = None) -> dict[
     """``trace.to_dict()`` without the timing fields (they are not part of the run's content),
     plus the ``store`` section (keep, tensor index)."""
     d = trace.to_dict()
+    d.pop("runtime", None)  # machine facts (threads): timing.json
     for st in d["steps"]:
         for k in TIMING_FIELDS:
             st.pop(k, None)
@@ -255,9 +256,7 @@ def load_trace(directory: str | Path, timings: bool = True, manifest: dict[str, 
             t = {}  # timings are informational; a broken timing.json only loses them
         for st in tr.steps:
             st.time_ms = t.get(st.step, st.time_ms)
-        if (isinstance(rt, dict) and isinstance(rt.get("threads"), int) and not isinstance(rt["threads"], bool)
-                and 1 <= rt["threads"] <= 65536 and isinstance(rt.get("threads_reason"), str)):
-            tr.runtime = {"threads": rt["threads"], "threads_reason": rt["threads_reason"][:200]}
+        tr.runtime = checked_runtime(rt)
     return tr
 
 
