@@ -19,7 +19,7 @@ import typer
 
 from infertrace.cli import inspect_cmd, run
 from infertrace.cli import diff_backends, dump_kv
-from infertrace.cli import diff_cmd, report_cmd, show
+from infertrace.cli import check_cmd, diff_cmd, report_cmd, show
 from infertrace.errors import InfertraceError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -96,6 +96,7 @@ app.command("diff-backends", help=diff_backends.HELP, no_args_is_help=True)(cli_
 app.command("show", help=show.HELP, no_args_is_help=True)(cli_errors(show.show))
 app.command("diff", help=diff_cmd.HELP, no_args_is_help=True)(cli_errors(diff_cmd.diff))
 app.command("report", help=report_cmd.HELP, no_args_is_help=True)(cli_errors(report_cmd.report))
+app.command("check", help=check_cmd.HELP, no_args_is_help=True)(cli_errors(check_cmd.check))
 
 
 def main() -> None:

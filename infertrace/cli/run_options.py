@@ -37,6 +37,8 @@ PrefillChunk = Annotated[Optional[int], typer.Option("--prefill-chunk", help="Ma
 Attention = Annotated[str, typer.Option("--attention", help="Attention implementation: torch, triton (paged only) or auto.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
+SamplerOrder = Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature, then top-k/top-p/min-p: HF, vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last: common_sampler). Default: the convention of the runtime mirrored (cells and --engine llama.cpp: llama.cpp; paged: hf).")]
+EngineName = Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine, --backend cells or paged) or llama.cpp (llama.cpp itself through llama-cpp-python; its graph inputs and cache are captured).")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
 
 D = SamplingParams  # defaults
@@ -47,8 +49,8 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                      max_new_tokens: int, chat: bool, temperature: float, top_k: int, top_p: float, min_p: float,
                      repetition_penalty: float, seed: int, ignore_eos: bool, backend: str, ctx_size: int,
                      num_blocks: Optional[int], tokens_per_block: int, max_batch_tokens: int,
-                     prefill_chunk: Optional[int], attention: str, dtype: str, device: str
-                     ) -> tuple[list[PromptSpec], EngineOptions]:
+                     prefill_chunk: Optional[int], attention: str, dtype: str, device: str,
+                     sampler_order: Optional[str] = None) -> tuple[list[PromptSpec], EngineOptions]:
     """Validate ``run``'s options (before any model loads) and build the requests and engine options.
 
     Returns:
@@ -59,6 +61,10 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
         InfertraceError: any invalid option, with the option's name in the one-line message.
     """
     backend = check_choice("--backend", backend, BACKENDS)
+    if sampler_order is not None:
+        from infertrace.engine.sampler import ORDERS
+
+        sampler_order = check_choice("--sampler-order", sampler_order, ORDERS)
     attention = check_choice("--attention", attention, ATTENTION)
     device = check_choice("--device", device, DEVICES)
     parse_dtype(dtype)
@@ -94,5 +100,6 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     if not specs:
         raise InfertraceError("no prompt given; pass --prompt TEXT (repeatable) or --prompts FILE.jsonl")
     opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
-                         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention)
+                         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention,
+                         sampler_order=sampler_order)
     return specs, opts

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from infertrace.engine.request import Request
-from infertrace.engine.sampler import SamplingParams, sample
+from infertrace.engine.sampler import SampleResult, SamplingParams, default_order, sample
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
@@ -37,6 +37,8 @@ class EngineOptions:
     num_blocks / tokens_per_block: paged pool (num_blocks None = ctx_size / tokens_per_block).
     max_batch_tokens / prefill_chunk: scheduler budget and chunked prefill.
     attention: ``torch``, ``triton`` or ``auto``.
+    sampler_order: ``hf`` or ``llama.cpp`` (None: the backend's runtime, see
+        :func:`~infertrace.engine.sampler.default_order`).
     """
 
     backend: str = "cells"
@@ -47,6 +49,7 @@ class EngineOptions:
     prefill_chunk: int | None = None
     attention: str = "auto"
     n_seq_max: int = 64
+    sampler_order: str | None = None
 
 
 def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
@@ -99,6 +102,11 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.step_no = 0
         self.eog = set(getattr(tokenizer, "eog_ids", ()) or ())
+        self.sampler_order = self.opts.sampler_order or default_order("infertrace", self.opts.backend)
+
+    def sample_row(self, logits: torch.Tensor, req: Request) -> SampleResult:
+        """The next token of ``req`` from its logits row ``[V]`` (subclasses force tokens here)."""
+        return sample(logits, req.params, req.all_ids, req.generator, order=self.sampler_order)
 
     def _resolve_attention(self, req: str) -> str:
         if self.opts.backend == "cells":
@@ -181,7 +189,7 @@ class Engine:
             req.num_computed += c.T
             if not c.need_logits:
                 continue
-            res = sample(logits[j], req.params, req.all_ids, req.generator)
+            res = self.sample_row(logits[j], req)
             j += 1
             samples[req.seq_id] = res
             req.output_ids.append(res.token)
