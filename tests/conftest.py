@@ -30,3 +30,15 @@ def hf_smol(smol_path):
                                                               dtype=torch.float32)
     model.eval()
     return tok, model
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """llama-cpp-python, required: ``make test`` installs it (``pip install -e '.[dev,llamacpp]'``). A
+    machine that cannot build it fails these tests by name instead of skipping them."""
+    try:
+        import llama_cpp as mod
+    except ImportError as e:  # not a skip: the comparison with llama.cpp is part of the suite
+        pytest.fail(f"llama-cpp-python is not importable ({e}); install it with pip install -e '.[dev,llamacpp]' "
+                    "(builds llama.cpp from source: needs gcc/g++ and cmake)", pytrace=False)
+    return mod

@@ -21,13 +21,20 @@ HELP = ("Run the same requests through both cache backends (cells and paged) ste
         "a logical mismatch. --against hf|llama.cpp compares our engine with an external implementation instead.")
 
 
+def _jsonable(x: object) -> object:
+    """JSON for the few non-JSON values of a report (frozensets of seq_ids)."""
+    if isinstance(x, (set, frozenset)):
+        return sorted(x)
+    raise TypeError(type(x).__name__)
+
+
 def diff_backends(
     prompt: o.Prompt = None,
     prompts: o.Prompts = None,
     model: o.Model = None,
     arrival: o.Arrival = None,
     against: Annotated[Optional[str], typer.Option("--against", help="Compare our engine (--backend) with hf (transformers) or llama.cpp (llama-cpp-python) instead of the other backend.")] = None,
-    atol: Annotated[Optional[float], typer.Option("--atol", help="Tolerance on logits and K/V (default 1e-4 for float32 backends; 1e-3 against hf; 1.0 against llama.cpp).")] = None,
+    atol: Annotated[Optional[float], typer.Option("--atol", help="Tolerance on logits and K/V (default 1e-4 for float32 backends; 1e-3 against hf). Against llama.cpp the tolerance is a measured noise floor instead (ours float32 vs ours bfloat16); --atol is refused there.")] = None,
     as_json: o.Json = False,
     max_new_tokens: o.MaxNewTokens = o.D.max_new_tokens,
     chat: o.Chat = False,
@@ -47,10 +54,14 @@ def diff_backends(
     attention: o.Attention = "auto",
     dtype: o.Dtype = "float32",
     device: o.Device = "cpu",
+    layer: Annotated[int, typer.Option("--layer", help="With --against llama.cpp: the layer whose K/V are compared.")] = 0,
+    sampler_order: o.SamplerOrder = None,
 ) -> None:
     """Prints the report; ``typer.Exit(1)`` after it when anything logical differs."""
     if against is not None:
         against = check_choice("--against", against, ("hf", "llama.cpp"))
+    if atol is not None and against == "llama.cpp":
+        raise InfertraceError("--atol does not apply to --against llama.cpp: its tolerance is a measured noise floor; drop --atol")
     if atol is not None and not atol >= 0:
         raise InfertraceError(f"--atol must be >= 0 (got {atol})")
     specs, opts = o.build_run_inputs(
@@ -58,7 +69,7 @@ def diff_backends(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device)
+        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order)
     if against == "hf":  # fail before loading anything
         try:
             import transformers  # noqa: F401
@@ -76,15 +87,26 @@ def diff_backends(
             from infertrace.engine.compare import diff_backends as run_diff
 
             rep = run_diff(loaded, specs, opts, atol=atol)
+        elif against == "llama.cpp":
+            from infertrace.engine.llamacpp_compare import compare_with_llamacpp
+
+            if backend != "cells" or dtype.lower() not in ("float32", "fp32"):
+                raise InfertraceError("--against llama.cpp compares the cells backend in float32 (the base side); drop --backend/--dtype")
+            rep = compare_with_llamacpp(loaded, specs, opts, layer=layer)
         else:
             from infertrace.engine.against import compare_with_reference
 
             rep = compare_with_reference(loaded, specs, opts, against, atol=atol)
     if as_json:
-        typer.echo(json.dumps(rep, ensure_ascii=False))
+        typer.echo(json.dumps(rep, ensure_ascii=False, default=_jsonable))
     else:
         from infertrace.trace.render_compare import render_backends_diff, render_reference_diff
 
-        (render_backends_diff if against is None else render_reference_diff)(stdout_console(), rep)
+        if against == "llama.cpp":
+            from infertrace.trace.render_llamacpp import render_llamacpp_diff
+
+            render_llamacpp_diff(stdout_console(), rep)
+        else:
+            (render_backends_diff if against is None else render_reference_diff)(stdout_console(), rep)
     if not rep["identical"]:
         raise typer.Exit(1)

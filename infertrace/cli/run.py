@@ -27,6 +27,7 @@ HELP = ("Generate from prompts and show, step by step, the five inference variab
         "mask, kv, decode. First a table like the study's worked example, then one panel per variable per step.")
 
 BACKENDS = ("cells", "paged")
+ENGINES = ("infertrace", "llama.cpp")
 ATTENTION = ("torch", "triton", "auto")
 DEVICES = ("cpu", "cuda")
 
@@ -267,6 +268,8 @@ def run(
     keep: Annotated[Optional[str], typer.Option("--keep", help="With --save: summary (trace.json only) or tensors (also Q/K/V, K/V cache, hidden, top-k logits of --layers; default).")] = None,
     layers: Annotated[Optional[str], typer.Option("--layers", help="With --save --keep tensors: layers whose tensors are kept, e.g. 0,5 or 0..3 or all (default: --layer).")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --save: replace the trace in a non-empty directory.")] = False,
+    engine: Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine) or llama.cpp (llama.cpp itself via llama-cpp-python, GGUF only; its inp_pos, kq_mask, cells, K/V and logits are recorded).")] = "infertrace",
+    sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --engine llama.cpp: llama.cpp; paged: hf.")] = None,
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
@@ -277,6 +280,15 @@ def run(
     if save is not None:
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
+    engine = check_choice("--engine", engine, ENGINES)
+    if engine == "llama.cpp":
+        from infertrace.engine.llamacpp_capture import import_llama_cpp
+
+        import_llama_cpp()  # fail before loading anything
+        if backend.strip().lower() != "cells":
+            raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
+        if device != "cpu" or dtype.lower() not in ("float32", "fp32"):
+            raise InfertraceError("--engine llama.cpp computes on llama.cpp's CPU backend; drop --device/--dtype")
     from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
 
     specs, opts = build_run_inputs(
@@ -284,7 +296,7 @@ def run(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device)
+        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order)
 
     # -- load and run (progress on stderr only)
     with progress_display(enabled=not as_json) as progress:
@@ -296,9 +308,17 @@ def run(
 
         tensor_layers = (parse_layers(layers, loaded.config.n_layer) or [layer]) if keep_tensors else None
         tensors: Optional[dict] = {} if keep_tensors else None
-        trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                             options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
-                             tensor_layers=tensor_layers)
+        if engine == "llama.cpp":
+            from infertrace.engine.llamacpp_engine import run_requests_llamacpp
+
+            if tensor_layers is not None and tensor_layers != [layer]:
+                raise InfertraceError(f"--engine llama.cpp captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
+            trace = run_requests_llamacpp(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
+                                          options_for_record={"dtype": dtype, "device": device}, tensors=tensors)
+        else:
+            trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
+                                 options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
+                                 tensor_layers=tensor_layers)
     if save is not None:
         from infertrace.trace.render import human_bytes
 

@@ -143,6 +143,7 @@ class LlamaCppContext:
             llama_cpp.llama_model_free(self.model)
             raise InfertraceError("llama.cpp cannot create a context (lower --ctx-size or --max-batch-tokens)")
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.n_batch = n_batch
         self.mem = llama_cpp.llama_get_memory(self.ctx)
 
     def _silence(self) -> None:

@@ -156,11 +156,7 @@ class LlamaCppKV(CellsKV):
         """``llama_memory_seq_rm(seq_id, -1, -1)``; head moves back to the first freed cell
         (``llama_kv_cache::seq_rm``)."""
         self.lctx.seq_rm(seq_id)
-        before = self.pos >= 0
         super().release(seq_id)
-        freed = (before & (self.pos < 0)).nonzero().flatten()
-        if freed.numel() and int(freed[0]) < self.head:
-            self.head = int(freed[0])
 
 
 class LlamaCppModel:
@@ -235,6 +231,7 @@ class LlamaCppEngine(Engine):
         super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)
         self.kv = self.scheduler.kv = LlamaCppKV(loaded.config, self.lctx, opts.n_seq_max, layer)
         self.forced = forced or {}
+        self.attn_impl = "llama.cpp"
         self.sampler_order = opts.sampler_order or "llama.cpp"
 
     def sample_row(self, logits: torch.Tensor, req: Any) -> SampleResult:
@@ -287,5 +284,44 @@ def _version() -> str:
         return "?"
 
 
-def engine_options_record(opts: EngineOptions) -> dict[str, Any]:
-    return asdict(opts)
+def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: int = 0,
+                          show: tuple[str, ...] | None = None, on_step: Callable[[Any], None] | None = None,
+                          options_for_record: dict[str, Any] | None = None,
+                          tensors: dict[str, torch.Tensor] | None = None,
+                          forced: dict[int, list[int]] | None = None) -> Any:
+    """:func:`infertrace.runner.run_requests` with llama.cpp computing: the same records, with
+    ``engine = "llama.cpp"`` in the header.
+
+    Args:
+        loaded: the GGUF model (our tokenizer and config; llama.cpp loads the same file).
+        tensors: as ``run_requests`` (layer ``layer`` only: K/V cache, Q/K/V, hidden, top-k logits).
+        forced: teacher forcing (see :class:`LlamaCppEngine`).
+
+    Raises:
+        InfertraceError: bad layer, llama-cpp-python missing, non-GGUF model, decode failure.
+    """
+    from infertrace.runner import model_identity
+    from infertrace.trace.recorder import VARIABLES, Recorder
+    from infertrace.trace.records import RunTrace
+
+    cfg = loaded.config
+    if not 0 <= layer < cfg.n_layer:
+        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
+    if not prompts:
+        raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
+    show = tuple(show or VARIABLES)
+    rec = Recorder(loaded.tokenizer, cfg, layer=layer, show=show, layers=[layer], tensors=tensors)
+    eng, notes = run_llamacpp(loaded, prompts, opts, rec, layer, forced, on_step)
+    try:
+        tok = loaded.tokenizer
+        reqs = [{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
+                 "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
+                 "num_preemptions": r.num_preemptions, "params": r.params.to_dict()} for r in eng.requests.values()]
+        options = {"backend": "cells", "attention": "llama.cpp", **(options_for_record or {}), "engine": asdict(opts),
+                   "layer": layer, "show": list(show), "sampler_order": eng.sampler_order,
+                   "llama_cpp": {"version": _version(), "n_ctx": eng.lctx.n_ctx, "n_ubatch": eng.lctx.n_batch,
+                                 "kv_unified": True, "teacher_forced": bool(forced)}}
+        return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
+                        notes=list(loaded.ckpt.notes) + notes, steps=list(rec.steps), requests=reqs, engine=ENGINE)
+    finally:
+        eng.close()

@@ -4,10 +4,13 @@ Mirrors llama.cpp ``src/llama-kv-cache.cpp`` / ``llama-kv-cells.h`` (standard
 ``llama_kv_cache``, unified: one stream):
 
 * ``cells``: ``pos[i]`` (-1 = empty) and ``seq[i]`` (set of owning seq_ids);
-* ``find_slot``: from ``head``, take the first free cells for the ubatch (wrapping);
+* ``find_slot``: from ``head`` (reset to 0 when ``head > used + 2 * n_tokens``), take the first
+  free cells for the ubatch (wrapping); ``head`` = last cell + 1; ``seq_rm`` moves ``head`` back to
+  the first cell it frees;
 * current K/V are copied to those cell indices (``cpy_k``/``cpy_v``);
-* ``n_kv``: cells the graph reads, ``used_max_p1`` padded to ``n_pad`` (``get_n_kv``);
-* ``kq_mask``: ggml ``ne = [n_kv, n_tokens padded to KQ_MASK_PAD, 1, n_stream]``, 0 where
+* ``n_kv``: cells the graph reads, ``used_max_p1`` padded to 256 (``get_n_kv``: ``max(n_pad, 256)``);
+* ``kq_mask``: ggml ``ne = [n_kv, n_tokens, 1, n_stream]`` (no row padding since llama.cpp
+  dropped ``GGML_KQ_MASK_PAD``), 0 where
   the cell holds the query's seq_id and ``cell.pos <= query pos``, -inf elsewhere
   (``set_input_kq_mask``).
 """
@@ -22,10 +25,12 @@ from infertrace.attention.reference import attention_with_kq_mask
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec, ranges_text
 
-#: llama.cpp pads the query rows of kq_mask (``GGML_KQ_MASK_PAD``).
-KQ_MASK_PAD = 64
-#: llama.cpp ``llama_kv_cache::get_padding`` without flash attention.
-N_PAD = 32
+#: query rows of kq_mask are padded to a multiple of this (llama.cpp once padded to
+#: ``GGML_KQ_MASK_PAD`` = 64; the llama.cpp measured by ``run --engine llama.cpp`` does not pad).
+KQ_MASK_PAD = 1
+#: ``n_kv`` is padded to a multiple of this (llama.cpp ``llama_kv_cache::get_n_kv``: ``max(n_pad, 256)``,
+#: "so that the graph remains constant across batches and can be reused"), capped at the cache size.
+N_PAD = 256
 
 
 class CellsKV:
@@ -94,8 +99,11 @@ class CellsKV:
             raise InfertraceError(
                 f"KV cache full: need {n_tokens} cells, {len(free)} free of {self.size}; raise --ctx-size or shorten the prompt"
             )
-        after = [i for i in free if i >= self.head]
-        before = [i for i in free if i < self.head]
+        head = self.head
+        if head > self.used + 2 * n_tokens:  # llama.cpp: plenty of unused cells before head -> restart at 0
+            head = 0
+        after = [i for i in free if i >= head]
+        before = [i for i in free if i < head]
         return (after + before)[:n_tokens]
 
     # --- per step ----------------------------------------------------------------
@@ -148,9 +156,13 @@ class CellsKV:
     def release(self, seq_id: int) -> None:
         """Remove ``seq_id`` from every cell; cells left with no owner become empty
         (llama.cpp ``seq_rm(seq_id, -1, -1)``)."""
+        before = self.pos >= 0  # [size]
         self.seq[:, seq_id] = False
         empty = ~self.seq.any(dim=1)  # [size]
         self.pos[empty] = -1
+        freed = (before & empty).nonzero().flatten()
+        if freed.numel() and int(freed[0]) < self.head:  # llama_kv_cache::seq_rm: head back to the first freed cell
+            self.head = int(freed[0])
 
     # --- views -------------------------------------------------------------------
     def cells_of(self, seq_id: int) -> list[tuple[int, int]]:

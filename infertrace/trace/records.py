@@ -177,6 +177,7 @@ class RunTrace:
     steps: list[StepTrace]
     requests: list[dict[str, Any]]  # seq_id, prompt, prompt_ids, output_ids, text, stop_reason
     schema_version: int = SCHEMA_VERSION
+    engine: str = "infertrace"  # who computed: "infertrace" (this engine) or "llama.cpp" (run --engine llama.cpp)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -186,4 +187,5 @@ class RunTrace:
     def from_dict(d: dict[str, Any]) -> "RunTrace":
         return RunTrace(model=d["model"], config=d["config"], options=d["options"], notes=list(d.get("notes", [])),
                         steps=[StepTrace.from_dict(s) for s in d["steps"]], requests=list(d["requests"]),
-                        schema_version=int(d.get("schema_version", SCHEMA_VERSION)))
+                        schema_version=int(d.get("schema_version", SCHEMA_VERSION)),
+                        engine=str(d.get("engine", "infertrace")))

@@ -29,6 +29,8 @@ from infertrace.trace.records import (SCHEMA_VERSION, DecodeRec, HiddenRec, KVRe
 
 MANIFEST, TENSORS, TIMING = "trace.json", "tensors.safetensors", "timing.json"
 KEEP = ("summary", "tensors")
+#: who computed a trace (the manifest's ``engine``)
+ENGINES = ("infertrace", "llama.cpp")
 #: per-step fields that depend on the machine, not on the run; stored in timing.json
 TIMING_FIELDS = ("time_ms",)
 
@@ -163,6 +165,8 @@ def validate_manifest(d: Any, path: str) -> None:
     for k in ("model", "config", "options", "steps", "requests"):
         if k not in d:
             raise InfertraceError(f"{path}: missing key {k!r}")
+    if d.get("engine", "infertrace") not in ENGINES:
+        raise InfertraceError(f"{path}: 'engine' must be one of {', '.join(ENGINES)}")
     for k in ("model", "config", "options"):
         if not isinstance(d[k], dict):
             raise InfertraceError(f"{path}: {k!r} must be an object")
