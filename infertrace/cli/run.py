@@ -234,6 +234,24 @@ def save_options(save: Optional[Path], keep: Optional[str], layers: Optional[str
     return k == "tensors"
 
 
+def forced_tokens(directory: Path) -> dict[int, list[int]]:
+    """``{seq_id: output_ids}`` of a saved trace, for ``--teacher-force`` (validated: ints only).
+
+    Raises:
+        InfertraceError: unreadable trace or malformed requests.
+    """
+    from infertrace.trace.store import read_manifest
+
+    m = read_manifest(directory)
+    out: dict[int, list[int]] = {}
+    for r in m["requests"]:
+        ids, sid = r.get("output_ids"), r.get("seq_id")
+        if not isinstance(sid, int) or not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise InfertraceError(f"--teacher-force {directory}: request {sid!r} has no list of token ids")
+        out[sid] = ids
+    return out
+
+
 # ----------------------------------------------------------------------------- the command
 
 
@@ -269,6 +287,7 @@ def run(
     layers: Annotated[Optional[str], typer.Option("--layers", help="With --save --keep tensors: layers whose tensors are kept, e.g. 0,5 or 0..3 or all (default: --layer).")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --save: replace the trace in a non-empty directory.")] = False,
     engine: Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine) or llama.cpp (llama.cpp itself via llama-cpp-python, GGUF only; its inp_pos, kq_mask, cells, K/V and logits are recorded).")] = "infertrace",
+    teacher_force: Annotated[Optional[Path], typer.Option("--teacher-force", help="With --engine llama.cpp: feed the tokens a saved trace (run --save DIR) generated instead of sampling, so the two traces compare step for step.")] = None,
     sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --engine llama.cpp: llama.cpp; paged: hf.")] = None,
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
@@ -289,6 +308,9 @@ def run(
             raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
         if device != "cpu" or dtype.lower() not in ("float32", "fp32"):
             raise InfertraceError("--engine llama.cpp computes on llama.cpp's CPU backend; drop --device/--dtype")
+    elif teacher_force is not None:
+        raise InfertraceError("--teacher-force needs --engine llama.cpp")
+    forced = forced_tokens(teacher_force) if teacher_force is not None else None
     from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
 
     specs, opts = build_run_inputs(
@@ -314,7 +336,8 @@ def run(
             if tensor_layers is not None and tensor_layers != [layer]:
                 raise InfertraceError(f"--engine llama.cpp captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
             trace = run_requests_llamacpp(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                                          options_for_record={"dtype": dtype, "device": device}, tensors=tensors)
+                                          options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
+                                          forced=forced)
         else:
             trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                  options_for_record={"dtype": dtype, "device": device}, tensors=tensors,

@@ -45,3 +45,26 @@ def render_llamacpp_diff(con: Console, rep: dict[str, Any]) -> None:
                   f"{d['logp_gap_base']} / {d['logp_gap_new']} nats: " + ("near tie" if d["near_tie"] else "[red]not a near tie[/red]"))
     con.print("[green]identical in structure, within the noise floor[/green]" if rep["identical"] else
               f"[red]{len(rep['mismatches'])} mismatch(es)[/red]")
+
+
+def _plain(x: Any) -> str:
+    """Terminal-safe text of a value read from a trace (control characters escaped)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(x))
+
+
+def cross_engine_lines(res: Any, cross: dict[str, Any]) -> list[str]:
+    """Header lines of ``diff A B`` across engines: what was compared exactly and the float agreement."""
+    f = cross["floats"]
+    e = [_plain(x) for x in cross["engines"]]
+    da, db = cross["dtypes"]["a"], cross["dtypes"]["b"]
+    lines = [f"engines differ (A: {e[0]}, B: {e[1]}): structure compared exactly (schedule, tokens, inp_pos, kq_mask ne/n_kv/"
+             "rows/cells, visible keys, cells and ownership, logits rows); floats summarised",
+             f"representation: kq_mask dtype A {_plain(da['kq_mask'])} B {_plain(db['kq_mask'])}; KV cache dtype A "
+             f"{_plain(da['kv'])} B {_plain(db['kv'])}",
+             f"floats: same top token {f['same_top']}/{f['rows']} ({f['same_top_rate']:.1%}); max |Δ| of recorded values: "
+             f"hidden {f['max_abs']['hidden']:.3g}, K/V {f['max_abs']['kv']:.3g}, logits {f['max_abs']['logits']:.3g}"]
+    ft = f.get("first_different_top")
+    if ft:
+        lines.append(f"first different top token: step {_plain(ft['step'])} seq {_plain(ft['seq_id'])}: A {_plain(ft['a'])} vs B {_plain(ft['b'])}")
+    lines.append("structure: identical" if res.equal else f"structure: {res.count} difference(s)")
+    return lines
