@@ -114,16 +114,16 @@ class LlamaCppKV(CellsKV):
         """Layer ``layer``'s K/V rows of the current tokens, as written into the cache."""
         t, il, N = cap.tensors, self.layer, int(idx.numel())
         nkv, hd = self.cfg.n_head_kv, self.cfg.head_dim
-        kc = t.get(f"cache_k_l{il} (view)")
-        if kc is not None and kc.size == self.size * nkv * hd:
-            k = kc.reshape(self.size, nkv, hd)[idx.numpy()]  # [N, nkv, hd] as stored (F16)
-        else:
-            k = t[f"Kcur-{il}"].reshape(N, nkv, hd)
-        vc = t.get(f"cache_v_l{il} (view)")
-        if vc is not None and vc.size == self.size * nkv * hd and vc.shape[-1] == nkv * hd:
-            v = vc.reshape(self.size, nkv, hd)[idx.numpy()]
-        else:
-            v = t[f"Vcur-{il}"].reshape(N, nkv, hd)
+        ii = idx.numpy()
+
+        def rows(name: str, fallback: str) -> np.ndarray:
+            c = t.get(name)  # the ggml_set_rows result: a view of the cache from cell 0, [cells, nkv, hd]
+            if c is not None and c.ndim == 3 and c.shape[1:] == (nkv, hd) and (N == 0 or int(ii.max()) < c.shape[0]):
+                return c[ii]  # [N, nkv, hd] as stored (F16)
+            return t[fallback].reshape(N, nkv, hd)  # not readable as rows: the values the graph wrote
+
+        k = rows(f"cache_k_l{il} (view)", f"Kcur-{il}")
+        v = rows(f"cache_v_l{il} (view)", f"Vcur-{il}")
         self.k[0][idx] = torch.from_numpy(norm_to_neox(np.asarray(k, dtype=np.float32))).to(self.k[0].dtype)
         self.v[0][idx] = torch.from_numpy(np.asarray(v, dtype=np.float32)).to(self.v[0].dtype)
 

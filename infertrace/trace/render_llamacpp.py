@@ -25,19 +25,19 @@ def render_llamacpp_diff(con: Console, rep: dict[str, Any]) -> None:
         con.print(f"  [red]step {m['step']} {escape(m['variable'])}[/red]: {escape(m['detail'])}")
     nt, fl = rep["next_token"], rep["floor"]
     t = Table(title="float agreement (ours float32 = base)", show_lines=False)
-    for c in ("", "llama.cpp", f"noise floor (ours {fl['dtype']})"):
+    for c in ("", "llama.cpp", "noise floor", "tolerance"):
         t.add_column(escape(c))
     for v in ("hidden", "k", "v", "logits"):
-        t.add_row(f"max |Δ| {v}", f"{rep['max_abs'][v]:.4g}", f"{fl['max_abs'][v]:.4g}")
+        t.add_row(f"max |Δ| {v}", f"{rep['max_abs'][v]:.4g}", f"{fl['max_abs'][v]:.4g}", f"{fl['factor'] * fl['max_abs'][v]:.4g}")
     for k, name in (("kl_mean", "KL mean"), ("kl_p99", "KL p99"), ("kl_max", "KL max")):
-        t.add_row(name, f"{nt[k]:.3g}", f"{fl['next_token'][k]:.3g}")
+        t.add_row(name, f"{nt[k]:.3g}", f"{fl['next_token'][k]:.3g}", "")
     t.add_row("same top token", f"{nt['same_top']}/{nt['rows']} ({nt['same_top_rate']:.1%})",
-              f"{fl['next_token']['same_top']}/{fl['next_token']['rows']}")
+              f"{fl['next_token']['same_top']}/{fl['next_token']['rows']}", "")
     con.print(t)
     con.print(f"noise floor: {escape(fl['how'])}")
     fe = rep["first_exceeding"]
     con.print("first step over the floor: " + ("[green]none[/green]" if fe is None else
-              f"[red]step {fe['step']} layer {escape(str(fe['layer']))} {escape(fe['variable'])}: {fe['value']:.4g} > {fe['floor']:.4g}[/red]"))
+              f"[red]step {fe['step']} layer {escape(str(fe['layer']))} {escape(fe['variable'])}: {fe['value']:.4g} > tolerance {fe['tolerance']:.4g}[/red]"))
     con.print(f"near tie: {escape(rep['near_tie_rule'])}")
     for d in nt["disagreements"]:
         con.print(f"  step {d['step']} seq {d['seq_id']} pos {d['pos']}: ours {d['base_top']} (rank {d['rank_of_base_top_in_new']} in "
