@@ -205,7 +205,8 @@ class Engine:
         if tracer.enabled:
             tracer.end_step({"step": self.step_no, "batch": batch, "inp": inp, "kv": self.kv, "attention": self.attn_impl,
                              "logits": logits, "logits_rows": rows, "samples": samples, "finished": finished,
-                             "requests": self.requests, "time_ms": (time.perf_counter() - t0) * 1e3})
+                             "requests": self.requests, "time_ms": (time.perf_counter() - t0) * 1e3,
+                             "sampler_order": self.sampler_order})
         for sid, reason in finished.items():
             self.scheduler.finish(self.requests[sid], reason)
         self.step_no += 1

@@ -284,8 +284,11 @@ class Recorder:
                 per.append({"seq_id": r.seq_id, "row": None, "note": "prefill chunk: no logits needed"})
                 continue
             req = ctx["requests"][r.seq_id]
+            sampler = req.params.to_dict()
+            if not req.params.greedy and ctx.get("sampler_order"):  # the order only matters when sampling
+                sampler["order"] = ctx["sampler_order"]
             per.append({
-                "seq_id": r.seq_id, "row": r.logits_row, "sampler": req.params.to_dict(),
+                "seq_id": r.seq_id, "row": r.logits_row, "sampler": sampler,
                 "top": [{"id": i, "piece": self.tok.piece(i), "logit": _r(lg, 5), "prob": _r(p, 5)} for i, lg, p in s.top[: self.top_k]],
                 "chosen": s.token, "chosen_piece": self.tok.piece(s.token),
                 "next_input": None if r.finished else s.token, "next_pos": None if r.finished else r.positions[-1] + 1,

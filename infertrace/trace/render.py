@@ -141,6 +141,10 @@ def render_header(console: Console, trace: RunTrace) -> None:
     if eng.get("prefill_chunk"):
         detail += f" · prefill_chunk {eng['prefill_chunk']}"
     extra = " · ".join(f"{k} {o[k]}" for k in ("dtype", "device") if k in o)
+    if getattr(trace, "engine", "infertrace") == "llama.cpp":
+        lc = o.get("llama_cpp", {}) if isinstance(o.get("llama_cpp"), dict) else {}
+        conv = (f"computed by llama.cpp itself (llama-cpp-python {lc.get('version', '?')}, n_ctx {lc.get('n_ctx', '?')}"
+                f"{', teacher-forced' if lc.get('teacher_forced') else ''}): every variable read from its graph")
     lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))
@@ -387,6 +391,10 @@ def _sampler_text(s: dict[str, Any]) -> str:
         desc = "greedy (temperature 0: argmax, lowest id on ties)"
     else:
         desc = f"temperature {s['temperature']:g} · top_k {s['top_k'] or 'off'} · top_p {s['top_p']:g} · min_p {s['min_p']:g} · seed {s['seed']}"
+        if s.get("order") == "llama.cpp":
+            desc += " · order llama.cpp (top-k/top-p/min-p on unscaled logits, then temperature)"
+        elif s.get("order") == "hf":
+            desc += " · order hf (temperature, then top-k/top-p/min-p)"
     if s.get("repetition_penalty", 1.0) != 1.0:
         desc += f" · repetition_penalty {s['repetition_penalty']:g}"
     return desc + f" · max_new_tokens {s['max_new_tokens']}" + (" · ignore_eos" if s.get("ignore_eos") else "")
