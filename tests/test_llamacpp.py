@@ -13,6 +13,7 @@ in both distributions.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def one(smol, llama_cpp):
     from infertrace.engine.llamacpp_compare import compare_with_llamacpp
 
     specs = [PromptSpec("The capital of France is", SamplingParams(max_new_tokens=32, ignore_eos=True))]
-    return compare_with_llamacpp(smol, specs, EngineOptions(), layer=0)
+    return _dump("one", compare_with_llamacpp(smol, specs, EngineOptions(), layer=0))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,18 @@ def three(smol, llama_cpp):
 
     p = SamplingParams(max_new_tokens=32, ignore_eos=True)
     specs = [PromptSpec(t, p, a) for t, a in zip(THREE, (0, 1, 3))]
-    return compare_with_llamacpp(smol, specs, EngineOptions(prefill_chunk=3), layer=5)
+    return _dump("three", compare_with_llamacpp(smol, specs, EngineOptions(prefill_chunk=3), layer=5))
+
+
+def _dump(name: str, rep: dict) -> dict:
+    """With INFERTRACE_LLAMACPP_REPORT=DIR, keep the measured numbers (for the README / a PR note)."""
+    d = os.environ.get("INFERTRACE_LLAMACPP_REPORT")
+    if d:
+        keep = {k: rep[k] for k in ("max_abs", "floor", "first_exceeding", "structural")}
+        keep["next_token"] = rep["next_token"]
+        Path(d).mkdir(parents=True, exist_ok=True)
+        (Path(d) / f"{name}.json").write_text(json.dumps(keep, default=sorted, indent=1))
+    return rep
 
 
 @pytest.mark.parametrize("case", ["one", "three"])
@@ -72,9 +84,10 @@ def test_floats_within_measured_floor(case, request) -> None:
     rep = request.getfixturevalue(case)
     assert rep["first_exceeding"] is None, rep["first_exceeding"]
     assert rep["max_abs"]["hidden"] == 0.0  # same dequantised embedding rows (get_rows)
-    for v in ("k", "v", "logits"):
-        assert 0.0 < rep["max_abs"][v] <= rep["floor"]["max_abs"][v]
-    assert rep["next_token"]["kl_mean"] < rep["floor"]["next_token"]["kl_mean"] * 10
+    f = rep["floor"]["factor"]
+    for v in ("k", "v", "logits"):  # llama.cpp really differs (quantised activations, F16 cache), within tolerance
+        assert 0.0 < rep["max_abs"][v] <= f * rep["floor"]["max_abs"][v]
+    assert rep["next_token"]["kl_mean"] <= f * rep["floor"]["next_token"]["kl_mean"]
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +115,9 @@ def test_worked_example_from_llamacpp_tensors(worked) -> None:
     # cells: prefill writes cells 0..2 (attn_inp_k_idxs), each decode the next cell
     assert [s.kv.per_request[0]["cells"] for s in (s0, s1, s2)] == ["0..2", "3", "4"]
     assert [s.batch[0].cache_after for s in (s0, s1, s2)] == ["0..2", "0..3", "0..4"]
-    # only the last prompt row produces logits (out_ids), then the one decode row
-    assert s0.decode.logits_rows == [0] and s0.batch[0].logits_row == 0 and s0.decode.logits_shape[0] == 1
+    # only the last prompt row produces logits (llama.cpp's out_ids = [2]), then the one decode row
+    assert s0.decode.logits_rows == [2] and s0.batch[0].logits_row == 0 and s0.decode.logits_shape[0] == 1
+    assert s1.decode.logits_rows == [0] and s2.decode.logits_rows == [0]
     assert s0.batch[0].sampled == t.requests[0]["output_ids"][0]
 
 
@@ -137,4 +151,5 @@ def test_diff_backends_against_llamacpp_cli(llama_cpp) -> None:
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)
     assert rep["structural"]["mismatches"] == [] and rep["identical"]
-    assert rep["floor"]["how"].startswith("ours float32 vs ours bfloat16")
+    assert rep["floor"]["how"].startswith("ours float32 vs ours with llama.cpp's numerics emulated")
+    assert rep["first_exceeding"] is None and rep["next_token"]["rows"] == 4
