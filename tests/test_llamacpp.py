@@ -134,6 +134,9 @@ def test_cli_saved_llamacpp_and_cells_traces_diff_clean(tmp_path: Path, llama_cp
     assert res.exit_code == 0, res.output
     m = json.loads((a / "trace.json").read_text())
     assert m["engine"] == "llama.cpp" and m["options"]["llama_cpp"]["teacher_forced"]
+    # llama_memory_seq_pos_min/max after step 0 (seq 0's first chunk, positions 0..2) and step 1
+    assert m["steps"][0]["kv"]["physical"]["llama_memory_seq_pos"] == {"0": [0, 2]}
+    assert m["steps"][1]["kv"]["physical"]["llama_memory_seq_pos"] == {"0": [0, 4], "1": [0, 2]}
     res = r.invoke(app, ["diff", str(a), str(b)])
     assert res.exit_code == 0, res.output
     assert "engines differ (A: llama.cpp, B: infertrace)" in res.output and "structure: identical" in res.output
@@ -142,7 +145,8 @@ def test_cli_saved_llamacpp_and_cells_traces_diff_clean(tmp_path: Path, llama_cp
                 ["report", str(a), "-o", str(tmp_path / "r.html")]):
         res = r.invoke(app, cmd)
         assert res.exit_code == 0, (cmd, res.output)
-    assert "attn_inp_kq_mask" in r.invoke(app, ["show", str(a), "--steps", "0"]).output or True
+    show = r.invoke(app, ["show", str(a), "--steps", "0"]).output
+    assert "computed by llama.cpp itself" in show and "llama.cpp kq_mask float16 ne = [n_kv=256, n_tokens_pad=3" in show
 
 
 def test_diff_backends_against_llamacpp_cli(llama_cpp) -> None:

@@ -138,6 +138,14 @@ class LlamaCppKV(CellsKV):
                 self.notes.append(f"step {step}: seq {sid} cells read from k_idxs hold pos {min(ps)}..{max(ps)}, "
                                   f"llama_memory_seq_pos_min/max say {lo}..{hi}")
         inp.extra["memory_seq_pos"] = ranges
+        self._memory_seq_pos = ranges
+
+    def snapshot(self) -> dict[str, Any]:
+        """The cells map (as :meth:`CellsKV.snapshot`) plus ``llama_memory_seq_pos``: per sequence
+        ``[llama_memory_seq_pos_min, llama_memory_seq_pos_max]`` after the last ubatch."""
+        snap = super().snapshot()
+        snap["llama_memory_seq_pos"] = dict(getattr(self, "_memory_seq_pos", {}))
+        return snap
 
     def n_kv(self) -> int:
         """``n_kv`` of the last ubatch as llama.cpp built it (``attn_inp_kq_mask`` ``ne[0]``)."""

@@ -17,7 +17,7 @@ variable):
    step were free or released before; after the step each computed request owns exactly
    positions ``0 .. C+T-1``; a finished request owns nothing later. paged: a block belongs to
    one request; the slot mapping is ``table[p // B] * B + p % B``; a finished request has no
-   table later.
+   table later. llama.cpp traces: ``llama_memory_seq_pos_min/max`` agree with the cells.
 
 Every field is validated before use: a malformed trace is a violation of "schema", not a crash.
 """
@@ -243,6 +243,15 @@ class _Checker:
                 held[(sid, c["pos"])] = c["cell"]
                 if sid in self.finished:
                     self.fail(s, sid, "kv", "freed when finished", f"cell {c['cell']} still holds the finished sequence")
+        mem = phys.get("llama_memory_seq_pos")  # --engine llama.cpp: llama_memory_seq_pos_min/max per seq
+        if isinstance(mem, dict):
+            for k, rng in mem.items():
+                sid = int(k) if str(k).isdigit() else None
+                own = sorted(p for (q, p) in held if q == sid)
+                self.n_checks += 1
+                if own and rng != [own[0], own[-1]]:
+                    self.fail(s, sid, "kv", "memory API agrees with the cells",
+                              f"llama_memory_seq_pos_min/max {rng} but the cells hold pos {own[0]}..{own[-1]}")
         per = {d.get("seq_id"): d for d in kv.get("per_request", []) if isinstance(d, dict)}
         for r in reqs:
             sid = r["seq_id"]
@@ -314,4 +323,4 @@ def iter_rules() -> Iterator[str]:
     """Names of the rules, for help texts."""
     yield from ("contiguous", "contiguous across chunks", "inp_pos = packed positions", "RoPE angle consistent with position",
                 "causality", "no cross-sequence visibility", "one cell per (seq, pos)", "written cells were free",
-                "cache holds 0..C+T-1", "freed when finished", "one owner per block", "slot = table[p // B] * B + p % B")
+                "cache holds 0..C+T-1", "freed when finished", "memory API agrees with the cells", "one owner per block", "slot = table[p // B] * B + p % B")

@@ -49,8 +49,11 @@ def structure(m: dict[str, Any]) -> dict[str, Any]:
                          "metadata": mk.get("metadata")}
         kv = st.get("kv")
         if isinstance(kv, dict):
+            phys = kv.get("physical")
+            if isinstance(phys, dict):  # llama.cpp's memory-API ranges: checked by `check`/diff-backends, not ours to hold
+                phys = {k: v for k, v in phys.items() if k != "llama_memory_seq_pos"}
             s["kv"] = {"backend": kv.get("backend"), "layers": kv.get("layers"), "per_request": kv.get("per_request"),
-                       "physical": kv.get("physical"), "physical_shape": kv.get("physical_shape")}
+                       "physical": phys, "physical_shape": kv.get("physical_shape")}
         dc = st.get("decode")
         if isinstance(dc, dict):
             s["decode"] = {"logits_shape": dc.get("logits_shape"), "logits_rows": dc.get("logits_rows"),
