@@ -120,7 +120,7 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
     fmt = f"GGUF v{f['format_version']}" if f["format"] == "gguf" else "HF directory (safetensors)"
     console.print(Panel(_kv_table([("architecture", Text(c["arch"], style="cyan")), ("name", repr(f["name"])),
                                    ("format", fmt), ("path", f["path"])]),
-                        title=f"[b]{Text(f['file']).markup}[/b]", title_align="left", box=box.ROUNDED))
+                        title=Text(visible(f["file"]), style="bold"), title_align="left", box=box.ROUNDED))
     cfg_rows = []
     for k, v in c.items():
         if k == "rope_scaling":
@@ -138,10 +138,10 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
                 ("add_bos", tk["add_bos"]), ("add_space_prefix", tk["add_space_prefix"]),
                 ("chat template", f"present ({tk['chat_template_chars']} chars)" if tk["chat_template"] else "absent")]
     tok_rows += [("warning", w) for w in tk["warnings"]]
-    console.print(Panel(_kv_table(cfg_rows), title="[b]config[/b] (ModelConfig)", title_align="left", box=box.ROUNDED))
-    console.print(Panel(_kv_table(tok_rows), title="[b]tokenizer[/b]", title_align="left", box=box.ROUNDED))
+    console.print(Panel(_kv_table(cfg_rows), title=Text.assemble(("config", "bold"), " (ModelConfig)"), title_align="left", box=box.ROUNDED))
+    console.print(Panel(_kv_table(tok_rows), title=Text("tokenizer", style="bold"), title_align="left", box=box.ROUNDED))
     if f["notes"]:
-        console.print(Panel(Group(*[Text("• " + n) for n in f["notes"]]), title="[b]load notes[/b]", title_align="left",
+        console.print(Panel(Group(*[Text("• " + n) for n in f["notes"]]), title=Text("load notes", style="bold"), title_align="left",
                             box=box.ROUNDED))
     shape_note = "ggml ne order" if f["format"] == "gguf" else "torch order"
     t = Table(title=f"tensors ({len(f['tensors'])}; shape in {shape_note})", title_justify="left", box=box.SIMPLE_HEAD,

@@ -139,6 +139,6 @@ def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
                           + f": its {freed} are freed right after this step (shown here still held)", style="yellow"))
     if d.get("values"):
         parts.append(_values_view(d))
-    console.print(Panel(Group(*parts), title=f"[b]kv cache after step {d['step']}[/b] · {be} ({conv})",
+    console.print(Panel(Group(*parts), title=Text.assemble((f"kv cache after step {d['step']}", "bold"), f" · {be} ({conv})"),
                         title_align="left", box=box.ROUNDED))
 
