@@ -66,6 +66,12 @@ class SafeConsole(Console):
         kwargs.setdefault("emoji", False)
         super().__init__(*args, **kwargs)
 
+    def on_broken_pipe(self) -> None:
+        """Reader went away (``infertrace show DIR | head``): stop quietly, exit code 141 (SIGPIPE)."""
+        from infertrace.errors import quiet_broken_pipe
+
+        quiet_broken_pipe()
+
     def render(self, renderable: Any, options: Any = None) -> Iterable[Segment]:  # type: ignore[override]
         for seg in super().render(renderable, options):
             if seg.control or not _UNSAFE_BUT_NL.search(seg.text):

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from infertrace.engine.engine import EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.safe_text import SafeConsole
+from infertrace.safe_text import SafeConsole, visible
 from infertrace.runner import Loaded, PromptSpec, load_model, parse_dtype, run_requests
 from infertrace.trace.recorder import VARIABLES
 from infertrace.trace.store import KEEP, parse_layers, save_trace
@@ -303,8 +303,8 @@ def run(
     if save is not None:
         from infertrace.trace.render import human_bytes
 
-        sizes = save_trace(trace, save, tensors, tensor_layers or ())
-        typer.echo(f"saved trace to {save}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
+        sizes = save_trace(trace, save, tensors, tensor_layers or (), replace=force)  # atomic; a racing --save loses with exit 2
+        typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
 
     wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]
     if wanted == [] and not as_json:
