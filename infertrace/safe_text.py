@@ -78,3 +78,15 @@ class SafeConsole(Console):
                 yield seg
             else:
                 yield Segment(visible_lines(seg.text), seg.style, seg.control)
+
+
+_UNSAFE_JSON = re.compile("[\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def json_text(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps(obj, ensure_ascii=False, **kwargs)`` with DEL, C1 and bidi characters written as
+    ``\\uNNNN`` escapes too (JSON already escapes C0): the same JSON value, safe on a terminal."""
+    import json
+
+    text = json.dumps(obj, ensure_ascii=False, **kwargs)
+    return _UNSAFE_JSON.sub(lambda m: f"\\u{ord(m.group(0)):04x}", text)

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from infertrace.engine.engine import EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.safe_text import SafeConsole, visible
+from infertrace.safe_text import SafeConsole, visible, json_text
 from infertrace.runner import Loaded, PromptSpec, load_model, parse_dtype, run_requests
 from infertrace.trace.recorder import VARIABLES
 from infertrace.trace.store import KEEP, parse_layers, save_trace
@@ -311,7 +311,7 @@ def run(
         last = trace.steps[-1].step if trace.steps else -1
         raise InfertraceError(f"--steps {steps} selects no step: the run has steps 0..{last}")
     if as_json:
-        typer.echo(json.dumps(trace.to_dict(), ensure_ascii=False))
+        typer.echo(json_text(trace.to_dict()))
         return
     from infertrace.trace.render import render_run
 
