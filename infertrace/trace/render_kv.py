@@ -77,6 +77,8 @@ def _cells_view(d: dict[str, Any]) -> list[RenderableType]:
             g.append(" ")
         g.append("\n")
     g.rstrip()
+    if lay.get("map_cells_total", lay["map_cells"]) > lay["map_cells"]:
+        g.append(f"\n  … {lay['map_cells_total'] - lay['map_cells']} more cells not drawn", style=DIM)
     parts.append(g)
     seqs = ph.get("seqs", {})
     if seqs:

@@ -44,6 +44,8 @@ LIMITS = {
     "MAX_RANGE_ITEMS": 1 << 24,    # integers one range text such as "0..3,7" may stand for
 }
 L = LIMITS
+#: the largest cache padding of n_kv (llama.cpp pads used_max_p1 to 32, or 256 with flash attention)
+N_KV_PAD_MAX = 256
 _NUM_ABS = 1e300  # ints stored where a float is expected must convert to a finite float
 
 
@@ -403,9 +405,14 @@ def _kv_consistent(st: dict[str, Any], p: str) -> None:
         size = ph["size"]
         if ph["n_kv"] > size or ph["used"] > size or len(ph["cells"]) > size:
             raise Bad(f"{p}.kv.physical", f"n_kv, used and the cells listed must not exceed size = {size}")
+        used_max_p1 = 0
         for c in ph["cells"]:
             if c["cell"] >= size:
                 raise Bad(f"{p}.kv.physical.cells", f"cell {c['cell']} outside the cache of size {size}")
+            used_max_p1 = max(used_max_p1, c["cell"] + 1)
+        pad = max(N_KV_PAD_MAX, -(-used_max_p1 // 32) * 32)
+        if ph["n_kv"] > pad:  # llama.cpp: n_kv = used_max_p1 padded (get_padding), never more
+            raise Bad(f"{p}.kv.physical.n_kv", f"{ph['n_kv']} but the cells used end at {used_max_p1} (padded: {pad})")
         return
     B, nb = ph["tokens_per_block"], ph["num_blocks"]
     if nb * B > L["MAX_CTX"] * 4:
