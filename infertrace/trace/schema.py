@@ -316,9 +316,21 @@ CONFIG = Obj({}, {"arch": S, "name": Str(null=True), "source": S, "n_layer": DIM
                   "rope_pairing_in_file": S, "tie_embeddings": Bool(),
                   "rope_scaling": Obj({}, {"type": S, "factor": F}, extra=True),
                   "rope_freq_factors": List(F, L["MAX_DIM"], null=True)}, extra=True)
-TENSOR_ENTRY = Obj({"dtype": Str(max_len=32), "shape": SHAPE})
+TENSOR_ENTRY = Obj({"dtype": Str(choices=("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                                          "uint8", "bool")), "shape": SHAPE})
+#: tensor names as the recorder writes them: step3/hidden, step3/layer0/q_pre_rope, step3/layer0/seq1/k_cache
+TENSOR_NAME = re.compile(r"step[0-9]{1,7}/(?:layer[0-9]{1,5}/(?:seq[0-9]{1,10}/)?)?[a-z][a-z0-9_]{0,40}")
+
+
+def _tensor_index(v: Any, p: str) -> None:
+    Map(TENSOR_ENTRY, key_int=False)(v, p)
+    for k in v:
+        if not TENSOR_NAME.fullmatch(k):
+            raise Bad(p, f"tensor name {_short(k)} is not stepN/[layerL/[seqS/]]name")
+
+
 STORE = Obj({}, {"keep": Str(choices=("summary", "tensors")), "tensor_layers": List(DIM, 1 << 16),
-                 "tensors": Map(TENSOR_ENTRY, key_int=False)})
+                 "tensors": _tensor_index})
 #: the required top-level keys are checked first (with their historical messages)
 TOP_LEVEL = Obj({"schema_version": Int(1, 1 << 30), "model": MODEL, "config": CONFIG, "options": OPTIONS,
                  "steps": List(STEP, L["MAX_STEPS"]), "requests": List(REQUEST, L["MAX_LIST"])},
