@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import check_cli_result, fuzz_settings, record
+from fuzzkit import check_cli_result, fuzz_settings, record
 from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -71,12 +71,11 @@ def _get(d: Any, path: tuple) -> Any:
 def mutated_trace(draw) -> tuple[str, bytes]:
     name = draw(st.sampled_from(NAMES))
     d = copy.deepcopy(BASE[name])
-    for _ in range(draw(st.integers(1, 4))):
+    for _ in range(draw(st.integers(1, 3))):
         paths = _paths(d)[1:]
         path = paths[draw(st.integers(0, len(paths) - 1))]
         parent, key = _get(d, path[:-1]), path[-1]
-        op = draw(st.sampled_from(["same_type", "same_type", "same_type", "replace", "replace", "delete", "add_key",
-                                   "list_len"]))
+        op = draw(st.sampled_from(["same_type"] * 6 + ["replace", "replace", "delete", "add_key", "list_len"]))
         try:
             cur = parent[key]
         except (KeyError, IndexError, TypeError):
@@ -106,7 +105,7 @@ def mutated_trace(draw) -> tuple[str, bytes]:
             elif how == "many" and cur and not isinstance(cur[0], (dict, list)):
                 cur.extend([cur[0]] * draw(st.integers(1, 3000)))
     text = json.dumps(d, allow_nan=True)
-    tail = draw(st.sampled_from(["none", "none", "none", "truncate", "deep", "longint"]))
+    tail = draw(st.sampled_from(["none"] * 6 + ["truncate", "deep", "longint"]))
     if tail == "truncate":
         text = text[: draw(st.integers(0, len(text)))]
     elif tail == "deep":
