@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from infertrace.safe_text import json_text
 from infertrace.cli import run_options as o
 from infertrace.cli.run import check_choice, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
@@ -81,7 +82,7 @@ def diff_backends(
 
             rep = compare_with_reference(loaded, specs, opts, against, atol=atol)
     if as_json:
-        typer.echo(json.dumps(rep, ensure_ascii=False))
+        typer.echo(json_text(rep))
     else:
         from infertrace.trace.render_compare import render_backends_diff, render_reference_diff
 

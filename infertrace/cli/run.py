@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from infertrace.engine.engine import EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
+from infertrace.safe_text import SafeConsole, visible, json_text
 from infertrace.runner import Loaded, PromptSpec, load_model, parse_dtype, run_requests
 from infertrace.trace.recorder import VARIABLES
 from infertrace.trace.store import KEEP, parse_layers, save_trace
@@ -49,19 +50,19 @@ MIN_WIDTH = 120
 def stdout_console() -> Console:
     """Console for the report: the terminal's width but at least :data:`MIN_WIDTH` columns, or
     exactly 120 when piped (unless COLUMNS is set)."""
-    c = Console(highlight=False)
+    c = SafeConsole(highlight=False)
     if not c.is_terminal and "COLUMNS" not in os.environ:
-        return Console(highlight=False, width=120)
+        return SafeConsole(highlight=False, width=120)
     if c.width < MIN_WIDTH:
-        return Console(highlight=False, width=MIN_WIDTH)
+        return SafeConsole(highlight=False, width=MIN_WIDTH)
     return c
 
 
 def progress_display(enabled: bool) -> Progress:
     """Transient progress on stderr; disabled (prints nothing) when ``enabled`` is False or
     stderr is not a terminal."""
-    err = Console(stderr=True)
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    err = SafeConsole(stderr=True)  # descriptions hold file and tensor names: no markup, no raw control bytes
+    return Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=err, transient=True, disable=not (enabled and err.is_terminal))
 
 
@@ -302,15 +303,15 @@ def run(
     if save is not None:
         from infertrace.trace.render import human_bytes
 
-        sizes = save_trace(trace, save, tensors, tensor_layers or ())
-        typer.echo(f"saved trace to {save}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
+        sizes = save_trace(trace, save, tensors, tensor_layers or (), replace=force)  # atomic; a racing --save loses with exit 2
+        typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
 
     wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]
     if wanted == [] and not as_json:
         last = trace.steps[-1].step if trace.steps else -1
         raise InfertraceError(f"--steps {steps} selects no step: the run has steps 0..{last}")
     if as_json:
-        typer.echo(json.dumps(trace.to_dict(), ensure_ascii=False))
+        typer.echo(json_text(trace.to_dict()))
         return
     from infertrace.trace.render import render_run
 
