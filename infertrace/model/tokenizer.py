@@ -810,7 +810,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's jinja chat template, as HF ``apply_chat_template(tokenize=False)``.
 
-        Uses a jinja2 ``ImmutableSandboxedEnvironment`` (``trim_blocks``, ``lstrip_blocks``,
+        Uses a jinja2 ``ImmutableSandboxedEnvironment`` with render limits (time, loop iterations,
+        call depth, string and output size: :mod:`infertrace.model.template_limits`) (``trim_blocks``, ``lstrip_blocks``,
         ``loopcontrols``) with HF's helpers: ``raise_exception``, ``strftime_now``, a ``tojson``
         filter that does not HTML-escape; variables ``messages``, ``add_generation_prompt``,
         ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``, ``tools`` (None),
@@ -823,7 +824,8 @@ class Tokenizer:
         if not self.chat_template:
             raise InfertraceError("this model has no chat template (tokenizer.chat_template); pass a raw prompt instead")
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from infertrace.model.template_limits import LimitedSandbox
 
         if self._compiled_template is None:
 
@@ -836,7 +838,8 @@ class Tokenizer:
             def strftime_now(fmt: str) -> str:
                 return datetime.now().strftime(fmt)
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            # ImmutableSandboxedEnvironment + render limits (time, iterations, call depth, sizes)
+            env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.filters["tojson"] = tojson
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = strftime_now
@@ -844,13 +847,16 @@ class Tokenizer:
                 self._compiled_template = env.from_string(self.chat_template)
             except jinja2.exceptions.TemplateSyntaxError as exc:
                 raise InfertraceError(f"chat template does not parse: {exc}") from exc
+            except RecursionError:
+                raise InfertraceError("chat template does not parse: it is nested deeper than Python allows") from None
 
         def name(token_id: int | None) -> str | None:
             return self._tokens[token_id] if token_id is not None else None
 
         clean = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         try:
-            return self._compiled_template.render(
+            return self._compiled_template.environment.render(
+                self._compiled_template,
                 messages=clean,
                 tools=None,
                 documents=None,
