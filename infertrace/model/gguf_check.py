@@ -268,3 +268,65 @@ def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
             raise _Broken(f"tensor {t.name!r} (offset {t.offset}) overlaps tensor {prev!r} (ends at offset {end_prev})")
         end_prev, prev = t.offset + t.n_bytes, t.name
     return facts
+
+
+#: tokenizer keys and the GGUF value types they may hold (``[ARRAY, item]`` for arrays).
+_INT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
+_TOKENIZER_ARRAYS = {"tokenizer.ggml.tokens": {_STRING}, "tokenizer.ggml.merges": {_STRING},
+                     "tokenizer.ggml.token_type": _INT_TYPES, "tokenizer.ggml.scores": {6, 12} | _INT_TYPES}
+_TOKENIZER_STRINGS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
+_TOKENIZER_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id",
+                  "eom_token_id", "fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id")
+_TOKENIZER_FLAGS = ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.add_eos_token")
+
+
+def check_gguf_tokenizer_fields(reader: object, name: str) -> None:
+    """Value types and sizes of the ``tokenizer.*`` keys of an open :class:`gguf.GGUFReader`.
+
+    Strings must be STRING, token arrays ARRAY of STRING (each token at most
+    ``MAX_TOKEN_BYTES``, the sum of squared token lengths - the cost of deriving SentencePiece
+    merges - at most ``MAX_TOKEN_WORK``), types / ids integers, scores numbers, flags BOOL or integers;
+    the vocabulary at most ``MAX_VOCAB`` entries (llama.cpp ``llama_vocab::impl::load`` reads the same keys).
+
+    Raises:
+        InfertraceError: one line naming the key.
+    """
+    from infertrace.model.limits import MAX_TOKEN_BYTES, MAX_TOKEN_WORK, MAX_VOCAB
+
+    fields = getattr(reader, "fields")
+
+    def types(key: str) -> list[int] | None:
+        f = fields.get(key)
+        return None if f is None else [int(t) for t in f.types]
+
+    def bad(key: str, want: str, got: list[int]) -> InfertraceError:
+        shown = "/".join(_TYPE_NAMES.get(t, str(t)) for t in got) or "an empty array"
+        return InfertraceError(f"cannot read GGUF {name}: {key} must be {want}, got {shown}; the file is broken")
+
+    for key in _TOKENIZER_STRINGS:
+        t = types(key)
+        if t is not None and t != [_STRING]:
+            raise bad(key, "a STRING", t)
+    for key in (*(f"tokenizer.ggml.{k}" for k in _TOKENIZER_IDS), *_TOKENIZER_FLAGS):
+        t = types(key)
+        if t is not None and not (len(t) == 1 and (t[0] in _INT_TYPES or t[0] == 7)):
+            raise bad(key, "an integer or BOOL", t)
+    for key, items in _TOKENIZER_ARRAYS.items():
+        t = types(key)
+        if t is None:
+            continue
+        f = fields[key]
+        n = len(f.data)
+        if n and (len(t) != 2 or t[0] != _ARRAY or t[1] not in items):
+            raise bad(key, f"an ARRAY of {'/'.join(_TYPE_NAMES[i] for i in sorted(items))}", t)
+        if n > MAX_VOCAB:
+            raise InfertraceError(f"cannot read GGUF {name}: {key} has {n} entries, over the limit of {MAX_VOCAB}")
+        if key == "tokenizer.ggml.tokens" and n:
+            lens = [len(f.parts[i]) for i in f.data]
+            longest = max(lens)
+            if longest > MAX_TOKEN_BYTES:
+                raise InfertraceError(f"cannot read GGUF {name}: a token of {longest} bytes is over the limit of {MAX_TOKEN_BYTES}")
+            work = sum(x * x for x in lens)
+            if work > MAX_TOKEN_WORK:
+                raise InfertraceError(f"cannot read GGUF {name}: the token texts are too long together (sum of squared "
+                                      f"lengths {work}, over the limit of {MAX_TOKEN_WORK})")

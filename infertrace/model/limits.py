@@ -40,6 +40,10 @@ MAX_GGUF_TENSOR_NAME_BYTES = 63
 MAX_GGUF_DIMS = 4
 #: vocabulary entries (rows of ``token_embd``; tokenizer ids).
 MAX_VOCAB = 1 << 22
+#: bytes of one vocabulary entry (SmolLM2's longest is 162; whitespace runs and HTML pieces stay < 1 KiB).
+MAX_TOKEN_BYTES = 4096
+#: sum of squared token lengths: the cost of deriving SentencePiece merges from the vocabulary.
+MAX_TOKEN_WORK = 1 << 31
 #: hidden size, feed-forward size, head count, head dim: any one of them.
 MAX_DIM = 1 << 20
 #: trained context (``context_length`` / ``max_position_embeddings``).

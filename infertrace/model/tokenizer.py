@@ -566,6 +566,10 @@ class Tokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise InfertraceError(f"no tokenizer.json in {path}; an HF model directory needs one")
+        from infertrace.model.limits import MAX_TOKENIZER_JSON_BYTES, MAX_VOCAB
+
+        if tj.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
+            raise InfertraceError(f"{tj} is {tj.stat().st_size} bytes, over the limit of {MAX_TOKENIZER_JSON_BYTES}")
         try:
             raw = json.loads(tj.read_text(encoding="utf-8"))
             backend = _HFTokenizer.from_file(str(tj))
@@ -579,6 +583,8 @@ class Tokenizer:
             except Exception as exc:
                 raise InfertraceError(f"cannot read {cfg_path}: {exc}") from exc
 
+        if not isinstance(raw, dict) or not isinstance(cfg, dict):
+            raise InfertraceError(f"{tj if not isinstance(raw, dict) else cfg_path} must hold a JSON object")
         model_type = (raw.get("model") or {}).get("type")
         pipeline = json.dumps([raw.get("pre_tokenizer"), raw.get("decoder")])
         if model_type == "BPE" and "ByteLevel" in pipeline:
@@ -594,6 +600,8 @@ class Tokenizer:
 
         vocab = backend.get_vocab(with_added_tokens=True)
         size = max(backend.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+        if size > MAX_VOCAB:
+            raise InfertraceError(f"{tj} has token ids up to {size - 1}, over the vocabulary limit of {MAX_VOCAB}")
         tokens = [""] * size
         types = [TOKEN_TYPE_UNUSED] * size
         for text, i in vocab.items():

@@ -17,7 +17,7 @@ import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig, config_from_gguf_fields, config_from_hf
-from infertrace.model.gguf_check import check_gguf_header
+from infertrace.model.gguf_check import check_gguf_header, check_gguf_tokenizer_fields
 from infertrace.model.hparams_check import check_hf_config, check_layer_count, check_gguf_hparams
 from infertrace.model.limits import MAX_JSON_BYTES, read_json_file, require_regular_file
 from infertrace.model.rope import unpermute_from_norm
@@ -169,7 +169,12 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
 
     from infertrace.model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_gguf(reader)
+    check_gguf_tokenizer_fields(reader, p.name)  # value types and sizes of tokenizer.* before they are used
+    try:
+        tokenizer = Tokenizer.from_gguf(reader)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:  # hostile metadata
+        raise InfertraceError(f"cannot read GGUF {p.name}: invalid tokenizer metadata ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else '?'}); the file is broken") from None
 
     infos: list[TensorInfo] = []
     weights: dict[str, torch.Tensor] = {}
@@ -336,7 +341,11 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     w = {} if header_only else {k: v.to(dtype) for k, v in w.items()}
     from infertrace.model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_hf_dir(d)
+    try:
+        tokenizer = Tokenizer.from_hf_dir(d)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:  # hostile tokenizer files
+        raise InfertraceError(f"cannot read the tokenizer of {d.name}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else '?'}; the files are broken") from None
     notes = ["HF checkpoint: Q/K rows already in half-split ('neox') order"]
     if cfg.tie_embeddings:
         notes.append("tie_word_embeddings: lm head tied to embed_tokens")
