@@ -277,7 +277,7 @@ def run(
     if save is not None:
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
-    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
+    from infertrace.cli.run_options import build_run_inputs, print_run_cost  # shares run's checks with dump-kv, diff-backends
 
     specs, opts = build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
@@ -289,6 +289,7 @@ def run(
     # -- load and run (progress on stderr only)
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress)
+        print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
 
         def on_step(st: Any) -> None:
