@@ -120,5 +120,6 @@ def print_run_cost(progress: Any, loaded: Any, specs: list[PromptSpec], opts: En
     from infertrace.runner import parse_dtype
 
     check_kv_budget(loaded.config, opts, parse_dtype(dtype), loaded.model.device)  # a refusal is the only line
-    for w in run_cost_warnings(loaded.config, opts, [s.params.max_new_tokens for s in specs], parse_dtype(dtype)):
+    news = [s.params.max_new_tokens for s in specs]
+    for w in run_cost_warnings(loaded.config, opts, news, parse_dtype(dtype), default_ctx_size=EngineOptions.ctx_size):
         progress.console.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)

@@ -88,7 +88,8 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
     return total
 
 
-def run_cost_warnings(cfg: Any, opts: Any, max_new_tokens: Sequence[int], dtype: torch.dtype) -> list[str]:
+def run_cost_warnings(cfg: Any, opts: Any, max_new_tokens: Sequence[int], dtype: torch.dtype,
+                      default_ctx_size: int | None = None) -> list[str]:
     """One-line warnings for a run that goes past the model's trained context, with its cost.
 
     Args:
@@ -96,6 +97,8 @@ def run_cost_warnings(cfg: Any, opts: Any, max_new_tokens: Sequence[int], dtype:
         opts: engine options (``ctx_size``, backend, pool).
         max_new_tokens: ``--max-new-tokens`` of each request.
         dtype: KV cache dtype.
+        default_ctx_size: the CLI's default ``--ctx-size``; a default larger than a small model's
+            trained context is only mentioned when the generation length can actually pass it.
 
     Returns:
         Zero, one or two messages (no ``warning:`` prefix).
@@ -105,11 +108,11 @@ def run_cost_warnings(cfg: Any, opts: Any, max_new_tokens: Sequence[int], dtype:
     tokens = kv_tokens(opts)
     per_layer = kv_bytes_per_layer(cfg, tokens, dtype)
     dt = str(dtype).replace("torch.", "")
-    if opts.ctx_size > n_train:
+    biggest = max(max_new_tokens, default=0)
+    if opts.ctx_size > n_train and (opts.ctx_size != default_ctx_size or biggest > n_train):
         out.append(f"--ctx-size {opts.ctx_size} is beyond the model's trained context ({n_train} tokens): positions past "
                    f"{n_train} were never trained; the KV cache takes {human_bytes(per_layer)} per layer x {cfg.n_layer} "
                    f"layers = {human_bytes(per_layer * cfg.n_layer)} at {dt}")
-    biggest = max(max_new_tokens, default=0)
     if biggest > n_train:
         steps = min(biggest, opts.ctx_size - 1)
         out.append(f"--max-new-tokens {biggest} is beyond the model's trained context ({n_train} tokens): up to "
