@@ -55,6 +55,11 @@ MAX_TOKENIZER_JSON_BYTES = 512 << 20
 MAX_TEMPLATE_FILE_BYTES = 4 << 20
 
 
+def _label(what: str, shown: object) -> str:
+    """``"config.json /m/config.json"`` reads badly: name the file once when ``what`` is its name."""
+    return str(shown) if what == Path(str(shown)).name else f"{what} {shown}"
+
+
 def open_regular(path: str | Path, what: str = "model file") -> int:
     """Open ``path`` read-only without blocking and return the fd of a regular file.
 
@@ -69,25 +74,26 @@ def open_regular(path: str | Path, what: str = "model file") -> int:
         InfertraceError: missing, unreadable, or not a regular file (FIFO, device, socket, directory).
     """
     p = Path(path)
+    lab = _label(what, p)
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise InfertraceError(f"{what} {p} does not exist") from None
+        raise InfertraceError(f"{lab} does not exist") from None
     except IsADirectoryError:
-        raise InfertraceError(f"{what} {p} is a directory, not a regular file") from None
+        raise InfertraceError(f"{lab} is a directory, not a regular file") from None
     except OSError as e:
-        raise InfertraceError(f"cannot open {what} {p}: {e.strerror}") from None
+        raise InfertraceError(f"cannot open {lab}: {e.strerror}") from None
     try:
         mode = os.fstat(fd).st_mode
     except OSError as e:
         os.close(fd)
-        raise InfertraceError(f"cannot stat {what} {p}: {e.strerror}") from None
+        raise InfertraceError(f"cannot stat {lab}: {e.strerror}") from None
     if not stat.S_ISREG(mode):
         os.close(fd)
         kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
                 else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
                 else "a directory" if stat.S_ISDIR(mode) else "not a regular file")
-        raise InfertraceError(f"{what} {p} is {kind}; only regular files are read")
+        raise InfertraceError(f"{lab} is {kind}; only regular files are read")
     if getattr(os, "O_NONBLOCK", 0):
         os.set_blocking(fd, True)
     return fd
@@ -113,13 +119,14 @@ def read_bounded_bytes(path: str | Path, max_bytes: int, what: str) -> bytes:
         InfertraceError: not a regular file, or larger than ``max_bytes`` (the message names the limit).
     """
     fd = open_regular(path, what)
+    lab = _label(what, Path(path).name)
     with os.fdopen(fd, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size > max_bytes:
-            raise InfertraceError(f"{what} {Path(path).name} is {size} bytes, over the limit of {max_bytes} bytes; the file is not a real {what}")
+            raise InfertraceError(f"{lab} is {size} bytes, over the limit of {max_bytes} bytes; the file is not a real {what or 'model file'}")
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:  # grew while we read it
-        raise InfertraceError(f"{what} {Path(path).name} is over the limit of {max_bytes} bytes")
+        raise InfertraceError(f"{lab} is over the limit of {max_bytes} bytes")
     return data
 
 
@@ -133,17 +140,17 @@ def read_json_file(path: str | Path, what: str, max_bytes: int = MAX_JSON_BYTES)
     Raises:
         InfertraceError: not a regular file, too large, not UTF-8, not JSON, too deeply nested.
     """
-    name = Path(path).name
     data = read_bounded_bytes(path, max_bytes, what)
+    lab = _label(what, Path(path).name)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
-        raise InfertraceError(f"{what} {name} is not UTF-8 text; the file is corrupt") from None
+        raise InfertraceError(f"{lab} is not UTF-8 text; the file is corrupt") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise InfertraceError(f"{what} {name} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise InfertraceError(f"{lab} is not valid JSON ({e.msg} at line {e.lineno})") from None
     except RecursionError:
-        raise InfertraceError(f"{what} {name} is nested too deeply to parse; the file is not a real {what}") from None
+        raise InfertraceError(f"{lab} is nested too deeply to parse; the file is not a real {what or 'model file'}") from None
     except ValueError as e:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
-        raise InfertraceError(f"{what} {name} holds an invalid value ({str(e).splitlines()[0][:100]})") from None
+        raise InfertraceError(f"{lab} holds an invalid value ({str(e).splitlines()[0][:100]})") from None
