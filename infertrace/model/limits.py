@@ -27,9 +27,9 @@ MAX_LAYERS = 1024
 MAX_GGUF_TENSORS = 65_536
 #: key/value pairs in one GGUF header.
 MAX_GGUF_KV = 65_536
-#: array elements over all GGUF key/values together (a 262k vocabulary with scores and types is ~0.8M;
-#: gguf-py builds one numpy view per element, so this also bounds its memory).
-MAX_GGUF_ARRAY_ELEMENTS = 1 << 21
+#: array elements over all GGUF key/values together (a 262k vocabulary with scores and types is ~0.8M).
+#: gguf-py builds about 1 KB of Python objects per element, so this also bounds its memory (~1 GB).
+MAX_GGUF_ARRAY_ELEMENTS = 1 << 20
 #: nesting of GGUF arrays (llama.cpp reads none; gguf-py flattens them).
 MAX_GGUF_ARRAY_DEPTH = 4
 #: bytes of one GGUF key.
