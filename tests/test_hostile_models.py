@@ -377,3 +377,18 @@ def test_absurd_ctx_size_refused_up_front(gguf_path, monkeypatch):
     # K+V at 10000 cells: 2 * 10000 * 2 kv heads * 8 * 4 bytes = 1280000 B = 1.2 MiB per layer, x 2 layers = 2.4 MiB > 1 MiB
     line = _err("run", "-m", str(gguf_path), "-p", "hi", "--ctx-size", "10000")
     assert "KV cache for 10000 tokens would take 2.4 MiB (1.2 MiB per layer x 2 layers at float32), over the limit of 1.0 MiB" in line
+
+
+@pytest.mark.parametrize("factors, expect", [
+    ((1.0,) * 3, "rope_freqs.weight has 3 entries but the rotary dimension 8 needs 4"),
+    ((1.0, float("inf"), 1.0, 1.0), "non-finite or non-positive frequency divisor"),
+    ((1.0, 0.0, 1.0, 1.0), "non-finite or non-positive frequency divisor"),
+])
+def test_rope_freq_factors_checked(gguf_path, factors, expect):
+    """GGUF ``rope_freqs.weight`` must hold rope_dim / 2 finite positive divisors (else garbage RoPE or a
+    shape error mid-run)."""
+    import dataclasses
+
+    cfg = load_checkpoint(gguf_path, header_only=True).config
+    with pytest.raises(InfertraceError, match=expect.replace("(", r"\(").replace(")", r"\)")):
+        dataclasses.replace(cfg, rope_freq_factors=factors).validate()

@@ -215,6 +215,9 @@ def check_config_bounds(cfg: Any) -> None:
             check_float(where, f"rope scaling {name}", getattr(rs, name), 0.0, inclusive=False)
         check_int(where, "rope scaling original_max_position_embeddings", rs.original_max_position_embeddings, 1, MAX_CTX_TRAIN)
     ff = getattr(cfg, "rope_freq_factors", None)
+    if ff is not None and hasattr(cfg, "rope_dim") and len(ff) != cfg.rope_dim // 2:
+        raise InfertraceError(f"{where} has an invalid value: rope_freqs.weight has {len(ff)} entries but the rotary "
+                              f"dimension {cfg.rope_dim} needs {cfg.rope_dim // 2}; the model file is broken")
     if ff is not None and not all(math.isfinite(x) and x > 0 for x in ff):
         raise InfertraceError(f"{where} has an invalid value: rope_freqs.weight holds a non-finite or non-positive "
                               "frequency divisor; the model file is broken")

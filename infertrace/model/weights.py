@@ -160,6 +160,9 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     freq_factors = None
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
+        if tensors["rope_freqs.weight"].tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            raise InfertraceError(f"{p.name}: rope_freqs.weight must be F32 or F16, not "
+                                  f"{GGMLQuantizationType(tensors['rope_freqs.weight'].tensor_type).name}; the file is broken")
         freq_factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).ravel())
     meta_for_cfg = dict(meta)
     meta_for_cfg["tokenizer.ggml.tokens"] = meta_tokens
