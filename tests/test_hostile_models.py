@@ -374,9 +374,11 @@ def test_absurd_ctx_size_refused_up_front(gguf_path, monkeypatch):
     import infertrace.kv.budget as budget
 
     monkeypatch.setattr(budget, "memory_limit_bytes", lambda device="cpu": 1 << 20)
-    # K+V at 10000 cells: 2 * 10000 * 2 kv heads * 8 * 4 bytes = 1280000 B = 1.2 MiB per layer, x 2 layers = 2.4 MiB > 1 MiB
+    # K+V at 10000 cells: 2 * 10000 * 2 kv heads * 8 * 4 bytes = 1280000 B = 1.2 MiB per layer, x 2 layers = 2560000 B;
+    # cells also keep pos (8 B) and 64 seq_id flags per cell: 10000 * 72 = 720000 B = 703.1 KiB; total 3280000 B = 3.1 MiB
     line = _err("run", "-m", str(gguf_path), "-p", "hi", "--ctx-size", "10000")
-    assert "KV cache for 10000 tokens would take 2.4 MiB (1.2 MiB per layer x 2 layers at float32), over the limit of 1.0 MiB" in line
+    assert ("KV cache for 10000 tokens would take 3.1 MiB (1.2 MiB per layer x 2 layers at float32 + 703.1 KiB of cell "
+            "bookkeeping), over the limit of 1.0 MiB") in line, line
 
 
 @pytest.mark.parametrize("factors, expect", [

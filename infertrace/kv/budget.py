@@ -70,7 +70,7 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
         dtype, device: of the cache.
 
     Returns:
-        The cache size in bytes (all layers, K and V).
+        The cache size in bytes (all layers, K and V, plus the cells' ``pos`` / ``seq_id`` bookkeeping).
 
     Raises:
         InfertraceError: the cache would exceed the limit; the message gives its size and the limit.
@@ -78,12 +78,17 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
     tokens = kv_tokens(opts)
     per_layer = kv_bytes_per_layer(cfg, tokens, dtype)
     total = per_layer * cfg.n_layer
+    book = 0
+    if getattr(opts, "backend", "cells") == "cells":  # cell bookkeeping: pos (int64) + seq_id set (n_seq_max bools)
+        book = tokens * (8 + getattr(opts, "n_seq_max", 64))
+    total += book
     limit = memory_limit_bytes(device)
     if limit is not None and total > limit:
         what = "--ctx-size" if getattr(opts, "backend", "cells") == "cells" else "--num-blocks x --tokens-per-block"
         raise InfertraceError(
             f"the KV cache for {tokens} tokens would take {human_bytes(total)} ({human_bytes(per_layer)} per layer x "
-            f"{cfg.n_layer} layers at {str(dtype).replace('torch.', '')}), over the limit of {human_bytes(limit)} "
+            f"{cfg.n_layer} layers at {str(dtype).replace('torch.', '')}{f' + {human_bytes(book)} of cell bookkeeping' if book else ''}), "
+            f"over the limit of {human_bytes(limit)} "
             f"(half of this machine's memory); lower {what}")
     return total
 
