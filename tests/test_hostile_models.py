@@ -394,3 +394,23 @@ def test_rope_freq_factors_checked(gguf_path, factors, expect):
     cfg = load_checkpoint(gguf_path, header_only=True).config
     with pytest.raises(InfertraceError, match=expect.replace("(", r"\(").replace(")", r"\)")):
         dataclasses.replace(cfg, rope_freq_factors=factors).validate()
+
+
+@pytest.mark.parametrize("content, expect", [
+    ("[" * 100_000 + "\n", "line 1: not valid JSON (nested too deeply or a number too long)"),
+    ('{"prompt": "hi", "seed": ' + "9" * 5000 + "}\n", "line 1: not valid JSON (nested too deeply or a number too long)"),
+])
+def test_prompts_file_hostile_json(gguf_path, tmp_path, content, expect):
+    f = tmp_path / "p.jsonl"
+    f.write_text(content)
+    assert expect in _err("run", "-m", str(gguf_path), "--prompts", str(f))
+
+
+def test_prompts_file_is_read_with_a_bound():
+    """--prompts accepts pipes (``<(cmd)``) but stops reading an endless file at the limit."""
+    if not Path("/dev/zero").exists():
+        pytest.skip("no /dev/zero")
+    from infertrace.model.limits import MAX_PROMPTS_FILE_BYTES
+
+    assert f"--prompts /dev/zero is over the limit of {MAX_PROMPTS_FILE_BYTES} bytes" in _err(
+        "run", "-p", "x", "--prompts", "/dev/zero")

@@ -157,8 +157,16 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
     Raises:
         InfertraceError: unreadable file, or a malformed line (message names the line number).
     """
+    from infertrace.model.limits import MAX_PROMPTS_FILE_BYTES
+
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with open(path, "rb") as fh:  # a pipe (--prompts <(cmd)) is fine; /dev/zero or a huge file stops at the limit
+            data = fh.read(MAX_PROMPTS_FILE_BYTES + 1)
+        if len(data) > MAX_PROMPTS_FILE_BYTES:
+            raise InfertraceError(f"--prompts {path} is over the limit of {MAX_PROMPTS_FILE_BYTES} bytes")
+        lines = data.decode("utf-8").splitlines()
+    except IsADirectoryError:
+        raise InfertraceError(f"--prompts {path} is a directory; pass a JSONL file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise InfertraceError(f"cannot read --prompts {path}: {e.strerror if isinstance(e, OSError) else e}") from None
     specs = []
@@ -170,6 +178,8 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise InfertraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except (RecursionError, ValueError):  # nesting past the recursion limit; integers over 4300 digits
+            raise InfertraceError(f"{where}: not valid JSON (nested too deeply or a number too long)") from None
         if not isinstance(obj, dict):
             raise InfertraceError(f"{where}: expected a JSON object like {{\"prompt\": \"...\"}}")
         unknown = sorted(set(obj) - set(PROMPT_KEYS))

@@ -25,7 +25,7 @@ _INF = float("inf")
 HF_INT_FIELDS = (
     ("num_hidden_layers", 1, MAX_LAYERS), ("hidden_size", 1, MAX_DIM), ("intermediate_size", 1, MAX_DIM),
     ("num_attention_heads", 1, MAX_DIM), ("num_key_value_heads", 1, MAX_DIM), ("head_dim", 1, MAX_DIM),
-    ("vocab_size", 1, MAX_VOCAB), ("max_position_embeddings", 1, MAX_CTX_TRAIN), ("sliding_window", 1, MAX_CTX_TRAIN),
+    ("vocab_size", 1, MAX_VOCAB), ("max_position_embeddings", 1, MAX_CTX_TRAIN), ("sliding_window", 0, MAX_CTX_TRAIN),
     ("max_window_layers", 0, MAX_LAYERS), ("sliding_window_pattern", 1, MAX_LAYERS),
     ("query_pre_attn_scalar", 1, MAX_DIM),
 )

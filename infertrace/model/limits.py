@@ -53,6 +53,8 @@ MAX_JSON_BYTES = 64 << 20
 #: bytes of tokenizer.json / a chat template file.
 MAX_TOKENIZER_JSON_BYTES = 512 << 20
 MAX_TEMPLATE_FILE_BYTES = 4 << 20
+#: bytes of a ``--prompts`` JSONL file (read from a pipe too, so it is bounded while reading).
+MAX_PROMPTS_FILE_BYTES = 64 << 20
 
 
 def _label(what: str, shown: object) -> str:

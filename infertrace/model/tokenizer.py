@@ -646,6 +646,10 @@ class Tokenizer:
         chat_template = None
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
+            from infertrace.model.limits import MAX_TEMPLATE_FILE_BYTES
+
+            if jinja_file.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
+                raise InfertraceError(f"{jinja_file} is over the limit of {MAX_TEMPLATE_FILE_BYTES} bytes")
             chat_template = jinja_file.read_text(encoding="utf-8")
         else:
             tmpl = cfg.get("chat_template")
