@@ -7,7 +7,8 @@ and structured hostile headers built byte by byte (tests/hostile_gguf.py) with a
 lengths, value types, dims, ggml types and offsets.
 
 Invariant: :func:`load_checkpoint` returns or raises :class:`InfertraceError` (no other
-exception); ``infertrace inspect --json`` exits 0 (stdout is JSON) or 2 with one ``error:`` line;
+exception); ``infertrace inspect --json`` exits 0 (stdout is JSON) or 2 with one ``error:`` line,
+and so does ``infertrace run`` on a file the loader accepted;
 each example finishes within ``EXAMPLE_SECONDS`` (SIGALRM) and the process' peak RSS grows by less
 than ``RSS_GROWTH_MB`` over the whole run.
 
@@ -103,6 +104,12 @@ def _check(name: str, data: bytes, header_only: bool, cli: bool) -> None:
             try:
                 load_checkpoint(p, header_only=header_only)
                 _STATS[name]["loaded"] += 1
+                if cli:  # a file the loader accepts must also run (or be refused) with one line
+                    res = _RUN.invoke(app, ["run", "-m", str(p), "-p", "hi", "-n", "2", "--ctx-size", "64", "--json"])
+                    assert res.exit_code in (0, 2), res.output
+                    if res.exit_code == 2:
+                        assert [ln for ln in res.output.splitlines() if ln.strip()][-1].startswith("error:"), res.output
+                    _STATS[name][f"run exit {res.exit_code}"] += 1
             except InfertraceError as e:
                 assert e.exit_code == 2 and "\n" not in e.message.strip()
                 _STATS[name]["refused (InfertraceError)"] += 1

@@ -7,7 +7,8 @@ objects, deep nesting) or deleted, (b) the JSON text truncated, byte-flipped, or
 nesting / over-long integers, (c) ``tokenizer_config.json`` fields replaced the same way.
 
 Invariant: :func:`load_checkpoint` returns or raises :class:`InfertraceError`; ``infertrace inspect
---json`` exits 0 (stdout is JSON) or 2 with one ``error:`` line; each example finishes within
+--json`` exits 0 (stdout is JSON) or 2 with one ``error:`` line, and so does ``infertrace run`` on a
+directory the loader accepted; each example finishes within
 ``EXAMPLE_SECONDS``; peak RSS grows by less than ``RSS_GROWTH_MB`` over the run.
 
 Examples per test: ``INFERTRACE_FUZZ_EXAMPLES`` (default 25); ``INFERTRACE_FUZZ_STATS=FILE`` appends
@@ -116,6 +117,12 @@ def _check(name: str, d: Path, files: dict[str, str | bytes], originals: dict[st
             try:
                 load_checkpoint(d, header_only=header_only)
                 _STATS[name]["loaded"] += 1
+                if cli:  # a file the loader accepts must also run (or be refused) with one line
+                    res = _RUN.invoke(app, ["run", "-m", str(d), "-p", "hi", "-n", "2", "--ctx-size", "64", "--json"])
+                    assert res.exit_code in (0, 2), res.output
+                    if res.exit_code == 2:
+                        assert [ln for ln in res.output.splitlines() if ln.strip()][-1].startswith("error:"), res.output
+                    _STATS[name][f"run exit {res.exit_code}"] += 1
             except InfertraceError as e:
                 assert e.exit_code == 2 and "\n" not in e.message.strip()
                 _STATS[name]["refused (InfertraceError)"] += 1
