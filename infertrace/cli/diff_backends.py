@@ -72,6 +72,7 @@ def diff_backends(
             raise InfertraceError("--against llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'") from None
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress)
+        o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task("comparing" + (f" with {against}" if against else " cells and paged in lockstep"), total=None)
         if against is None:
             from infertrace.engine.compare import diff_backends as run_diff

@@ -158,8 +158,16 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
     Raises:
         InfertraceError: unreadable file, or a malformed line (message names the line number).
     """
+    from infertrace.model.limits import MAX_PROMPTS_FILE_BYTES
+
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with open(path, "rb") as fh:  # a pipe (--prompts <(cmd)) is fine; /dev/zero or a huge file stops at the limit
+            data = fh.read(MAX_PROMPTS_FILE_BYTES + 1)
+        if len(data) > MAX_PROMPTS_FILE_BYTES:
+            raise InfertraceError(f"--prompts {path} is over the limit of {MAX_PROMPTS_FILE_BYTES} bytes")
+        lines = data.decode("utf-8").splitlines()
+    except IsADirectoryError:
+        raise InfertraceError(f"--prompts {path} is a directory; pass a JSONL file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise InfertraceError(f"cannot read --prompts {path}: {e.strerror if isinstance(e, OSError) else e}") from None
     specs = []
@@ -171,6 +179,8 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise InfertraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except (RecursionError, ValueError):  # nesting past the recursion limit; integers over 4300 digits
+            raise InfertraceError(f"{where}: not valid JSON (nested too deeply or a number too long)") from None
         if not isinstance(obj, dict):
             raise InfertraceError(f"{where}: expected a JSON object like {{\"prompt\": \"...\"}}")
         unknown = sorted(set(obj) - set(PROMPT_KEYS))
@@ -278,7 +288,7 @@ def run(
     if save is not None:
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
-    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
+    from infertrace.cli.run_options import build_run_inputs, print_run_cost  # shares run's checks with dump-kv, diff-backends
 
     specs, opts = build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
@@ -290,6 +300,7 @@ def run(
     # -- load and run (progress on stderr only)
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress)
+        print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
 
         def on_step(st: Any) -> None:
