@@ -222,6 +222,8 @@ BAD = {
     "list too long": (lambda t: _edit(t, lambda d: d["steps"][1]["batch"][0].update(token_ids=[0] * 5)), "items but T"),
     "steps out of order": (lambda t: _edit(t, lambda d: d["steps"][1].update(step=0)), "must increase"),
     "logical wrong shape": (lambda t: _edit(t, lambda d: d["steps"][1]["mask"].update(logical=[[[1]]])), "must be [T="),
+    "physical_shape wrong rank": (lambda t: _edit(t, lambda d: d["steps"][1]["kv"].update(physical_shape=[2048, 3])),
+                                  "does not match the cells storage"),  # found by tests/fuzz (dump-kv IndexError)
     "trace.json is a FIFO": (lambda t: ((t / "trace.json").unlink(), os.mkfifo(t / "trace.json")), "not a regular file"),
     "trace.json is /dev/zero": (lambda t: ((t / "trace.json").unlink(), os.symlink("/dev/zero", t / "trace.json")),
                                 "not a regular file"),

@@ -413,6 +413,11 @@ def _kv_consistent(st: dict[str, Any], p: str) -> None:
     ph = kv["physical"]
     if ph["kind"] != kv["backend"]:
         raise Bad(f"{p}.kv.physical.kind", f"{ph['kind']!r} but the record's backend is {kv['backend']!r}")
+    shape = kv["physical_shape"]
+    want = [ph["size"], None, None] if ph["kind"] == "cells" else [ph["num_blocks"], 2, None, ph["tokens_per_block"], None]
+    if len(shape) != len(want) or any(w is not None and x != w for x, w in zip(shape, want)):
+        raise Bad(f"{p}.kv.physical_shape", f"{shape} does not match the {ph['kind']} storage "
+                  + ("[size, n_kv_heads, head_dim]" if ph["kind"] == "cells" else "[num_blocks, 2, n_kv_heads, tokens_per_block, head_dim]"))
     if ph["kind"] == "cells":
         size = ph["size"]
         if ph["n_kv"] > size or ph["used"] > size or len(ph["cells"]) > size:
