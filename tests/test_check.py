@@ -111,10 +111,24 @@ def test_control_characters_are_escaped(tmp_path: Path) -> None:
     shutil.copytree(GOLDEN / "batching-cells", d)
     (d / "trace.json").write_text(json.dumps(m), encoding="utf-8")
     res = CliRunner().invoke(app, ["check", str(d)])
-    assert res.exit_code == 1 and "\x1b" not in res.output and "\\x1b" in res.output
+    # a seq_id that is not an integer fails the trace schema: unreadable (exit 2), shown escaped
+    assert res.exit_code == 2 and "\x1b" not in res.output and "\\x1b" in res.output
 
 
 def test_parse_ranges() -> None:
     assert parse_ranges("0..2,5") == [0, 1, 2, 5] and parse_ranges("-") == []
     with pytest.raises(ValueError):
         parse_ranges("3..1")
+
+
+def test_schema_consistency_is_a_violation(tmp_path: Path) -> None:
+    """A trace whose types are fine but whose fields disagree (N != sum of T) is a violation (exit 1),
+    located by step, not an unreadable file (exit 2)."""
+    m = _load("batching-cells")
+    _step(m, 2)["N"] += 1
+    d = tmp_path / "t"
+    shutil.copytree(GOLDEN / "batching-cells", d)
+    (d / "trace.json").write_text(json.dumps(m), encoding="utf-8")
+    res = CliRunner().invoke(app, ["check", str(d)])
+    assert res.exit_code == 1, res.output
+    assert res.output.startswith("violation: step 2 trace.json: cross-field consistency:"), res.output

@@ -4,12 +4,15 @@ trace, ours or llama.cpp's. Exit 0 when all hold, 1 at the first violation (step
 """
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from infertrace.trace.check import check_trace
+from infertrace.errors import InfertraceError
+from infertrace.trace.check import Violation, check_trace
+from infertrace.trace.schema import validate_trace
 from infertrace.trace.store import read_manifest
 
 HELP = ("Check a saved trace's invariants: positions contiguous per sequence across chunks, RoPE angles consistent "
@@ -26,8 +29,17 @@ def check(
     trace: Annotated[Path, typer.Argument(help="Trace directory (run --save DIR).", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    m = read_manifest(trace)
+    m = read_manifest(trace, consistency=False)  # types, sizes, limits: exit 2 when they fail
     v, n = check_trace(m)
+    if v is None:  # the schema's cross-field consistency is an invariant too: a failure is a violation
+        try:
+            validate_trace(m, "trace.json")
+            n += 1
+        except InfertraceError as e:
+            msg = str(e).split(": ", 1)[-1]  # "steps[2].batch[1].positions: ..." without the file name
+            at = re.match(r"steps\[(\d+)\]", msg)
+            v = Violation(step=int(at.group(1)) if at else None, seq_id=None, variable="trace.json",
+                          rule="cross-field consistency", detail=msg)
     engine = m.get("engine", "infertrace") if isinstance(m.get("engine", ""), str) else "?"
     if as_json:
         typer.echo(json.dumps({"ok": v is None, "checks": n, "engine": engine,

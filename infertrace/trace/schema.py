@@ -442,19 +442,22 @@ def _kv_consistent(st: dict[str, Any], p: str) -> None:
             raise Bad(f"{p}.kv.per_request[{j}]", f"blocks and slots must lie inside the pool ({nb} blocks of {B})")
 
 
-def validate_trace(d: Any, where: str) -> None:
+def validate_trace(d: Any, where: str, consistency: bool = True) -> None:
     """Check a parsed ``trace.json`` completely (see the module docstring).
 
     Args:
         d: what ``json.loads`` returned.
         where: the file, for the message.
+        consistency: also check the cross-field consistency (positions = C..C+T-1, packed rows,
+            lens, mask shapes, cells); ``infertrace check`` reports those as violations instead.
 
     Raises:
         InfertraceError: one line ``<where>: <field path>: <what is wrong> (limit NAME = N)``.
     """
     try:
         TOP_LEVEL(d, "$")
-        _consistent(d)
+        if consistency:
+            _consistent(d)
     except Bad as e:
         path = e.path[2:] if e.path.startswith("$.") else e.path.lstrip("$")
         raise InfertraceError(f"{where}: {path + ': ' if path else ''}{e.msg}") from None

@@ -163,7 +163,7 @@ def _check_list(obj: Any, where: str) -> list:
     return obj
 
 
-def validate_manifest(d: Any, path: str) -> None:
+def validate_manifest(d: Any, path: str, consistency: bool = True) -> None:
     """Check the structure :meth:`RunTrace.from_dict` relies on; the message names the field.
 
     Raises:
@@ -207,11 +207,14 @@ def validate_manifest(d: Any, path: str) -> None:
         raise InfertraceError(f"{path}: 'store' must be an object with keep summary or tensors")
     from infertrace.trace.schema import validate_trace
 
-    validate_trace(d, path)  # types, ranges, sizes and cross-field consistency of every record
+    validate_trace(d, path, consistency)  # types, ranges, sizes and cross-field consistency of every record
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
+def read_manifest(directory: str | Path, consistency: bool = True) -> dict[str, Any]:
     """The validated manifest dict of a saved trace (``directory`` or its ``trace.json``).
+
+    ``consistency=False`` skips only the cross-field consistency checks (types, sizes and limits
+    are always checked): ``infertrace check`` reports those as invariant violations itself.
 
     Raises:
         InfertraceError: missing directory or file, unreadable, invalid or truncated JSON,
@@ -234,7 +237,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         obj = parse_json(data, where)
     except json.JSONDecodeError as e:
         raise _json_error(where, e.doc, e) from None
-    validate_manifest(obj, where)
+    validate_manifest(obj, where, consistency)
     return obj
 
 
