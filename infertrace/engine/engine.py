@@ -16,10 +16,12 @@ import torch
 from infertrace.engine.request import Request
 from infertrace.engine.sampler import SamplingParams, sample
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
+from infertrace.engine.serving import Serving
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
-from infertrace.kv.paged import DEFAULT_TOKENS_PER_BLOCK, PagedKV
+from infertrace.kv.paged import DEFAULT_TOKENS_PER_BLOCK
+from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
 from infertrace.model.llama import NULL_TRACER, LlamaModel
 
 
@@ -37,6 +39,11 @@ class EngineOptions:
     num_blocks / tokens_per_block: paged pool (num_blocks None = ctx_size / tokens_per_block).
     max_batch_tokens / prefill_chunk: scheduler budget and chunked prefill.
     attention: ``torch``, ``triton`` or ``auto``.
+    prefix_cache: reuse cached K/V of a shared prompt prefix (kv/prefix_cache.py).
+    context_shift / n_keep / n_discard: when a request fills ``ctx_size``, keep the first
+        ``n_keep`` cached tokens, drop the next ``n_discard`` (0 = half of the rest) and continue
+        (llama.cpp server); off: the request stops with ``ctx_full``.
+    audit_kv: record each cached entry's provenance and recompute the cache every step.
     """
 
     backend: str = "cells"
@@ -47,6 +54,11 @@ class EngineOptions:
     prefill_chunk: int | None = None
     attention: str = "auto"
     n_seq_max: int = 64
+    prefix_cache: bool = False
+    context_shift: bool = False
+    n_keep: int = 0
+    n_discard: int = 0
+    audit_kv: bool = False
 
 
 def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
@@ -71,10 +83,12 @@ def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
 def _make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
     cfg = model.cfg
     if opts.backend == "cells":
-        return CellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device)
+        cls = CachingCellsKV if opts.prefix_cache else CellsKV
+        return cls(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device)
     if opts.backend == "paged":
         nb = opts.num_blocks if opts.num_blocks is not None else -(-opts.ctx_size // opts.tokens_per_block)
-        return PagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device, attn_impl)
+        return SharedPagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device,
+                             attn_impl, caching=opts.prefix_cache)
     raise InfertraceError(f"unknown backend {opts.backend!r}; use cells or paged")
 
 
@@ -99,6 +113,9 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.step_no = 0
         self.eog = set(getattr(tokenizer, "eog_ids", ()) or ())
+        self.serving = Serving(self)  # prefix cache, context shift, KV audit (engine/serving.py)
+        if self.serving.prefix_on:
+            self.scheduler.on_admit = self.serving.on_admit
 
     def _resolve_attention(self, req: str) -> str:
         if self.opts.backend == "cells":
@@ -190,16 +207,22 @@ class Engine:
                 reason = "eos"
             elif len(req.output_ids) >= req.params.max_new_tokens:
                 reason = "max_new_tokens"
-            elif len(req.all_ids) >= self.opts.ctx_size:
+            elif len(req.cache_ids) >= self.opts.ctx_size and not self.opts.context_shift:
                 reason = "ctx_full"
             if reason:
                 finished[req.seq_id] = reason
+        if self.serving.active:
+            self.serving.after_forward(batch, inp)
+        serving = self.serving.take_record()
         if tracer.enabled:
             tracer.end_step({"step": self.step_no, "batch": batch, "inp": inp, "kv": self.kv, "attention": self.attn_impl,
                              "logits": logits, "logits_rows": rows, "samples": samples, "finished": finished,
-                             "requests": self.requests, "time_ms": (time.perf_counter() - t0) * 1e3})
+                             "requests": self.requests, "time_ms": (time.perf_counter() - t0) * 1e3,
+                             "serving": serving})
         for sid, reason in finished.items():
             self.scheduler.finish(self.requests[sid], reason)
+        if self.serving.active:
+            self.serving.after_finish(batch, finished)
         self.step_no += 1
         return batch
 

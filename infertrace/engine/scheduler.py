@@ -63,6 +63,9 @@ class Scheduler:
         self.future: list[Request] = []  # not arrived yet
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: prefix-cache hook (engine/serving.py): called with a request about to be admitted with
+        #: nothing cached; attaches cached K/V and sets ``num_computed`` to the hit length.
+        self.on_admit = None
 
     def add(self, req: Request) -> None:
         """Queue ``req``; it becomes schedulable at its ``arrival_step``."""
@@ -126,8 +129,12 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            hit = self.on_admit(req) if self.on_admit is not None and req.num_computed == 0 else 0
             n = self._take(req, budget)
             if not self.kv.can_fit(self._plan(batch, req, n)):
+                if hit:  # undo the prefix attachment; the lookup runs again next step
+                    self.kv.release(req.seq_id)
+                    req.num_computed = 0
                 if not self.running and not batch.chunks:
                     raise InfertraceError(
                         f"request {req.seq_id} needs more KV storage than exists ({self.kv.capacity_tokens} tokens); raise --ctx-size / --num-blocks"
@@ -147,8 +154,9 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         C = req.num_computed
-        ids = req.all_ids[C : C + n]
-        return ScheduledChunk(req, req.phase, C, ids, need_logits=(C + n == len(req.all_ids)))
+        cache_ids = req.cache_ids  # all_ids unless a context shift dropped some
+        ids = cache_ids[C : C + n]
+        return ScheduledChunk(req, req.phase, C, ids, need_logits=(C + n == len(cache_ids)))
 
     def finish(self, req: Request, reason: str) -> None:
         """Mark ``req`` finished with ``reason`` and free its cells/blocks (TensorRT-LLM ``free_resources``)."""
