@@ -47,6 +47,11 @@ def diff_backends(
     attention: o.Attention = "auto",
     dtype: o.Dtype = "float32",
     device: o.Device = "cpu",
+    prefix_cache: o.PrefixCache = "off",
+    context_shift: o.ContextShift = False,
+    n_keep: o.NKeep = 0,
+    n_discard: o.NDiscard = 0,
+    audit_kv: o.AuditKv = False,
 ) -> None:
     """Prints the report; ``typer.Exit(1)`` after it when anything logical differs."""
     if against is not None:
@@ -58,7 +63,8 @@ def diff_backends(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device)
+        attention=attention, dtype=dtype, device=device,
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
     if against == "hf":  # fail before loading anything
         try:
             import transformers  # noqa: F401

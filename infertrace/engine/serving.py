@@ -68,7 +68,7 @@ class Serving:
             if self.prefix_on and not req.shifts:
                 kv.note_tokens(req.seq_id, c.C, c.token_ids, req.cache_ids[: c.C + c.T])
             sl = slots[row : row + c.T].tolist() if slots is not None else ()
-            self.prov.on_write(req.seq_id, c.C, c.T, c.phase, len(req.cache_ids), sl, getattr(kv, "B", 0))
+            self.prov.on_write(req.seq_id, c.C, c.T, c.phase, c.need_logits, sl, getattr(kv, "B", 0))
             row += c.T
         if self.audit_on:
             self.audit = self.run_audit()

@@ -35,16 +35,16 @@ class Provenance:
         self.labels[seq_id] = [f"prefix hit from request {src}"] * hit
         self.chunks[seq_id] = 0
 
-    def on_write(self, seq_id: int, C: int, T: int, phase: str, prompt_len: int, slots: Sequence[int] = (),
+    def on_write(self, seq_id: int, C: int, T: int, phase: str, last: bool, slots: Sequence[int] = (),
                  B: int = 0) -> None:
-        """Tokens ``C..C+T-1`` were computed this step (``phase`` prefill or decode)."""
+        """Tokens ``C..C+T-1`` were computed this step (``phase`` prefill or decode; ``last``: the chunk
+        ends the prompt, so a first chunk that is also the last is the whole ``prefill``)."""
         if phase == "decode":
             label = "decode"
         else:
             k = self.chunks.get(seq_id, 0)
             self.chunks[seq_id] = k + 1
-            whole = k == 0 and C + T >= prompt_len
-            label = "prefill" if whole else f"chunk {k}"
+            label = "prefill" if (k == 0 and last) else f"chunk {k}"
         self.labels[seq_id] = self.labels.get(seq_id, [])[:C] + [label] * T
         for s in slots:
             self.block_writer[int(s) // B] = seq_id

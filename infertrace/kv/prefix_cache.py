@@ -309,8 +309,11 @@ class CachingCellsKV(CellsKV):
         """As :meth:`CellsKV.find_slot`, evicting retained sequences (least recent first) when needed."""
         while self.size - self.used < n_tokens and self.retained:
             s = next(iter(self.retained))
-            self.events.append({"op": "evict", "seq_id": s, "cells": ranges_text([c for c, _ in self.cells_of(s)])})
+            cells = [c for c, _ in self.cells_of(s)]
             self._drop(s)
+            freed = [c for c in cells if int(self.pos[c]) < 0]
+            self.events.append({"op": "evict", "seq_id": s, "cells": ranges_text(cells), "freed": ranges_text(freed),
+                                "still_shared": ranges_text(sorted(set(cells) - set(freed)))})
         return super().find_slot(n_tokens)
 
     def note_tokens(self, seq_id: int, C: int, token_ids: Sequence[int], all_ids: Sequence[int]) -> None:

@@ -37,6 +37,8 @@ class ReqStep:
     sampled: int | None = None
     sampled_piece: str | None = None
     finished: str | None = None
+    prefix: dict[str, Any] | None = None  # prefix-cache lookup at admission: hit, shared blocks/cells, stop reason
+    shift: dict[str, Any] | None = None  # context shift done right before this step (n_keep, n_discard, moved)
 
 
 @dataclass
@@ -141,6 +143,7 @@ class StepTrace:
     preempted: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
     time_ms: float = 0.0
+    serving: dict[str, Any] | None = None  # prefix lookups, evictions, context shifts, KV audit (engine/serving.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,6 +166,7 @@ class StepTrace:
             positions=opt(PositionsRec, "positions"), mask=opt(MaskRec, "mask"), kv=opt(KVRec, "kv"),
             decode=opt(DecodeRec, "decode"), preempted=list(d.get("preempted", [])),
             admitted=list(d.get("admitted", [])), time_ms=float(d.get("time_ms", 0.0)),
+            serving=d.get("serving") if isinstance(d.get("serving"), dict) else None,
         )
 
 

@@ -1,0 +1,106 @@
+"""Rich rendering of the serving record of a step (:attr:`StepTrace.serving`, made by
+:mod:`infertrace.engine.serving`): prefix-cache lookups (hit length, shared blocks or cells with
+their reference counts, positions actually computed, where and why the lookup stopped), cache
+evictions, context shifts (positions dropped and moved, K re-rotated) and the KV audit table.
+
+Every string shown comes from a trace (untrusted when loaded): it is rendered as rich ``Text``
+(never as markup) and shortened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+_DIM = "bright_black"
+_MAX = 160
+
+
+def _s(x: Any) -> str:
+    t = str(x)
+    return t if len(t) <= _MAX else t[: _MAX - 1] + "…"
+
+
+def serving_mark(pos_text: str, r: Any) -> str | Text:
+    """The worked-example ``positions`` cell with marks: ``hit 0..16←seq 0`` when a prefix hit supplied
+    the cache before this chunk, ``shift −4`` when a context shift moved the cache just before."""
+    marks = []
+    p = getattr(r, "prefix", None)
+    if isinstance(p, dict) and p.get("hit"):
+        src = p.get("src")
+        marks.append(f"hit 0..{int(p['hit']) - 1}" + (f"←seq {src}" if src is not None else ""))
+    sh = getattr(r, "shift", None)
+    if isinstance(sh, dict) and sh.get("n_discard"):
+        marks.append(f"shift −{sh['n_discard']} (dropped {sh.get('removed')})")
+    if not marks:
+        return pos_text
+    t = Text(pos_text)
+    for m in marks:
+        t.append("\n" + _s(m), style="green" if m.startswith("hit") else "yellow")
+    return t
+
+
+def _prefix_line(sid: str, p: dict[str, Any]) -> Text:
+    t = Text()
+    t.append(f"seq {sid} prefix lookup: ", style="bold")
+    hit = int(p.get("hit", 0))
+    t.append(f"hit {hit} of {p.get('prompt_len', '?')} tokens", style="green" if hit else "")
+    if p.get("src") is not None:
+        t.append(f" from request {p['src']}" + (f" ({p['src_state']})" if p.get("src_state") else ""))
+    if p.get("shared_blocks"):
+        t.append(f" · shared blocks {p['shared_blocks']} ref_cnt {p.get('ref_cnt')}")
+    if p.get("copied"):
+        c = p["copied"]
+        t.append(f" · {c.get('tokens')} slots copied from block {c.get('from_block')} into block {c.get('block')}")
+    if p.get("cells") not in (None, "-"):
+        t.append(f" · cells {p['cells']} shared (seq_cp)")
+    t.append(f" · computed {p.get('computed', '-')}")
+    t.append(f"\n    stopped at {_s(p.get('stop', '-'))}", style=_DIM)
+    return t
+
+
+def _op_line(op: dict[str, Any]) -> Text:
+    if op.get("op") == "context_shift":
+        return Text(f"context shift seq {op['seq_id']}: n_past {op['n_past']}, n_keep {op['n_keep']}, n_discard "
+                    f"{op['n_discard']}: dropped {op['removed']}, moved {op['moved']} (K re-rotated by "
+                    f"−{op['n_discard']}), n_past now {op['n_past_after']}", style="yellow")
+    return Text(_s(op), style="yellow")
+
+
+def _evict_line(ev: dict[str, Any]) -> Text:
+    if "block" in ev:
+        return Text(f"evicted block {ev['block']} (hash {ev.get('hash')}): handed out again, its prefix is gone", style=_DIM)
+    return Text(f"evicted retained seq {ev.get('seq_id')} to make room: cells {ev.get('freed')} freed, "
+                f"{ev.get('still_shared')} kept (other owners)", style=_DIM)
+
+
+def audit_table(a: dict[str, Any]) -> Table:
+    """One row per provenance: entries and the largest |Δ| of K and V against a from-scratch recomputation."""
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False,
+              title=Text(f"KV audit (recomputed from scratch, all layers): max |Δ| {a.get('max_abs')}", style="italic"),
+              title_justify="left")
+    for h in ("provenance", "entries", "max |ΔK|", "max |ΔV|", "layer 0 max |Δ|"):
+        t.add_column(h, justify="left" if h == "provenance" else "right")
+    for g in a.get("by_provenance", []):
+        t.add_row(Text(_s(g["provenance"])), str(g["entries"]), f"{g['max_abs_k']:.3g}", f"{g['max_abs_v']:.3g}",
+                  f"{g['max_abs_layer0']:.3g}")
+    return t
+
+
+def serving_view(st: Any) -> RenderableType:
+    """Lines for the step's serving record (prefix lookups, ops before the step, evictions, audit)."""
+    sv = st.serving or {}
+    parts: list[RenderableType] = []
+    for op in sv.get("ops_before_step", []) or []:
+        parts.append(_op_line(op))
+    for sid, p in (sv.get("prefix") or {}).items():
+        parts.append(_prefix_line(sid, p))
+    for ev in sv.get("evictions", []) or []:
+        parts.append(_evict_line(ev))
+    if sv.get("audit"):
+        parts.append(audit_table(sv["audit"]))
+    return Group(*parts) if parts else Text("")
