@@ -255,11 +255,12 @@ class SharedPagedKV(PagedKV):
         s = super().snapshot()
         for v in s["requests"].values():
             for blk in v["blocks"]:
-                blk["ref"] = self.ref.get(blk["block"], 0)
+                if self.caching or self.ref.get(blk["block"], 0) > 1:  # without caching: only forked blocks
+                    blk["ref"] = self.ref.get(blk["block"], 0)
                 if blk["block"] in self.hash_of:
                     blk["hash"] = self.hash_of[blk["block"]]
-        s["prefix_cache"] = self.caching
         if self.caching:
+            s["prefix_cache"] = True
             s["cached_blocks"] = len(self.cached)
             s["cached_free_blocks"] = sum(1 for b in self.free if b in self.hash_of and self.cached.get(self.hash_of[b]) == b)
         return s

@@ -146,7 +146,14 @@ class StepTrace:
     serving: dict[str, Any] | None = None  # prefix lookups, evictions, context shifts, KV audit (engine/serving.py)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d.get("serving") is None:  # serving fields only when a serving mechanism was on (older traces compare equal)
+            d.pop("serving", None)
+        for b in d["batch"]:
+            for k in ("prefix", "shift"):
+                if b.get(k) is None:
+                    b.pop(k, None)
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "StepTrace":
@@ -184,6 +191,7 @@ class RunTrace:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["steps"] = [s.to_dict() for s in self.steps]  # without unset serving fields
         return d
 
     @staticmethod
