@@ -171,3 +171,16 @@ def test_paged_fork_ref_counts_and_tail_free():
     with pytest.raises(Exception, match="only a tail"):
         kv.prepare([ChunkSpec(2, 0, 6)])
         seq_rm(kv, 2, 1, 3)
+
+
+def test_cells_shift_of_shared_cells_copies_first():
+    """A context shift of seq 1 must not move cells it shares with seq 0 (copy-on-write)."""
+    inv = torch.tensor([1.0, 0.1], dtype=torch.float64)
+    kv = CellsKV(1, 1, 4, size=64, n_seq_max=4)
+    inp = kv.prepare([ChunkSpec(0, 0, 8)])
+    kv.write(0, torch.randn(8, 1, 4), torch.randn(8, 1, 4), inp)
+    cells_seq_cp(kv, 0, 1, 0, 8)
+    k0 = kv.read(0, 0)[0].clone()
+    shift_out(kv, 1, 2, 4, inv)
+    assert kv.cells_of(0) == [(c, c) for c in range(8)] and torch.equal(kv.read(0, 0)[0], k0)  # seq 0 untouched
+    assert [p for _, p in kv.cells_of(1)] == list(range(6)) and kv.cells_of(1)[:2] == [(0, 0), (1, 1)]

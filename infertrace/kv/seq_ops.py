@@ -125,6 +125,23 @@ def cells_seq_keep(kv: Any, seq_id: int) -> dict[str, Any]:
     return {"op": "seq_keep", "seq_id": seq_id, "freed": ranges_text(others.tolist())}
 
 
+def cells_make_private(kv: Any, seq_id: int, p0: int) -> dict[str, Any]:
+    """Give ``seq_id`` its own copy of every cell with ``pos >= p0`` it shares with other sequences
+    (copy-on-write before a shift, which would otherwise move the cell for every owner).
+    Returns ``{"op": "copy_on_write", "seq_id", "from", "to"}``."""
+    shared = ((kv.pos >= p0) & kv.seq[:, seq_id] & (kv.seq.sum(dim=1) > 1)).nonzero().flatten()
+    if not shared.numel():
+        return {"op": "copy_on_write", "seq_id": seq_id, "from": "-", "to": "-"}
+    dst = torch.tensor(kv.find_slot(int(shared.numel())), dtype=torch.int64)
+    for layer in range(kv.n_layer):
+        kv.k[layer][dst] = kv.k[layer][shared]
+        kv.v[layer][dst] = kv.v[layer][shared]
+    kv.pos[dst] = kv.pos[shared]
+    kv.seq[shared, seq_id] = False
+    kv.seq[dst, seq_id] = True
+    return {"op": "copy_on_write", "seq_id": seq_id, "from": ranges_text(shared.tolist()), "to": ranges_text(dst.tolist())}
+
+
 def cells_defrag(kv: Any) -> dict[str, Any]:
     """Move used cells down into the holes so they occupy ``0..used-1`` in their current order,
     K/V of every layer moved with them; ``head`` = used. Mirrors llama.cpp's defragmentation
@@ -252,7 +269,8 @@ def shift_out(kv: Any, seq_id: int, p0: int, p1: int, inv_freq: torch.Tensor) ->
     context shift ``seq_rm(seq, n_keep, n_keep + n_discard)`` + ``seq_add(seq, n_keep + n_discard,
     n_past, -n_discard)``, on either backend. Returns the list of operation dicts done."""
     if kv.kind == "cells":
-        return {"op": "shift_out", "seq_id": seq_id, "steps": [cells_seq_rm(kv, seq_id, p0, p1),
+        return {"op": "shift_out", "seq_id": seq_id, "steps": [cells_make_private(kv, seq_id, p1),
+                                                              cells_seq_rm(kv, seq_id, p0, p1),
                                                               cells_seq_add(kv, seq_id, p1, -1, -(p1 - p0), inv_freq)],
                 "removed": ranges_text(range(p0, p1)), "delta": -(p1 - p0)}
     return paged_shift_out(kv, seq_id, p0, p1, inv_freq)
