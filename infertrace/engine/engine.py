@@ -139,6 +139,11 @@ class Engine:
         if not prompt_ids:
             raise InfertraceError("the prompt is empty after tokenization; pass some text with --prompt")
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)
+        if len(prompt_ids) >= limit and self.kv.capacity_tokens < self.opts.ctx_size:  # case P5: name the pool
+            raise InfertraceError(
+                f"prompt has {len(prompt_ids)} tokens but the KV pool holds {limit} ({self.kv.capacity_tokens // max(1, getattr(self.kv, 'B', 1))} "
+                f"blocks × {getattr(self.kv, 'B', 1)} tokens; the prompt plus one generated token must fit); raise --num-blocks"
+            )
         if len(prompt_ids) >= limit:
             raise InfertraceError(
                 f"prompt has {len(prompt_ids)} tokens but the context holds {limit} (the prompt plus at least one "
@@ -168,7 +173,8 @@ class Engine:
                 self.tracer.end_step({"step": self.step_no, "batch": batch, "inp": None, "kv": self.kv,
                                       "attention": self.attn_impl, "logits": None, "logits_rows": [], "samples": {},
                                       "finished": {}, "requests": self.requests,
-                                      "time_ms": (time.perf_counter() - t0) * 1e3})
+                                      "time_ms": (time.perf_counter() - t0) * 1e3,
+                                      "serving": self._stopped_record(batch, self.serving.take_record())})
             sch = self.scheduler
             if not sch.running and not sch.waiting and sch.future and sch.future[0].arrival_step - self.step_no > MAX_IDLE_RECORDED:
                 self.step_no = sch.future[0].arrival_step  # fast-forward a long wait (one idle record, then a gap)
@@ -213,7 +219,7 @@ class Engine:
                 finished[req.seq_id] = reason
         if self.serving.active:
             self.serving.after_forward(batch, inp)
-        serving = self.serving.take_record()
+        serving = self._stopped_record(batch, self.serving.take_record())
         if tracer.enabled:
             tracer.end_step({"step": self.step_no, "batch": batch, "inp": inp, "kv": self.kv, "attention": self.attn_impl,
                              "logits": logits, "logits_rows": rows, "samples": samples, "finished": finished,
@@ -225,6 +231,13 @@ class Engine:
             self.serving.after_finish(batch, finished)
         self.step_no += 1
         return batch
+
+    def _stopped_record(self, batch: ScheduledBatch, serving: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The step's serving record plus requests the scheduler stopped (``kv_full``: case P5)."""
+        if not batch.stopped:
+            return serving
+        return {**(serving or {}), "stopped": {str(k): v for k, v in batch.stopped.items()},
+                "pool_tokens": self.kv.capacity_tokens}
 
     def run(self, max_steps: int = 100_000) -> list[Request]:
         """Step until every request finished (or ``max_steps``); returns requests by seq_id."""

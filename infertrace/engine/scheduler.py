@@ -42,6 +42,7 @@ class ScheduledBatch:
     chunks: list[ScheduledChunk]
     preempted: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
+    stopped: dict[int, str] = field(default_factory=dict)  # requests stopped by the scheduler (kv_full: pool full)
 
     @property
     def N(self) -> int:
@@ -113,9 +114,10 @@ class Scheduler:
                 victims = [r for r in self.running if r is not req and r not in scheduled]
                 if not victims:
                     if len(self.running) == 1 and not batch.chunks:
-                        raise InfertraceError(
-                            f"request {req.seq_id} needs more KV storage than exists ({self.kv.capacity_tokens} tokens); raise --ctx-size / --num-blocks"
-                        )
+                        # alone and still too big: the pool is full (case P5): stop it, never abort the run
+                        self.finish(req, "kv_full")
+                        batch.stopped[req.seq_id] = "kv_full"
+                        break
                     # lowest priority left is the request itself: preempt it (vLLM does the same)
                     victims = [req]
                 v = victims[-1]
@@ -136,9 +138,15 @@ class Scheduler:
                     self.kv.release(req.seq_id)
                     req.num_computed = 0
                 if not self.running and not batch.chunks:
-                    raise InfertraceError(
-                        f"request {req.seq_id} needs more KV storage than exists ({self.kv.capacity_tokens} tokens); raise --ctx-size / --num-blocks"
-                    )
+                    if not req.output_ids:
+                        raise InfertraceError(
+                            f"request {req.seq_id} needs more KV storage than exists ({self.kv.capacity_tokens} tokens); raise --ctx-size / --num-blocks"
+                        )
+                    # a preempted request whose tokens no longer fit the whole pool: stop it (case P5)
+                    self.waiting.popleft()
+                    self.finish(req, "kv_full")
+                    batch.stopped[req.seq_id] = "kv_full"
+                    continue
                 break
             self.waiting.popleft()
             req.status = RUNNING

@@ -92,6 +92,8 @@ class Recorder:
             st = StepTrace(step=ctx["step"], backend=kv.kind, attention=ctx["attention"], N=0, batch=[],
                            preempted=list(batch.preempted), admitted=list(batch.admitted),
                            time_ms=_r(ctx.get("time_ms", 0.0), 3))
+            if ctx.get("serving"):  # e.g. a request stopped because the KV pool is full (kv_full)
+                st.serving = ctx["serving"]
             if "kv" in self.show:
                 st.kv = self._kv(batch, None, kv)
             self.steps.append(st)

@@ -460,6 +460,8 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
     """One rule line for the step, then one panel per recorded variable in ``show``."""
     console.rule(Text(_step_title(st), style="bold"), align="left")
     if not st.batch:  # idle: no variables to show
+        if st.serving:  # a request stopped by the scheduler (kv_full)
+            console.print(serving_view(st))
         return
     console.print(packed_batch_view(st))
     if st.serving:

@@ -105,6 +105,9 @@ def serving_view(st: Any) -> RenderableType:
         parts.append(_prefix_line(sid, p))
     for ev in sv.get("evictions", []) or []:
         parts.append(_evict_line(ev))
+    for sid, why in (sv.get("stopped") or {}).items():
+        parts.append(Text(f"seq {sid} stopped: {_s(why)} (the KV storage of {sv.get('pool_tokens')} tokens is full even with "
+                          "every other request preempted)", style="yellow"))
     if sv.get("audit"):
         parts.append(audit_table(sv["audit"]))
     return Group(*parts) if parts else Text("")
