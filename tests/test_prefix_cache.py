@@ -179,3 +179,23 @@ def test_real_model_repeated_prompt_one_token(smol):
         assert p.first(1)[:2] == (len(ids) - 1, 1)
         assert torch.allclose(p.first(1)[2], pc.first(0)[2], atol=1e-4)
         assert e.requests[1].output_ids == cold.requests[0].output_ids
+
+
+def test_serving_record_render_survives_malformed_trace():
+    """A loaded trace is untrusted: malformed serving fields render as text, never crash or inject markup."""
+    from rich.console import Console
+
+    from infertrace.trace.records import ReqStep, StepTrace
+    from infertrace.trace.render import render_step
+    from infertrace.trace.render_serving import serving_mark
+
+    r = ReqStep(0, "prefill", 0, 1, [1], ["a"], [0], ["0"], "-", "0", [0], prefix={"hit": "x[red]"}, shift={"n_discard": "[b]9"})
+    st = StepTrace(step=0, backend="cells", attention="torch", N=1, batch=[r],
+                   serving={"prefix": {"0": {"hit": "nan", "stop": "[bold]x" * 100, "copied": 3, "src": "[u]s"}, "1": 5}, "evictions": [3, {"block": 1}],
+                            "ops_before_step": ["junk", {"op": "context_shift"}], "audit": {"by_provenance": [{"provenance": "[i]p\x1b[2J"}, 7]},
+                            "stopped": [1]})
+    c = Console(record=True, width=120)
+    render_step(c, st, show=())
+    out = c.export_text()
+    assert "[bold]x" in out and "[i]p" in out and "\x1b" not in out  # shown literally, no terminal escape
+    assert "[b]9" in str(serving_mark("[0]", r)) and "hit" not in str(serving_mark("[0]", r))

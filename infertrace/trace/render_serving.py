@@ -21,8 +21,14 @@ _MAX = 160
 
 
 def _s(x: Any) -> str:
-    t = str(x)
+    """``x`` as bounded terminal-safe text: control characters (ESC, BEL, C1, ...) shown as ``\\xNN``."""
+    t = str(x)[: _MAX * 2]
+    t = "".join(ch if ch.isprintable() or ch == "\n" else f"\\x{ord(ch):02x}" for ch in t)
     return t if len(t) <= _MAX else t[: _MAX - 1] + "…"
+
+
+def _list(x: Any) -> list[dict[str, Any]]:
+    return [e for e in x if isinstance(e, dict)] if isinstance(x, list) else []
 
 
 def serving_mark(pos_text: str, r: Any) -> str | Text:
@@ -30,12 +36,12 @@ def serving_mark(pos_text: str, r: Any) -> str | Text:
     the cache before this chunk, ``shift −4`` when a context shift moved the cache just before."""
     marks = []
     p = getattr(r, "prefix", None)
-    if isinstance(p, dict) and p.get("hit"):
+    if isinstance(p, dict) and isinstance(p.get("hit"), int) and p["hit"] > 0:
         src = p.get("src")
-        marks.append(f"hit 0..{int(p['hit']) - 1}" + (f"←seq {src}" if src is not None else ""))
+        marks.append(f"hit 0..{p['hit'] - 1}" + (f"←seq {_s(src)}" if src is not None else ""))
     sh = getattr(r, "shift", None)
     if isinstance(sh, dict) and sh.get("n_discard"):
-        marks.append(f"shift −{sh['n_discard']} (dropped {sh.get('removed')})")
+        marks.append(_s(f"shift −{sh['n_discard']} (dropped {sh.get('removed')})"))
     if not marks:
         return pos_text
     t = Text(pos_text)
@@ -46,25 +52,26 @@ def serving_mark(pos_text: str, r: Any) -> str | Text:
 
 def _prefix_line(sid: str, p: dict[str, Any]) -> Text:
     t = Text()
-    t.append(f"seq {sid} prefix lookup: ", style="bold")
-    hit = int(p.get("hit", 0))
-    t.append(f"hit {hit} of {p.get('prompt_len', '?')} tokens", style="green" if hit else "")
+    t.append(f"seq {_s(sid)} prefix lookup: ", style="bold")
+    hit = p.get("hit") if isinstance(p.get("hit"), int) else 0
+    t.append(f"hit {hit} of {_s(p.get('prompt_len', '?'))} tokens", style="green" if hit else "")
     if p.get("src") is not None:
-        t.append(f" from request {p['src']}" + (f" ({p['src_state']})" if p.get("src_state") else ""))
+        t.append(f" from request {_s(p['src'])}" + (f" ({_s(p['src_state'])})" if p.get("src_state") else ""))
     if p.get("shared_blocks"):
-        t.append(f" · shared blocks {p['shared_blocks']} ref_cnt {p.get('ref_cnt')}")
-    if p.get("copied"):
+        t.append(f" · shared blocks {_s(p['shared_blocks'])} ref_cnt {_s(p.get('ref_cnt'))}")
+    if isinstance(p.get("copied"), dict):
         c = p["copied"]
-        t.append(f" · {c.get('tokens')} slots copied from block {c.get('from_block')} into block {c.get('block')}")
+        t.append(f" · {_s(c.get('tokens'))} slots copied from block {_s(c.get('from_block'))} into block {_s(c.get('block'))}")
     if p.get("cells") not in (None, "-"):
-        t.append(f" · cells {p['cells']} shared (seq_cp)")
-    t.append(f" · computed {p.get('computed', '-')}")
+        t.append(f" · cells {_s(p['cells'])} shared (seq_cp)")
+    t.append(f" · computed {_s(p.get('computed', '-'))}")
     t.append(f"\n    stopped at {_s(p.get('stop', '-'))}", style=_DIM)
     return t
 
 
 def _op_line(op: dict[str, Any]) -> Text:
-    if op.get("op") == "context_shift":
+    if op.get("op") == "context_shift" and all(k in op for k in ("seq_id", "n_past", "n_keep", "n_discard", "removed",
+                                                                 "moved", "n_past_after")):
         return Text(f"context shift seq {op['seq_id']}: n_past {op['n_past']}, n_keep {op['n_keep']}, n_discard "
                     f"{op['n_discard']}: dropped {op['removed']}, moved {op['moved']} (K re-rotated by "
                     f"−{op['n_discard']}), n_past now {op['n_past_after']}", style="yellow")
@@ -81,33 +88,36 @@ def _evict_line(ev: dict[str, Any]) -> Text:
 def audit_table(a: dict[str, Any]) -> Table:
     """One row per provenance: entries and the largest |Δ| of K and V against a from-scratch recomputation."""
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False,
-              title=Text(f"KV audit (cache vs recomputed from scratch): max |Δ| {a.get('max_abs_exact', a.get('max_abs'))} "
+              title=Text(f"KV audit (cache vs recomputed from scratch): max |Δ| {_s(a.get('max_abs_exact', a.get('max_abs')))} "
                          "where it must match" + ("; shifted entries must match in layer 0 only (deeper layers saw the "
                                                   "dropped tokens)" if any("shifted" in str(g.get("provenance")) for g in
-                                                                             a.get("by_provenance", [])) else ""),
+                                                                             _list(a.get("by_provenance"))) else ""),
                          style="italic"),
               title_justify="left")
     for h in ("provenance", "entries", "max |ΔK|", "max |ΔV|", "layer 0 max |Δ|"):
         t.add_column(h, justify="left" if h == "provenance" else "right")
-    for g in a.get("by_provenance", []):
-        t.add_row(Text(_s(g["provenance"])), str(g["entries"]), f"{g['max_abs_k']:.3g}", f"{g['max_abs_v']:.3g}",
-                  f"{g['max_abs_layer0']:.3g}")
+    for g in _list(a.get("by_provenance")):
+        nums = [g.get(k) for k in ("max_abs_k", "max_abs_v", "max_abs_layer0")]
+        t.add_row(Text(_s(g.get("provenance"))), _s(g.get("entries")),
+                  *[f"{x:.3g}" if isinstance(x, (int, float)) else _s(x) for x in nums])
     return t
 
 
 def serving_view(st: Any) -> RenderableType:
     """Lines for the step's serving record (prefix lookups, ops before the step, evictions, audit)."""
-    sv = st.serving or {}
+    sv = st.serving if isinstance(st.serving, dict) else {}  # a loaded trace is untrusted: skip what is malformed
     parts: list[RenderableType] = []
-    for op in sv.get("ops_before_step", []) or []:
+    for op in _list(sv.get("ops_before_step")):
         parts.append(_op_line(op))
-    for sid, p in (sv.get("prefix") or {}).items():
-        parts.append(_prefix_line(sid, p))
-    for ev in sv.get("evictions", []) or []:
+    prefix = sv.get("prefix") if isinstance(sv.get("prefix"), dict) else {}
+    for sid, p in prefix.items():
+        if isinstance(p, dict):
+            parts.append(_prefix_line(sid, p))
+    for ev in _list(sv.get("evictions")):
         parts.append(_evict_line(ev))
-    for sid, why in (sv.get("stopped") or {}).items():
+    for sid, why in (sv.get("stopped") if isinstance(sv.get("stopped"), dict) else {}).items():
         parts.append(Text(f"seq {sid} stopped: {_s(why)} (the KV storage of {sv.get('pool_tokens')} tokens is full even with "
                           "every other request preempted)", style="yellow"))
-    if sv.get("audit"):
+    if isinstance(sv.get("audit"), dict):
         parts.append(audit_table(sv["audit"]))
     return Group(*parts) if parts else Text("")
