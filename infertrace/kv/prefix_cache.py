@@ -27,6 +27,7 @@ import hashlib
 from collections import OrderedDict
 from typing import Any, Sequence
 
+from infertrace.errors import InfertraceError
 from infertrace.kv.base import ranges_text
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.paged import PagedKV
@@ -71,6 +72,9 @@ class SharedPagedKV(PagedKV):
 
     # --- allocation ----------------------------------------------------------------
     def _pop_free(self) -> int:
+        if not self.free:
+            raise InfertraceError(f"KV pool exhausted: no free block for a copy (all {self.num_blocks} blocks in use); "
+                                  "raise --num-blocks")
         b = self.free.pop(0)
         h = self.hash_of.pop(b, None)
         if h is not None:
