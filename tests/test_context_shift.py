@@ -40,6 +40,7 @@ def test_generation_continues_past_ctx_size_with_traced_positions(tiny, backend)
     # n_past = 15 (15 cached + 1 pending = ctx 16): keep 0..1, drop n_discard = (15 - 2) // 2 = 6 -> 2..7, move 8..14 -> 2..8
     assert r.shift["n_past"] == 15 and r.shift["n_discard"] == 6 and r.shift["removed"] == "2..7"
     assert r.shift["moved"] == "8..14 -> 2..8"
+    assert all(s.shift["k_shift_max_abs_layer0"] <= 1e-5 for _, s in shifted)  # the trace's own K-shift evidence
     prev = rows[rows.index(r) - 1]
     assert prev.positions == [14] and r.positions == [9]  # the gap closed: next token at position 9, not 15
     assert r.visible == ["0..9"] and r.C == 9
@@ -79,3 +80,13 @@ def test_n_keep_must_leave_room():
         build_run_inputs(**kw, n_keep=2)
     with pytest.raises(InfertraceError, match="--prefix-cache must be one of"):
         build_run_inputs(**kw, prefix_cache="yes")
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_k_shift_evidence_catches_a_missing_rerotation(tiny, backend, monkeypatch):
+    import infertrace.kv.seq_ops as so
+
+    monkeypatch.setattr(so, "rotate_k", lambda k, delta, inv_freq: k)  # a K-shift that forgets to rotate
+    tr = _run(tiny, backend, context_shift=True, n_keep=2)
+    shifts = [r.shift for st in tr.steps for r in st.batch if r.shift]
+    assert shifts and all(s["k_shift_max_abs_layer0"] > 1e-2 for s in shifts)

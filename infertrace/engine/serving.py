@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from infertrace.errors import InfertraceError
-from infertrace.kv.audit import Provenance, audit_kv
+from infertrace.kv.audit import Provenance, audit_kv, layer0_k
 from infertrace.kv.seq_ops import seq_rm, shift_out
 
 
@@ -129,10 +129,15 @@ class Serving:
         req.shifts.append((n_keep, n_discard))
         req.num_computed -= n_discard
         self.prov.on_shift(req.seq_id, n_keep, n_discard)
+        # evidence: layer-0 K of the moved entries vs K computed fresh for their tokens at the new positions
+        moved = range(n_keep, req.num_computed)
+        k_now = kv.read(0, req.seq_id)[0][n_keep : req.num_computed].float()  # [M, n_kv_heads, hd]
+        k_fresh = layer0_k(self.eng.model, req.cache_ids[n_keep : req.num_computed], moved).float()
+        k_check = float((k_now - k_fresh).abs().max()) if len(moved) else 0.0
         return {"op": "context_shift", "seq_id": req.seq_id, "n_past": n_past, "n_keep": n_keep, "n_discard": n_discard,
                 "removed": f"{n_keep}..{n_keep + n_discard - 1}",
                 "moved": f"{n_keep + n_discard}..{n_past - 1} -> {n_keep}..{n_past - n_discard - 1}",
-                "n_past_after": req.num_computed, "detail": op}
+                "n_past_after": req.num_computed, "k_shift_max_abs_layer0": float(f"{k_check:.3g}"), "detail": op}
 
     def rewind(self, req: Any, keep: int) -> dict[str, Any]:
         """Remove ``req``'s cached positions ``keep..`` (``seq_rm(seq, keep, -1)``) and its generated

@@ -74,7 +74,9 @@ def _op_line(op: dict[str, Any]) -> Text:
                                                                  "moved", "n_past_after")):
         return Text(f"context shift seq {op['seq_id']}: n_past {op['n_past']}, n_keep {op['n_keep']}, n_discard "
                     f"{op['n_discard']}: dropped {op['removed']}, moved {op['moved']} (K re-rotated by "
-                    f"−{op['n_discard']}), n_past now {op['n_past_after']}", style="yellow")
+                    f"−{op['n_discard']}), n_past now {op['n_past_after']}" + (
+                        f"; K-shift check: layer-0 K of the moved entries vs K computed fresh at their new positions, "
+                        f"max |Δ| {_s(op['k_shift_max_abs_layer0'])}" if "k_shift_max_abs_layer0" in op else ""), style="yellow")
     return Text(_s(op), style="yellow")
 
 
