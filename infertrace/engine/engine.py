@@ -174,7 +174,7 @@ class Engine:
                                       "attention": self.attn_impl, "logits": None, "logits_rows": [], "samples": {},
                                       "finished": {}, "requests": self.requests,
                                       "time_ms": (time.perf_counter() - t0) * 1e3,
-                                      "serving": self._stopped_record(batch, self.serving.take_record())})
+                                      "serving": self._stopped_record(batch, self.serving.take_record(batch))})
             sch = self.scheduler
             if not sch.running and not sch.waiting and sch.future and sch.future[0].arrival_step - self.step_no > MAX_IDLE_RECORDED:
                 self.step_no = sch.future[0].arrival_step  # fast-forward a long wait (one idle record, then a gap)
@@ -219,7 +219,7 @@ class Engine:
                 finished[req.seq_id] = reason
         if self.serving.active:
             self.serving.after_forward(batch, inp)
-        serving = self._stopped_record(batch, self.serving.take_record())
+        serving = self._stopped_record(batch, self.serving.take_record(batch))
         if tracer.enabled:
             tracer.end_step({"step": self.step_no, "batch": batch, "inp": inp, "kv": self.kv, "attention": self.attn_impl,
                              "logits": logits, "logits_rows": rows, "samples": samples, "finished": finished,

@@ -79,11 +79,15 @@ class Serving:
                 if r.status == "running" and r.num_computed}
         return audit_kv(self.eng.model, self.eng.kv, seqs, self.prov)
 
-    def take_record(self) -> dict[str, Any] | None:
+    def take_record(self, batch: Any = None) -> dict[str, Any] | None:
         """The step's serving record (None when nothing happened): prefix lookups of requests admitted
-        this step, cache evictions, operations done before the step (context shifts), the audit."""
+        this step (of ``batch``: a lookup undone because the request did not fit is not shown), cache
+        evictions, operations done before the step (context shifts), the audit."""
         if not self.active:
             return None
+        if batch is not None:
+            scheduled = {c.req.seq_id for c in batch.chunks}
+            self.hits = {k: v for k, v in self.hits.items() if k in scheduled}
         kv = self.eng.kv
         events = list(getattr(kv, "events", []))
         if events:
