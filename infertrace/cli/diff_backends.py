@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from infertrace.safe_text import json_text
 from infertrace.cli import run_options as o
 from infertrace.cli.run import check_choice, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
@@ -77,6 +78,7 @@ def diff_backends(
             raise InfertraceError("--against llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'") from None
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress)
+        o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task("comparing" + (f" with {against}" if against else " cells and paged in lockstep"), total=None)
         if against is None:
             from infertrace.engine.compare import diff_backends as run_diff
@@ -87,7 +89,7 @@ def diff_backends(
 
             rep = compare_with_reference(loaded, specs, opts, against, atol=atol)
     if as_json:
-        typer.echo(json.dumps(rep, ensure_ascii=False))
+        typer.echo(json_text(rep))
     else:
         from infertrace.trace.render_compare import render_backends_diff, render_reference_diff
 

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from infertrace.safe_text import json_text, visible
 from infertrace.errors import InfertraceError
 from infertrace.trace.diff import DEFAULT_ATOL, DEFAULT_RTOL, diff_traces, format_diff
 from infertrace.trace.store import load_tensors, read_manifest
@@ -39,9 +40,9 @@ def diff(
         out = {"equal": res.equal, "count": res.count, "atol": atol, "rtol": rtol, "tensors": res.tensors_note,
                "first": None if res.first is None else
                {k: v for k, v in asdict(res.first).items() if k not in ("context_a", "context_b")}}
-        typer.echo(json.dumps(out, ensure_ascii=False, default=str))
+        typer.echo(json_text(out, default=str))
     else:
         for line in format_diff(res, ma, mb, str(a), str(b)):
-            typer.echo(line)
+            typer.echo(visible(line))  # paths and values come from the files
     if not res.equal:
         raise typer.Exit(1)

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from infertrace.safe_text import json_text
 from infertrace.cli import run_options as o
 from infertrace.cli.run import load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
@@ -74,7 +75,7 @@ def dump_kv(
         if prompt or prompts:
             raise InfertraceError("--prompt/--prompts are for a live run; the saved trace DIR already holds its prompts")
         d = dump_saved(trace_dir, step, layer=layer, head=head, positions=pos, full=full)
-        return typer.echo(json.dumps(d, ensure_ascii=False)) if as_json else render_kv_dump(stdout_console(), d)
+        return typer.echo(json_text(d)) if as_json else render_kv_dump(stdout_console(), d)
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -84,10 +85,11 @@ def dump_kv(
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress)
+        o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task(f"running to step {step}", total=None)
         d = dump_kv_at_step(loaded, specs, opts, step, layer=layer, head=head, positions=pos, full=full)
     if as_json:
-        typer.echo(json.dumps(d, ensure_ascii=False))
+        typer.echo(json_text(d))
         return
     from infertrace.trace.render_kv import render_kv_dump
 

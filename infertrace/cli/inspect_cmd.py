@@ -22,6 +22,7 @@ from rich.text import Text
 from infertrace.cli.run import progress_display, stdout_console
 from infertrace.model.weights import Checkpoint, TensorInfo, default_model_path, load_checkpoint
 from infertrace.kv.base import ranges_text
+from infertrace.safe_text import visible, json_text
 from infertrace.trace.render import human_bytes, piece_text
 
 HELP = "Show a model's architecture, config, tokenizer, load notes and tensor table (GGUF file or HF directory)."
@@ -110,7 +111,7 @@ def _kv_table(rows: list[tuple[str, Any]]) -> Table:
     t.add_column(style="bold")
     t.add_column(overflow="fold")
     for k, v in rows:
-        t.add_row(k, v if isinstance(v, Text) else Text(str(v)))
+        t.add_row(visible(k), v if isinstance(v, Text) else Text(visible(v)))  # file strings: control chars visible
     return t
 
 
@@ -118,9 +119,9 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
     """Print the facts of :func:`inspect_facts`."""
     c = f["config"]
     fmt = f"GGUF v{f['format_version']}" if f["format"] == "gguf" else "HF directory (safetensors)"
-    console.print(Panel(_kv_table([("architecture", Text(c["arch"], style="cyan")), ("name", repr(f["name"])),
+    console.print(Panel(_kv_table([("architecture", Text(visible(c["arch"]), style="cyan")), ("name", repr(f["name"])),
                                    ("format", fmt), ("path", f["path"])]),
-                        title=f"[b]{Text(f['file']).markup}[/b]", title_align="left", box=box.ROUNDED))
+                        title=Text(visible(f["file"]), style="bold"), title_align="left", box=box.ROUNDED))
     cfg_rows = []
     for k, v in c.items():
         if k == "rope_scaling":
@@ -138,10 +139,10 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
                 ("add_bos", tk["add_bos"]), ("add_space_prefix", tk["add_space_prefix"]),
                 ("chat template", f"present ({tk['chat_template_chars']} chars)" if tk["chat_template"] else "absent")]
     tok_rows += [("warning", w) for w in tk["warnings"]]
-    console.print(Panel(_kv_table(cfg_rows), title="[b]config[/b] (ModelConfig)", title_align="left", box=box.ROUNDED))
-    console.print(Panel(_kv_table(tok_rows), title="[b]tokenizer[/b]", title_align="left", box=box.ROUNDED))
+    console.print(Panel(_kv_table(cfg_rows), title=Text.assemble(("config", "bold"), " (ModelConfig)"), title_align="left", box=box.ROUNDED))
+    console.print(Panel(_kv_table(tok_rows), title=Text("tokenizer", style="bold"), title_align="left", box=box.ROUNDED))
     if f["notes"]:
-        console.print(Panel(Group(*[Text("• " + n) for n in f["notes"]]), title="[b]load notes[/b]", title_align="left",
+        console.print(Panel(Group(*[Text("• " + visible(n)) for n in f["notes"]]), title=Text("load notes", style="bold"), title_align="left",
                             box=box.ROUNDED))
     shape_note = "ggml ne order" if f["format"] == "gguf" else "torch order"
     t = Table(title=f"tensors ({len(f['tensors'])}; shape in {shape_note})", title_justify="left", box=box.SIMPLE_HEAD,
@@ -151,13 +152,13 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
     infos = [TensorInfo(d["name"], d["type"], d["shape"], d["bytes"]) for d in f["tensors"]]
     rows = [(i.name, i, 1) for i in infos] if all_tensors else grouped_tensors(infos)
     for name, ti, n in rows:
-        t.add_row(Text(name), ti.type, str(list(ti.shape)), f"{ti.n_bytes:,}", f"×{n}" if n > 1 else "")
+        t.add_row(Text(visible(name)), visible(ti.type), str(list(ti.shape)), f"{ti.n_bytes:,}", f"×{n}" if n > 1 else "")
     console.print(t)
     tt = Table(title="totals per type", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
     for col in ("type", "tensors", "elements", "bytes", "bits/weight"):
         tt.add_column(col, justify="left" if col == "type" else "right")
     for d in f["totals"]:
-        tt.add_row(d["type"], str(d["tensors"]), f"{d['elements']:,}", human_bytes(d["bytes"], 2), f"{d['bits_per_weight']:.2f}")
+        tt.add_row(visible(d["type"]), str(d["tensors"]), f"{d['elements']:,}", human_bytes(d["bytes"], 2), f"{d['bits_per_weight']:.2f}")
     tt.add_row("all", str(len(infos)), f"{sum(d['elements'] for d in f['totals']):,}",
                human_bytes(sum(d["bytes"] for d in f["totals"]), 2), "", style="bold")
     console.print(tt)
@@ -172,11 +173,11 @@ def inspect(
     if model is None:
         model = default_model_path()
     with progress_display(enabled=not as_json) as progress:
-        task = progress.add_task(f"loading {model.name}", total=None)
+        task = progress.add_task(f"loading {visible(model.name)}", total=None)
         ck = load_checkpoint(model, header_only=True, progress=lambda d, n, name: progress.update(task, completed=d, total=n,
-                                                                               description=f"reading {name}"))
+                                                                               description=f"reading {visible(name)}"))
     facts = inspect_facts(ck)
     if as_json:
-        typer.echo(json.dumps(facts, ensure_ascii=False, default=str))
+        typer.echo(json_text(facts, default=str))
         return
     render_inspect(stdout_console(), facts, all_tensors)

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from infertrace.engine.engine import EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
+from infertrace.safe_text import SafeConsole, visible, json_text
 from infertrace.runner import Loaded, PromptSpec, load_model, parse_dtype, run_requests
 from infertrace.trace.recorder import VARIABLES
 from infertrace.trace.store import KEEP, parse_layers, save_trace
@@ -49,19 +50,19 @@ MIN_WIDTH = 120
 def stdout_console() -> Console:
     """Console for the report: the terminal's width but at least :data:`MIN_WIDTH` columns, or
     exactly 120 when piped (unless COLUMNS is set)."""
-    c = Console(highlight=False)
+    c = SafeConsole(highlight=False)
     if not c.is_terminal and "COLUMNS" not in os.environ:
-        return Console(highlight=False, width=120)
+        return SafeConsole(highlight=False, width=120)
     if c.width < MIN_WIDTH:
-        return Console(highlight=False, width=MIN_WIDTH)
+        return SafeConsole(highlight=False, width=MIN_WIDTH)
     return c
 
 
 def progress_display(enabled: bool) -> Progress:
     """Transient progress on stderr; disabled (prints nothing) when ``enabled`` is False or
     stderr is not a terminal."""
-    err = Console(stderr=True)
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    err = SafeConsole(stderr=True)  # descriptions hold file and tensor names: no markup, no raw control bytes
+    return Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=err, transient=True, disable=not (enabled and err.is_terminal))
 
 
@@ -157,8 +158,16 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
     Raises:
         InfertraceError: unreadable file, or a malformed line (message names the line number).
     """
+    from infertrace.model.limits import MAX_PROMPTS_FILE_BYTES
+
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with open(path, "rb") as fh:  # a pipe (--prompts <(cmd)) is fine; /dev/zero or a huge file stops at the limit
+            data = fh.read(MAX_PROMPTS_FILE_BYTES + 1)
+        if len(data) > MAX_PROMPTS_FILE_BYTES:
+            raise InfertraceError(f"--prompts {path} is over the limit of {MAX_PROMPTS_FILE_BYTES} bytes")
+        lines = data.decode("utf-8").splitlines()
+    except IsADirectoryError:
+        raise InfertraceError(f"--prompts {path} is a directory; pass a JSONL file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise InfertraceError(f"cannot read --prompts {path}: {e.strerror if isinstance(e, OSError) else e}") from None
     specs = []
@@ -170,6 +179,8 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise InfertraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except (RecursionError, ValueError):  # nesting past the recursion limit; integers over 4300 digits
+            raise InfertraceError(f"{where}: not valid JSON (nested too deeply or a number too long)") from None
         if not isinstance(obj, dict):
             raise InfertraceError(f"{where}: expected a JSON object like {{\"prompt\": \"...\"}}")
         unknown = sorted(set(obj) - set(PROMPT_KEYS))
@@ -282,7 +293,7 @@ def run(
     if save is not None:
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
-    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
+    from infertrace.cli.run_options import build_run_inputs, print_run_cost  # shares run's checks with dump-kv, diff-backends
 
     specs, opts = build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
@@ -295,6 +306,7 @@ def run(
     # -- load and run (progress on stderr only)
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress)
+        print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
 
         def on_step(st: Any) -> None:
@@ -308,15 +320,15 @@ def run(
     if save is not None:
         from infertrace.trace.render import human_bytes
 
-        sizes = save_trace(trace, save, tensors, tensor_layers or ())
-        typer.echo(f"saved trace to {save}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
+        sizes = save_trace(trace, save, tensors, tensor_layers or (), replace=force)  # atomic; a racing --save loses with exit 2
+        typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
 
     wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]
     if wanted == [] and not as_json:
         last = trace.steps[-1].step if trace.steps else -1
         raise InfertraceError(f"--steps {steps} selects no step: the run has steps 0..{last}")
     if as_json:
-        typer.echo(json.dumps(trace.to_dict(), ensure_ascii=False))
+        typer.echo(json_text(trace.to_dict()))
         return
     from infertrace.trace.render import render_run
 

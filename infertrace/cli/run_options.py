@@ -5,7 +5,7 @@ signature, so commands list the aliases; the help texts and checks live here onc
 """
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -93,6 +93,7 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                          ("--tokens-per-block", tokens_per_block, 1), ("--max-batch-tokens", max_batch_tokens, 1),
                          ("--prefill-chunk", prefill_chunk, 1), ("--seed", seed, 0)):
         check_min(opt, val, lo)
+    check_ctx_bounds(ctx_size, num_blocks, tokens_per_block)
     defaults = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                 "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "ignore_eos": ignore_eos}
     params = SamplingParams(**defaults).validate()
@@ -112,3 +113,29 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                          prefix_cache=prefix_on, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard,
                          audit_kv=audit_kv)
     return specs, opts
+
+
+def check_ctx_bounds(ctx_size: int, num_blocks: Optional[int], tokens_per_block: int) -> None:
+    """Refuse a context / pool over :data:`infertrace.kv.budget.MAX_CTX_TOKENS` tokens before a model loads.
+
+    Raises:
+        InfertraceError: naming the option and the limit.
+    """
+    from infertrace.kv.budget import MAX_CTX_TOKENS
+
+    if ctx_size > MAX_CTX_TOKENS:
+        raise InfertraceError(f"--ctx-size {ctx_size} is over the limit of {MAX_CTX_TOKENS} tokens")
+    if tokens_per_block > MAX_CTX_TOKENS or (num_blocks is not None and num_blocks * tokens_per_block > MAX_CTX_TOKENS):
+        raise InfertraceError(f"--num-blocks x --tokens-per-block is over the limit of {MAX_CTX_TOKENS} tokens")
+
+
+def print_run_cost(progress: Any, loaded: Any, specs: list[PromptSpec], opts: EngineOptions, dtype: str) -> None:
+    """Print one ``warning:`` line on stderr per :func:`infertrace.kv.budget.run_cost_warnings` message
+    (a context or generation length past the model's trained context, with its KV cache and step cost)."""
+    from infertrace.kv.budget import check_kv_budget, run_cost_warnings
+    from infertrace.runner import parse_dtype
+
+    check_kv_budget(loaded.config, opts, parse_dtype(dtype), loaded.model.device)  # a refusal is the only line
+    news = [s.params.max_new_tokens for s in specs]
+    for w in run_cost_warnings(loaded.config, opts, news, parse_dtype(dtype), default_ctx_size=EngineOptions.ctx_size):
+        progress.console.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)

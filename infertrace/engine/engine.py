@@ -70,6 +70,9 @@ def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
     cfg = model.cfg
     if opts.ctx_size < 1:
         raise InfertraceError("--ctx-size must be >= 1")
+    from infertrace.kv.budget import check_kv_budget
+
+    check_kv_budget(cfg, opts, model.dtype, model.device)  # refuse before allocating, with the size and the limit
     try:
         return _make_kv(model, opts, attn_impl)
     except (RuntimeError, OverflowError, MemoryError, TypeError) as e:

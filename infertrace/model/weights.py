@@ -8,7 +8,6 @@ with half-split (``neox``) pairing (design rule 2).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +17,9 @@ import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig, config_from_gguf_fields, config_from_hf
+from infertrace.model.gguf_check import check_gguf_header, check_gguf_tokenizer_fields
+from infertrace.model.hparams_check import check_hf_config, check_layer_count, check_gguf_hparams
+from infertrace.model.limits import MAX_JSON_BYTES, read_json_file, require_regular_file
 from infertrace.model.rope import unpermute_from_norm
 
 #: progress(done, total, tensor_name)
@@ -129,6 +131,7 @@ def read_gguf(p: Path):
         )
     if version not in (2, 3):
         raise InfertraceError(f"{p.name} is GGUF version {version}, which is not supported (versions 2 and 3); convert it with a current llama.cpp")
+    check_gguf_header(p)  # counts, lengths, offsets vs the file size, before gguf-py trusts them
     try:
         return GGUFReader(str(p), "r")
     except Exception as e:  # noqa: BLE001 - numpy/struct errors from a short file
@@ -157,14 +160,24 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     freq_factors = None
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
+        if tensors["rope_freqs.weight"].tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            raise InfertraceError(f"{p.name}: rope_freqs.weight must be F32 or F16, not "
+                                  f"{GGMLQuantizationType(tensors['rope_freqs.weight'].tensor_type).name}; the file is broken")
         freq_factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).ravel())
     meta_for_cfg = dict(meta)
     meta_for_cfg["tokenizer.ggml.tokens"] = meta_tokens
+    check_gguf_hparams(meta_for_cfg)  # strict types and finite floats before int()/float() convert them
     cfg = config_from_gguf_fields(meta_for_cfg, names, freq_factors)
+    check_layer_count("GGUF metadata", f"{cfg.arch}.block_count", cfg.n_layer, names)  # before per-layer names are built
 
     from infertrace.model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_gguf(reader)
+    check_gguf_tokenizer_fields(reader, p.name)  # value types and sizes of tokenizer.* before they are used
+    try:
+        tokenizer = Tokenizer.from_gguf(reader)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:  # hostile metadata
+        raise InfertraceError(f"cannot read GGUF {p.name}: invalid tokenizer metadata ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else '?'}); the file is broken") from None
 
     infos: list[TensorInfo] = []
     weights: dict[str, torch.Tensor] = {}
@@ -257,22 +270,18 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     cfg_path = d / "config.json"
     if not cfg_path.exists():
         raise InfertraceError(f"{d} has no config.json; pass a .gguf file or an HF model directory")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise InfertraceError(f"{cfg_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InfertraceError(f"cannot read {cfg_path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    raw = read_json_file(cfg_path, "config.json")  # regular file, bounded size, depth and integer length
     if not isinstance(raw, dict):
         raise InfertraceError(f"{cfg_path} must hold a JSON object, got {type(raw).__name__}")
+    check_hf_config(raw)  # strict field types before int()/float() could truncate or accept Infinity
     files: list[Path]
     index = d / "model.safetensors.index.json"
     if (d / "model.safetensors").exists():
         files = [d / "model.safetensors"]
     elif index.exists():
         try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, OSError, UnicodeDecodeError):
+            wm = read_json_file(index, "safetensors index", MAX_JSON_BYTES)["weight_map"]
+        except (KeyError, TypeError):
             raise InfertraceError(f"{index} is broken (no weight_map)") from None
         if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
             raise InfertraceError(f"{index} is broken (weight_map must map tensor names to file names)")
@@ -292,6 +301,7 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     for f in files:
         if not f.exists():
             raise InfertraceError(f"shard {f.name} listed in the index is missing")
+        require_regular_file(f, "safetensors file")  # a FIFO or device must not block or stream forever
         try:
             with safe_open(str(f), framework="pt") as fh:
                 keys = list(fh.keys())
@@ -313,6 +323,7 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
         except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError
             raise InfertraceError(f"cannot read {f.name}: {e}; the file is truncated or corrupt") from None
     cfg = config_from_hf(raw, tie_default="lm_head.weight" not in sd)
+    check_layer_count("config.json", "num_hidden_layers", cfg.n_layer, sd)  # before per-layer names are built
     w: dict[str, torch.Tensor] = {}
     for k, t in sd.items():
         k2 = k[len("model."):] if k.startswith("model.") else k
@@ -333,7 +344,11 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     w = {} if header_only else {k: v.to(dtype) for k, v in w.items()}
     from infertrace.model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_hf_dir(d)
+    try:
+        tokenizer = Tokenizer.from_hf_dir(d)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:  # hostile tokenizer files
+        raise InfertraceError(f"cannot read the tokenizer of {d.name}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else '?'}; the files are broken") from None
     notes = ["HF checkpoint: Q/K rows already in half-split ('neox') order"]
     if cfg.tie_embeddings:
         notes.append("tie_word_embeddings: lm head tied to embed_tokens")

@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from infertrace.kv.base import ranges_text
+from infertrace.safe_text import has_unsafe, visible
 from infertrace.trace.recorder import VARIABLES
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
 from infertrace.trace.render_serving import serving_mark, serving_view
@@ -39,15 +40,16 @@ IDLE_TEXT = "nothing scheduled (waiting for arrivals)"
 
 
 def piece_text(piece: str | None) -> str:
-    """Quoted, visible form of a token piece: ``' Paris'``, ``'⏎⏎'``; control bytes as ``\\xNN``."""
+    """Quoted, visible form of a token piece: ``' Paris'``, ``'⏎⏎'``; control bytes as ``\\xNN``
+    (C1 and bidi controls too, as :func:`infertrace.safe_text.visible`)."""
     if piece is None:
         return "-"
     out = []
     for ch in piece:
         if ch in _VISIBLE:
             out.append(_VISIBLE[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02x}")
+        elif has_unsafe(ch):  # C0, DEL, C1, bidi controls: visible escapes (safe_text.visible)
+            out.append(visible(ch))
         else:
             out.append(ch)
     body = "".join(out)
@@ -147,7 +149,7 @@ def render_header(console: Console, trace: RunTrace) -> None:
                                 f" · evidence layer {o.get('layer', 0)}"))
     for n in trace.notes:
         lines.append(("note", Text(n, style="yellow")))
-    console.print(Panel(_facts(lines), title="[b]infertrace run[/b]", title_align="left", box=box.ROUNDED))
+    console.print(Panel(_facts(lines), title=Text("infertrace run", style="bold"), title_align="left", box=box.ROUNDED))
 
 
 def visible_text(r: Any, width: int = 26) -> str:
@@ -479,7 +481,7 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
         body = views[name]()
         if body is None:
             continue
-        console.print(Panel(body, title=f"[b]{name}[/b] · step {st.step}", title_align="left", box=box.ROUNDED,
+        console.print(Panel(body, title=Text.assemble((name, "bold"), f" · step {st.step}"), title_align="left", box=box.ROUNDED,
                             border_style="bright_black"))
 
 

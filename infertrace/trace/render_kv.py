@@ -77,6 +77,8 @@ def _cells_view(d: dict[str, Any]) -> list[RenderableType]:
             g.append(" ")
         g.append("\n")
     g.rstrip()
+    if lay.get("map_cells_total", lay["map_cells"]) > lay["map_cells"]:
+        g.append(f"\n  … {lay['map_cells_total'] - lay['map_cells']} more cells not drawn", style=DIM)
     parts.append(g)
     seqs = ph.get("seqs", {})
     if ph.get("prefix_cache"):  # kv/prefix_cache.py: finished sequences keep their cells for reuse
@@ -153,6 +155,6 @@ def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
                           + f": its {freed} are freed right after this step (shown here still held)", style="yellow"))
     if d.get("values"):
         parts.append(_values_view(d))
-    console.print(Panel(Group(*parts), title=f"[b]kv cache after step {d['step']}[/b] · {be} ({conv})",
+    console.print(Panel(Group(*parts), title=Text.assemble((f"kv cache after step {d['step']}", "bold"), f" · {be} ({conv})"),
                         title_align="left", box=box.ROUNDED))
 
