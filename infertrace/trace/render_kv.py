@@ -99,7 +99,7 @@ def _paged_view(d: dict[str, Any]) -> list[RenderableType]:
         ("pool", f"{ph['used_blocks']} / {ph['num_blocks']} blocks used · {ph['free_blocks']} free · "
                  f"tokens_per_block {B} · {tokens} tokens in {ph['used_blocks'] * B} reserved slots"),
         ("free list", f"head {ph['free_list_head']}{' …' if ph['free_blocks'] > len(ph['free_list_head']) else ''} "
-                      ("(next blocks handed out, least recently freed first; a hashed block is evicted when handed out)"
+                      + ("(next blocks handed out, least recently freed first; a hashed block is evicted when handed out)"
                        if ph.get("prefix_cache") else "(next blocks handed out, lowest id first)")),
     ])]
     t = _table("seq", "len", "block table", "block: logical positions")
