@@ -23,6 +23,9 @@ from infertrace.model.weights import Checkpoint, Progress, default_model_path, l
 from infertrace.trace.records import RunTrace
 from infertrace.trace.recorder import VARIABLES, Recorder
 
+#: EngineOptions fields of the serving mechanisms and their off values (engine/serving.py)
+SERVING_DEFAULTS = {"prefix_cache": False, "context_shift": False, "n_keep": 0, "n_discard": 0, "audit_kv": False}
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -150,8 +153,12 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
         reqs.append({"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                      "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
                      "num_preemptions": r.num_preemptions, "params": r.params.to_dict()})
+    engine_opts = asdict(opts)
+    for k, default in SERVING_DEFAULTS.items():  # serving options recorded only when set (older traces compare equal)
+        if engine_opts.get(k) == default:
+            engine_opts.pop(k, None)
     options = {"backend": opts.backend, "attention": eng.attn_impl, **(options_for_record or {}),
-               "engine": asdict(opts), "layer": layer, "show": list(show)}
+               "engine": engine_opts, "layer": layer, "show": list(show)}
     return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
                     notes=list(loaded.ckpt.notes) + list(getattr(tok, "warnings", []) or []),
                     steps=list(rec.steps) if trace else [], requests=reqs)

@@ -57,6 +57,11 @@ def diff_backends(
     device: o.Device = "cpu",
     layer: Annotated[int, typer.Option("--layer", help="With --against llama.cpp: the layer whose K/V are compared.")] = 0,
     sampler_order: o.SamplerOrder = None,
+    prefix_cache: o.PrefixCache = "off",
+    context_shift: o.ContextShift = False,
+    n_keep: o.NKeep = 0,
+    n_discard: o.NDiscard = 0,
+    audit_kv: o.AuditKv = False,
 ) -> None:
     """Prints the report; ``typer.Exit(1)`` after it when anything logical differs."""
     if against is not None:
@@ -70,7 +75,8 @@ def diff_backends(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order)
+        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
     if against == "hf":  # fail before loading anything
         try:
             import transformers  # noqa: F401

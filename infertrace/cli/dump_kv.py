@@ -53,6 +53,11 @@ def dump_kv(
     attention: o.Attention = "auto",
     dtype: o.Dtype = "float32",
     device: o.Device = "cpu",
+    prefix_cache: o.PrefixCache = "off",
+    context_shift: o.ContextShift = False,
+    n_keep: o.NKeep = 0,
+    n_discard: o.NDiscard = 0,
+    audit_kv: o.AuditKv = False,
 ) -> None:
     """Every user error is one ``error:`` line, exit 2 (including a step out of range)."""
     if step < 0:
@@ -76,7 +81,8 @@ def dump_kv(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device)
+        attention=attention, dtype=dtype, device=device,
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress)
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost

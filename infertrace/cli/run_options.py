@@ -40,6 +40,12 @@ Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 SamplerOrder = Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature, then top-k/top-p/min-p: HF, vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last: common_sampler). Default: the convention of the runtime mirrored (cells and --engine llama.cpp: llama.cpp; paged: hf).")]
 EngineName = Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine, --backend cells or paged) or llama.cpp (llama.cpp itself through llama-cpp-python; its graph inputs and cache are captured).")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
+# serving mechanisms (engine/serving.py)
+PrefixCache = Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")]
+ContextShift = Annotated[bool, typer.Option("--context-shift", help="When a request fills --ctx-size, drop cached tokens after --n-keep and continue (llama.cpp server), instead of stopping with ctx_full.")]
+NKeep = Annotated[int, typer.Option("--n-keep", help="Context shift: cached tokens kept at the start.")]
+NDiscard = Annotated[int, typer.Option("--n-discard", help="Context shift: tokens dropped after --n-keep (0 = half of the rest).")]
+AuditKv = Annotated[bool, typer.Option("--audit-kv", help="Record each cached K/V entry's provenance and recompute the cache from scratch every step (max |Δ| per provenance).")]
 
 D = SamplingParams  # defaults
 E = EngineOptions
@@ -50,7 +56,9 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                      repetition_penalty: float, seed: int, ignore_eos: bool, backend: str, ctx_size: int,
                      num_blocks: Optional[int], tokens_per_block: int, max_batch_tokens: int,
                      prefill_chunk: Optional[int], attention: str, dtype: str, device: str,
-                     sampler_order: Optional[str] = None) -> tuple[list[PromptSpec], EngineOptions]:
+                     sampler_order: Optional[str] = None,
+                     prefix_cache: str = "off", context_shift: bool = False, n_keep: int = 0, n_discard: int = 0,
+                     audit_kv: bool = False) -> tuple[list[PromptSpec], EngineOptions]:
     """Validate ``run``'s options (before any model loads) and build the requests and engine options.
 
     Returns:
@@ -68,6 +76,13 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     attention = check_choice("--attention", attention, ATTENTION)
     device = check_choice("--device", device, DEVICES)
     parse_dtype(dtype)
+    prefix_on = check_choice("--prefix-cache", prefix_cache, ("on", "off")) == "on"
+    check_min("--n-keep", n_keep, 0)
+    check_min("--n-discard", n_discard, 0)
+    if (n_keep or n_discard) and not context_shift:
+        raise InfertraceError("--n-keep / --n-discard set how a context shift works: add --context-shift")
+    if n_keep >= ctx_size - 1 and context_shift:
+        raise InfertraceError(f"--n-keep {n_keep} leaves nothing to shift in --ctx-size {ctx_size}; lower --n-keep")
     if attention == "triton":  # fail before the model loads, with the engine's own messages
         import torch
 
@@ -102,7 +117,9 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
         raise InfertraceError("no prompt given; pass --prompt TEXT (repeatable) or --prompts FILE.jsonl")
     opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
                          max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention,
-                         sampler_order=sampler_order)
+                         sampler_order=sampler_order,
+                         prefix_cache=prefix_on, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard,
+                         audit_kv=audit_kv)
     return specs, opts
 
 

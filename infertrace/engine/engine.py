@@ -16,10 +16,12 @@ import torch
 from infertrace.engine.request import Request
 from infertrace.engine.sampler import SampleResult, SamplingParams, default_order, sample
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
+from infertrace.engine.serving import Serving
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
-from infertrace.kv.paged import DEFAULT_TOKENS_PER_BLOCK, PagedKV
+from infertrace.kv.paged import DEFAULT_TOKENS_PER_BLOCK
+from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
 from infertrace.model.llama import NULL_TRACER, LlamaModel
 
 
@@ -39,6 +41,11 @@ class EngineOptions:
     attention: ``torch``, ``triton`` or ``auto``.
     sampler_order: ``hf`` or ``llama.cpp`` (None: the backend's runtime, see
         :func:`~infertrace.engine.sampler.default_order`).
+    prefix_cache: reuse cached K/V of a shared prompt prefix (kv/prefix_cache.py).
+    context_shift / n_keep / n_discard: when a request fills ``ctx_size``, keep the first
+        ``n_keep`` cached tokens, drop the next ``n_discard`` (0 = half of the rest) and continue
+        (llama.cpp server); off: the request stops with ``ctx_full``.
+    audit_kv: record each cached entry's provenance and recompute the cache every step.
     """
 
     backend: str = "cells"
@@ -50,6 +57,11 @@ class EngineOptions:
     attention: str = "auto"
     n_seq_max: int = 64
     sampler_order: str | None = None
+    prefix_cache: bool = False
+    context_shift: bool = False
+    n_keep: int = 0
+    n_discard: int = 0
+    audit_kv: bool = False
 
 
 def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
@@ -77,10 +89,12 @@ def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
 def _make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
     cfg = model.cfg
     if opts.backend == "cells":
-        return CellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device)
+        cls = CachingCellsKV if opts.prefix_cache else CellsKV
+        return cls(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device)
     if opts.backend == "paged":
         nb = opts.num_blocks if opts.num_blocks is not None else -(-opts.ctx_size // opts.tokens_per_block)
-        return PagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device, attn_impl)
+        return SharedPagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device,
+                             attn_impl, caching=opts.prefix_cache)
     raise InfertraceError(f"unknown backend {opts.backend!r}; use cells or paged")
 
 
@@ -106,6 +120,9 @@ class Engine:
         self.step_no = 0
         self.eog = set(getattr(tokenizer, "eog_ids", ()) or ())
         self.sampler_order = self.opts.sampler_order or default_order("infertrace", self.opts.backend)
+        self.serving = Serving(self)  # prefix cache, context shift, KV audit (engine/serving.py)
+        if self.serving.prefix_on:
+            self.scheduler.on_admit = self.serving.on_admit
 
     def sample_row(self, logits: torch.Tensor, req: Request) -> SampleResult:
         """The next token of ``req`` from its logits row ``[V]`` (subclasses force tokens here)."""
@@ -133,6 +150,11 @@ class Engine:
         if not prompt_ids:
             raise InfertraceError("the prompt is empty after tokenization; pass some text with --prompt")
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)
+        if len(prompt_ids) >= limit and self.kv.capacity_tokens < self.opts.ctx_size:  # case P5: name the pool
+            raise InfertraceError(
+                f"prompt has {len(prompt_ids)} tokens but the KV pool holds {limit} ({self.kv.capacity_tokens // max(1, getattr(self.kv, 'B', 1))} "
+                f"blocks × {getattr(self.kv, 'B', 1)} tokens; the prompt plus one generated token must fit); raise --num-blocks"
+            )
         if len(prompt_ids) >= limit:
             raise InfertraceError(
                 f"prompt has {len(prompt_ids)} tokens but the context holds {limit} (the prompt plus at least one "
@@ -162,7 +184,8 @@ class Engine:
                 self.tracer.end_step({"step": self.step_no, "batch": batch, "inp": None, "kv": self.kv,
                                       "attention": self.attn_impl, "logits": None, "logits_rows": [], "samples": {},
                                       "finished": {}, "requests": self.requests,
-                                      "time_ms": (time.perf_counter() - t0) * 1e3})
+                                      "time_ms": (time.perf_counter() - t0) * 1e3,
+                                      "serving": self._stopped_record(batch, self.serving.take_record(batch))})
             sch = self.scheduler
             if not sch.running and not sch.waiting and sch.future and sch.future[0].arrival_step - self.step_no > MAX_IDLE_RECORDED:
                 self.step_no = sch.future[0].arrival_step  # fast-forward a long wait (one idle record, then a gap)
@@ -201,19 +224,32 @@ class Engine:
                 reason = "eos"
             elif len(req.output_ids) >= req.params.max_new_tokens:
                 reason = "max_new_tokens"
-            elif len(req.all_ids) >= self.opts.ctx_size:
+            elif len(req.cache_ids) >= self.opts.ctx_size and not self.opts.context_shift:
                 reason = "ctx_full"
             if reason:
                 finished[req.seq_id] = reason
+        if self.serving.active:
+            self.serving.after_forward(batch, inp)
+        serving = self._stopped_record(batch, self.serving.take_record(batch))
         if tracer.enabled:
             tracer.end_step({"step": self.step_no, "batch": batch, "inp": inp, "kv": self.kv, "attention": self.attn_impl,
                              "logits": logits, "logits_rows": rows, "samples": samples, "finished": finished,
                              "requests": self.requests, "time_ms": (time.perf_counter() - t0) * 1e3,
-                             "sampler_order": self.sampler_order})
+                             "sampler_order": self.sampler_order,
+                             "serving": serving})
         for sid, reason in finished.items():
             self.scheduler.finish(self.requests[sid], reason)
+        if self.serving.active:
+            self.serving.after_finish(batch, finished)
         self.step_no += 1
         return batch
+
+    def _stopped_record(self, batch: ScheduledBatch, serving: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The step's serving record plus requests the scheduler stopped (``kv_full``: case P5)."""
+        if not batch.stopped:
+            return serving
+        return {**(serving or {}), "stopped": {str(k): v for k, v in batch.stopped.items()},
+                "pool_tokens": self.kv.capacity_tokens}
 
     def run(self, max_steps: int = 100_000) -> list[Request]:
         """Step until every request finished (or ``max_steps``); returns requests by seq_id."""

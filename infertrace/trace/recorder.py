@@ -92,6 +92,8 @@ class Recorder:
             st = StepTrace(step=ctx["step"], backend=kv.kind, attention=ctx["attention"], N=0, batch=[],
                            preempted=list(batch.preempted), admitted=list(batch.admitted),
                            time_ms=_r(ctx.get("time_ms", 0.0), 3))
+            if ctx.get("serving"):  # e.g. a request stopped because the KV pool is full (kv_full)
+                st.serving = ctx["serving"]
             if "kv" in self.show:
                 st.kv = self._kv(batch, None, kv)
             self.steps.append(st)
@@ -118,6 +120,13 @@ class Recorder:
             ))
         st = StepTrace(step=ctx["step"], backend=kv.kind, attention=ctx["attention"], N=batch.N, batch=reqs,
                        preempted=list(batch.preempted), admitted=list(batch.admitted), time_ms=_r(ctx.get("time_ms", 0.0), 3))
+        serving = ctx.get("serving")
+        if serving:  # prefix hits / context shifts per request, evictions and audit for the step
+            st.serving = serving
+            shifts = {op["seq_id"]: op for op in serving.get("ops_before_step", []) if op.get("op") == "context_shift"}
+            for r in reqs:
+                r.prefix = serving.get("prefix", {}).get(str(r.seq_id))
+                r.shift = shifts.get(r.seq_id)
         if "hidden" in self.show and "embed" in self._taps:
             st.hidden = self._hidden(batch, self._taps["embed"]["hidden"])
         if "positions" in self.show:

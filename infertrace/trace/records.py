@@ -37,6 +37,8 @@ class ReqStep:
     sampled: int | None = None
     sampled_piece: str | None = None
     finished: str | None = None
+    prefix: dict[str, Any] | None = None  # prefix-cache lookup at admission: hit, shared blocks/cells, stop reason
+    shift: dict[str, Any] | None = None  # context shift done right before this step (n_keep, n_discard, moved)
 
 
 @dataclass
@@ -141,9 +143,17 @@ class StepTrace:
     preempted: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
     time_ms: float = 0.0
+    serving: dict[str, Any] | None = None  # prefix lookups, evictions, context shifts, KV audit (engine/serving.py)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d.get("serving") is None:  # serving fields only when a serving mechanism was on (older traces compare equal)
+            d.pop("serving", None)
+        for b in d["batch"]:
+            for k in ("prefix", "shift"):
+                if b.get(k) is None:
+                    b.pop(k, None)
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "StepTrace":
@@ -163,6 +173,7 @@ class StepTrace:
             positions=opt(PositionsRec, "positions"), mask=opt(MaskRec, "mask"), kv=opt(KVRec, "kv"),
             decode=opt(DecodeRec, "decode"), preempted=list(d.get("preempted", [])),
             admitted=list(d.get("admitted", [])), time_ms=float(d.get("time_ms", 0.0)),
+            serving=d.get("serving") if isinstance(d.get("serving"), dict) else None,
         )
 
 
@@ -181,6 +192,7 @@ class RunTrace:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["steps"] = [s.to_dict() for s in self.steps]  # without unset serving fields
         return d
 
     @staticmethod

@@ -28,6 +28,7 @@ from infertrace.kv.base import ranges_text
 from infertrace.safe_text import has_unsafe, visible
 from infertrace.trace.recorder import VARIABLES
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
+from infertrace.trace.render_serving import serving_mark, serving_view
 
 _VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
 KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"
@@ -186,8 +187,9 @@ def worked_example_table(trace: RunTrace, width: int = 120) -> Table:
             out = Text(piece_text(r.sampled_piece), style="bold") if r.sampled is not None else Text("(no logits)", style=DIM)
             if r.finished:
                 out.append(f"\n({r.finished})", style="yellow")
+            pos_cell = serving_mark(positions_text(r.positions), r)  # prefix hit / context shift marks (render_serving.py)
             rows.append((st, i, r, [str(st.step) if i == 0 else "", Text(r.phase, style="magenta" if r.phase == "prefill" else "blue"),
-                                    str(r.seq_id), None, positions_text(r.positions), None, r.cache_after, out]))
+                                    str(r.seq_id), None, pos_cell, None, r.cache_after, out]))
     fixed = 0
     for c in (0, 1, 2, 4, 6, 7):
         cells = [Text(row[3][c]) if isinstance(row[3][c], str) else row[3][c] for row in rows]
@@ -468,8 +470,12 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
     """One rule line for the step, then one panel per recorded variable in ``show``."""
     console.rule(Text(_step_title(st), style="bold"), align="left")
     if not st.batch:  # idle: no variables to show
+        if st.serving:  # a request stopped by the scheduler (kv_full)
+            console.print(serving_view(st))
         return
     console.print(packed_batch_view(st))
+    if st.serving:
+        console.print(serving_view(st))
     views = {
         "hidden": lambda: st.hidden and hidden_view(st, st.hidden),
         "positions": lambda: st.positions and positions_view(st, st.positions),

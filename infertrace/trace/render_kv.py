@@ -81,6 +81,9 @@ def _cells_view(d: dict[str, Any]) -> list[RenderableType]:
         g.append(f"\n  … {lay['map_cells_total'] - lay['map_cells']} more cells not drawn", style=DIM)
     parts.append(g)
     seqs = ph.get("seqs", {})
+    if ph.get("prefix_cache"):  # kv/prefix_cache.py: finished sequences keep their cells for reuse
+        parts.append(Text(f"prefix cache: retained (finished, reusable) seqs {ph.get('retained', [])}; a cell with "
+                          "several seq_ids is shared (seq_cp), freed when its last owner goes", style="italic"))
     if seqs:
         parts.append(_facts([(f"seq {s}", f"cells {v['cells']} · pos {v['pos']}") for s, v in seqs.items()],
                             label_style="bold cyan"))
@@ -96,14 +99,19 @@ def _paged_view(d: dict[str, Any]) -> list[RenderableType]:
         ("pool", f"{ph['used_blocks']} / {ph['num_blocks']} blocks used · {ph['free_blocks']} free · "
                  f"tokens_per_block {B} · {tokens} tokens in {ph['used_blocks'] * B} reserved slots"),
         ("free list", f"head {ph['free_list_head']}{' …' if ph['free_blocks'] > len(ph['free_list_head']) else ''} "
-                      "(next blocks handed out, lowest id first)"),
+                      + ("(next blocks handed out, least recently freed first; a hashed block is evicted when handed out)"
+                       if ph.get("prefix_cache") else "(next blocks handed out, lowest id first)")),
     ])]
     t = _table("seq", "len", "block table", "block: logical positions")
     for s, v in reqs.items():
-        t.add_row(s, str(v["len"]), str(v["block_table"]), " · ".join(f"{b['block']}: {b['pos']}" for b in v["blocks"]))
+        t.add_row(s, str(v["len"]), str(v["block_table"]), " · ".join(f"{b['block']}: {b['pos']}" + _block_note(b) for b in v["blocks"]))
     if not reqs:
         t.add_row("-", "", "", Text("no request holds blocks", style=DIM))
     parts += [Text("block tables (block offsets per request):", style="italic"), t]
+    if ph.get("prefix_cache"):  # kv/prefix_cache.py: hashed full blocks, ref counts, LRU free queue
+        parts.append(Text(f"prefix cache: {ph.get('cached_blocks', 0)} hashed full blocks can be hit, "
+                          f"{ph.get('cached_free_blocks', 0)} of them in the free queue (no owner; evicted least recently "
+                          "freed first); (ref n) = owners of a shared block, #hash = its content hash", style="italic"))
     if d["writes"]:
         sm = _table("seq", "pos", "slot", "= block·B + offset")
         for w in d["writes"]:
@@ -124,6 +132,12 @@ def _values_view(d: dict[str, Any]) -> RenderableType:
             t.add_row(str(r["seq_id"]), str(row["pos"]), str(row.get(loc, "-")), floats(row["k"]), floats(row["v"]))
     t.columns[3].overflow = t.columns[4].overflow = "fold"
     return Group(Text(f"K/V values: layer {v['layer']}, kv head {v['head']} ({src})", style="italic"), t)
+
+
+def _block_note(b: dict[str, Any]) -> str:
+    """`` (ref 2) #3f9a0c`` for a shared / hashed block (prefix cache), else nothing."""
+    out = f" (ref {b['ref']})" if isinstance(b.get("ref"), int) and b["ref"] > 1 else ""
+    return out + (f" #{str(b['hash'])[:6]}" if b.get("hash") else "")
 
 
 def render_kv_dump(console: Console, d: dict[str, Any]) -> None:

@@ -237,11 +237,31 @@ F = Num()
 SAMPLER = Obj({}, {"temperature": F, "top_k": Int(0, L["MAX_ID"]), "top_p": F, "min_p": F, "repetition_penalty": F,
                    "seed": Int(0, 2 ** 64), "max_new_tokens": Int(0, L["MAX_CTX"]), "ignore_eos": Bool()}, extra=True)
 
+# serving mechanisms (engine/serving.py): prefix-cache lookups, context shifts, evictions, KV audit
+OPT_RANGE = Range(null=True)
+BLK = Int(0, L["MAX_BLOCKS"])
+PREFIX = Obj({}, {"hit": Int(0, L["MAX_CTX"]), "prompt_len": Int(0, L["MAX_CTX"]), "src": Int(0, L["MAX_SEQ_ID"], null=True),
+                  "src_state": Str(null=True), "shared_blocks": List(BLK), "ref_cnt": List(Int(0, L["MAX_SEQ_ID"])),
+                  "hashes": List(Str(max_len=64)),
+                  "copied": Obj({}, {"block": BLK, "from_block": BLK, "tokens": Int(0, L["MAX_TOKENS_PER_BLOCK"])}, null=True),
+                  "cells": OPT_RANGE, "computed": OPT_RANGE, "stop": Str(null=True)}, extra=True, null=True)
+SHIFT_OP = Obj({}, {"op": S, "seq_id": SEQ, "n_past": POS, "n_keep": POS, "n_discard": POS, "removed": OPT_RANGE,
+                    "moved": Str(null=True), "n_past_after": POS, "k_shift_max_abs_layer0": Num(null=True)}, extra=True, null=True)
+EVICTION = Obj({}, {"block": BLK, "hash": Str(null=True, max_len=64), "seq_id": SEQ, "freed": OPT_RANGE,
+                    "still_shared": OPT_RANGE}, extra=True)
+AUDIT = Obj({}, {"max_abs": Num(null=True), "max_abs_exact": Num(null=True),
+                 "by_provenance": List(Obj({}, {"provenance": S, "entries": Int(0, L["MAX_LIST"] * 64),
+                                                "max_abs_k": Num(null=True), "max_abs_v": Num(null=True),
+                                                "max_abs_layer0": Num(null=True)}, extra=True))}, extra=True, null=True)
+SERVING = Obj({}, {"prefix": Map(PREFIX), "ops_before_step": List(SHIFT_OP), "evictions": List(EVICTION),
+                   "stopped": Map(Str()), "pool_tokens": Int(0, L["MAX_CTX"] * 64, null=True), "audit": AUDIT},
+              extra=True, null=True)
 REQ_STEP = Obj({"seq_id": SEQ, "phase": Str(choices=("prefill", "decode")), "C": POS, "T": Int(0, L["MAX_CTX"]),
                 "token_ids": List(U), "pieces": List(S), "positions": List(POS), "visible": List(S),
                 "cache_before": S, "cache_after": S, "rows": List(Int(0, L["MAX_LIST"]))},
                {"logits_row": Int(0, L["MAX_LIST"], null=True), "sampled": Int(0, L["MAX_ID"], null=True),
-                "sampled_piece": Str(null=True), "finished": Str(null=True)})
+                "sampled_piece": Str(null=True), "finished": Str(null=True),
+                "prefix": PREFIX, "shift": SHIFT_OP})
 ROW_STAT = Obj({"seq_id": SEQ, "pos": POS, "token_id": U, "piece": S, "mean": F, "std": F, "min": F, "max": F, "l2": F,
                 "first": List(F, 4096)})
 HIDDEN = Obj({"logical_shape": SHAPE, "dtype": S, "ggml_ne": SHAPE, "packed_shape": List(Int(0, L["MAX_DIM"]), 2, length=2),
@@ -263,17 +283,22 @@ METADATA = Obj({"mask_type": S, "seq_lens": List(Int(0, L["MAX_CTX"])), "kv_lens
                 "block_tables": List(List(Int(-1, L["MAX_BLOCKS"]))), "dense_mask_tensor": Any_}, null=True)
 MASK = Obj({"backend": S, "rule": S, "visible": List(Obj({"seq_id": SEQ, "queries": List(Obj({"pos": POS, "keys": S}))})),
             "kq_mask": KQ_MASK, "metadata": METADATA, "logical": List(List(List(Int(0, 1))))}, null=True)
-CELL = Obj({"cell": POS, "pos": POS, "seq_ids": List(SEQ, 4096)})
+CELL = Obj({"cell": POS, "pos": POS, "seq_ids": List(SEQ, 4096)}, {"ref": Int(0, L["MAX_SEQ_ID"])})
 PHYS_CELLS = Obj({"kind": Str(choices=("cells",)), "size": Int(1, L["MAX_CTX"], limit="MAX_CTX"), "used": Int(0, L["MAX_CTX"]),
                   "n_kv": Int(0, L["MAX_CTX"]), "cells": List(CELL)},
                  {"head": POS, "head_before": POS, "head_after": POS,
-                  "seqs": Map(Obj({"cells": Range(), "pos": Range()}))})
+                  "seqs": Map(Obj({"cells": Range(), "pos": Range()})),
+                  "prefix_cache": Bool(), "retained": List(SEQ)})
 PHYS_PAGED = Obj({"kind": Str(choices=("paged",)), "num_blocks": Int(1, L["MAX_BLOCKS"], limit="MAX_BLOCKS"),
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], limit="MAX_TOKENS_PER_BLOCK"),
                   "used_blocks": Int(0, L["MAX_BLOCKS"]), "free_blocks": Int(0, L["MAX_BLOCKS"]),
                   "free_list_head": List(Int(0, L["MAX_BLOCKS"]), 4096),
                   "requests": Map(Obj({"block_table": List(Int(0, L["MAX_BLOCKS"])), "len": Int(0, L["MAX_CTX"])},
-                                      {"blocks": List(Obj({"block": Int(0, L["MAX_BLOCKS"]), "pos": Range()}))}))})
+                                      {"blocks": List(Obj({"block": Int(0, L["MAX_BLOCKS"]), "pos": Range()},
+                                                                         {"ref": Int(0, L["MAX_SEQ_ID"]),
+                                                                          "hash": Str(max_len=64)}))}))},
+                 {"prefix_cache": Bool(), "cached_blocks": Int(0, L["MAX_BLOCKS"]),
+                  "cached_free_blocks": Int(0, L["MAX_BLOCKS"])})
 
 
 def _physical(v: Any, p: str) -> None:
@@ -297,7 +322,7 @@ DECODE = Obj({"logits_shape": SHAPE, "logits_dtype": S, "logits_rows": List(Int(
 STEP = Obj({"step": Int(0, L["MAX_STEPS"], limit="MAX_STEPS"), "backend": Str(choices=("cells", "paged")), "attention": S,
             "N": Int(0, L["MAX_LIST"]), "batch": List(REQ_STEP)},
            {"hidden": HIDDEN, "positions": POSITIONS, "mask": MASK, "kv": KV, "decode": DECODE,
-            "preempted": List(SEQ), "admitted": List(SEQ), "time_ms": F})
+            "preempted": List(SEQ), "admitted": List(SEQ), "time_ms": F, "serving": SERVING})
 REQUEST = Obj({"seq_id": SEQ}, {"prompt": S, "prompt_ids": List(U), "output_ids": List(U), "text": S, "stop_reason": Str(null=True),
                                 "arrival_step": Int(0, L["MAX_STEPS"]), "num_preemptions": Int(0, L["MAX_STEPS"]),
                                 "params": SAMPLER}, extra=True)
