@@ -17,7 +17,7 @@ import torch
 
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
-from infertrace.model.llama import NULL_TRACER
+from infertrace.model.decoder import NULL_TRACER
 from infertrace.model.weights import default_model_path
 from infertrace.runner import load_model
 from infertrace.trace.recorder import Recorder

@@ -18,7 +18,7 @@ import torch
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.model.llama import NULL_TRACER, LlamaModel
+from infertrace.model.decoder import NULL_TRACER, DecoderModel
 from infertrace.model.weights import Checkpoint, Progress, default_model_path, load_checkpoint
 from infertrace.trace.records import RunTrace
 from infertrace.trace.recorder import VARIABLES, Recorder
@@ -43,7 +43,7 @@ class Loaded:
     """A checkpoint plus the engine-side model built from it."""
 
     ckpt: Checkpoint
-    model: LlamaModel
+    model: DecoderModel
 
     @property
     def tokenizer(self) -> Any:
@@ -73,7 +73,7 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", device: s
     ckpt = load_checkpoint(p, parse_dtype(dtype), progress)
     if device != "cpu" and not torch.cuda.is_available():
         raise InfertraceError(f"--device {device} requested but CUDA is not available; use --device cpu")
-    return Loaded(ckpt, LlamaModel(ckpt.config, ckpt.weights, device))
+    return Loaded(ckpt, DecoderModel(ckpt.config, ckpt.weights, device))
 
 
 def model_identity(ckpt: Checkpoint) -> dict[str, Any]:
