@@ -179,5 +179,6 @@ class PagedKV:
                 "blocks": [{"block": b, "pos": ranges_text(range(i * self.B, min(L, (i + 1) * self.B)))} for i, b in enumerate(tab)],
             }
         return {"kind": self.kind, "num_blocks": self.num_blocks, "tokens_per_block": self.B,
+                "attention_window": {str(i): w for i, w in enumerate(self.windows) if w},
                 "used_blocks": self.num_blocks - len(self.free), "free_blocks": len(self.free),
                 "free_list_head": self.free[:8], "requests": reqs}
