@@ -235,14 +235,14 @@ def _kernels() -> dict[str, Any]:
             visible = visible & ((window <= 0) | (tok[None, :] > qpos[:, None] - window))  # [BLOCK_M, TILE_N]
             s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, TILE_N]
             m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))  # [BLOCK_M] -inf while a windowed row has seen nothing
-            none = m_new == float("-inf")  # [BLOCK_M]
-            alpha = tl.where(none, 1.0, tl.exp2(m_i - m_new))  # [BLOCK_M]
-            p = tl.where(none[:, None], 0.0, tl.exp2(s - m_new[:, None]))  # [BLOCK_M, TILE_N]
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # [BLOCK_M] no (-inf) - (-inf)
+            alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+            p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, TILE_N] 0 where masked
             l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)  # [BLOCK_M, D_PAD]
             m_i = m_new
 
-        o = acc / l_i[:, None]  # [BLOCK_M, D_PAD]
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # [BLOCK_M, D_PAD] padding rows may have seen nothing
         o_ptrs = out_ptr + q_rows[:, None] * s_on + head[:, None] * s_oh + d[None, :]  # [BLOCK_M, D_PAD]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
 
