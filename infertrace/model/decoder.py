@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from infertrace.kv.base import AttnInputs, KVBackend
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig
-from infertrace.model.rope import apply_rope_neox, cos_sin, inv_freq_table, rope_attention_factor
+from infertrace.model.rope import apply_rope_neox, cos_sin, inv_freq_f32, rope_attention_factor
 
 
 class Tracer(Protocol):
@@ -112,8 +112,9 @@ class DecoderModel:
                 "window": config.layer_window(i),
             }
             self.layers.append(L)
-        self.inv_freq = inv_freq_table(config)  # [rope_dim/2] float64 (full-attention layers)
-        self.inv_freq_swa = inv_freq_table(config, swa=True)  # [rope_dim/2] float64 (sliding-window layers)
+        self.inv_freq = inv_freq_f32(config)  # [rope_dim/2] float32 (full-attention layers)
+        self.inv_freq_swa = (inv_freq_f32(config, swa=True) if config.windowed_layers and config.rope_theta_swa is not None
+                             else self.inv_freq)  # [rope_dim/2] float32 (sliding-window layers)
         self.rope_mscale = rope_attention_factor(config)  # yarn's cos/sin factor (1.0 otherwise)
         self.scale = config.softmax_scale
         self.embed_scale = (torch.tensor(config.embed_scale, dtype=self.dtype, device=dev)

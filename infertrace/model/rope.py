@@ -126,16 +126,31 @@ def inv_freq_table(cfg: ModelConfig, swa: bool = False) -> torch.Tensor:
     return inv
 
 
+def inv_freq_f32(cfg: ModelConfig, swa: bool = False) -> torch.Tensor:
+    """``[rope_dim/2]`` float32 frequencies the decoder rotates with, computed as HF does
+    (``1 / base ** (arange(0, d, 2).float() / d)`` in fp32 for plain RoPE; the float64 table of
+    :func:`inv_freq_table` rounded to fp32 otherwise). With fp32 angles (``pos * inv_freq``, as HF
+    ``RotaryEmbedding.forward`` and ggml's rope cache) long prompts stay within 1e-3 of HF's logits."""
+    theta, scaled = cfg.rope_theta, True
+    if swa and cfg.rope_theta_swa is not None:
+        theta, scaled = cfg.rope_theta_swa, cfg.rope_scaling_swa
+    plain = not scaled or (cfg.rope_freq_factors is None and cfg.rope_scaling.type in ("none", "dynamic"))
+    if plain:
+        d = cfg.rope_dim
+        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [d/2] float32
+    return inv_freq_table(cfg, swa).float()  # [d/2] float32
+
+
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
             mscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Angles for each token: returns ``cos, sin`` each ``[N, d/2]`` in ``dtype``.
 
     Args:
         positions: ``[N]`` int64 position ids.
-        inv_freq: ``[d/2]`` float64.
+        inv_freq: ``[d/2]`` float64 (angles in float64) or float32 (angles in float32, as HF).
         mscale: factor on cos and sin (YaRN ``attention_scaling``; 1.0 otherwise).
     """
-    ang = positions.to(torch.float64).unsqueeze(1) * inv_freq.unsqueeze(0)  # [N, d/2]
+    ang = positions.to(inv_freq.dtype).unsqueeze(1) * inv_freq.unsqueeze(0)  # [N, d/2]
     if mscale != 1.0:
         return (ang.cos() * mscale).to(dtype), (ang.sin() * mscale).to(dtype)
     return ang.cos().to(dtype), ang.sin().to(dtype)
