@@ -225,3 +225,24 @@ def test_inspect_lists_settings_with_status(tmp_path):
     rows = {r["key"]: r["status"] for r in json.loads(res.output)["config"]["settings"]}
     assert rows["llama.context_length"] == "not applicable" and rows["llama.rope.freq_base"] == "honoured"
     assert rows["llama.context_length_extra"] == "refused"
+
+
+def test_diff_backends_agree_on_a_windowed_model_and_traces_name_windowed_layers(tmp_path):
+    w, s = make_weights(family="gemma3", n_layer=6, seed=4)
+    d = write_hf(tmp_path / "hf", w, s, sliding_window=3)
+    args = ["-m", str(d), "--prompt", "Hello world, hello", "--prefill-chunk", "4", "--max-new-tokens", "3"]
+    res = runner.invoke(app, ["diff-backends", *args])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["run", *args, "--json"])
+    assert res.exit_code == 0, res.output
+    tr = json.loads(res.output)
+    swa = tr["steps"][-1]["mask"]["swa"]
+    assert swa["layers"] == [0, 1, 2, 3, 4] and swa["global_layers"] == [5] and swa["n_swa"] == 3
+    q = tr["steps"][-1]["batch"][0]
+    p = q["positions"][0]
+    assert q["visible_swa"] == [f"{p - 2}..{p}"] and q["visible"] == [f"0..{p}"]
+    assert "p-W+1..p" in swa["convention"]
+    res = runner.invoke(app, ["run", *args])
+    assert "sliding window W=3 on layers 0..4; global layers 5" in res.output and "kq_mask_swa" in res.output
+    res = runner.invoke(app, ["dump-kv", "--step", "2", *args])
+    assert res.exit_code == 0 and "layers 0..4 windowed, W=3" in res.output, res.output
