@@ -45,10 +45,11 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder.
+    """Hyper-parameters of a decoder of any supported family.
 
     Attributes:
-        arch: ``"llama"``.
+        arch: GGUF ``general.architecture`` (``llama``, ``qwen2``, ``qwen3``, ``gemma3``) or, for HF
+            directories, the family name.
         source: ``"gguf"`` or ``"hf"``.
         n_layer, n_embd (H), n_ff, n_head, n_head_kv, head_dim: model shape.
         vocab_size: rows of ``token_embd`` / lm head.
@@ -62,6 +63,22 @@ class ModelConfig:
         rope_pairing_in_file: ``"norm"`` (adjacent pairs, GGUF Q/K rows permuted by
             llama.cpp's converter) or ``"neox"`` (half-split, HF). The engine always runs
             ``neox`` after the loader un-permutes GGUF Q/K rows.
+
+    Family features (set by :mod:`infertrace.model.families`; defaults are plain Llama):
+        family: ``llama`` / ``mistral`` / ``qwen2`` / ``qwen3`` / ``gemma3``.
+        attn_bias, attn_out_bias, mlp_bias: q/k/v, output and gate/up/down projection biases.
+        qk_norm: RMSNorm over ``head_dim`` on each Q and K head before RoPE (Qwen3, Gemma 3).
+        post_norms: RMSNorm on the attention and FFN outputs before the residual add (Gemma 3).
+        act: FFN gate activation, ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
+        embed_scale: factor on the token embeddings (Gemma: sqrt(H), applied in the model dtype).
+        attn_scale: softmax scale (Gemma ``query_pre_attn_scalar**-0.5``); None = ``head_dim**-0.5``.
+        final_logit_softcap: ``cap * tanh(logits / cap)`` when set.
+        sliding_window: W in tokens (0 = none); ``swa_layers`` per layer whether it is windowed
+            (query at p sees keys p-W+1..p).
+        rope_theta_swa / rope_scaling_swa: RoPE base of the windowed layers and whether the
+            RoPE scaling applies to them (Gemma 3: base 10000, unscaled).
+        settings: the ledger ``(key, value, status, note)``; status ``honoured``,
+            ``not applicable`` or ``refused`` (the loader refuses to run a model with any refused row).
     """
 
     arch: str
