@@ -240,8 +240,13 @@ class Recorder:
         }
         if kv.kind == "cells" and "kq_mask_swa" in inp.extra:
             m = inp.extra["kq_mask_swa"]  # [1, 1, n_pad, n_kv]
-            sl = m[0, 0, : min(inp.n_tokens, self.mask_rows), : min(inp.extra["n_kv"], self.mask_cols)]
-            d["kq_mask_swa"] = {"ne": [inp.extra["n_kv"], inp.extra["n_tokens_pad"], 1, 1], "dtype": _dtype(m),
+            n_kv = inp.extra["n_kv"]
+            keep0 = (m[0, 0, 0, :n_kv] == 0).nonzero().flatten()  # cells the first query sees
+            c0 = int(keep0[0]) if keep0.numel() else 0
+            start = max(0, min(c0 - self.mask_cols // 2, n_kv - self.mask_cols))  # window edge in view
+            sl = m[0, 0, : min(inp.n_tokens, self.mask_rows), start : start + self.mask_cols]
+            d["kq_mask_swa"] = {"ne": [n_kv, inp.extra["n_tokens_pad"], 1, 1], "dtype": _dtype(m), "col_start": start,
+                                "cell_pos": inp.extra["cell_pos"][start : start + self.mask_cols].tolist(),
                                 "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]}
         if kv.kind == "paged":
             d["attention_window"] = {str(i): W for i in win}

@@ -357,7 +357,9 @@ def swa_parts(st: StepTrace, swa: dict[str, Any]) -> list[RenderableType]:
                                                   "(pos_q - pos_cell >= n_swa → -inf), read by the windowed layers"))
         rows = kq["rows"]
         if rows and len(rows[0]) <= 64:
-            g = Text("")
+            cs, cp = kq.get("col_start", 0), kq.get("cell_pos") or []
+            g = Text(f"  cells {cs}..{cs + len(rows[0]) - 1}" + (f" (pos {cp[0]}..{cp[-1]})" if cp else "")
+                     + ", around the first query's window edge; ■ 0 keep, · -inf\n", style=DIM)
             labels = [(r.seq_id, p) for r in st.batch for p in r.positions]
             for i, row in enumerate(rows):
                 sid, pos = labels[i] if i < len(labels) else ("?", "?")
