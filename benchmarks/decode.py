@@ -1,7 +1,7 @@
 """Decode tokens/s on the default model: engine (tracing off), engine (default trace), and HF
 transformers on the same GGUF, in one run, printed with ratios.
 
-    python benchmarks/decode.py [--tokens 64] [--repeats 3] [--dtype float32] [--skip-hf]
+    python benchmarks/decode.py [--model smollm2-135m|gemma3-270m|PATH] [--tokens 64] [--repeats 3] [--dtype float32] [--skip-hf]
 
 Decode speed = generated tokens after the first / time spent after prefill. Each figure is the
 median of ``--repeats`` runs. Nothing here is asserted: speed is measured, not tested.
@@ -17,8 +17,8 @@ import torch
 
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
-from infertrace.model.llama import NULL_TRACER
-from infertrace.model.weights import default_model_path
+from infertrace.model.decoder import NULL_TRACER
+from infertrace.model.registry import resolve_model
 from infertrace.runner import load_model
 from infertrace.trace.recorder import Recorder
 
@@ -38,10 +38,9 @@ def engine_decode_tps(loaded, n: int, trace: bool, backend: str) -> float:
     return steps / (time.perf_counter() - t0)
 
 
-def hf_decode_tps(n: int) -> float:
+def hf_decode_tps(n: int, p) -> float:
     import transformers
 
-    p = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
     ids = tok(PROMPT, return_tensors="pt").input_ids
@@ -65,18 +64,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="engine weight dtype (float32, float16, bfloat16)")
     ap.add_argument("--backend", default="cells")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--model", default=None, help="model name (smollm2-135m, gemma3-270m) or path; default smollm2-135m")
+    ap.add_argument("--skip-fp16", action="store_true", help="do not also measure the engine in float16")
     a = ap.parse_args()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {default_model_path().name}")
+    path = resolve_model(a.model)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {path.name}")
     rows = []
-    for dtype in dict.fromkeys([a.dtype, "float16"]):
-        loaded = load_model(dtype=dtype)
+    for dtype in dict.fromkeys([a.dtype] + ([] if a.skip_fp16 else ["float16"])):
+        loaded = load_model(path, dtype=dtype)
         engine_decode_tps(loaded, 4, False, a.backend)  # warm-up
         for trace in (False, True):
             v = statistics.median(engine_decode_tps(loaded, a.tokens, trace, a.backend) for _ in range(a.repeats))
             rows.append((f"infertrace {a.backend} {dtype}, trace {'default' if trace else 'off'}", v))
     hf = None
     if not a.skip_hf:
-        hf = statistics.median(hf_decode_tps(a.tokens) for _ in range(a.repeats))
+        hf = statistics.median(hf_decode_tps(a.tokens, path) for _ in range(a.repeats))
         rows.append(("HF transformers float32 (same GGUF)", hf))
     w = max(len(r[0]) for r in rows)
     print(f"{'decode tokens/s':<{w}}  {'tok/s':>7}  {'vs HF':>6}")

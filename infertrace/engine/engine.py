@@ -22,7 +22,7 @@ from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.paged import DEFAULT_TOKENS_PER_BLOCK
 from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
-from infertrace.model.llama import NULL_TRACER, LlamaModel
+from infertrace.model.decoder import NULL_TRACER, DecoderModel
 
 
 #: idle steps (waiting for an arrival) recorded one by one; a longer wait is skipped in one jump.
@@ -64,7 +64,7 @@ class EngineOptions:
     audit_kv: bool = False
 
 
-def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
+def make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
     """Build the KV backend named by ``opts.backend``.
 
     Raises:
@@ -86,15 +86,17 @@ def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
         ) from None
 
 
-def _make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
+def _make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
     cfg = model.cfg
+    windows = [cfg.layer_window(i) for i in range(cfg.n_layer)]  # 0 = full attention
     if opts.backend == "cells":
         cls = CachingCellsKV if opts.prefix_cache else CellsKV
-        return cls(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device)
+        return cls(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device,
+                   windows=windows)
     if opts.backend == "paged":
         nb = opts.num_blocks if opts.num_blocks is not None else -(-opts.ctx_size // opts.tokens_per_block)
         return SharedPagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device,
-                             attn_impl, caching=opts.prefix_cache)
+                             attn_impl, caching=opts.prefix_cache, windows=windows)
     raise InfertraceError(f"unknown backend {opts.backend!r}; use cells or paged")
 
 
@@ -102,13 +104,13 @@ class Engine:
     """Runs requests to completion over one model and one KV backend.
 
     Args:
-        model: :class:`LlamaModel`.
+        model: :class:`DecoderModel`.
         tokenizer: for EOG ids.
         opts: :class:`EngineOptions`.
         tracer: a :class:`~infertrace.trace.recorder.Recorder` or the null tracer.
     """
 
-    def __init__(self, model: LlamaModel, tokenizer: Any, opts: EngineOptions | None = None, tracer: Any = NULL_TRACER):
+    def __init__(self, model: DecoderModel, tokenizer: Any, opts: EngineOptions | None = None, tracer: Any = NULL_TRACER):
         self.model = model
         self.tok = tokenizer
         self.opts = opts or EngineOptions()

@@ -822,10 +822,9 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's jinja chat template, as HF ``apply_chat_template(tokenize=False)``.
 
-        Uses a jinja2 ``ImmutableSandboxedEnvironment`` with render limits (time, loop iterations,
-        call depth, string and output size: :mod:`infertrace.model.template_limits`) (``trim_blocks``, ``lstrip_blocks``,
-        ``loopcontrols``) with HF's helpers: ``raise_exception``, ``strftime_now``, a ``tojson``
-        filter that does not HTML-escape; variables ``messages``, ``add_generation_prompt``,
+        Uses :func:`infertrace.model.chat_env.chat_environment` (HF's sandboxed environment:
+        ``{% generation %}`` tag, ``loopcontrols``, ``raise_exception``, ``strftime_now``,
+        ``dict``, ``namespace``, a ``tojson`` filter that does not HTML-escape); variables ``messages``, ``add_generation_prompt``,
         ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``, ``tools`` (None),
         ``documents`` (None). Message keys whose value is None are dropped, as HF does.
 
@@ -837,24 +836,10 @@ class Tokenizer:
             raise InfertraceError("this model has no chat template (tokenizer.chat_template); pass a raw prompt instead")
         import jinja2
 
-        from infertrace.model.template_limits import LimitedSandbox
+        from infertrace.model.chat_env import chat_environment
 
         if self._compiled_template is None:
-
-            def raise_exception(message: str) -> None:
-                raise jinja2.exceptions.TemplateError(message)
-
-            def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
-                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-            def strftime_now(fmt: str) -> str:
-                return datetime.now().strftime(fmt)
-
-            # ImmutableSandboxedEnvironment + render limits (time, iterations, call depth, sizes)
-            env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = tojson
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = strftime_now
+            env = chat_environment()  # HF's: {% generation %}, loopcontrols, dict, namespace, tojson ...
             try:
                 self._compiled_template = env.from_string(self.chat_template)
             except jinja2.exceptions.TemplateSyntaxError as exc:

@@ -39,6 +39,7 @@ class ReqStep:
     finished: str | None = None
     prefix: dict[str, Any] | None = None  # prefix-cache lookup at admission: hit, shared blocks/cells, stop reason
     shift: dict[str, Any] | None = None  # context shift done right before this step (n_keep, n_discard, moved)
+    visible_swa: list[str] | None = None  # per query, visible keys on sliding-window layers (None: no windowed layer)
 
 
 @dataclass
@@ -99,6 +100,7 @@ class MaskRec:
     kq_mask: dict[str, Any] | None  # cells: ne, shape, n_kv, rows (slice as "0"/"-inf")
     metadata: dict[str, Any] | None  # paged: mask_type, seq_lens, kv_lens, cu_seqlens, ...
     logical: list[list[list[int]]]  # per request [T][C+T] keep (1/0), materialised
+    swa: dict[str, Any] | None = None  # sliding window: n_swa, layers, global_layers, convention, visible, kq_mask_swa rows
 
 
 @dataclass

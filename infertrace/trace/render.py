@@ -136,6 +136,7 @@ def render_header(console: Console, trace: RunTrace) -> None:
                        f"{' ×%g' % c['rope_scaling']['factor'] if c['rope_scaling']['type'] != 'none' else ''} · "
                        f"pairing in file: {c['rope_pairing_in_file']} → at run time: neox (half-split)"),
     ]
+    lines += family_lines(c)
     be = o.get("backend", "?")
     conv = "llama.cpp-style cells + kq_mask" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool + metadata"
     detail = f"ctx {eng.get('ctx_size')}"
@@ -156,8 +157,43 @@ def render_header(console: Console, trace: RunTrace) -> None:
     console.print(Panel(_facts(lines), title=Text("infertrace run", style="bold"), title_align="left", box=box.ROUNDED))
 
 
+def family_lines(c: dict[str, Any]) -> list[tuple[str, str | Text]]:
+    """Header lines for the family features a config switches on (biases, QK-norm, windows ...)."""
+    feats = []
+    if c.get("attn_bias"):
+        feats.append("q/k/v biases" + (" + o bias" if c.get("attn_out_bias") else ""))
+    if c.get("mlp_bias"):
+        feats.append("MLP biases")
+    if c.get("qk_norm"):
+        feats.append("QK-norm")
+    if c.get("post_norms"):
+        feats.append("pre/post attn+FFN norms")
+    if c.get("embed_scale"):
+        feats.append(f"embeddings ×{c['embed_scale']:.4g} (√H)")
+    if c.get("act", "silu") != "silu":
+        feats.append("GeGLU (gelu tanh)")
+    if c.get("attn_scale") is not None:
+        feats.append(f"softmax scale {c['attn_scale']:.4g}")
+    if c.get("final_logit_softcap"):
+        feats.append(f"logit soft-cap {c['final_logit_softcap']:g}")
+    out: list[tuple[str, str | Text]] = []
+    if feats or c.get("family", "llama") != "llama":
+        out.append(("family", f"{c.get('family', 'llama')}: " + (" · ".join(feats) if feats else "Llama layer")))
+    swa = [i for i, x in enumerate(c.get("swa_layers") or []) if x]
+    if swa and c.get("sliding_window"):
+        glob = [i for i in range(c["n_layer"]) if i not in swa]
+        base = f" · RoPE base {c['rope_theta_swa']:g} on windowed layers" if c.get("rope_theta_swa") else ""
+        out.append(("window", Text(f"sliding window W={c['sliding_window']} on layers {ranges_text(swa)}; global layers "
+                                   f"{ranges_text(glob) if glob else '-'} · query at p sees keys p-W+1..p (as HF and llama.cpp)"
+                                   f"{base}", style="magenta")))
+    return out
+
+
 def visible_text(r: Any, width: int = 26) -> str:
-    """``q0:0 q1:0..1 … q4:0..4``: per query (labelled by its position) the visible key positions."""
+    """``q0:0 q1:0..1 … q4:0..4``: per query (labelled by its position) the visible key positions;
+    with windowed layers ``q600:89..600|0..600`` (windowed | global)."""
+    if getattr(r, "visible_swa", None):
+        return fit([f"q{p}:{w}|{v}" if w != v else f"q{p}:{v}" for p, v, w in zip(r.positions, r.visible, r.visible_swa)], width)
     return fit([f"q{p}:{v}" for p, v in zip(r.positions, r.visible)], width)
 
 
@@ -197,6 +233,9 @@ def worked_example_table(trace: RunTrace, width: int = 120) -> Table:
     rest = max(24, width - fixed - 3 * len(heads) + 1)  # one space of padding each side plus the column divider
     tok_w = rest * 3 // 5
     vis_w = rest - tok_w
+    windowed = any(getattr(r, "visible_swa", None) for st in trace.steps for r in st.batch)
+    if windowed:
+        heads = heads[:5] + ("visible keys (windowed|global)",) + heads[6:]
     t = Table(title="worked example (step by step, as in the study's 一个具体的逻辑示例)", title_justify="left",
               title_style="bold", box=box.MINIMAL_HEAVY_HEAD, border_style="bright_black", padding=(0, 1), show_edge=False)
     for h in heads:
@@ -309,12 +348,50 @@ def _mask_grid(kq: dict[str, Any], st: StepTrace, owners: dict[int, list[int]] |
     return t
 
 
+def swa_parts(st: StepTrace, swa: dict[str, Any]) -> list[RenderableType]:
+    """The sliding-window side of the mask panel: layers, convention, visible keys per query on the
+    windowed layers, and llama.cpp's ``kq_mask_swa`` slice (cells) or the window metadata (paged)."""
+    parts: list[RenderableType] = [
+        _kv("sliding window", Text(f"layers {ranges_text(swa['layers'])} windowed (W={swa['n_swa']}), global layers "
+                                   f"{ranges_text(swa['global_layers']) if swa['global_layers'] else '-'}: {swa['convention']}",
+                                   style="magenta")),
+    ]
+    for v in swa["visible"]:
+        qs = [f"q{q['pos']}: {q['keys']}" for q in v["queries"]]
+        parts.append(_kv(f"seq {v['seq_id']} (windowed)", "visible keys: " + short(qs, head=4, tail=2, sep="  "), style="bold magenta"))
+    if swa.get("kq_mask_swa"):
+        kq = swa["kq_mask_swa"]
+        parts.append(_kv("llama.cpp kq_mask_swa", f"{kq['dtype']} ne = {kq['ne']}: kq_mask with is_masked_swa "
+                                                  "(pos_q - pos_cell >= n_swa → -inf), read by the windowed layers"))
+        rows = kq["rows"]
+        if rows and len(rows[0]) <= 64:
+            cs, cp = kq.get("col_start", 0), kq.get("cell_pos") or []
+            g = Text(f"  cells {cs}..{cs + len(rows[0]) - 1}" + (f" (pos {cp[0]}..{cp[-1]})" if cp else "")
+                     + ", around the first query's window edge; ■ 0 keep, · -inf\n", style=DIM)
+            labels = [(r.seq_id, p) for r in st.batch for p in r.positions]
+            for i, row in enumerate(rows):
+                sid, pos = labels[i] if i < len(labels) else ("?", "?")
+                g.append(f"  s{sid} q{pos:<5}", style=DIM)
+                for x in row:
+                    g.append(" ■" if x == "0" else " ·", style=KEEP_STYLE if x == "0" else DIM)
+                g.append("\n")
+            g.rstrip()
+            parts.append(g)
+    if swa.get("attention_window"):
+        parts.append(_kv("paged window", f"attention_window_size per layer {{{', '.join(f'{k}: {v}' for k, v in list(swa['attention_window'].items())[:6])}"
+                                         f"{', …' if len(swa['attention_window']) > 6 else ''}}} (TensorRT-LLM attention_window_size, "
+                                         "vLLM sliding_window): the kernel skips KV tiles left of each query's window"))
+    return parts
+
+
 def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableType:
     """Visible keys per query; the kq_mask slice (cells) or the attention metadata (paged)."""
     parts: list[RenderableType] = [_kv("rule", m.rule)]
     for v in m.visible:
         qs = [f"q{q['pos']}→{q['keys']}" for q in v["queries"]]
         parts.append(_kv(f"seq {v['seq_id']}", "visible keys: " + short(qs, head=4, tail=2, sep="  "), style="bold cyan"))
+    if m.swa:
+        parts += swa_parts(st, m.swa)
     if m.kq_mask is not None:
         kq = m.kq_mask
         parts.append(_kv("llama.cpp kq_mask", f"{kq['dtype']} ne = [n_kv={kq['ne'][0]}, n_tokens_pad={kq['ne'][1]}, "

@@ -37,6 +37,25 @@ def _storage_line(d: dict[str, Any]) -> str:
             f"({human_bytes(per)} per layer, {human_bytes(per * L)} in all)")
 
 
+def _window_line(d: dict[str, Any]) -> Text | None:
+    """Which layers are windowed and what that means for this cache (None: no windowed layer)."""
+    ph = d.get("physical") or {}
+    if d["backend"] == "cells":
+        W, layers = int(ph.get("n_swa") or 0), list(ph.get("swa_layers") or [])
+    else:
+        aw = ph.get("attention_window") or {}
+        layers = sorted(int(k) for k in aw)
+        W = int(next(iter(aw.values()))) if aw else 0
+    if not W or not layers:
+        return None
+    from infertrace.kv.base import ranges_text
+
+    how = ("one cell pool; windowed layers read kq_mask_swa (cells with pos_q - pos >= n_swa dropped), the others kq_mask"
+           if d["backend"] == "cells" else "windowed layers get attention_window_size in the metadata; blocks stay allocated")
+    return Text(f"layers {ranges_text(layers)} windowed, W={W}: query at p sees keys p-W+1..p (as HF and llama.cpp); {how}",
+                style="magenta")
+
+
 def _batch_line(d: dict[str, Any]) -> Text:
     if d["idle"]:
         return Text("idle: nothing scheduled (waiting for arrivals), nothing written", style=DIM)
@@ -144,10 +163,11 @@ def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
     """Print a dump dict (from :func:`infertrace.kv.dump.dump_kv_at_step` or :func:`dump_from_step`)."""
     be = d["backend"]
     conv = "llama.cpp-style cells" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool"
-    parts: list[RenderableType] = [_facts([
-        ("storage", _storage_line(d)),
-        (f"step {d['step']}", _batch_line(d)),
-    ])]
+    facts = [("storage", _storage_line(d)), (f"step {d['step']}", _batch_line(d))]
+    win = _window_line(d)
+    if win:
+        facts.append(("window", win))
+    parts: list[RenderableType] = [_facts(facts)]
     parts += _cells_view(d) if be == "cells" else _paged_view(d)
     if d.get("finished"):
         freed = "cells" if be == "cells" else "blocks"

@@ -261,7 +261,7 @@ REQ_STEP = Obj({"seq_id": SEQ, "phase": Str(choices=("prefill", "decode")), "C":
                 "cache_before": S, "cache_after": S, "rows": List(Int(0, L["MAX_LIST"]))},
                {"logits_row": Int(0, L["MAX_LIST"], null=True), "sampled": Int(0, L["MAX_ID"], null=True),
                 "sampled_piece": Str(null=True), "finished": Str(null=True),
-                "prefix": PREFIX, "shift": SHIFT_OP})
+                "prefix": PREFIX, "shift": SHIFT_OP, "visible_swa": List(S, null=True)})
 ROW_STAT = Obj({"seq_id": SEQ, "pos": POS, "token_id": U, "piece": S, "mean": F, "std": F, "min": F, "max": F, "l2": F,
                 "first": List(F, 4096)})
 HIDDEN = Obj({"logical_shape": SHAPE, "dtype": S, "ggml_ne": SHAPE, "packed_shape": List(Int(0, L["MAX_DIM"]), 2, length=2),
@@ -281,8 +281,16 @@ METADATA = Obj({"mask_type": S, "seq_lens": List(Int(0, L["MAX_CTX"])), "kv_lens
                 "cu_seqlens": List(Int(0, L["MAX_LIST"])), "request_ids": List(SEQ)},
                {"request_types": List(S), "num_contexts": Int(0, L["MAX_LIST"]),
                 "block_tables": List(List(Int(-1, L["MAX_BLOCKS"]))), "dense_mask_tensor": Any_}, null=True)
-MASK = Obj({"backend": S, "rule": S, "visible": List(Obj({"seq_id": SEQ, "queries": List(Obj({"pos": POS, "keys": S}))})),
-            "kq_mask": KQ_MASK, "metadata": METADATA, "logical": List(List(List(Int(0, 1))))}, null=True)
+VISIBLE = List(Obj({"seq_id": SEQ, "queries": List(Obj({"pos": POS, "keys": S}))}))
+#: sliding-window side of the mask (model families with windowed layers, e.g. Gemma 3)
+SWA = Obj({}, {"n_swa": Int(0, L["MAX_CTX"]), "layers": List(DIM), "global_layers": List(DIM), "convention": S,
+               "visible": VISIBLE, "rope_theta_swa": Num(null=True),
+               "kq_mask_swa": Obj({"ne": List(DIM, 4, length=4), "dtype": S,
+                                   "rows": List(List(Str(choices=("0", "-inf")), 4096), 4096)},
+                                  {"col_start": Int(0, L["MAX_CTX"]), "cell_pos": List(Int(-1, L["MAX_CTX"] - 1))}),
+               "attention_window": Map(Int(0, L["MAX_CTX"]), key_int=False)}, extra=True, null=True)
+MASK = Obj({"backend": S, "rule": S, "visible": VISIBLE,
+            "kq_mask": KQ_MASK, "metadata": METADATA, "logical": List(List(List(Int(0, 1))))}, {"swa": SWA}, null=True)
 CELL = Obj({"cell": POS, "pos": POS, "seq_ids": List(SEQ, 4096)}, {"ref": Int(0, L["MAX_SEQ_ID"])})
 PHYS_CELLS = Obj({"kind": Str(choices=("cells",)), "size": Int(1, L["MAX_CTX"], limit="MAX_CTX"), "used": Int(0, L["MAX_CTX"]),
                   "n_kv": Int(0, L["MAX_CTX"]), "cells": List(CELL)},
