@@ -38,3 +38,20 @@ def test_saved_prefix_cache_and_context_shift_round_trip(gguf, tmp_path, backend
     assert html.stat().st_size > 0
     dump = _cli("dump-kv", "--step", "3", d)
     assert ("(ref 2)" in dump) if backend == "paged" else ("retained" in dump or "0,1" in dump)
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_saved_windowed_trace_round_trip(tmp_path, backend):
+    """A Gemma 3-style tiny checkpoint (windowed and global layers): the saved trace passes the schema and
+    ``check``, and ``show`` / ``report`` / ``dump-kv DIR`` print the window records."""
+    from tests.tiny import write_hf
+
+    w, s = make_weights(family="gemma3", n_layer=6, tie=True, seed=2)
+    m = str(write_hf(tmp_path / "hf", w, s, sliding_window=4, final_logit_softcapping=3.0))
+    d = str(tmp_path / "t")
+    _cli("run", "-m", m, "-p", "HelloWorld!", "-n", "3", "--ignore-eos", "--backend", backend, "--save", d)
+    _cli("check", d)
+    out = _cli("show", d, "--step", "0", "--var", "mask")
+    assert "sees keys p-W+1..p" in out or "window" in out
+    _cli("report", d, "-o", str(tmp_path / "r.html"))
+    _cli("dump-kv", "--step", "1", d)

@@ -326,6 +326,9 @@ def run(
             raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
         if device != "cpu" or dtype.lower() not in ("float32", "fp32"):
             raise InfertraceError("--engine llama.cpp computes on llama.cpp's CPU backend; drop --device/--dtype")
+        if prefix_cache.strip().lower() != "off" or context_shift or audit_kv:
+            raise InfertraceError("--engine llama.cpp records llama.cpp's own cache as it is; drop --prefix-cache, "
+                                  "--context-shift and --audit-kv (they are this engine's serving mechanisms)")
     elif teacher_force is not None:
         raise InfertraceError("--teacher-force needs --engine llama.cpp")
     forced = forced_tokens(teacher_force) if teacher_force is not None else None

@@ -32,6 +32,16 @@ class Serving:
         self.shift_on = bool(o.context_shift)
         self.audit_on = bool(o.audit_kv)
         self.active = self.prefix_on or self.shift_on or self.audit_on
+        cfg = engine.model.cfg
+        if self.shift_on and cfg.rope_theta_swa is not None and cfg.windowed_layers and cfg.rope_theta_swa != cfg.rope_theta:
+            # K-shift re-rotates every layer by one inv_freq table; windowed layers here rotate with another base
+            raise InfertraceError(f"--context-shift is not supported for {cfg.family}: its sliding-window layers use RoPE base "
+                                  f"{cfg.rope_theta_swa:g} and the others {cfg.rope_theta:g} (K-shift per layer base not "
+                                  "implemented); drop --context-shift")
+        if self.shift_on and self.audit_on and (cfg.attn_bias or cfg.qk_norm or cfg.embed_scale is not None):
+            # the audit's layer-0 K of shifted entries is recomputed without biases / QK-norm / embedding scale
+            raise InfertraceError(f"--audit-kv with --context-shift is not supported for {cfg.family} (layer-0 K "
+                                  "recomputation covers plain Llama layers only); drop one of them")
         self.prov = Provenance()
         self.hits: dict[int, dict[str, Any]] = {}
         self.pending_ops: list[dict[str, Any]] = []  # done after the previous step (context shifts)

@@ -296,7 +296,7 @@ PHYS_CELLS = Obj({"kind": Str(choices=("cells",)), "size": Int(1, L["MAX_CTX"], 
                   "n_kv": Int(0, L["MAX_CTX"]), "cells": List(CELL)},
                  {"head": POS, "head_before": POS, "head_after": POS,
                   "seqs": Map(Obj({"cells": Range(), "pos": Range()})),
-                  "prefix_cache": Bool(), "retained": List(SEQ)})
+                  "prefix_cache": Bool(), "retained": List(SEQ), "n_swa": Int(0, L["MAX_CTX"]), "swa_layers": List(DIM)})
 PHYS_PAGED = Obj({"kind": Str(choices=("paged",)), "num_blocks": Int(1, L["MAX_BLOCKS"], limit="MAX_BLOCKS"),
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], limit="MAX_TOKENS_PER_BLOCK"),
                   "used_blocks": Int(0, L["MAX_BLOCKS"]), "free_blocks": Int(0, L["MAX_BLOCKS"]),
@@ -306,6 +306,7 @@ PHYS_PAGED = Obj({"kind": Str(choices=("paged",)), "num_blocks": Int(1, L["MAX_B
                                                                          {"ref": Int(0, L["MAX_SEQ_ID"]),
                                                                           "hash": Str(max_len=64)}))}))},
                  {"prefix_cache": Bool(), "cached_blocks": Int(0, L["MAX_BLOCKS"]),
+                  "attention_window": Map(Int(0, L["MAX_CTX"]), key_int=False),
                   "cached_free_blocks": Int(0, L["MAX_BLOCKS"])})
 
 
