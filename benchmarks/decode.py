@@ -2,7 +2,8 @@
 transformers on the same GGUF, in one run, printed with ratios; then decode beside one competing
 busy process, with torch's default thread count ("before") and infertrace's policy ("after").
 
-    python benchmarks/decode.py [--tokens 64] [--repeats 3] [--dtype float32] [--skip-hf] [--skip-load]
+    python benchmarks/decode.py [--model smollm2-135m|gemma3-270m|PATH] [--tokens 64] [--repeats 3] [--dtype float32]
+        [--skip-hf] [--skip-fp16] [--skip-load]
 
 Decode speed = generated tokens after the first / time spent after prefill. This machine's speed
 drifts by 2x within minutes, so contenders are not timed in blocks: every repeat runs each
@@ -28,8 +29,8 @@ import torch
 
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
-from infertrace.model.llama import NULL_TRACER
-from infertrace.model.weights import default_model_path
+from infertrace.model.decoder import NULL_TRACER
+from infertrace.model.registry import resolve_model
 from infertrace.runner import load_model
 from infertrace.threads import choose_threads
 from infertrace.trace.recorder import Recorder
@@ -53,10 +54,9 @@ def engine_decode_tps(loaded, n: int, trace: bool, backend: str) -> float:
 class HF:
     """HF transformers on the same GGUF (float32), loaded once."""
 
-    def __init__(self) -> None:
+    def __init__(self, p) -> None:
         import transformers
 
-        p = default_model_path()
         self.tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
                                                                        dtype=torch.float32).eval()
@@ -110,18 +110,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="engine weight dtype (float32, float16, bfloat16)")
     ap.add_argument("--backend", default="cells")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--model", default=None, help="model name (smollm2-135m, gemma3-270m) or path; default smollm2-135m")
+    ap.add_argument("--skip-fp16", action="store_true", help="do not also measure the engine in float16")
     ap.add_argument("--skip-load", action="store_true", help="skip the runs beside a busy process")
     ap.add_argument("--threads", type=int, default=None, help="threads for the first table (default: the policy)")
     a = ap.parse_args()
+    path = resolve_model(a.model)
     default_threads = torch.get_num_threads()
     choice = choose_threads(a.threads)
     torch.set_num_threads(choice.n)
     print(f"torch {torch.__version__}, default threads {default_threads}, first table on {choice.n} ({choice.reason}), "
-          f"model {default_model_path().name}, {a.tokens} decode tokens, {a.repeats} alternating repeats")
-    models = {dtype: load_model(dtype=dtype) for dtype in dict.fromkeys([a.dtype, "float16"])}
+          f"model {path.name}, {a.tokens} decode tokens, {a.repeats} alternating repeats")
+    models = {dtype: load_model(path, dtype=dtype) for dtype in dict.fromkeys([a.dtype] + ([] if a.skip_fp16 else ["float16"]))}
     for loaded in models.values():
         engine_decode_tps(loaded, 4, False, a.backend)  # warm-up
-    hf = None if a.skip_hf else HF()
+    hf = None if a.skip_hf else HF(path)
     contenders = [(f"infertrace {a.backend} {dt}, trace {'default' if tr else 'off'}", dt, tr)
                   for dt in models for tr in (False, True)]
     results: dict[str, list[float]] = {name: [] for name, _, _ in contenders}

@@ -20,3 +20,22 @@ class InfertraceError(Exception):
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
+
+
+#: exit code when the reader of stdout went away (a shell reports SIGPIPE deaths as 128 + 13)
+BROKEN_PIPE_EXIT = 141
+
+
+def quiet_broken_pipe() -> None:
+    """Handle a closed stdout (``infertrace show DIR | head -1``): point stdout at /dev/null so
+    the interpreter's final flush cannot fail again, then exit :data:`BROKEN_PIPE_EXIT` with no
+    message (what a C tool killed by SIGPIPE looks like to the shell)."""
+    import os
+    import sys
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. a test runner's buffer)
+        pass
+    raise SystemExit(BROKEN_PIPE_EXIT)

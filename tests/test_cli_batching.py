@@ -10,7 +10,7 @@ ctx 64 cells / 16 blocks of B = 4. Step 0 prefills A (pos 0..4) and B (pos 0..6)
 and 2 decode one token each. After step 2:
 
 * cells: A in cells 0..4, 12, 14 (pos 0..6); B in cells 5..11, 13, 15 (pos 0..8);
-  head 14 → 16, used 16, n_kv 32; step 2 wrote A pos 6 → cell 14, B pos 8 → cell 15.
+  head 14 → 16, used 16, n_kv 64 (min(size, 256)); step 2 wrote A pos 6 → cell 14, B pos 8 → cell 15.
 * paged: A table [0, 1] (block 0: 0..3, block 1: 4..6); B table [2, 3, 4] (2: 0..3,
   3: 4..7, 4: 8); 5 of 16 blocks used, free list [5, 6, ...]; step 2 slot mapping
   A pos 6 → 1·4 + 2 = 6, B pos 8 → 4·4 + 0 = 16.
@@ -132,16 +132,16 @@ def test_dump_kv_cells_hand_worked(dump_cells):
     text, d = dump_cells
     ph, lay = d["physical"], d["layout"]
     assert (d["step"], d["backend"], d["idle"]) == (2, "cells", False)
-    assert (ph["size"], ph["used"], ph["head_before"], ph["head_after"], ph["n_kv"]) == (64, 16, 14, 16, 32)
+    assert (ph["size"], ph["used"], ph["head_before"], ph["head_after"], ph["n_kv"]) == (64, 16, 14, 16, 64)
     assert ph["seqs"] == {"0": {"cells": "0..4,12,14", "pos": "0..6"}, "1": {"cells": "5..11,13,15", "pos": "0..8"}}
     assert [(s["cells"], s["seq_ids"], s["pos"]) for s in lay["stretches"]] == [
         ("0..4", [0], "0..4"), ("5..11", [1], "0..6"), ("12", [0], "5"), ("13", [1], "7"), ("14", [0], "6"),
         ("15", [1], "8"), ("16..63", [], None)]
-    assert lay["map"] == "0000011111110101" + "." * 16
+    assert lay["map"] == "0000011111110101" + "." * 48  # the n_kv = 64 cells the graph reads
     assert d["writes"] == [{"seq_id": 0, "pos": [6], "cells": [14]}, {"seq_id": 1, "pos": [8], "cells": [15]}]
     assert d["physical_shape"] == [64, 3, 64]
     flat = _flat(text)
-    assert "head 14 → 16" in flat and "used 16" in flat and "n_kv 32" in flat
+    assert "head 14 → 16" in flat and "used 16" in flat and "n_kv 64" in flat
     assert "0..4 0 0..4" in flat and "5..11 1 0..6" in flat and "16..63 empty - (48 cells)" in flat
     assert "00000111 11110101 ........ ........" in text
     # the renderer is a pure function of the dict: the JSON renders like the live text

@@ -38,11 +38,12 @@ def test_cells_kq_mask_worked_example():
     kv = CellsKV(1, 1, 4, size=64)
     inp = kv.prepare([ChunkSpec(0, 0, 3)])
     m = inp.extra["kq_mask"]
-    assert list(m.shape) == [1, 1, 64, 32]  # ne = [n_kv=32, n_tokens_pad=64, 1, 1]
+    # as llama.cpp builds it (measured by --engine llama.cpp): n_kv = min(size, pad(used, 256)) = 64,
+    # rows = n_tokens (no GGML_KQ_MASK_PAD any more)
+    assert list(m.shape) == [1, 1, 3, 64]  # ne = [n_kv=64, n_tokens=3, 1, 1]
     keep = (m[0, 0, :3, :3] == 0).int().tolist()
     assert keep == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
     assert bool((m[0, 0, :3, 3:] == float("-inf")).all())  # empty cells dropped
-    assert bool((m[0, 0, 3:] == float("-inf")).all())  # padded rows
     inp = kv.prepare([ChunkSpec(0, 3, 1)])
     assert (inp.extra["kq_mask"][0, 0, 0, :5] == 0).int().tolist() == [1, 1, 1, 1, 0]
     assert inp.extra["cell_idx"].tolist() == [3] and kv.head == 4

@@ -1,5 +1,5 @@
 """Commands that do not compute stay light: ``--help``, ``inspect``, ``show``, ``report``,
-``diff`` and ``dump-kv DIR`` run in a fresh interpreter without importing torch or the engine
+``diff``, ``dump-kv DIR`` and ``check`` run in a fresh interpreter without importing torch or the engine
 (checked in ``sys.modules`` after the command, so the property cannot silently regress), and
 saved tensors read through numpy equal what torch reads from the same file.
 """
@@ -75,7 +75,8 @@ def test_help_imports_neither_torch_nor_numpy(tmp_path):
     ("dump-kv", "--step", "1", "{d}", "--layer", "0", "--head", "1"),  # values from the saved tensors
     ("inspect",),
     ("inspect", "--json"),
-], ids=["show", "report", "diff", "dump-kv", "dump-kv-values", "inspect", "inspect-json"])
+    ("check", "{d}"),
+], ids=["show", "report", "diff", "dump-kv", "dump-kv-values", "inspect", "inspect-json", "check"])
 def test_commands_that_do_not_compute_import_no_torch(saved_trace, tmp_path, argv):
     args = [a.format(d=saved_trace, tmp=tmp_path) for a in argv]
     r = probe(tmp_path, *args)

@@ -93,11 +93,11 @@ def make_batch(reqs, n_kv_heads, group, head_dim, tpb, dtype=torch.float32, devi
     return tuple(map(to, (q, pool, bt, seq_lens, kv_lens, cu, k_new, v_new, slots)))
 
 
-def check(reqs, n_kv_heads, group, head_dim, tpb, num_splits=None, atol=2e-5, seed=0, **kw):
+def check(reqs, n_kv_heads, group, head_dim, tpb, num_splits=None, atol=2e-5, seed=0, window=0, **kw):
     q, pool, bt, sl, kl, cu, *_ = make_batch(reqs, n_kv_heads, group, head_dim, tpb, seed=seed, **kw)
     scale = head_dim**-0.5
-    ref = paged_attention_torch(q, pool, bt, sl, kl, cu, scale)  # [N, H, hd]
-    out = tp.paged_attention_triton(q, pool, bt, sl, kl, cu, scale, num_splits=num_splits)  # [N, H, hd]
+    ref = paged_attention_torch(q, pool, bt, sl, kl, cu, scale, window)  # [N, H, hd]
+    out = tp.paged_attention_triton(q, pool, bt, sl, kl, cu, scale, num_splits=num_splits, window=window)  # [N, H, hd]
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(out, ref, atol=atol, rtol=1e-4)
     return out
@@ -113,6 +113,27 @@ MIXED = [(0, 5), (B - 2, 1), (B - 1, 1), (B, 1), (2 * B - 1, 1), (0, 1), (37, 9)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_mixed_batch_gqa_head_dims(group, head_dim):
     check(MIXED, 2, group, head_dim, B)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 17, 40])
+def test_sliding_window_matches_torch_twin(window):
+    """Left window W: query at p sees keys p-W+1..p, in prefill tiles (rows of one tile with
+    different window starts), prefill chunks with a cached prefix, and split decode."""
+    check(MIXED, 2, 2, 32, 16, num_splits=3, window=window)
+
+
+def test_sliding_window_twin_against_dense_mask():
+    """The torch twin's window equals an explicit dense mask (keys p-W+1..p)."""
+    q, pool, bt, sl, kl, cu, *_ = make_batch([(6, 4)], 1, 1, 16, 4, seed=3)
+    W = 3
+    out = paged_attention_torch(q, pool, bt, sl, kl, cu, 0.25, W)  # [4, 1, 16]
+    blocks = bt[0, :3].long()
+    k = pool[blocks, 0, 0].reshape(-1, 16)[:10]  # [10, 16] logical keys 0..9
+    v = pool[blocks, 1, 0].reshape(-1, 16)[:10]
+    for j, p in enumerate(range(6, 10)):
+        keys = torch.arange(p - W + 1, p + 1)
+        w = torch.softmax((q[j, 0] @ k[keys].T) * 0.25, -1)
+        torch.testing.assert_close(out[j, 0], w @ v[keys], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16])

@@ -76,6 +76,7 @@ def paged_attention_torch(
     kv_lens: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Varlen causal attention read from a paged KV pool through block tables.
 
@@ -88,6 +89,8 @@ def paged_attention_torch(
         kv_lens: ``[num_seqs]`` int32, visible KV length C + T of each request.
         cu_seqlens: ``[num_seqs + 1]`` int32, prefix sums of ``seq_lens``.
         scale: softmax scale.
+        window: sliding window W, 0 = none: the query at position p sees keys p-W+1..p
+            (HF ``sliding_window``; TensorRT-LLM ``attention_window_size``; vLLM ``sliding_window``).
 
     Returns:
         ``[N, n_head, head_dim]``, dtype of ``q``.
@@ -119,7 +122,10 @@ def paged_attention_torch(
     scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [S, kvh, g*T, L]
     # causal rule from the lengths: query t of request i sits at kv_len - T + t and sees keys 0..that
     qpos = (kv_lens.long().to(dev) - seq_lens.long().to(dev)).unsqueeze(1) + t_idx.unsqueeze(0)  # [S, T_max]
-    keep = torch.arange(L_max, device=dev).view(1, 1, L_max) <= qpos.unsqueeze(2)  # [S, T_max, L]
+    keys = torch.arange(L_max, device=dev).view(1, 1, L_max)  # [1, 1, L]
+    keep = keys <= qpos.unsqueeze(2)  # [S, T_max, L]
+    if window > 0:
+        keep &= keys > qpos.unsqueeze(2) - window  # [S, T_max, L] sliding window
     keep &= valid_q.unsqueeze(2)
     scores = scores.view(S, n_kv_heads, group, T_max, L_max).masked_fill(~keep.view(S, 1, 1, T_max, L_max), float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)  # [S, kvh, g, T, L]

@@ -77,12 +77,14 @@ def paged_attention(
     kv_lens: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Paged attention by the resolved implementation; arguments and result as
-    :func:`~infertrace.attention.reference.paged_attention_torch` (``[N, n_head, head_dim]``)."""
+    """Paged attention by the resolved implementation; arguments (``window``: sliding window W,
+    0 = none) and result as :func:`~infertrace.attention.reference.paged_attention_torch`
+    (``[N, n_head, head_dim]``)."""
     if _check_impl(impl) == "triton":
-        return paged_attention_triton(q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens, scale)
-    return paged_attention_torch(q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens, scale)
+        return paged_attention_triton(q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens, scale, window=window)
+    return paged_attention_torch(q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens, scale, window)
 
 
 def write_kv_paged(

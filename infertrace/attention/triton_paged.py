@@ -149,7 +149,7 @@ def _kernels() -> dict[str, Any]:
     @triton.jit
     def _prefill(
         q_ptr, pool_ptr, bt_ptr, seq_lens_ptr, kv_lens_ptr, cu_ptr, out_ptr,
-        qk_scale, num_seqs,
+        qk_scale, num_seqs, window,
         s_qn, s_qh, s_on, s_oh,
         s_blk, s_kv, s_h, s_t, s_bt,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
@@ -199,6 +199,12 @@ def _kernels() -> dict[str, Any]:
         # Tiles whose keys all lie at or before the tile's first query position: no mask.
         first_qpos = L - T + q_tile * BLOCK_Q
         n_free = (first_qpos + 1) // TILE_N
+        # Sliding window W (0 = none): query at p sees keys p-W+1..p. Tiles wholly left of the
+        # first row's window are skipped; the rest go through the masked loop.
+        m_lo = n_free
+        if window > 0:
+            m_lo = tl.maximum(first_qpos - window + 1, 0) // TILE_N
+            n_free = 0
         # Keys up to the tile's last query position (inclusive).
         kv_end = L - T + tl.minimum((q_tile + 1) * BLOCK_Q, T)
         n_all = (kv_end + TILE_N - 1) // TILE_N
@@ -217,7 +223,7 @@ def _kernels() -> dict[str, Any]:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)  # [BLOCK_M, D_PAD]
             m_i = m_new
 
-        for t in range(n_free, n_all):
+        for t in range(m_lo, n_all):
             tok = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
             tmask = tok < kv_end  # [TILE_N]
             page = tl.load(bt_row + tok // TPB, mask=tmask, other=0).to(tl.int64)  # [TILE_N]
@@ -226,22 +232,24 @@ def _kernels() -> dict[str, Any]:
             v = tl.load(base[:, None] + s_kv + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)  # [TILE_N, D_PAD]
             s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, TILE_N]
             visible = tmask[None, :] & (tok[None, :] <= qpos[:, None])  # [BLOCK_M, TILE_N]
+            visible = visible & ((window <= 0) | (tok[None, :] > qpos[:, None] - window))  # [BLOCK_M, TILE_N]
             s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, TILE_N]
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))  # [BLOCK_M] finite: key 0 was seen in tile 0
-            alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
-            p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))  # [BLOCK_M] -inf while a windowed row has seen nothing
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # [BLOCK_M] no (-inf) - (-inf)
+            alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+            p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, TILE_N] 0 where masked
             l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)  # [BLOCK_M, D_PAD]
             m_i = m_new
 
-        o = acc / l_i[:, None]  # [BLOCK_M, D_PAD]
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # [BLOCK_M, D_PAD] padding rows may have seen nothing
         o_ptrs = out_ptr + q_rows[:, None] * s_on + head[:, None] * s_oh + d[None, :]  # [BLOCK_M, D_PAD]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
 
     @triton.jit
     def _decode(
         q_ptr, pool_ptr, bt_ptr, seq_lens_ptr, kv_lens_ptr, cu_ptr, out_ptr, po_ptr, plse_ptr,
-        qk_scale, num_splits,
+        qk_scale, num_splits, window,
         s_qn, s_qh, s_on, s_oh,
         s_blk, s_kv, s_h, s_t, s_bt,
         s_po_seq, s_po_head, s_po_split, s_pl_seq, s_pl_head,
@@ -266,8 +274,11 @@ def _kernels() -> dict[str, Any]:
         q = tl.load(q_ptr + row * s_qn + head[:, None] * s_qh + d[None, :], mask=qmask, other=0.0)  # [BLOCK_M, D_PAD]
 
         n_tiles = (L + TILE_N - 1) // TILE_N
-        per_split = (n_tiles + num_splits - 1) // num_splits
-        t_begin = split * per_split
+        # Sliding window W (0 = none): the query at L-1 sees keys L-W..L-1; splits share those tiles.
+        lo_key = tl.maximum(L - window, 0) if window > 0 else 0
+        t_first = lo_key // TILE_N
+        per_split = (n_tiles - t_first + num_splits - 1) // num_splits
+        t_begin = t_first + split * per_split
         t_end = tl.minimum(t_begin + per_split, n_tiles)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [BLOCK_M]
@@ -277,14 +288,14 @@ def _kernels() -> dict[str, Any]:
         head_off = kvh.to(tl.int64) * s_h
         for t in range(t_begin, t_end):
             tok = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
-            tmask = tok < L  # [TILE_N]
+            tmask = (tok < L) & (tok >= lo_key)  # [TILE_N]
             page = tl.load(bt_row + tok // TPB, mask=tmask, other=0).to(tl.int64)  # [TILE_N]
             base = pool_ptr + page * s_blk + head_off + (tok % TPB) * s_t  # [TILE_N]
             kt = tl.load(base[None, :] + d[:, None], mask=dmask[:, None] & tmask[None, :], other=0.0)  # [D_PAD, TILE_N]
             v = tl.load(base[:, None] + s_kv + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)  # [TILE_N, D_PAD]
             s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, TILE_N]
             s = tl.where(tmask[None, :], s, float("-inf"))  # [BLOCK_M, TILE_N]
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))  # [BLOCK_M] finite: key t_begin*TILE_N < L
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))  # [BLOCK_M] finite: tile t_begin holds a key in lo_key..L-1
             alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
             p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
             l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
@@ -502,6 +513,7 @@ def paged_attention_triton(
     scale: float,
     *,
     num_splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Varlen causal attention read from a paged KV pool through block tables (Triton).
 
@@ -522,6 +534,9 @@ def paged_attention_triton(
         scale: softmax scale.
         num_splits: decode KV splits per (request, KV head); default
             :func:`choose_num_splits`. Tests force it to exercise the reduce.
+        window: sliding window W (0 = full causal): the query at position p sees keys
+            p-W+1..p (HF ``sliding_window``, llama.cpp ``n_swa``); tiles left of every
+            row's window are not read.
 
     Returns:
         ``[N, n_head, head_dim]``, dtype of ``q``; softmax and accumulation in fp32.
@@ -590,7 +605,7 @@ def paged_attention_triton(
         part_lse = torch.empty((1, 1, 1), device=q.device, dtype=torch.float32)  # unused
     kern["decode"][(num_seqs, n_kv_heads, num_splits)](
         q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens, out, part_o, part_lse,
-        qk_scale, num_splits,
+        qk_scale, num_splits, int(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), bt_stride,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -617,7 +632,7 @@ def paged_attention_triton(
         grid = (n // block_q + num_seqs, n_kv_heads)
         kern["prefill"][grid](
             q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens, out,
-            qk_scale, num_seqs,
+            qk_scale, num_seqs, int(window),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), bt_stride,
             HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,

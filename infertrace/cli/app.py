@@ -1,10 +1,12 @@
 """The ``infertrace`` Typer app: global options, command registration and error policy.
 
 Error policy (fastapi-cli style, design.md): a user error (:class:`InfertraceError`) prints
-one line ``error: <message>`` to stderr and exits with its ``exit_code`` (2); anything
+one line ``error: <message>`` to stderr (control characters made visible,
+:func:`infertrace.safe_text.visible`) and exits with its ``exit_code`` (2); anything
 unexpected prints ``error: internal error: <Type>: <msg> (rerun with --debug ...)`` and exits 1.
 ``--debug`` prints the traceback first (same exit codes). Typer/click usage errors keep
-their own message and exit code 2.
+their own message and exit code 2. A closed stdout (``infertrace show DIR | head``) ends the
+command quietly with exit code 141, as a tool killed by SIGPIPE (no traceback, no message).
 
 The policy lives in :func:`cli_errors`, which wraps every command, so it holds both for the
 console script (:func:`main`) and for ``typer.testing.CliRunner`` invoking :data:`app`.
@@ -19,8 +21,9 @@ import typer
 
 from infertrace.cli import inspect_cmd, run
 from infertrace.cli import diff_backends, dump_kv
-from infertrace.cli import diff_cmd, report_cmd, show
-from infertrace.errors import InfertraceError
+from infertrace.cli import check_cmd, diff_cmd, report_cmd, show
+from infertrace.errors import InfertraceError, quiet_broken_pipe
+from infertrace.safe_text import visible
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -55,10 +58,10 @@ def report_error(exc: BaseException, debug: bool) -> int:
         exc.__suppress_context__ = False  # show the low-level cause a user error was raised from
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     if isinstance(exc, InfertraceError):
-        typer.echo(f"error: {_one_line(exc.message)}", err=True)
+        typer.echo(f"error: {_one_line(visible(exc.message))}", err=True)
         return exc.exit_code
     hint = "" if debug else " (rerun with --debug for the traceback)"
-    typer.echo(f"error: internal error: {type(exc).__name__}: {_one_line(str(exc))}{hint}", err=True)
+    typer.echo(f"error: internal error: {type(exc).__name__}: {_one_line(visible(str(exc)))}{hint}", err=True)
     return 1
 
 
@@ -72,6 +75,8 @@ def cli_errors(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except BrokenPipeError:  # stdout closed by its reader (| head): quiet, exit 141
+            quiet_broken_pipe()
         except Exception as e:  # noqa: BLE001 - the CLI's single error boundary
             if _is_cli_control(e):
                 raise
@@ -96,12 +101,15 @@ app.command("diff-backends", help=diff_backends.HELP, no_args_is_help=True)(cli_
 app.command("show", help=show.HELP, no_args_is_help=True)(cli_errors(show.show))
 app.command("diff", help=diff_cmd.HELP, no_args_is_help=True)(cli_errors(diff_cmd.diff))
 app.command("report", help=report_cmd.HELP, no_args_is_help=True)(cli_errors(report_cmd.report))
+app.command("check", help=check_cmd.HELP, no_args_is_help=True)(cli_errors(check_cmd.check))
 
 
 def main() -> None:
     """Console-script entry point (``infertrace``): runs :data:`app` and exits with its code."""
     try:
         app(prog_name="infertrace")
+    except BrokenPipeError:
+        quiet_broken_pipe()
     except Exception as e:  # noqa: BLE001 - errors raised outside a command (e.g. while parsing)
         if _is_cli_control(e):
             raise

@@ -18,12 +18,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from infertrace.engine.options import SamplingParams
 from infertrace.errors import InfertraceError
+from infertrace.safe_text import SafeConsole
 from infertrace.trace.records import VARIABLES
 
 if TYPE_CHECKING:
     from infertrace.runner import Loaded, PromptSpec
 
 BACKENDS = ("cells", "paged")
+ENGINES = ("infertrace", "llama.cpp")
 ATTENTION = ("torch", "triton", "auto")
 DEVICES = ("cpu", "cuda")
 
@@ -46,19 +48,19 @@ MIN_WIDTH = 120
 def stdout_console() -> Console:
     """Console for the report: the terminal's width but at least :data:`MIN_WIDTH` columns, or
     exactly 120 when piped (unless COLUMNS is set)."""
-    c = Console(highlight=False)
+    c = SafeConsole(highlight=False)
     if not c.is_terminal and "COLUMNS" not in os.environ:
-        return Console(highlight=False, width=120)
+        return SafeConsole(highlight=False, width=120)
     if c.width < MIN_WIDTH:
-        return Console(highlight=False, width=MIN_WIDTH)
+        return SafeConsole(highlight=False, width=MIN_WIDTH)
     return c
 
 
 def progress_display(enabled: bool) -> Progress:
     """Transient progress on stderr; disabled (prints nothing) when ``enabled`` is False or
     stderr is not a terminal."""
-    err = Console(stderr=True)
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    err = SafeConsole(stderr=True)  # descriptions hold file and tensor names: no markup, no raw control bytes
+    return Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=err, transient=True, disable=not (enabled and err.is_terminal))
 
 
@@ -75,14 +77,16 @@ def load_with_progress(model: Optional[Path], dtype: str, device: str, progress:
     Raises:
         InfertraceError: as :func:`load_model`; ``threads`` < 1.
     """
-    from infertrace.model.weights import default_model_path
+    from infertrace.model.registry import resolve_model
     from infertrace.runner import load_model
     from infertrace.threads import apply_threads, choose_threads
 
     check_min("--threads", threads, 1)
     apply_threads(choose_threads(threads))
 
-    path = Path(model) if model is not None else default_model_path()
+    asm = progress.add_task("preparing model", total=None)
+    path = resolve_model(model, lambda d, n, label: progress.update(asm, completed=d, total=n, description=label))
+    progress.remove_task(asm)
     key = None
     if path.exists():
         st = path.stat()
@@ -162,8 +166,16 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
     Raises:
         InfertraceError: unreadable file, or a malformed line (message names the line number).
     """
+    from infertrace.model.limits import MAX_PROMPTS_FILE_BYTES
+
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with open(path, "rb") as fh:  # a pipe (--prompts <(cmd)) is fine; /dev/zero or a huge file stops at the limit
+            data = fh.read(MAX_PROMPTS_FILE_BYTES + 1)
+        if len(data) > MAX_PROMPTS_FILE_BYTES:
+            raise InfertraceError(f"--prompts {path} is over the limit of {MAX_PROMPTS_FILE_BYTES} bytes")
+        lines = data.decode("utf-8").splitlines()
+    except IsADirectoryError:
+        raise InfertraceError(f"--prompts {path} is a directory; pass a JSONL file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise InfertraceError(f"cannot read --prompts {path}: {e.strerror if isinstance(e, OSError) else e}") from None
     from infertrace.runner import PromptSpec
@@ -177,6 +189,8 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise InfertraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except (RecursionError, ValueError):  # nesting past the recursion limit; integers over 4300 digits
+            raise InfertraceError(f"{where}: not valid JSON (nested too deeply or a number too long)") from None
         if not isinstance(obj, dict):
             raise InfertraceError(f"{where}: expected a JSON object like {{\"prompt\": \"...\"}}")
         unknown = sorted(set(obj) - set(PROMPT_KEYS))

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from infertrace.safe_text import json_text, visible
 from infertrace.errors import InfertraceError
 from infertrace.trace.diff import DEFAULT_ATOL, DEFAULT_RTOL, diff_traces, format_diff
 from infertrace.trace.store import load_tensors, read_manifest
@@ -34,14 +35,27 @@ def diff(
     ma, mb = read_manifest(a), read_manifest(b)
     ta = load_tensors(a, ma) if tensors else None
     tb = load_tensors(b, mb) if tensors else None
-    res = diff_traces(ma, mb, atol, rtol, ta, tb, ignore=ignore or ())
+    cross = None
+    if ma.get("engine", "infertrace") != mb.get("engine", "infertrace"):  # e.g. --engine llama.cpp vs cells
+        from infertrace.trace.engine_diff import cross_engine_diff
+
+        res, cross = cross_engine_diff(ma, mb, tuple(ignore or ()))
+    else:
+        res = diff_traces(ma, mb, atol, rtol, ta, tb, ignore=ignore or ())
+    if cross is not None and not as_json:
+        from infertrace.trace.render_llamacpp import cross_engine_lines
+
+        for line in cross_engine_lines(res, cross):
+            typer.echo(line)
     if as_json:
         out = {"equal": res.equal, "count": res.count, "atol": atol, "rtol": rtol, "tensors": res.tensors_note,
                "first": None if res.first is None else
                {k: v for k, v in asdict(res.first).items() if k not in ("context_a", "context_b")}}
-        typer.echo(json.dumps(out, ensure_ascii=False, default=str))
+        if cross is not None:
+            out["cross_engine"] = cross
+        typer.echo(json_text(out, default=str))
     else:
         for line in format_diff(res, ma, mb, str(a), str(b)):
-            typer.echo(line)
+            typer.echo(visible(line))  # paths and values come from the files
     if not res.equal:
         raise typer.Exit(1)

@@ -6,12 +6,12 @@ Thin: validate options (as ``run``), load the model, call
 :func:`infertrace.trace.render_kv.render_kv_dump` or as JSON.
 """
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from infertrace.safe_text import json_text
 from infertrace.cli import run_options as o
 from infertrace.cli.common import check_min, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
@@ -53,6 +53,11 @@ def dump_kv(
     dtype: o.Dtype = "float32",
     device: o.Device = "cpu",
     threads: o.Threads = None,
+    prefix_cache: o.PrefixCache = "off",
+    context_shift: o.ContextShift = False,
+    n_keep: o.NKeep = 0,
+    n_discard: o.NDiscard = 0,
+    audit_kv: o.AuditKv = False,
 ) -> None:
     """Every user error is one ``error:`` line, exit 2 (including a step out of range)."""
     if step < 0:
@@ -70,20 +75,22 @@ def dump_kv(
         if prompt or prompts:
             raise InfertraceError("--prompt/--prompts are for a live run; the saved trace DIR already holds its prompts")
         d = dump_saved(trace_dir, step, layer=layer, head=head, positions=pos, full=full)
-        return typer.echo(json.dumps(d, ensure_ascii=False)) if as_json else render_kv_dump(stdout_console(), d)
+        return typer.echo(json_text(d)) if as_json else render_kv_dump(stdout_console(), d)
     check_min("--threads", threads, 1)
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device)
+        attention=attention, dtype=dtype, device=device,
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress, threads)
+        o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task(f"running to step {step}", total=None)
         d = dump_kv_at_step(loaded, specs, opts, step, layer=layer, head=head, positions=pos, full=full)
     if as_json:
-        typer.echo(json.dumps(d, ensure_ascii=False))
+        typer.echo(json_text(d))
         return
     from infertrace.trace.render_kv import render_kv_dump
 

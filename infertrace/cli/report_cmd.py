@@ -4,12 +4,15 @@ Thin: :func:`infertrace.trace.store.load_trace`, then
 :func:`infertrace.trace.report.build_report`, written to ``-o`` (default ``DIR/report.html``).
 """
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from infertrace.errors import InfertraceError
+from infertrace.safe_io import write_file_atomic
+from infertrace.safe_text import visible
 from infertrace.trace.store import load_saved
 
 HELP = ("Write one self-contained HTML page (inline CSS/JS/SVG, no network) for a saved trace: the worked-example "
@@ -27,19 +30,37 @@ def report(
 
     trace, _ = load_saved(trace_dir)  # a broken tensors file is reported too
     out = output if output is not None else Path(trace_dir) / "report.html"
-    trace_files = {(Path(trace_dir) / n).resolve() for n in ("trace.json", "tensors.safetensors", "timing.json")}
-    if out.resolve() in trace_files:
-        raise InfertraceError(f"-o {out} is a file of the trace itself; write the report somewhere else")
+    shown = visible(str(out))
+    if _is_trace_file(out, Path(trace_dir)):
+        raise InfertraceError(f"-o {shown} is a file of the trace itself; write the report somewhere else")
     if out.is_dir():
-        raise InfertraceError(f"-o {out} is a directory; give a file name such as {out / 'report.html'}")
-    if out.exists() and not force:
-        raise InfertraceError(f"{out} exists; pass --force to replace it or choose another -o")
+        raise InfertraceError(f"-o {shown} is a directory; give a file name such as {visible(str(out / 'report.html'))}")
+    if os.path.lexists(out) and not force:
+        raise InfertraceError(f"{shown} exists; pass --force to replace it or choose another -o")
     try:
         html = build_report(trace, source=str(trace_dir))
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-        raise InfertraceError(f"{trace_dir}: malformed record, cannot build the report ({type(e).__name__}: {e})") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, ZeroDivisionError) as e:
+        raise InfertraceError(f"{visible(str(trace_dir))}: malformed record, cannot build the report "
+                              f"({type(e).__name__}: {visible(str(e))[:200]})") from None
+    data = html.encode("utf-8")
     try:
-        out.write_text(html, encoding="utf-8")
+        # temp file O_EXCL|O_NOFOLLOW in out's directory, then os.replace: a symlink planted at the
+        # temp name or at out is never followed, a reader never sees half a page
+        write_file_atomic(out, data)
     except OSError as e:
-        raise InfertraceError(f"cannot write {out}: {e.strerror or e}") from None
-    typer.echo(f"wrote {out} ({len(html.encode()) / 1e3:.1f} kB, {len(trace.steps)} steps)")
+        raise InfertraceError(f"cannot write {shown}: {e.strerror or e}") from None
+    typer.echo(f"wrote {shown} ({len(data) / 1e3:.1f} kB, {len(trace.steps)} steps)")
+
+
+def _is_trace_file(out: Path, trace_dir: Path) -> bool:
+    """True when ``out`` is (by inode, through any link or path spelling) one of the trace's files."""
+    for name in ("trace.json", "tensors.safetensors", "timing.json"):
+        f = trace_dir / name
+        try:
+            if os.path.exists(out) and os.path.exists(f) and os.path.samefile(out, f):
+                return True
+        except OSError:
+            pass
+        if os.path.abspath(out) == os.path.abspath(f):  # not there yet: still the trace's own name
+            return True
+    return False

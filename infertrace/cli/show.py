@@ -26,7 +26,7 @@ def render_saved(trace: RunTrace, where: str, show: tuple[str, ...], steps: Opti
 
     try:
         render_run(stdout_console(), trace, show=show, steps=steps)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, ZeroDivisionError) as e:
         raise InfertraceError(f"{where}: malformed record, cannot render it ({type(e).__name__}: {e})") from None
 
 

@@ -1,5 +1,6 @@
-"""``diff-backends --against hf|llama.cpp``: our engine (one backend, continuous batching) against an
-independent implementation recomputing each request alone with its own cache.
+"""``diff-backends --against hf``: our engine (one backend, continuous batching) against HF transformers
+recomputing each request alone with its own cache. (``--against llama.cpp`` is
+:mod:`infertrace.engine.llamacpp_compare`: llama.cpp on the same schedule, its graph inputs captured.)
 
 Our run records, per step, the logits row of every request that samples (its context length
 ``L = C + T`` at that step). The reference is fed the same token sequence (prompt + our
@@ -11,11 +12,7 @@ References:
 * ``hf``: HF transformers ``AutoModelForCausalLM`` on the same checkpoint (GGUF via
   ``gguf_file=``, dequantised to float32), prompt then one token at a time with its
   ``past_key_values`` (HF ``DynamicCache``).
-* ``llama.cpp``: llama-cpp-python ``Llama(model_path, n_ctx, logits_all=True, verbose=False)``,
-  ``reset()`` + ``eval(tokens)``, logits from ``scores`` (llama.cpp computes with the quantised
-  weights, so expect larger differences).
-
-Both are optional: a missing package is a one-line error naming the extra to install.
+transformers is optional: a missing package is a one-line error naming the extra to install.
 """
 
 from __future__ import annotations
@@ -32,8 +29,8 @@ from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.errors import InfertraceError
 
 #: default tolerance on logits per reference (ours is float32 on dequantised weights)
-ATOL = {"hf": 1e-3, "llama.cpp": 1.0}
-AGAINST = ("hf", "llama.cpp")
+ATOL = {"hf": 1e-3}
+AGAINST = ("hf",)
 
 Reference = Callable[[list[int], int], torch.Tensor]  # (token ids [L], prompt length) -> logits [L, V] float32
 
@@ -129,34 +126,6 @@ def _load_hf(transformers: Any, p: Path) -> Any:
     return model.eval()
 
 
-def llamacpp_reference(path: Path, n_ctx: int) -> Reference:
-    """llama.cpp through llama-cpp-python on the GGUF ``path`` (quantised compute, CPU).
-
-    Raises:
-        InfertraceError: llama-cpp-python missing (``pip install 'infertrace[llamacpp]'``) or a
-            non-GGUF model.
-    """
-    try:
-        import llama_cpp
-    except ImportError:
-        raise InfertraceError("--against llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'") from None
-    p = Path(path)
-    if not p.is_file() or p.suffix.lower() != ".gguf":
-        raise InfertraceError(f"--against llama.cpp needs a GGUF file; {p.name} is not one")
-    n_ctx = max(64, -(-n_ctx // 64) * 64)
-    llm = llama_cpp.Llama(model_path=str(p), n_ctx=n_ctx, logits_all=True, verbose=False)
-
-    def logits(ids: list[int], n_prompt: int) -> torch.Tensor:
-        llm.reset()
-        llm.eval(ids)
-        scores = getattr(llm, "_scores", None)  # = scores[:n_tokens] (logits_all keeps every row)
-        if scores is None:
-            scores = llm.scores[: len(ids)]
-        return torch.tensor(scores[: len(ids)], dtype=torch.float32)  # [L, V]
-
-    return logits
-
-
 def compare_with_reference(loaded: Any, prompts: list[Any], opts: EngineOptions, against: str,
                            atol: float | None = None) -> dict[str, Any]:
     """Run our engine (``opts.backend``) on all requests, then check every sampled row against
@@ -180,8 +149,7 @@ def compare_with_reference(loaded: Any, prompts: list[Any], opts: EngineOptions,
     for s in prompts:
         eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
     eng.run()
-    longest = max(len(r.all_ids) for r in eng.requests.values())
-    ref = hf_reference(loaded.ckpt.path) if against == "hf" else llamacpp_reference(loaded.ckpt.path, longest + 1)
+    ref = hf_reference(loaded.ckpt.path)
     ref_logits = {}
     for sid, r in sorted(eng.requests.items()):
         ids = r.all_ids[:-1] if r.output_ids else r.all_ids  # the last sampled token is never fed back

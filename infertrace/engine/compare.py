@@ -214,7 +214,8 @@ def diff_backends(loaded: Any, prompts: list[Any], opts: EngineOptions, atol: fl
     atol = ATOL.get(dtype, 1e-4) if atol is None else atol
     engines, caps = [], []
     for be in backends:
-        o = replace(opts, backend=be, attention=opts.attention if be == "paged" else "torch")
+        o = replace(opts, backend=be, attention=opts.attention if be == "paged" else "torch",
+                    sampler_order=opts.sampler_order or "hf")  # one order for both: the caches are compared
         cap = StepCapture()
         e = Engine(loaded.model, loaded.tokenizer, o, cap)
         for s in prompts:

@@ -15,13 +15,14 @@ import torch
 
 from infertrace.engine.options import EngineOptions  # noqa: F401 - torch-free home; re-exported
 from infertrace.engine.request import Request
-from infertrace.engine.sampler import SampleResult, SamplingParams, sample
+from infertrace.engine.sampler import SampleResult, SamplingParams, default_order, sample
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
+from infertrace.engine.serving import Serving
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
-from infertrace.kv.paged import PagedKV
-from infertrace.model.llama import NULL_TRACER, LlamaModel
+from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
+from infertrace.model.decoder import NULL_TRACER, DecoderModel
 
 
 #: idle steps (waiting for an arrival) recorded one by one; a longer wait is skipped in one jump.
@@ -39,6 +40,9 @@ class StepContext:
         logits: ``[M, V]`` float, rows ``logits_rows`` of the packed batch (None when idle).
         samples: ``{seq_id: SampleResult}``. finished: ``{seq_id: stop reason}``.
         requests: every request the engine holds, by seq_id. time_ms: wall time of the step.
+        sampler_order: ``hf`` or ``llama.cpp`` (the run's order; shown only for sampled rows).
+        serving: the step's serving record (prefix lookups, context shifts, evictions, audit;
+        engine/serving.py) or None.
 
     ``ctx["step"]`` and ``ctx.get("time_ms")`` still work, for tracers written against the
     dict this replaced.
@@ -55,6 +59,8 @@ class StepContext:
     finished: dict[int, str]
     requests: dict[int, Request]
     time_ms: float = 0.0
+    sampler_order: str | None = None
+    serving: dict[str, Any] | None = None
 
     def __getitem__(self, key: str) -> Any:
         try:
@@ -66,7 +72,7 @@ class StepContext:
         return getattr(self, key, default)
 
 
-def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
+def make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
     """Build the KV backend named by ``opts.backend``.
 
     Raises:
@@ -75,6 +81,9 @@ def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
     cfg = model.cfg
     if opts.ctx_size < 1:
         raise InfertraceError("--ctx-size must be >= 1")
+    from infertrace.kv.budget import check_kv_budget
+
+    check_kv_budget(cfg, opts, model.dtype, model.device)  # refuse before allocating, with the size and the limit
     try:
         return _make_kv(model, opts, attn_impl)
     except (RuntimeError, OverflowError, MemoryError, TypeError) as e:
@@ -85,13 +94,17 @@ def make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
         ) from None
 
 
-def _make_kv(model: LlamaModel, opts: EngineOptions, attn_impl: str):
+def _make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
     cfg = model.cfg
+    windows = [cfg.layer_window(i) for i in range(cfg.n_layer)]  # 0 = full attention
     if opts.backend == "cells":
-        return CellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device)
+        cls = CachingCellsKV if opts.prefix_cache else CellsKV
+        return cls(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device,
+                   windows=windows)
     if opts.backend == "paged":
         nb = opts.num_blocks if opts.num_blocks is not None else -(-opts.ctx_size // opts.tokens_per_block)
-        return PagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device, attn_impl)
+        return SharedPagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device,
+                             attn_impl, caching=opts.prefix_cache, windows=windows)
     raise InfertraceError(f"unknown backend {opts.backend!r}; use cells or paged")
 
 
@@ -99,13 +112,13 @@ class Engine:
     """Runs requests to completion over one model and one KV backend.
 
     Args:
-        model: :class:`LlamaModel`.
+        model: :class:`DecoderModel`.
         tokenizer: for EOG ids.
         opts: :class:`EngineOptions`.
         tracer: a :class:`~infertrace.trace.recorder.Recorder` or the null tracer.
     """
 
-    def __init__(self, model: LlamaModel, tokenizer: Any, opts: EngineOptions | None = None, tracer: Any = NULL_TRACER):
+    def __init__(self, model: DecoderModel, tokenizer: Any, opts: EngineOptions | None = None, tracer: Any = NULL_TRACER):
         self.model = model
         self.tok = tokenizer
         self.opts = opts or EngineOptions()
@@ -116,6 +129,14 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.step_no = 0
         self.eog = set(getattr(tokenizer, "eog_ids", ()) or ())
+        self.sampler_order = self.opts.sampler_order or default_order("infertrace", self.opts.backend)
+        self.serving = Serving(self)  # prefix cache, context shift, KV audit (engine/serving.py)
+        if self.serving.prefix_on:
+            self.scheduler.on_admit = self.serving.on_admit
+
+    def sample_row(self, logits: torch.Tensor, req: Request) -> SampleResult:
+        """The next token of ``req`` from its logits row ``[V]`` (subclasses force tokens here)."""
+        return sample(logits, req.params, req.all_ids, req.generator, order=self.sampler_order)
 
     def _resolve_attention(self, req: str) -> str:
         if self.opts.backend == "cells":
@@ -139,6 +160,11 @@ class Engine:
         if not prompt_ids:
             raise InfertraceError("the prompt is empty after tokenization; pass some text with --prompt")
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)
+        if len(prompt_ids) >= limit and self.kv.capacity_tokens < self.opts.ctx_size:  # case P5: name the pool
+            raise InfertraceError(
+                f"prompt has {len(prompt_ids)} tokens but the KV pool holds {limit} ({self.kv.capacity_tokens // max(1, getattr(self.kv, 'B', 1))} "
+                f"blocks × {getattr(self.kv, 'B', 1)} tokens; the prompt plus one generated token must fit); raise --num-blocks"
+            )
         if len(prompt_ids) >= limit:
             raise InfertraceError(
                 f"prompt has {len(prompt_ids)} tokens but the context holds {limit} (the prompt plus at least one "
@@ -168,7 +194,8 @@ class Engine:
                 self.tracer.end_step(StepContext(step=self.step_no, batch=batch, inp=None, kv=self.kv,
                                                  attention=self.attn_impl, logits=None, logits_rows=[], samples={},
                                                  finished={}, requests=self.requests,
-                                                 time_ms=(time.perf_counter() - t0) * 1e3))
+                                                 time_ms=(time.perf_counter() - t0) * 1e3,
+                                                 serving=self._stopped_record(batch, self.serving.take_record(batch))))
             sch = self.scheduler
             if not sch.running and not sch.waiting and sch.future and sch.future[0].arrival_step - self.step_no > MAX_IDLE_RECORDED:
                 self.step_no = sch.future[0].arrival_step  # fast-forward a long wait (one idle record, then a gap)
@@ -198,7 +225,7 @@ class Engine:
             req.num_computed += c.T
             if not c.need_logits:
                 continue
-            res = sample(logits[j], req.params, req.all_ids, req.generator)
+            res = self.sample_row(logits[j], req)
             j += 1
             samples[req.seq_id] = res
             req.output_ids.append(res.token)
@@ -207,18 +234,31 @@ class Engine:
                 reason = "eos"
             elif len(req.output_ids) >= req.params.max_new_tokens:
                 reason = "max_new_tokens"
-            elif len(req.all_ids) >= self.opts.ctx_size:
+            elif len(req.cache_ids) >= self.opts.ctx_size and not self.opts.context_shift:
                 reason = "ctx_full"
             if reason:
                 finished[req.seq_id] = reason
+        if self.serving.active:
+            self.serving.after_forward(batch, inp)
+        serving = self._stopped_record(batch, self.serving.take_record(batch))
         if tracer.enabled:
             tracer.end_step(StepContext(step=self.step_no, batch=batch, inp=inp, kv=self.kv, attention=self.attn_impl,
                                         logits=logits, logits_rows=rows, samples=samples, finished=finished,
-                                        requests=self.requests, time_ms=(time.perf_counter() - t0) * 1e3))
+                                        requests=self.requests, time_ms=(time.perf_counter() - t0) * 1e3,
+                                        sampler_order=self.sampler_order, serving=serving))
         for sid, reason in finished.items():
             self.scheduler.finish(self.requests[sid], reason)
+        if self.serving.active:
+            self.serving.after_finish(batch, finished)
         self.step_no += 1
         return batch
+
+    def _stopped_record(self, batch: ScheduledBatch, serving: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The step's serving record plus requests the scheduler stopped (``kv_full``: case P5)."""
+        if not batch.stopped:
+            return serving
+        return {**(serving or {}), "stopped": {str(k): v for k, v in batch.stopped.items()},
+                "pool_tokens": self.kv.capacity_tokens}
 
     def run(self, max_steps: int = 100_000) -> list[Request]:
         """Step until every request finished (or ``max_steps``); returns requests by seq_id."""

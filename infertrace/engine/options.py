@@ -73,6 +73,13 @@ class EngineOptions:
     num_blocks / tokens_per_block: paged pool (num_blocks None = ctx_size / tokens_per_block).
     max_batch_tokens / prefill_chunk: scheduler budget and chunked prefill.
     attention: ``torch``, ``triton`` or ``auto``.
+    sampler_order: ``hf`` or ``llama.cpp`` (None: the backend's runtime, see
+        :func:`~infertrace.engine.sampler.default_order`).
+    prefix_cache: reuse cached K/V of a shared prompt prefix (kv/prefix_cache.py).
+    context_shift / n_keep / n_discard: when a request fills ``ctx_size``, keep the first
+        ``n_keep`` cached tokens, drop the next ``n_discard`` (0 = half of the rest) and continue
+        (llama.cpp server); off: the request stops with ``ctx_full``.
+    audit_kv: record each cached entry's provenance and recompute the cache every step.
     """
 
     backend: str = "cells"
@@ -83,3 +90,9 @@ class EngineOptions:
     prefill_chunk: int | None = None
     attention: str = "auto"
     n_seq_max: int = 64
+    sampler_order: str | None = None
+    prefix_cache: bool = False
+    context_shift: bool = False
+    n_keep: int = 0
+    n_discard: int = 0
+    audit_kv: bool = False

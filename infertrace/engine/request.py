@@ -24,6 +24,7 @@ class Request:
         num_computed: C, tokens of ``all_ids`` whose K/V are in the cache.
         status: waiting / running / finished; ``stop_reason`` once finished.
         num_preemptions: times its cache was dropped for recompute.
+        shifts: context shifts applied (``n_keep``, ``n_discard``); see :attr:`cache_ids`.
     """
 
     seq_id: int
@@ -36,6 +37,7 @@ class Request:
     status: str = WAITING
     stop_reason: str | None = None
     num_preemptions: int = 0
+    shifts: list[tuple[int, int]] = field(default_factory=list)  # context shifts (n_keep, n_discard), in order
     generator: torch.Generator = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -48,9 +50,18 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def cache_ids(self) -> list[int]:
+        """Token ids by cache position: ``all_ids`` with each context shift's discarded range
+        ``[n_keep, n_keep + n_discard)`` removed (llama.cpp server erases them from the slot's tokens)."""
+        ids = self.all_ids
+        for keep, discard in self.shifts:
+            ids = ids[:keep] + ids[keep + discard :]
+        return ids
+
+    @property
     def num_pending(self) -> int:
         """Tokens not yet computed: the prompt remainder, or the last sampled token."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+        return len(self.cache_ids) - self.num_computed
 
     @property
     def phase(self) -> str:

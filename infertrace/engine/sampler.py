@@ -1,8 +1,16 @@
 """Sampling: logits of one request -> next token, reproducibly.
 
-Order: repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw
-(HF ``LogitsProcessor`` semantics for the penalty; llama.cpp ``common_sampler`` /
-``llama-sampling.cpp`` for min-p). ``temperature == 0`` is greedy (first max index).
+Two orders (``order=``):
+
+* ``hf`` (HF ``generate`` / vLLM): repetition penalty -> temperature -> top-k -> top-p -> min-p
+  -> draw; the filters see the temperature-scaled distribution.
+* ``llama.cpp`` (``common_sampler``'s default chain, ``common/sampling.cpp``): penalties ->
+  top-k -> top-p -> min-p -> temperature -> dist; the filters see the *unscaled* logits, so the
+  same settings keep different sets (logits ``[3, 2, 1]``, top-p 0.8, temperature 0.5: ``hf``
+  keeps ``{0}``, ``llama.cpp`` keeps ``{0, 1}``).
+
+HF ``LogitsProcessor`` semantics for the penalty; llama.cpp ``llama-sampling.cpp`` for min-p
+(``p >= min_p * p_max``). ``temperature == 0`` is greedy (first max index) in both.
 Each request has its own ``torch.Generator`` seeded from its seed, so its tokens do not
 depend on what else is in the batch.
 """
@@ -15,6 +23,7 @@ from typing import Iterable
 import torch
 
 from infertrace.engine.options import SamplingParams  # noqa: F401 - torch-free home; re-exported
+from infertrace.errors import InfertraceError
 
 
 @dataclass
@@ -43,23 +52,33 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: Iterable[int], penalty:
     return out
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, seen: Iterable[int], generator: torch.Generator,
-           n_top: int = 5) -> SampleResult:
-    """Choose the next token from one request's logits ``[V]`` (float32).
+#: sampler orders: ``hf`` (temperature first) and ``llama.cpp`` (filters first, temperature last)
+ORDERS = ("hf", "llama.cpp")
 
-    Greedy (temperature 0) and ``top_k == 1`` both return the lowest index among tied
-    maxima (case S2). Returns :class:`SampleResult` with the top ``n_top`` candidates.
+
+def default_order(engine: str, backend: str) -> str:
+    """The sampler order of the runtime being mirrored: llama.cpp's for ``--engine llama.cpp`` and
+    the ``cells`` backend, HF/vLLM's for ``paged``."""
+    return "llama.cpp" if engine == "llama.cpp" or backend == "cells" else "hf"
+
+
+def kept_set(logits: torch.Tensor, params: SamplingParams, order: str = "hf") -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates a non-greedy draw chooses from, and their probabilities.
+
+    Args:
+        logits: ``[V]`` float32 after the repetition penalty.
+        params: temperature > 0, top_k / top_p / min_p.
+        order: ``hf`` or ``llama.cpp`` (see the module docstring).
+
+    Returns:
+        ``(ids [K] int64, probs [K] float32)``, best first (ties keep index order).
+
+    Raises:
+        InfertraceError: unknown order.
     """
-    raw = logits.float()
-    x = apply_repetition_penalty(raw, seen, params.repetition_penalty)  # [V]
-    if params.greedy:
-        probs = torch.softmax(x, -1)  # [V]
-        tok = int(torch.argmax(x))  # first max index
-        idx = torch.topk(x, min(n_top, x.numel())).indices.tolist()  # display only
-        idx = [tok] + [i for i in idx if i != tok][: n_top - 1]
-        top = [(int(i), float(raw[i]), float(probs[i])) for i in idx]
-        return SampleResult(tok, top)
-    x = x / params.temperature
+    if order not in ORDERS:
+        raise InfertraceError(f"--sampler-order must be one of {', '.join(ORDERS)} (got {order!r})")
+    x = logits.float() / params.temperature if order == "hf" else logits.float()  # [V] what the filters see
     vals, idx = torch.sort(x, descending=True, stable=True)  # [V] each, ties keep index order
     keep = torch.ones_like(vals, dtype=torch.bool)
     if params.top_k > 0:
@@ -72,8 +91,32 @@ def sample(logits: torch.Tensor, params: SamplingParams, seen: Iterable[int], ge
         p = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)
     if params.min_p > 0.0:
         keep &= p >= params.min_p * p[0]
-        p = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)
-    j = int(torch.multinomial(p, 1, generator=generator))
-    tok = int(idx[j])
-    top = [(int(idx[r]), float(raw[idx[r]]), float(p[r])) for r in range(min(n_top, int(keep.sum())))]
+    n = int(keep.sum())  # kept entries are a prefix of the sorted order
+    final = vals[:n] / params.temperature if order == "llama.cpp" else vals[:n]  # [n] temperature last
+    return idx[:n], torch.softmax(final, -1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seen: Iterable[int], generator: torch.Generator,
+           n_top: int = 5, order: str = "hf") -> SampleResult:
+    """Choose the next token from one request's logits ``[V]`` (float32).
+
+    Greedy (temperature 0) and ``top_k == 1`` both return the lowest index among tied
+    maxima (case S2). ``order``: ``hf`` or ``llama.cpp`` (:func:`kept_set`). Returns
+    :class:`SampleResult` with the top ``n_top`` candidates.
+    """
+    raw = logits.float()
+    x = apply_repetition_penalty(raw, seen, params.repetition_penalty)  # [V]
+    if params.greedy:
+        probs = torch.softmax(x, -1)  # [V]
+        tok = int(torch.argmax(x))  # first max index
+        idx = torch.topk(x, min(n_top, x.numel())).indices.tolist()  # display only
+        idx = [tok] + [i for i in idx if i != tok][: n_top - 1]
+        top = [(int(i), float(raw[i]), float(probs[i])) for i in idx]
+        return SampleResult(tok, top)
+    ids, p = kept_set(x, params, order)  # [K] each
+    full = torch.zeros(x.numel(), dtype=p.dtype)  # [V] sorted order, zeros past the kept prefix
+    full[: p.numel()] = p  # the draw consumes the generator as over the whole vocabulary
+    j = int(torch.multinomial(full, 1, generator=generator))
+    tok = int(ids[j])
+    top = [(int(ids[r]), float(raw[ids[r]]), float(p[r])) for r in range(min(n_top, ids.numel()))]
     return SampleResult(tok, top)

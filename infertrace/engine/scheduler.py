@@ -42,6 +42,7 @@ class ScheduledBatch:
     chunks: list[ScheduledChunk]
     preempted: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
+    stopped: dict[int, str] = field(default_factory=dict)  # requests stopped by the scheduler (kv_full: pool full)
 
     @property
     def N(self) -> int:
@@ -63,6 +64,9 @@ class Scheduler:
         self.future: list[Request] = []  # not arrived yet
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: prefix-cache hook (engine/serving.py): called with a request about to be admitted with
+        #: nothing cached; attaches cached K/V and sets ``num_computed`` to the hit length.
+        self.on_admit = None
 
     def add(self, req: Request) -> None:
         """Queue ``req``; it becomes schedulable at its ``arrival_step``."""
@@ -110,9 +114,10 @@ class Scheduler:
                 victims = [r for r in self.running if r is not req and r not in scheduled]
                 if not victims:
                     if len(self.running) == 1 and not batch.chunks:
-                        raise InfertraceError(
-                            f"request {req.seq_id} needs more KV storage than exists ({self.kv.capacity_tokens} tokens); raise --ctx-size / --num-blocks"
-                        )
+                        # alone and still too big: the pool is full (case P5): stop it, never abort the run
+                        self.finish(req, "kv_full")
+                        batch.stopped[req.seq_id] = "kv_full"
+                        break
                     # lowest priority left is the request itself: preempt it (vLLM does the same)
                     victims = [req]
                 v = victims[-1]
@@ -126,12 +131,22 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            hit = self.on_admit(req) if self.on_admit is not None and req.num_computed == 0 else 0
             n = self._take(req, budget)
             if not self.kv.can_fit(self._plan(batch, req, n)):
+                if hit:  # undo the prefix attachment; the lookup runs again next step
+                    self.kv.release(req.seq_id)
+                    req.num_computed = 0
                 if not self.running and not batch.chunks:
-                    raise InfertraceError(
-                        f"request {req.seq_id} needs more KV storage than exists ({self.kv.capacity_tokens} tokens); raise --ctx-size / --num-blocks"
-                    )
+                    if not req.output_ids:
+                        raise InfertraceError(
+                            f"request {req.seq_id} needs more KV storage than exists ({self.kv.capacity_tokens} tokens); raise --ctx-size / --num-blocks"
+                        )
+                    # a preempted request whose tokens no longer fit the whole pool: stop it (case P5)
+                    self.waiting.popleft()
+                    self.finish(req, "kv_full")
+                    batch.stopped[req.seq_id] = "kv_full"
+                    continue
                 break
             self.waiting.popleft()
             req.status = RUNNING
@@ -147,8 +162,9 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         C = req.num_computed
-        ids = req.all_ids[C : C + n]
-        return ScheduledChunk(req, req.phase, C, ids, need_logits=(C + n == len(req.all_ids)))
+        cache_ids = req.cache_ids  # all_ids unless a context shift dropped some
+        ids = cache_ids[C : C + n]
+        return ScheduledChunk(req, req.phase, C, ids, need_logits=(C + n == len(cache_ids)))
 
     def finish(self, req: Request, reason: str) -> None:
         """Mark ``req`` finished with ``reason`` and free its cells/blocks (TensorRT-LLM ``free_resources``)."""

@@ -18,6 +18,8 @@ per-request block offsets) and vLLM's block manager ``slot_mapping``.
 
 from __future__ import annotations
 
+import bisect
+
 from typing import Any, Sequence
 
 from infertrace.errors import InfertraceError
@@ -38,13 +40,18 @@ def seq_char(seq_id: int) -> str:
     return _SEQ_CHARS[seq_id] if 0 <= seq_id < len(_SEQ_CHARS) else "#"
 
 
+#: cells drawn in the character map at most (a longer map ends with "… N more cells")
+MAX_MAP_CELLS = 1 << 16
+
+
 def cells_layout(physical: dict[str, Any]) -> dict[str, Any]:
     """Stretches and character map of a cells snapshot (:meth:`CellsKV.snapshot`).
 
     A stretch is a maximal run of consecutive cells with the same owner set and consecutive
     positions (or a run of empty cells); the map covers cells ``0..max(n_kv, used_max_p1)-1``
-    with one character per cell (``.`` empty, seq char, ``M`` several owners). Pure function
-    of the dict, so it works on saved traces.
+    with one character per cell (``.`` empty, seq char, ``M`` several owners), at most
+    :data:`MAX_MAP_CELLS` of them (``map_cells_total`` says how many there were). Pure function
+    of the dict, so it works on saved traces; the work is O(cells used), never O(size).
 
     Returns:
         ``{"stretches": [{"first", "last", "cells", "seq_ids", "pos"}], "map": str, "map_cells": int,
@@ -52,30 +59,46 @@ def cells_layout(physical: dict[str, Any]) -> dict[str, Any]:
     """
     size = int(physical["size"])
     by_cell = {int(c["cell"]): (int(c["pos"]), tuple(c["seq_ids"])) for c in physical.get("cells", [])}
-    used_max_p1 = max(by_cell) + 1 if by_cell else 0
+    used = sorted(by_cell)
+    used_max_p1 = used[-1] + 1 if used else 0
     stretches: list[dict[str, Any]] = []
     cur: dict[str, Any] | None = None
-    for i in range(size):
+    i = 0
+    while i < size:  # O(cells used): a run of empty cells is crossed in one jump, never cell by cell
+        if i not in by_cell and cur is not None and not cur["seq_ids"] and cur["_last_pos"] < 0:
+            j = bisect.bisect_right(used, i)
+            nxt = used[j] if j < len(used) else size
+            cur["last"], i = nxt - 1, nxt
+            continue
         pos, owners = by_cell.get(i, (-1, ()))
         if cur is not None and tuple(cur["seq_ids"]) == owners and (
                 (pos < 0 and cur["_last_pos"] < 0) or (pos >= 0 and cur["_last_pos"] >= 0 and pos == cur["_last_pos"] + 1)):
             cur["last"], cur["_last_pos"] = i, pos
+            i += 1
             continue
         cur = {"first": i, "last": i, "seq_ids": list(owners), "_first_pos": pos, "_last_pos": pos}
         stretches.append(cur)
         if i >= used_max_p1:  # everything after the last used cell is one empty stretch
             cur["last"] = size - 1
             break
+        i += 1
     for st in stretches:
         first_pos, last_pos = st.pop("_first_pos"), st.pop("_last_pos")
-        st["cells"] = ranges_text(range(st["first"], st["last"] + 1))
-        st["pos"] = None if first_pos < 0 else ranges_text(range(first_pos, last_pos + 1))
-    n_map = min(size, max(int(physical.get("n_kv", 0)), used_max_p1))
+        st["cells"] = _span(st["first"], st["last"])
+        st["pos"] = None if first_pos < 0 else _span(first_pos, last_pos)
+    n_all = min(size, max(int(physical.get("n_kv", 0)), used_max_p1))
+    n_map = min(n_all, MAX_MAP_CELLS)
     chars = []
     for i in range(n_map):
         _, owners = by_cell.get(i, (-1, ()))
         chars.append("." if not owners else seq_char(owners[0]) if len(owners) == 1 else "M")
-    return {"stretches": stretches, "map": "".join(chars), "map_cells": n_map, "used_max_p1": used_max_p1}
+    return {"stretches": stretches, "map": "".join(chars), "map_cells": n_map, "map_cells_total": n_all,
+            "used_max_p1": used_max_p1}
+
+
+def _span(a: int, b: int) -> str:
+    """:func:`ranges_text` of ``range(a, b + 1)`` without building it: ``"a..b"`` or ``"a"``."""
+    return f"{a}..{b}" if b > a else f"{a}"
 
 
 def build_dump(*, step: int, backend: str, physical: dict[str, Any], physical_shape: list[int], dtype: str,

@@ -30,6 +30,8 @@ class PagedKV:
         tokens_per_block: B, slots per block.
         dtype, device: pool dtype/device.
         attn_impl: ``"torch"`` or ``"triton"`` (see :mod:`infertrace.attention.select`).
+        windows: per layer sliding window W (0 = full): the attention call of that layer gets
+            it as metadata (TensorRT-LLM ``attention_window_size``, vLLM ``sliding_window``).
 
     Storage: ``pool[layer]``: ``[num_blocks, 2, n_kv_heads, B, head_dim]`` (0 = K, 1 = V).
     """
@@ -38,7 +40,7 @@ class PagedKV:
 
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, num_blocks: int,
                  tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", attn_impl: str = "torch"):
+                 device: str | torch.device = "cpu", attn_impl: str = "torch", windows: Sequence[int] | None = None):
         if num_blocks < 1 or tokens_per_block < 1:
             raise InfertraceError("--num-blocks and --tokens-per-block must be >= 1")
         self.B = tokens_per_block
@@ -51,6 +53,7 @@ class PagedKV:
         self.lens: dict[int, int] = {}  # seq_id -> tokens stored
         self.device = device
         self.attn_impl = attn_impl
+        self.windows = list(windows) if windows is not None else [0] * n_layer  # per layer, 0 = full attention
 
     # --- bookkeeping -------------------------------------------------------------
     def blocks_needed(self, seq_id: int, n_new: int) -> int:
@@ -115,7 +118,7 @@ class PagedKV:
             {"slot_mapping": torch.tensor(slots, dtype=torch.int64), "block_tables": bt, "seq_lens": seq_lens,
              "kv_lens": kv_lens, "cu_seqlens": cu, "request_types": types,
              "num_contexts": sum(t == "context" for t in types), "mask_type": "causal",
-             "tokens_per_block": self.B},
+             "tokens_per_block": self.B, "attention_window": {i: w for i, w in enumerate(self.windows) if w}},
         )
 
     def _dev(self, inp: AttnInputs) -> dict[str, torch.Tensor]:
@@ -134,7 +137,7 @@ class PagedKV:
         """Causal varlen attention read through block tables; no dense mask."""
         d = self._dev(inp)
         return paged_attention(self.attn_impl, q, self.pool[layer], d["block_tables"], d["seq_lens"], d["kv_lens"],
-                               d["cu_seqlens"], scale)
+                               d["cu_seqlens"], scale, self.windows[layer])
 
     def release(self, seq_id: int) -> None:
         """Return ``seq_id``'s blocks to the free list (``free_resources``)."""
@@ -152,14 +155,18 @@ class PagedKV:
         v = pool[slots // self.B, 1, :, slots % self.B, :]  # [L, n_kv_heads, hd]
         return k, v
 
-    def logical_mask(self, inp: AttnInputs) -> list[torch.Tensor]:
+    def logical_mask(self, inp: AttnInputs, swa: bool = False) -> list[torch.Tensor]:
         """Per request, the keep-matrix ``[T, kv_len]`` implied by mask type ``causal`` and
         the lengths: query j (position ``kv_len - T + j``) sees keys ``0..kv_len-T+j`` of its
-        own block-table row (isolation by construction)."""
+        own block-table row (isolation by construction); with ``swa``, the windowed layers'
+        view (keys ``p-W+1..p``)."""
+        W = max(self.windows) if swa else 0
         out = []
         for T, L in zip(inp.extra["seq_lens"].tolist(), inp.extra["kv_lens"].tolist()):
             q = torch.arange(L - T, L).unsqueeze(1)  # [T, 1]
-            out.append(torch.arange(L).unsqueeze(0) <= q)  # [T, L]
+            k = torch.arange(L).unsqueeze(0)  # [1, L]
+            m = k <= q  # [T, L]
+            out.append(m & (k > q - W) if W else m)  # [T, L]
         return out
 
     def snapshot(self) -> dict[str, Any]:
@@ -172,5 +179,6 @@ class PagedKV:
                 "blocks": [{"block": b, "pos": ranges_text(range(i * self.B, min(L, (i + 1) * self.B)))} for i, b in enumerate(tab)],
             }
         return {"kind": self.kind, "num_blocks": self.num_blocks, "tokens_per_block": self.B,
+                "attention_window": {str(i): w for i, w in enumerate(self.windows) if w},
                 "used_blocks": self.num_blocks - len(self.free), "free_blocks": len(self.free),
                 "free_list_head": self.free[:8], "requests": reqs}

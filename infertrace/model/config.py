@@ -12,10 +12,10 @@ from typing import Any
 
 from infertrace.errors import InfertraceError
 
-#: architectures whose tensors and forward pass are the Llama decoder (GGUF names).
-SUPPORTED_GGUF_ARCHS = ("llama",)
-#: HF ``architectures`` entries with the same shapes as LlamaForCausalLM.
-SUPPORTED_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM")
+#: GGUF architectures with a family module (``infertrace.model.families``).
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+#: HF ``architectures`` entries with a family module.
+SUPPORTED_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -24,8 +24,10 @@ DEFAULT_ROPE_THETA = 10000.0
 class RopeScaling:
     """RoPE frequency scaling (HF ``rope_scaling``; GGUF ``{arch}.rope.scaling.*``).
 
-    ``type`` is ``"none"``, ``"linear"`` or ``"llama3"``. For ``llama3`` the GGUF converter
-    bakes the per-pair divisors into the ``rope_freqs.weight`` tensor instead.
+    ``type`` is ``"none"``, ``"linear"``, ``"llama3"``, ``"yarn"`` or ``"dynamic"``. For ``llama3``
+    the GGUF converter bakes the per-pair divisors into the ``rope_freqs.weight`` tensor instead.
+    ``beta_fast`` / ``beta_slow`` / ``attn_factor`` / ``mscale`` / ``mscale_all_dim`` /
+    ``truncate`` are HF ``_compute_yarn_parameters`` inputs.
     """
 
     type: str = "none"
@@ -33,14 +35,21 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attn_factor: float | None = None
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder.
+    """Hyper-parameters of a decoder of any supported family.
 
     Attributes:
-        arch: ``"llama"``.
+        arch: GGUF ``general.architecture`` (``llama``, ``qwen2``, ``qwen3``, ``gemma3``) or, for HF
+            directories, the family name.
         source: ``"gguf"`` or ``"hf"``.
         n_layer, n_embd (H), n_ff, n_head, n_head_kv, head_dim: model shape.
         vocab_size: rows of ``token_embd`` / lm head.
@@ -54,6 +63,22 @@ class ModelConfig:
         rope_pairing_in_file: ``"norm"`` (adjacent pairs, GGUF Q/K rows permuted by
             llama.cpp's converter) or ``"neox"`` (half-split, HF). The engine always runs
             ``neox`` after the loader un-permutes GGUF Q/K rows.
+
+    Family features (set by :mod:`infertrace.model.families`; defaults are plain Llama):
+        family: ``llama`` / ``mistral`` / ``qwen2`` / ``qwen3`` / ``gemma3``.
+        attn_bias, attn_out_bias, mlp_bias: q/k/v, output and gate/up/down projection biases.
+        qk_norm: RMSNorm over ``head_dim`` on each Q and K head before RoPE (Qwen3, Gemma 3).
+        post_norms: RMSNorm on the attention and FFN outputs before the residual add (Gemma 3).
+        act: FFN gate activation, ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
+        embed_scale: factor on the token embeddings (Gemma: sqrt(H), applied in the model dtype).
+        attn_scale: softmax scale (Gemma ``query_pre_attn_scalar**-0.5``); None = ``head_dim**-0.5``.
+        final_logit_softcap: ``cap * tanh(logits / cap)`` when set.
+        sliding_window: W in tokens (0 = none); ``swa_layers`` per layer whether it is windowed
+            (query at p sees keys p-W+1..p).
+        rope_theta_swa / rope_scaling_swa: RoPE base of the windowed layers and whether the
+            RoPE scaling applies to them (Gemma 3: base 10000, unscaled).
+        settings: the ledger ``(key, value, status, note)``; status ``honoured``,
+            ``not applicable`` or ``refused`` (the loader refuses to run a model with any refused row).
     """
 
     arch: str
@@ -75,6 +100,41 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     rope_freq_factors: tuple[float, ...] | None = None
     name: str = ""
+    # --- forward-pass features switched on by the model family (model/families/) ---
+    family: str = "llama"
+    attn_bias: bool = False
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    act: str = "silu"
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    rope_theta_swa: float | None = None
+    rope_scaling_swa: bool = True
+    settings: tuple[tuple[str, str, str, str], ...] = ()
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention softmax scale: ``attn_scale`` when the family sets one, else ``head_dim**-0.5``."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def layer_window(self, il: int) -> int:
+        """Sliding window W of layer ``il`` (query at p sees keys p-W+1..p), 0 = full attention."""
+        return self.sliding_window if (self.sliding_window and il < len(self.swa_layers) and self.swa_layers[il]) else 0
+
+    @property
+    def windowed_layers(self) -> list[int]:
+        """Indices of the layers with a sliding window."""
+        return [i for i in range(self.n_layer) if self.layer_window(i)]
+
+    @property
+    def refusals(self) -> list[str]:
+        """One-line reasons for every setting this engine does not implement (status ``refused``)."""
+        return [f"{k} = {v}: {note}" for k, v, st, note in self.settings if st == "refused"]
 
     @property
     def n_rep(self) -> int:
@@ -86,10 +146,20 @@ class ModelConfig:
         d = asdict(self)
         if d["rope_freq_factors"] is not None:
             d["rope_freq_factors"] = list(d["rope_freq_factors"])
+        d["swa_layers"] = list(d["swa_layers"])
+        d["settings"] = [{"key": k, "value": v, "status": st, "note": n} for k, v, st, n in self.settings]
         return d
 
     def validate(self) -> "ModelConfig":
-        """Check shape consistency; raise :class:`InfertraceError` on a broken config."""
+        """Check types, bounds and shape consistency; raise :class:`InfertraceError` on a broken config.
+
+        Integers must be ints within :mod:`infertrace.model.limits` (no bools), floats finite,
+        RoPE scaling factors finite and > 0 (see also :mod:`infertrace.model.hparams_check`,
+        which checks the raw file values before conversion).
+        """
+        from infertrace.model.hparams_check import check_config_bounds
+
+        check_config_bounds(self)
         for name, val in (("block_count", self.n_layer), ("embedding_length", self.n_embd), ("feed_forward_length", self.n_ff),
                           ("vocab_size", self.vocab_size), ("head_dim", self.head_dim)):
             if val <= 0:
@@ -118,75 +188,22 @@ def config_from_gguf_fields(meta: dict[str, Any], tensor_names: set[str], freq_f
 
 
 def _config_from_gguf_fields(meta: dict[str, Any], tensor_names: set[str], freq_factors: tuple[float, ...] | None) -> ModelConfig:
-    """Build a :class:`ModelConfig` from decoded GGUF key/values.
+    """Build a :class:`ModelConfig` from decoded GGUF key/values through the family layer.
 
     Args:
         meta: ``{key: python value}`` of the GGUF header.
-        tensor_names: names of the tensors in the file (to detect ``output.weight``).
+        tensor_names: names of the tensors in the file (output head, optional biases ...).
         freq_factors: contents of ``rope_freqs.weight`` if present.
 
     Raises:
-        InfertraceError: unknown architecture or a required key missing.
+        InfertraceError: unknown architecture or a required key missing. Settings the engine
+        does not implement are recorded as ``refused`` in ``settings`` (the loader raises).
 
-    Mirrors llama.cpp ``src/llama-model.cpp`` ``load_hparams`` for ``LLM_ARCH_LLAMA``.
+    Mirrors llama.cpp ``src/llama-model.cpp`` ``load_hparams`` (see :mod:`infertrace.model.families`).
     """
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHS:
-        raise InfertraceError(
-            f"unsupported architecture {arch!r} in GGUF (supported: {', '.join(SUPPORTED_GGUF_ARCHS)}); use a Llama-family model"
-        )
+    from infertrace.model.families import config_from_gguf
 
-    def req(key: str) -> Any:
-        k = f"{arch}.{key}"
-        if k not in meta:
-            raise InfertraceError(f"GGUF is missing required key {k!r}; the file is incomplete or not a Llama model")
-        return meta[k]
-
-    n_embd = int(req("embedding_length"))
-    n_head = int(req("attention.head_count"))
-    if n_head <= 0:
-        raise InfertraceError(f"{arch}.attention.head_count is {n_head}; the model file is broken")
-    n_head_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", n_embd // n_head))
-    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    theta = meta.get(f"{arch}.rope.freq_base")
-    if "token_embd.weight" in tensor_names:
-        vocab = meta.get(f"{arch}.vocab_size")
-        if vocab is None:
-            vocab = len(meta.get("tokenizer.ggml.tokens", []) or []) or None
-        if vocab is None:
-            raise InfertraceError("cannot tell the vocabulary size: no llama.vocab_size and no tokenizer.ggml.tokens")
-    else:
-        raise InfertraceError("GGUF has no token_embd.weight tensor; the file is incomplete")
-    stype = str(meta.get(f"{arch}.rope.scaling.type", "none") or "none")
-    if stype not in ("none", "linear"):
-        raise InfertraceError(f"unsupported RoPE scaling type {stype!r} in GGUF (supported: none, linear, llama3 via rope_freqs)")
-    scaling = RopeScaling(
-        type=stype,
-        factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0),
-        original_max_position_embeddings=int(meta.get(f"{arch}.rope.scaling.original_context_length", 8192) or 8192),
-    )
-    return ModelConfig(
-        arch=arch,
-        source="gguf",
-        n_layer=int(req("block_count")),
-        n_embd=n_embd,
-        n_ff=int(req("feed_forward_length")),
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=head_dim,
-        vocab_size=int(vocab),
-        n_ctx_train=int(meta.get(f"{arch}.context_length", 2048)),
-        rope_theta=float(theta) if theta is not None else DEFAULT_ROPE_THETA,
-        rope_theta_is_default=theta is None,
-        rope_dim=rope_dim,
-        rms_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in tensor_names,
-        rope_pairing_in_file="norm",
-        rope_scaling=scaling,
-        rope_freq_factors=freq_factors,
-        name=str(meta.get("general.name", "") or ""),
-    ).validate()
+    return config_from_gguf(meta, tensor_names, freq_factors)
 
 
 def config_from_hf(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
@@ -198,65 +215,17 @@ def config_from_hf(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
 
 
 def _config_from_hf(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
-    """Build a :class:`ModelConfig` from an HF ``config.json`` dict.
+    """Build a :class:`ModelConfig` from an HF ``config.json`` dict through the family layer.
 
     Args:
         cfg: parsed ``config.json``.
         tie_default: whether the checkpoint lacks ``lm_head.weight`` (tied head).
 
     Raises:
-        InfertraceError: unsupported ``architectures`` or missing keys.
+        InfertraceError: unsupported ``architectures`` or missing keys (refusals are recorded).
 
-    Mirrors HF ``LlamaConfig`` and ``_compute_llama3_parameters`` inputs.
+    Mirrors HF ``PretrainedConfig`` subclasses (see :mod:`infertrace.model.families`).
     """
-    archs = cfg.get("architectures") or []
-    by_type = not archs and cfg.get("model_type") in ("llama", "mistral")  # configs without architectures
-    if not by_type and not any(a in SUPPORTED_HF_ARCHS for a in archs):
-        raise InfertraceError(
-            f"unsupported architecture {archs!r} in config.json (supported: {', '.join(SUPPORTED_HF_ARCHS)})"
-        )
-    try:
-        n_embd = int(cfg["hidden_size"])
-        n_head = int(cfg["num_attention_heads"])
-        n_layer = int(cfg["num_hidden_layers"])
-        n_ff = int(cfg["intermediate_size"])
-        vocab = int(cfg["vocab_size"])
-    except KeyError as e:
-        raise InfertraceError(f"config.json is missing {e.args[0]!r}; the checkpoint is incomplete") from None
-    head_dim = int(cfg.get("head_dim") or n_embd // n_head)
-    rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None) or {}
-    rtype = rs.get("rope_type", rs.get("type", "default")) or "default"
-    theta = cfg.get("rope_theta", rs.get("rope_theta"))
-    if rtype in ("default", "none"):
-        scaling = RopeScaling()
-    elif rtype in ("linear", "llama3"):
-        scaling = RopeScaling(
-            type=rtype,
-            factor=float(rs.get("factor", 1.0)),
-            low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
-        )
-    else:
-        raise InfertraceError(f"unsupported rope_scaling type {rtype!r} (supported: linear, llama3)")
-    return ModelConfig(
-        arch="llama",
-        source="hf",
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_ff=n_ff,
-        n_head=n_head,
-        n_head_kv=int(cfg.get("num_key_value_heads") or n_head),
-        head_dim=head_dim,
-        vocab_size=vocab,
-        n_ctx_train=int(cfg.get("max_position_embeddings", 2048)),
-        rope_theta=float(theta) if theta is not None else DEFAULT_ROPE_THETA,
-        rope_theta_is_default=theta is None,
-        rope_dim=head_dim,
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)) or tie_default,
-        rope_pairing_in_file="neox",
-        rope_scaling=scaling,
-        rope_freq_factors=None,
-        name=str(cfg.get("_name_or_path", "")),
-    ).validate()
+    from infertrace.model.families import config_from_hf_dict
+
+    return config_from_hf_dict(cfg, tie_default)

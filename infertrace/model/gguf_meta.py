@@ -30,8 +30,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-#: bump when the cached layout changes
-CACHE_FORMAT = 1
+#: bump when the cached layout changes, or when what must pass before an entry is written changes
+#: (2: entries are written only after check_gguf_header and check_gguf_tokenizer_fields passed)
+CACHE_FORMAT = 2
 #: the four tokenizer arrays ``inspect`` shows as ``<N entries>``
 LARGE_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
 #: numpy dtypes GGUFReader gives tensor data (byte order explicit)

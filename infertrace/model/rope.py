@@ -49,30 +49,110 @@ def llama3_freq_factors(theta: float, rot_dim: int, s: RopeScaling) -> torch.Ten
     return base / llama3_inv_freq(base, s)  # [d/2]
 
 
-def inv_freq_table(cfg: ModelConfig) -> torch.Tensor:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN attention factor ``0.1 * mscale * ln(scale) + 1`` (1 when ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(theta: float, rot_dim: int, s: RopeScaling, n_ctx_train: int) -> torch.Tensor:
+    """YaRN frequencies ``[rot_dim/2]`` float64: interpolated (``/ factor``) below the correction
+    range, extrapolated (plain) above it, a linear ramp between.
+
+    Mirrors HF ``_compute_yarn_parameters`` (``find_correction_range`` with ``beta_fast`` /
+    ``beta_slow``, floor/ceil when ``truncate``) and ggml ``rope_yarn`` / ``ggml_rope_yarn_corr_dims``.
+    ``original_max_position_embeddings`` falls back to ``n_ctx_train`` as HF's
+    ``standardize_rope_params`` does.
+    """
+    orig = s.original_max_position_embeddings or n_ctx_train
+    d = rot_dim
+
+    def corr_dim(rot: float) -> float:
+        return (d * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = corr_dim(s.beta_fast), corr_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # [d/2]
+    extrap = 1 - ramp  # [d/2] weight of the plain frequency
+    inv = base_inv_freq(theta, d)  # [d/2]
+    return inv / s.factor * (1 - extrap) + inv * extrap  # [d/2]
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """Factor on cos/sin (HF ``attention_scaling``): YaRN's ``attention_factor`` or
+    ``0.1 ln(factor) + 1`` (with ``mscale`` / ``mscale_all_dim`` when both set); 1.0 otherwise."""
+    s = cfg.rope_scaling
+    if s.type != "yarn":
+        return 1.0
+    if s.attn_factor is not None:
+        return float(s.attn_factor)
+    if s.mscale and s.mscale_all_dim:
+        return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    return yarn_mscale(s.factor)
+
+
+def inv_freq_table(cfg: ModelConfig, swa: bool = False) -> torch.Tensor:
     """``[rope_dim/2]`` float64 inverse frequencies used by the engine for this model.
 
-    Order of precedence: GGUF ``rope_freqs.weight`` divisors, HF ``llama3`` scaling,
-    ``linear`` scaling (frequencies divided by ``factor``), plain base.
+    Args:
+        cfg: the model config.
+        swa: the table of the sliding-window layers (their own base ``rope_theta_swa`` and,
+            unless ``rope_scaling_swa``, no scaling: llama.cpp ``rope_freq_base_train_swa``,
+            HF ``rope_parameters["sliding_attention"]``).
+
+    Order of precedence: GGUF ``rope_freqs.weight`` divisors, HF ``llama3`` scaling, ``yarn``,
+    ``linear`` scaling (frequencies divided by ``factor``), ``dynamic`` (plain frequencies up to
+    ``max_position_embeddings``, HF ``_compute_dynamic_ntk_parameters`` with ``seq_len`` at
+    most that; the decoder refuses positions beyond it), plain base.
     """
-    inv = base_inv_freq(cfg.rope_theta, cfg.rope_dim)  # [d/2]
+    theta = cfg.rope_theta
+    scaled = True
+    if swa and cfg.rope_theta_swa is not None:
+        theta, scaled = cfg.rope_theta_swa, cfg.rope_scaling_swa
+    inv = base_inv_freq(theta, cfg.rope_dim)  # [d/2]
+    if not scaled:
+        return inv
     if cfg.rope_freq_factors is not None:
         return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)  # [d/2]
     if cfg.rope_scaling.type == "llama3":
         return llama3_inv_freq(inv, cfg.rope_scaling)
+    if cfg.rope_scaling.type == "yarn":
+        return yarn_inv_freq(theta, cfg.rope_dim, cfg.rope_scaling, cfg.n_ctx_train)
     if cfg.rope_scaling.type == "linear":
         return inv / cfg.rope_scaling.factor
     return inv
 
 
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def inv_freq_f32(cfg: ModelConfig, swa: bool = False) -> torch.Tensor:
+    """``[rope_dim/2]`` float32 frequencies the decoder rotates with, computed as HF does
+    (``1 / base ** (arange(0, d, 2).float() / d)`` in fp32 for plain RoPE; the float64 table of
+    :func:`inv_freq_table` rounded to fp32 otherwise). With fp32 angles (``pos * inv_freq``, as HF
+    ``RotaryEmbedding.forward`` and ggml's rope cache) long prompts stay within 1e-3 of HF's logits."""
+    theta, scaled = cfg.rope_theta, True
+    if swa and cfg.rope_theta_swa is not None:
+        theta, scaled = cfg.rope_theta_swa, cfg.rope_scaling_swa
+    plain = not scaled or (cfg.rope_freq_factors is None and cfg.rope_scaling.type in ("none", "dynamic"))
+    if plain:
+        d = cfg.rope_dim
+        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [d/2] float32
+    return inv_freq_table(cfg, swa).float()  # [d/2] float32
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+            mscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Angles for each token: returns ``cos, sin`` each ``[N, d/2]`` in ``dtype``.
 
     Args:
         positions: ``[N]`` int64 position ids.
-        inv_freq: ``[d/2]`` float64.
+        inv_freq: ``[d/2]`` float64 (angles in float64) or float32 (angles in float32, as HF).
+        mscale: factor on cos and sin (YaRN ``attention_scaling``; 1.0 otherwise).
     """
-    ang = positions.to(torch.float64).unsqueeze(1) * inv_freq.unsqueeze(0)  # [N, d/2]
+    ang = positions.to(inv_freq.dtype).unsqueeze(1) * inv_freq.unsqueeze(0)  # [N, d/2]
+    if mscale != 1.0:
+        return (ang.cos() * mscale).to(dtype), (ang.sin() * mscale).to(dtype)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 

@@ -590,6 +590,10 @@ class Tokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise InfertraceError(f"no tokenizer.json in {path}; an HF model directory needs one")
+        from infertrace.model.limits import MAX_TOKENIZER_JSON_BYTES, MAX_VOCAB
+
+        if tj.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
+            raise InfertraceError(f"{tj} is {tj.stat().st_size} bytes, over the limit of {MAX_TOKENIZER_JSON_BYTES}")
         try:
             raw = json.loads(tj.read_text(encoding="utf-8"))
             backend = _HFTokenizer.from_file(str(tj))
@@ -603,6 +607,8 @@ class Tokenizer:
             except Exception as exc:
                 raise InfertraceError(f"cannot read {cfg_path}: {exc}") from exc
 
+        if not isinstance(raw, dict) or not isinstance(cfg, dict):
+            raise InfertraceError(f"{tj if not isinstance(raw, dict) else cfg_path} must hold a JSON object")
         model_type = (raw.get("model") or {}).get("type")
         pipeline = json.dumps([raw.get("pre_tokenizer"), raw.get("decoder")])
         if model_type == "BPE" and "ByteLevel" in pipeline:
@@ -618,6 +624,8 @@ class Tokenizer:
 
         vocab = backend.get_vocab(with_added_tokens=True)
         size = max(backend.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+        if size > MAX_VOCAB:
+            raise InfertraceError(f"{tj} has token ids up to {size - 1}, over the vocabulary limit of {MAX_VOCAB}")
         tokens = [""] * size
         types = [TOKEN_TYPE_UNUSED] * size
         for text, i in vocab.items():
@@ -662,6 +670,10 @@ class Tokenizer:
         chat_template = None
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
+            from infertrace.model.limits import MAX_TEMPLATE_FILE_BYTES
+
+            if jinja_file.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
+                raise InfertraceError(f"{jinja_file} is over the limit of {MAX_TEMPLATE_FILE_BYTES} bytes")
             chat_template = jinja_file.read_text(encoding="utf-8")
         else:
             tmpl = cfg.get("chat_template")
@@ -834,9 +846,9 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's jinja chat template, as HF ``apply_chat_template(tokenize=False)``.
 
-        Uses a jinja2 ``ImmutableSandboxedEnvironment`` (``trim_blocks``, ``lstrip_blocks``,
-        ``loopcontrols``) with HF's helpers: ``raise_exception``, ``strftime_now``, a ``tojson``
-        filter that does not HTML-escape; variables ``messages``, ``add_generation_prompt``,
+        Uses :func:`infertrace.model.chat_env.chat_environment` (HF's sandboxed environment:
+        ``{% generation %}`` tag, ``loopcontrols``, ``raise_exception``, ``strftime_now``,
+        ``dict``, ``namespace``, a ``tojson`` filter that does not HTML-escape); variables ``messages``, ``add_generation_prompt``,
         ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``, ``tools`` (None),
         ``documents`` (None). Message keys whose value is None are dropped, as HF does.
 
@@ -847,34 +859,25 @@ class Tokenizer:
         if not self.chat_template:
             raise InfertraceError("this model has no chat template (tokenizer.chat_template); pass a raw prompt instead")
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from infertrace.model.chat_env import chat_environment
 
         if self._compiled_template is None:
-
-            def raise_exception(message: str) -> None:
-                raise jinja2.exceptions.TemplateError(message)
-
-            def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
-                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-            def strftime_now(fmt: str) -> str:
-                return datetime.now().strftime(fmt)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = tojson
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = strftime_now
+            env = chat_environment()  # HF's: {% generation %}, loopcontrols, dict, namespace, tojson ...
             try:
                 self._compiled_template = env.from_string(self.chat_template)
             except jinja2.exceptions.TemplateSyntaxError as exc:
                 raise InfertraceError(f"chat template does not parse: {exc}") from exc
+            except RecursionError:
+                raise InfertraceError("chat template does not parse: it is nested deeper than Python allows") from None
 
         def name(token_id: int | None) -> str | None:
             return self._tokens[token_id] if token_id is not None else None
 
         clean = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         try:
-            return self._compiled_template.render(
+            return self._compiled_template.environment.render(
+                self._compiled_template,
                 messages=clean,
                 tools=None,
                 documents=None,

@@ -8,8 +8,7 @@ with half-split (``neox``) pairing (design rule 2).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -17,6 +16,11 @@ import numpy as np
 
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig, config_from_gguf_fields, config_from_hf
+from infertrace.model.gguf_check import check_gguf_header, check_gguf_tokenizer_fields
+from infertrace.model.hparams_check import check_hf_config, check_layer_count, check_gguf_hparams
+from infertrace.model.limits import MAX_JSON_BYTES, read_json_file, require_regular_file
+from infertrace.model.families import expected_tensors, family_for_hf, hf_to_engine_name
+from infertrace.model.families.base import REFUSED
 
 if TYPE_CHECKING:  # torch loads only when tensor data is read (header_only = inspect stays torch-free)
     import torch
@@ -26,17 +30,6 @@ Progress = Callable[[int, int, str], None]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
-_HF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 
 
 @dataclass
@@ -127,6 +120,7 @@ def read_gguf(p: Path):
         )
     if version not in (2, 3):
         raise InfertraceError(f"{p.name} is GGUF version {version}, which is not supported (versions 2 and 3); convert it with a current llama.cpp")
+    check_gguf_header(p)  # counts, lengths, offsets vs the file size, before gguf-py trusts them
     try:
         return GGUFReader(str(p), "r")
     except Exception as e:  # noqa: BLE001 - numpy/struct errors from a short file
@@ -134,6 +128,18 @@ def read_gguf(p: Path):
             f"cannot read GGUF {p.name}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else 'unreadable'} "
             "- the file is truncated or corrupt; download it again"
         ) from None
+
+
+def _read_checked_gguf(p: Path):
+    """:func:`read_gguf` (magic, version, :func:`check_gguf_header`) plus
+    :func:`check_gguf_tokenizer_fields`: what must pass before a header is cached.
+
+    Raises:
+        InfertraceError: the first problem, one line.
+    """
+    reader = read_gguf(p)
+    check_gguf_tokenizer_fields(reader, p.name)  # value types and sizes of tokenizer.* before they are used
+    return reader
 
 
 def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_only: bool = False) -> Checkpoint:
@@ -147,7 +153,16 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
         from infertrace.model.rope import unpermute_from_norm
     # the header (metadata + tensor table) from the cache when the file is unchanged, else from
     # gguf.GGUFReader (then cached); tensor data is memory-mapped at the offsets gguf-py computed
-    header, _reader = load_header(p, read_gguf)
+    # Checks: on a miss _read_checked_gguf runs check_gguf_header (in read_gguf) and
+    # check_gguf_tokenizer_fields before the entry is written; a hit needs the SHA-256 of the same
+    # header bytes, and check_gguf_header (cheap, O(header)) runs again on every load anyway.
+    try:
+        header, _reader = load_header(p, _read_checked_gguf)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:  # hostile metadata
+        raise InfertraceError(f"cannot read GGUF {p.name}: invalid metadata ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else '?'}); the file is broken") from None
+    if header.from_cache:
+        check_gguf_header(p)
     meta: dict[str, Any] = dict(header.display)
     names = {t.name for t in header.tensors}
     meta_tokens = list(range(header.n_tokens))
@@ -155,15 +170,30 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     tensors = {t.name: t for t in header.tensors}
     mm = np.memmap(p, mode="r")
     if "rope_freqs.weight" in tensors:
-        rf = header.tensor_data(tensors["rope_freqs.weight"], mm)
-        freq_factors = tuple(float(x) for x in np.asarray(rf, dtype=np.float32).ravel())
+        rf = tensors["rope_freqs.weight"]
+        if rf.type_name not in ("F32", "F16"):
+            raise InfertraceError(f"{p.name}: rope_freqs.weight must be F32 or F16, not {rf.type_name}; the file is broken")
+        freq_factors = tuple(float(x) for x in np.asarray(header.tensor_data(rf, mm), dtype=np.float32).ravel())
     meta_for_cfg = dict(meta)
     meta_for_cfg["tokenizer.ggml.tokens"] = meta_tokens
+    check_gguf_hparams(meta_for_cfg)  # strict types and finite floats before int()/float() convert them
     cfg = config_from_gguf_fields(meta_for_cfg, names, freq_factors)
+    check_layer_count("GGUF metadata", f"{cfg.arch}.block_count", cfg.n_layer, names)  # before per-layer names are built
+    metas = {(t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name):
+             _Shape(tuple(int(x) for x in reversed(list(t.shape)))) for t in header.tensors}  # shapes only, torch order
+    metas.pop("rope_freqs", None)
+    cfg = refuse_stray_tensors(cfg, metas, {})
+    if not header_only:
+        raise_refusals(cfg, p.name)
+    _check_weights(cfg, metas, p.name)
 
     from infertrace.model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_gguf(header.values)
+    try:  # values checked by check_gguf_tokenizer_fields (on a cache hit: the same header bytes passed it)
+        tokenizer = Tokenizer.from_gguf(header.values)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:  # hostile metadata
+        raise InfertraceError(f"cannot read GGUF {p.name}: invalid tokenizer metadata ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else '?'}); the file is broken") from None
 
     infos: list[TensorInfo] = []
     weights: dict[str, torch.Tensor] = {}
@@ -192,19 +222,23 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
         weights[name] = ten
         if progress:
             progress(i + 1, total, t.name)
-    metas = {(t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name):
-             _Shape(tuple(int(x) for x in reversed(list(t.shape)))) for t in header.tensors}  # shapes only, torch order
-    _check_weights(cfg, metas, p.name)
-    for i in range(cfg.n_layer if not header_only else 0):
-        weights[f"blk.{i}.attn_q"] = unpermute_from_norm(weights[f"blk.{i}.attn_q"], cfg.n_head)
-        weights[f"blk.{i}.attn_k"] = unpermute_from_norm(weights[f"blk.{i}.attn_k"], cfg.n_head_kv)
+    permuted = cfg.rope_pairing_in_file == "norm"
+    for i in range(cfg.n_layer if (permuted and not header_only) else 0):
+        for n, heads in (("attn_q", cfg.n_head), ("attn_k", cfg.n_head_kv)):
+            weights[f"blk.{i}.{n}"] = unpermute_from_norm(weights[f"blk.{i}.{n}"], heads)  # [heads*hd, H]
+            if f"blk.{i}.{n}.bias" in weights:  # case R5: the converter permutes the bias like the rows
+                weights[f"blk.{i}.{n}.bias"] = unpermute_from_norm(weights[f"blk.{i}.{n}.bias"], heads)  # [heads*hd]
     if not header_only:
         _check_weights(cfg, weights, p.name)
     weights = {k: v.to(dtype) for k, v in weights.items()}
     notes = [
-        "GGUF Q/K rows are stored permuted for adjacent-pair RoPE (llama.cpp 'norm'); "
+        "GGUF Q/K rows (and Q/K biases) are stored permuted for adjacent-pair RoPE (llama.cpp 'norm'); "
         "un-permuted at load (Q with head_count, K with head_count_kv), engine rotates half-split pairs ('neox', as HF)"
+        if permuted else
+        f"GGUF {cfg.arch}: Q/K rows in half-split order (llama.cpp NEOX RoPE, not permuted by the converter); used as stored"
     ]
+    if cfg.family == "gemma3":
+        notes.append("Gemma RMSNorm (1 + w): llama.cpp's converter stored w + 1 in every *norm.weight; used as stored")
     if cfg.rope_theta_is_default:
         notes.append(f"llama.rope.freq_base absent: using default theta {cfg.rope_theta:g}")
     if cfg.tie_embeddings:
@@ -219,12 +253,48 @@ class _Shape:
     shape: tuple[int, ...]
 
 
+def refuse_stray_tensors(cfg: ModelConfig, names: dict[str, Any], file_names: dict[str, str]) -> ModelConfig:
+    """Record every tensor the decoder would not read as a ``refused`` setting (never a silent drop).
+
+    Args:
+        cfg: the config built from the header.
+        names: engine names present in the file (values unused).
+        file_names: engine name -> name in the file, for the message (defaults to the engine name).
+
+    Returns:
+        ``cfg`` with one ledger row per stray tensor kind (first example named).
+    """
+    exp = expected_tensors(cfg)
+    stray = [n for n in names if n not in exp and not _extra_layer(cfg, n)]
+    if not stray:
+        return cfg
+    rows, kinds = list(cfg.settings), {}
+    for n in stray:
+        kinds.setdefault(n.split(".", 2)[-1] if n.startswith("blk.") else n, []).append(n)
+    for kind, ns in kinds.items():
+        ex = file_names.get(ns[0], ns[0])
+        rows.append((f"tensor {ex}", f"{len(ns)} in file", REFUSED,
+                     f"the {cfg.family} forward pass as configured would not read it (a dropped tensor changes the math)"))
+    return replace(cfg, settings=tuple(rows))
+
+
+def _extra_layer(cfg: ModelConfig, n: str) -> bool:
+    parts = n.split(".")
+    return n.startswith("blk.") and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) >= cfg.n_layer
+
+
+def raise_refusals(cfg: ModelConfig, where: str) -> None:
+    """Raise the first ``refused`` setting as a one-line :class:`InfertraceError` (no silent math)."""
+    ref = cfg.refusals
+    if ref:
+        more = f" (+{len(ref) - 1} more)" if len(ref) > 1 else ""
+        raise InfertraceError(f"{where}: {ref[0]}{more}; infertrace refuses to run math it would get wrong "
+                              "(`infertrace inspect` lists every setting)")
+
+
 def _check_names(cfg: ModelConfig, names: set[str], where: str) -> None:
     """Raise :class:`InfertraceError` when an engine-named tensor the config implies is absent."""
-    need = ["token_embd", "output_norm"] + [
-        f"blk.{i}.{n}" for i in range(cfg.n_layer) for n in _HF_LAYER_NAMES.values()
-    ]
-    missing = [n for n in need if n not in names]
+    missing = [n for n in expected_tensors(cfg) if n not in names]
     if missing:
         raise InfertraceError(f"{where} lacks tensor {missing[0]} ({len(missing)} missing); the checkpoint is incomplete")
 
@@ -241,13 +311,8 @@ def _check_weights(cfg: ModelConfig, w: dict[str, Any], where: str) -> None:
     extra = sorted({n.split(".")[1] for n in w if n.startswith("blk.") and int(n.split(".")[1]) >= cfg.n_layer}, key=int)
     if extra:
         raise InfertraceError(f"{where} has tensors for layer {extra[0]} but the config says {cfg.n_layer} layers; the checkpoint is inconsistent")
-    H, V, ff = cfg.n_embd, cfg.vocab_size, cfg.n_ff
-    q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    exp = {"token_embd": (V, H), "output_norm": (H,), "output": (V, H)}
-    per_layer = {"attn_norm": (H,), "attn_q": (q, H), "attn_k": (kv, H), "attn_v": (kv, H), "attn_output": (H, q),
-                 "ffn_norm": (H,), "ffn_gate": (ff, H), "ffn_up": (ff, H), "ffn_down": (H, ff)}
-    for i in range(cfg.n_layer):
-        exp.update({f"blk.{i}.{n}": shp for n, shp in per_layer.items()})
+    exp = dict(expected_tensors(cfg))
+    exp.setdefault("output", (cfg.vocab_size, cfg.n_embd))
     for n, shp in exp.items():
         if n in w and tuple(w[n].shape) != shp:
             raise InfertraceError(
@@ -265,22 +330,18 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     cfg_path = d / "config.json"
     if not cfg_path.exists():
         raise InfertraceError(f"{d} has no config.json; pass a .gguf file or an HF model directory")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise InfertraceError(f"{cfg_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InfertraceError(f"cannot read {cfg_path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    raw = read_json_file(cfg_path, "config.json")  # regular file, bounded size, depth and integer length
     if not isinstance(raw, dict):
         raise InfertraceError(f"{cfg_path} must hold a JSON object, got {type(raw).__name__}")
+    check_hf_config(raw)  # strict field types before int()/float() could truncate or accept Infinity
     files: list[Path]
     index = d / "model.safetensors.index.json"
     if (d / "model.safetensors").exists():
         files = [d / "model.safetensors"]
     elif index.exists():
         try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, OSError, UnicodeDecodeError):
+            wm = read_json_file(index, "safetensors index", MAX_JSON_BYTES)["weight_map"]
+        except (KeyError, TypeError):
             raise InfertraceError(f"{index} is broken (no weight_map)") from None
         if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
             raise InfertraceError(f"{index} is broken (weight_map must map tensor names to file names)")
@@ -300,6 +361,7 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     for f in files:
         if not f.exists():
             raise InfertraceError(f"shard {f.name} listed in the index is missing")
+        require_regular_file(f, "safetensors file")  # a FIFO or device must not block or stream forever
         try:
             with safe_open(str(f), framework="pt") as fh:
                 keys = list(fh.keys())
@@ -321,28 +383,40 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
         except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError
             raise InfertraceError(f"cannot read {f.name}: {e}; the file is truncated or corrupt") from None
     cfg = config_from_hf(raw, tie_default="lm_head.weight" not in sd)
+    check_layer_count("config.json", "num_hidden_layers", cfg.n_layer, sd)  # before per-layer names are built
+    fam = family_for_hf(raw)
     w: dict[str, torch.Tensor] = {}
+    file_names: dict[str, str] = {}
+    ignored: list[str] = []
     for k, t in sd.items():
-        k2 = k[len("model."):] if k.startswith("model.") else k
-        if k2 == "embed_tokens.weight":
-            w["token_embd"] = t
-        elif k2 == "norm.weight":
-            w["output_norm"] = t
-        elif k2 == "lm_head.weight":
-            w["output"] = t
-        elif k2.startswith("layers."):
-            parts = k2.split(".")
-            sub = ".".join(parts[2:-1])
-            if sub in _HF_LAYER_NAMES:
-                w[f"blk.{parts[1]}.{_HF_LAYER_NAMES[sub]}"] = t
-    if cfg.tie_embeddings:
-        w.pop("output", None)
+        n = hf_to_engine_name(fam, k)
+        if n is None and k.endswith("rotary_emb.inv_freq"):
+            ignored.append(k)  # a non-persistent buffer some old checkpoints saved; HF recomputes it too
+            continue
+        n = n if n is not None else f"(unmapped) {k}"
+        w[n], file_names[n] = t, k
+    if cfg.tie_embeddings and "output" in w:
+        w.pop("output")
+        ignored.append("lm_head.weight (tie_word_embeddings: the head is token_embd, as HF ties it)")
+    cfg = refuse_stray_tensors(cfg, w, file_names)
+    if not header_only:
+        raise_refusals(cfg, d.name)
+    if cfg.family == "gemma3" and not header_only:
+        # Gemma RMSNorm multiplies by (1 + w); fold the 1 in once so the decoder always uses x_hat * w
+        w = {k: (v.float() + 1.0 if k.split(".")[-1].endswith("norm") else v) for k, v in w.items()}
     _check_weights(cfg, w, d.name)
     w = {} if header_only else {k: v.to(dtype) for k, v in w.items()}
     from infertrace.model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_hf_dir(d)
+    try:
+        tokenizer = Tokenizer.from_hf_dir(d)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:  # hostile tokenizer files
+        raise InfertraceError(f"cannot read the tokenizer of {d.name}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else '?'}; the files are broken") from None
     notes = ["HF checkpoint: Q/K rows already in half-split ('neox') order"]
+    if cfg.family == "gemma3":
+        notes.append("Gemma RMSNorm (1 + w): +1 folded into every *norm weight at load (llama.cpp's converter does the same)")
+    notes += [f"not a weight, skipped: {k}" for k in ignored]
     if cfg.tie_embeddings:
         notes.append("tie_word_embeddings: lm head tied to embed_tokens")
     return Checkpoint(cfg, w, tokenizer, d, infos, raw, notes)

@@ -100,7 +100,7 @@ class Snapshot:
                 ignore: Sequence[str] = ()) -> None:
         """Compare ``trace`` with golden ``name`` (or write it under ``--infertrace-update``)."""
         from infertrace.trace.diff import DEFAULT_ATOL, DEFAULT_RTOL, diff_traces, format_diff
-        from infertrace.trace.store import manifest_dict, validate_manifest
+        from infertrace.trace.store import manifest_dict, read_manifest
 
         live = json.loads(golden_text(manifest_dict(trace)))
         p = self.path(name)
@@ -112,8 +112,7 @@ class Snapshot:
             return
         if not p.is_file():
             pytest.fail(f"no golden trace {p}; create it with: pytest --infertrace-update (then review and commit it)", pytrace=False)
-        golden = json.loads(p.read_text(encoding="utf-8"))
-        validate_manifest(golden, str(p))
+        golden = read_manifest(p.parent) if p.name == "trace.json" else _read_golden(p)  # bounded read + full schema check
         res = diff_traces(golden, live, DEFAULT_ATOL if atol is None else atol, DEFAULT_RTOL if rtol is None else rtol,
                           ignore=ignore)
         if not res.equal:
@@ -128,6 +127,21 @@ class Snapshot:
         trace = self.run(prompts, **run_kwargs)
         self.compare(name, trace, atol=atol, rtol=rtol, ignore=ignore)
         return trace
+
+
+def _read_golden(p: Path) -> dict:
+    """A golden file under another name: the same bounded, regular-file read and schema check."""
+    import json as _json
+
+    from infertrace.safe_io import MAX_MANIFEST_BYTES, parse_json, read_regular
+    from infertrace.trace.store import validate_manifest
+
+    try:
+        d = parse_json(read_regular(p, MAX_MANIFEST_BYTES, "golden trace"), str(p))
+    except _json.JSONDecodeError as e:
+        pytest.fail(f"{p}: not valid JSON ({e.msg})", pytrace=False)
+    validate_manifest(d, str(p))
+    return d
 
 
 @pytest.fixture

@@ -94,11 +94,14 @@ class Recorder:
             st = StepTrace(step=ctx.step, backend=kv.kind, attention=ctx.attention, N=0, batch=[],
                            preempted=list(batch.preempted), admitted=list(batch.admitted),
                            time_ms=_r(ctx.time_ms, 3))
+            if ctx.serving:  # e.g. a request stopped because the KV pool is full (kv_full)
+                st.serving = ctx.serving
             if "kv" in self.show:
                 st.kv = self._kv(batch, None, kv)
             self.steps.append(st)
             return st
         logical = kv.logical_mask(inp)
+        logical_swa = kv.logical_mask(inp, swa=True) if self.cfg.windowed_layers else None
         rows_of, row, logits_row = {}, 0, {}
         for i, ch in enumerate(batch.chunks):
             rows_of[ch.req.seq_id] = list(range(row, row + ch.T))
@@ -106,20 +109,31 @@ class Recorder:
         for j, r in enumerate(ctx.logits_rows):
             logits_row[r] = j
         reqs = []
-        for ch, m in zip(batch.chunks, logical):
+        for n_ch, (ch, m) in enumerate(zip(batch.chunks, logical)):
             sid = ch.req.seq_id
             s = ctx.samples.get(sid)
             vis = [ranges_text([j for j in range(m.shape[1]) if bool(m[i, j])]) for i in range(ch.T)]
+            vis_swa = None
+            if logical_swa is not None:
+                ms = logical_swa[n_ch]
+                vis_swa = [ranges_text([j for j in range(ms.shape[1]) if bool(ms[i, j])]) for i in range(ch.T)]
             reqs.append(ReqStep(
                 seq_id=sid, phase=ch.phase, C=ch.C, T=ch.T, token_ids=list(ch.token_ids),
                 pieces=[self.tok.piece(t) for t in ch.token_ids], positions=list(range(ch.C, ch.C + ch.T)),
                 visible=vis, cache_before=ranges_text(range(ch.C)), cache_after=ranges_text(range(ch.C + ch.T)),
                 rows=rows_of[sid], logits_row=logits_row.get(rows_of[sid][-1]) if ch.need_logits else None,
                 sampled=s.token if s else None, sampled_piece=self.tok.piece(s.token) if s else None,
-                finished=ctx.finished.get(sid),
+                finished=ctx.finished.get(sid), visible_swa=vis_swa,
             ))
         st = StepTrace(step=ctx.step, backend=kv.kind, attention=ctx.attention, N=batch.N, batch=reqs,
                        preempted=list(batch.preempted), admitted=list(batch.admitted), time_ms=_r(ctx.time_ms, 3))
+        serving = ctx.serving
+        if serving:  # prefix hits / context shifts per request, evictions and audit for the step
+            st.serving = serving
+            shifts = {op["seq_id"]: op for op in serving.get("ops_before_step", []) if op.get("op") == "context_shift"}
+            for r in reqs:
+                r.prefix = serving.get("prefix", {}).get(str(r.seq_id))
+                r.shift = shifts.get(r.seq_id)
         if "hidden" in self.show and "embed" in self._taps:
             st.hidden = self._hidden(batch, self._taps["embed"]["hidden"])
         if "positions" in self.show:
@@ -219,7 +233,42 @@ class Recorder:
             inv_freq_first=[_r(float(x), 9) for x in self.inv_freq[:npair]], cos_sin=cs, evidence=ev,
         )
 
+    def _swa(self, inp: Any, kv: Any, reqs: list[ReqStep]) -> dict[str, Any] | None:
+        """The sliding-window side of the mask: which layers, the convention, visible keys per query
+        on those layers, and (cells) the slice of llama.cpp's ``kq_mask_swa``."""
+        cfg = self.cfg
+        win = cfg.windowed_layers
+        if not win:
+            return None
+        W = cfg.sliding_window
+        d: dict[str, Any] = {
+            "n_swa": W, "layers": win, "global_layers": [i for i in range(cfg.n_layer) if i not in win],
+            "convention": f"query at position p sees keys p-W+1..p (W = {W}; HF sliding_window, llama.cpp n_swa with "
+                          "LLAMA_SWA_TYPE_STANDARD); global layers see keys 0..p",
+            "visible": [{"seq_id": r.seq_id, "queries": [{"pos": p, "keys": v} for p, v in zip(r.positions, r.visible_swa or [])]}
+                        for r in reqs],
+            "rope_theta_swa": cfg.rope_theta_swa,
+        }
+        if kv.kind == "cells" and "kq_mask_swa" in inp.extra:
+            m = inp.extra["kq_mask_swa"]  # [1, 1, n_pad, n_kv]
+            n_kv = inp.extra["n_kv"]
+            keep0 = (m[0, 0, 0, :n_kv] == 0).nonzero().flatten()  # cells the first query sees
+            c0 = int(keep0[0]) if keep0.numel() else 0
+            start = max(0, min(c0 - self.mask_cols // 2, n_kv - self.mask_cols))  # window edge in view
+            sl = m[0, 0, : min(inp.n_tokens, self.mask_rows), start : start + self.mask_cols]
+            d["kq_mask_swa"] = {"ne": [n_kv, inp.extra["n_tokens_pad"], 1, 1], "dtype": _dtype(m), "col_start": start,
+                                "cell_pos": inp.extra["cell_pos"][start : start + self.mask_cols].tolist(),
+                                "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]}
+        if kv.kind == "paged":
+            d["attention_window"] = {str(i): W for i in win}
+        return d
+
     def _mask(self, inp: Any, kv: Any, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
+        rec = self._mask_base(inp, kv, reqs, logical)
+        rec.swa = self._swa(inp, kv, reqs)
+        return rec
+
+    def _mask_base(self, inp: Any, kv: Any, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
         vis = [{"seq_id": r.seq_id, "queries": [{"pos": p, "keys": v} for p, v in zip(r.positions, r.visible)]} for r in reqs]
         lg = [m.int().tolist() for m in logical]
         if kv.kind == "cells":
@@ -286,8 +335,11 @@ class Recorder:
                 per.append({"seq_id": r.seq_id, "row": None, "note": "prefill chunk: no logits needed"})
                 continue
             req = ctx.requests[r.seq_id]
+            sampler = req.params.to_dict()
+            if not req.params.greedy and ctx.sampler_order:  # the order only matters when sampling
+                sampler["order"] = ctx.sampler_order
             per.append({
-                "seq_id": r.seq_id, "row": r.logits_row, "sampler": req.params.to_dict(),
+                "seq_id": r.seq_id, "row": r.logits_row, "sampler": sampler,
                 "top": [{"id": i, "piece": self.tok.piece(i), "logit": _r(lg, 5), "prob": _r(p, 5)} for i, lg, p in s.top[: self.top_k]],
                 "chosen": s.token, "chosen_piece": self.tok.piece(s.token),
                 "next_input": None if r.finished else s.token, "next_pos": None if r.finished else r.positions[-1] + 1,

@@ -40,6 +40,9 @@ class ReqStep:
     sampled: int | None = None
     sampled_piece: str | None = None
     finished: str | None = None
+    prefix: dict[str, Any] | None = None  # prefix-cache lookup at admission: hit, shared blocks/cells, stop reason
+    shift: dict[str, Any] | None = None  # context shift done right before this step (n_keep, n_discard, moved)
+    visible_swa: list[str] | None = None  # per query, visible keys on sliding-window layers (None: no windowed layer)
 
 
 @dataclass
@@ -100,6 +103,7 @@ class MaskRec:
     kq_mask: dict[str, Any] | None  # cells: ne, shape, n_kv, rows (slice as "0"/"-inf")
     metadata: dict[str, Any] | None  # paged: mask_type, seq_lens, kv_lens, cu_seqlens, ...
     logical: list[list[list[int]]]  # per request [T][C+T] keep (1/0), materialised
+    swa: dict[str, Any] | None = None  # sliding window: n_swa, layers, global_layers, convention, visible, kq_mask_swa rows
 
 
 @dataclass
@@ -144,9 +148,17 @@ class StepTrace:
     preempted: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
     time_ms: float = 0.0
+    serving: dict[str, Any] | None = None  # prefix lookups, evictions, context shifts, KV audit (engine/serving.py)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d.get("serving") is None:  # serving fields only when a serving mechanism was on (older traces compare equal)
+            d.pop("serving", None)
+        for b in d["batch"]:
+            for k in ("prefix", "shift"):
+                if b.get(k) is None:
+                    b.pop(k, None)
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "StepTrace":
@@ -166,6 +178,7 @@ class StepTrace:
             positions=opt(PositionsRec, "positions"), mask=opt(MaskRec, "mask"), kv=opt(KVRec, "kv"),
             decode=opt(DecodeRec, "decode"), preempted=list(d.get("preempted", [])),
             admitted=list(d.get("admitted", [])), time_ms=float(d.get("time_ms", 0.0)),
+            serving=d.get("serving") if isinstance(d.get("serving"), dict) else None,
         )
 
 
@@ -180,19 +193,22 @@ class RunTrace:
     steps: list[StepTrace]
     requests: list[dict[str, Any]]  # seq_id, prompt, prompt_ids, output_ids, text, stop_reason
     schema_version: int = SCHEMA_VERSION
+    engine: str = "infertrace"  # who computed: "infertrace" (this engine) or "llama.cpp" (run --engine llama.cpp)
     #: machine facts of the run, like ``time_ms``: in ``to_dict`` (``run --json``) but not in
     #: trace.json (timing.json holds them): ``{"threads": int, "threads_reason": str}`` or empty
     runtime: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["steps"] = [s.to_dict() for s in self.steps]  # without unset serving fields
         return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "RunTrace":
         return RunTrace(model=d["model"], config=d["config"], options=d["options"], notes=list(d.get("notes", [])),
                         steps=[StepTrace.from_dict(s) for s in d["steps"]], requests=list(d["requests"]),
-                        schema_version=int(d.get("schema_version", SCHEMA_VERSION)), runtime=checked_runtime(d.get("runtime")))
+                        schema_version=int(d.get("schema_version", SCHEMA_VERSION)),
+                        engine=str(d.get("engine", "infertrace")), runtime=checked_runtime(d.get("runtime")))
 
 
 def checked_runtime(rt: Any) -> dict[str, Any]:

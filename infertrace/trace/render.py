@@ -25,7 +25,9 @@ from rich.table import Table
 from rich.text import Text
 
 from infertrace.ranges import ranges_text
+from infertrace.safe_text import has_unsafe, visible
 from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
+from infertrace.trace.render_serving import serving_mark, serving_view
 
 _VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
 KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"
@@ -37,15 +39,16 @@ IDLE_TEXT = "nothing scheduled (waiting for arrivals)"
 
 
 def piece_text(piece: str | None) -> str:
-    """Quoted, visible form of a token piece: ``' Paris'``, ``'⏎⏎'``; control bytes as ``\\xNN``."""
+    """Quoted, visible form of a token piece: ``' Paris'``, ``'⏎⏎'``; control bytes as ``\\xNN``
+    (C1 and bidi controls too, as :func:`infertrace.safe_text.visible`)."""
     if piece is None:
         return "-"
     out = []
     for ch in piece:
         if ch in _VISIBLE:
             out.append(_VISIBLE[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02x}")
+        elif has_unsafe(ch):  # C0, DEL, C1, bidi controls: visible escapes (safe_text.visible)
+            out.append(visible(ch))
         else:
             out.append(ch)
     body = "".join(out)
@@ -132,6 +135,7 @@ def render_header(console: Console, trace: RunTrace) -> None:
                        f"{' ×%g' % c['rope_scaling']['factor'] if c['rope_scaling']['type'] != 'none' else ''} · "
                        f"pairing in file: {c['rope_pairing_in_file']} → at run time: neox (half-split)"),
     ]
+    lines += family_lines(c)
     be = o.get("backend", "?")
     conv = "llama.cpp-style cells + kq_mask" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool + metadata"
     detail = f"ctx {eng.get('ctx_size')}"
@@ -140,6 +144,10 @@ def render_header(console: Console, trace: RunTrace) -> None:
     if eng.get("prefill_chunk"):
         detail += f" · prefill_chunk {eng['prefill_chunk']}"
     extra = " · ".join(f"{k} {o[k]}" for k in ("dtype", "device") if k in o)
+    if getattr(trace, "engine", "infertrace") == "llama.cpp":
+        lc = o.get("llama_cpp", {}) if isinstance(o.get("llama_cpp"), dict) else {}
+        conv = (f"computed by llama.cpp itself (llama-cpp-python {lc.get('version', '?')}, n_ctx {lc.get('n_ctx', '?')}"
+                f"{', teacher-forced' if lc.get('teacher_forced') else ''}): every variable read from its graph")
     lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))
@@ -148,11 +156,46 @@ def render_header(console: Console, trace: RunTrace) -> None:
         lines.append(("cpu", f"{n} thread{'s' if n != 1 else ''} ({trace.runtime.get('threads_reason', '')})"))
     for n in trace.notes:
         lines.append(("note", Text(n, style="yellow")))
-    console.print(Panel(_facts(lines), title="[b]infertrace run[/b]", title_align="left", box=box.ROUNDED))
+    console.print(Panel(_facts(lines), title=Text("infertrace run", style="bold"), title_align="left", box=box.ROUNDED))
+
+
+def family_lines(c: dict[str, Any]) -> list[tuple[str, str | Text]]:
+    """Header lines for the family features a config switches on (biases, QK-norm, windows ...)."""
+    feats = []
+    if c.get("attn_bias"):
+        feats.append("q/k/v biases" + (" + o bias" if c.get("attn_out_bias") else ""))
+    if c.get("mlp_bias"):
+        feats.append("MLP biases")
+    if c.get("qk_norm"):
+        feats.append("QK-norm")
+    if c.get("post_norms"):
+        feats.append("pre/post attn+FFN norms")
+    if c.get("embed_scale"):
+        feats.append(f"embeddings ×{c['embed_scale']:.4g} (√H)")
+    if c.get("act", "silu") != "silu":
+        feats.append("GeGLU (gelu tanh)")
+    if c.get("attn_scale") is not None:
+        feats.append(f"softmax scale {c['attn_scale']:.4g}")
+    if c.get("final_logit_softcap"):
+        feats.append(f"logit soft-cap {c['final_logit_softcap']:g}")
+    out: list[tuple[str, str | Text]] = []
+    if feats or c.get("family", "llama") != "llama":
+        out.append(("family", f"{c.get('family', 'llama')}: " + (" · ".join(feats) if feats else "Llama layer")))
+    swa = [i for i, x in enumerate(c.get("swa_layers") or []) if x]
+    if swa and c.get("sliding_window"):
+        glob = [i for i in range(c["n_layer"]) if i not in swa]
+        base = f" · RoPE base {c['rope_theta_swa']:g} on windowed layers" if c.get("rope_theta_swa") else ""
+        out.append(("window", Text(f"sliding window W={c['sliding_window']} on layers {ranges_text(swa)}; global layers "
+                                   f"{ranges_text(glob) if glob else '-'} · query at p sees keys p-W+1..p (as HF and llama.cpp)"
+                                   f"{base}", style="magenta")))
+    return out
 
 
 def visible_text(r: Any, width: int = 26) -> str:
-    """``q0:0 q1:0..1 … q4:0..4``: per query (labelled by its position) the visible key positions."""
+    """``q0:0 q1:0..1 … q4:0..4``: per query (labelled by its position) the visible key positions;
+    with windowed layers ``q600:89..600|0..600`` (windowed | global)."""
+    if getattr(r, "visible_swa", None):
+        return fit([f"q{p}:{w}|{v}" if w != v else f"q{p}:{v}" for p, v, w in zip(r.positions, r.visible, r.visible_swa)], width)
     return fit([f"q{p}:{v}" for p, v in zip(r.positions, r.visible)], width)
 
 
@@ -182,8 +225,9 @@ def worked_example_table(trace: RunTrace, width: int = 120) -> Table:
             out = Text(piece_text(r.sampled_piece), style="bold") if r.sampled is not None else Text("(no logits)", style=DIM)
             if r.finished:
                 out.append(f"\n({r.finished})", style="yellow")
+            pos_cell = serving_mark(positions_text(r.positions), r)  # prefix hit / context shift marks (render_serving.py)
             rows.append((st, i, r, [str(st.step) if i == 0 else "", Text(r.phase, style="magenta" if r.phase == "prefill" else "blue"),
-                                    str(r.seq_id), None, positions_text(r.positions), None, r.cache_after, out]))
+                                    str(r.seq_id), None, pos_cell, None, r.cache_after, out]))
     fixed = 0
     for c in (0, 1, 2, 4, 6, 7):
         cells = [Text(row[3][c]) if isinstance(row[3][c], str) else row[3][c] for row in rows]
@@ -191,6 +235,9 @@ def worked_example_table(trace: RunTrace, width: int = 120) -> Table:
     rest = max(24, width - fixed - 3 * len(heads) + 1)  # one space of padding each side plus the column divider
     tok_w = rest * 3 // 5
     vis_w = rest - tok_w
+    windowed = any(getattr(r, "visible_swa", None) for st in trace.steps for r in st.batch)
+    if windowed:
+        heads = heads[:5] + ("visible keys (windowed|global)",) + heads[6:]
     t = Table(title="worked example (step by step, as in the study's 一个具体的逻辑示例)", title_justify="left",
               title_style="bold", box=box.MINIMAL_HEAVY_HEAD, border_style="bright_black", padding=(0, 1), show_edge=False)
     for h in heads:
@@ -303,12 +350,50 @@ def _mask_grid(kq: dict[str, Any], st: StepTrace, owners: dict[int, list[int]] |
     return t
 
 
+def swa_parts(st: StepTrace, swa: dict[str, Any]) -> list[RenderableType]:
+    """The sliding-window side of the mask panel: layers, convention, visible keys per query on the
+    windowed layers, and llama.cpp's ``kq_mask_swa`` slice (cells) or the window metadata (paged)."""
+    parts: list[RenderableType] = [
+        _kv("sliding window", Text(f"layers {ranges_text(swa['layers'])} windowed (W={swa['n_swa']}), global layers "
+                                   f"{ranges_text(swa['global_layers']) if swa['global_layers'] else '-'}: {swa['convention']}",
+                                   style="magenta")),
+    ]
+    for v in swa["visible"]:
+        qs = [f"q{q['pos']}: {q['keys']}" for q in v["queries"]]
+        parts.append(_kv(f"seq {v['seq_id']} (windowed)", "visible keys: " + short(qs, head=4, tail=2, sep="  "), style="bold magenta"))
+    if swa.get("kq_mask_swa"):
+        kq = swa["kq_mask_swa"]
+        parts.append(_kv("llama.cpp kq_mask_swa", f"{kq['dtype']} ne = {kq['ne']}: kq_mask with is_masked_swa "
+                                                  "(pos_q - pos_cell >= n_swa → -inf), read by the windowed layers"))
+        rows = kq["rows"]
+        if rows and len(rows[0]) <= 64:
+            cs, cp = kq.get("col_start", 0), kq.get("cell_pos") or []
+            g = Text(f"  cells {cs}..{cs + len(rows[0]) - 1}" + (f" (pos {cp[0]}..{cp[-1]})" if cp else "")
+                     + ", around the first query's window edge; ■ 0 keep, · -inf\n", style=DIM)
+            labels = [(r.seq_id, p) for r in st.batch for p in r.positions]
+            for i, row in enumerate(rows):
+                sid, pos = labels[i] if i < len(labels) else ("?", "?")
+                g.append(f"  s{sid} q{pos:<5}", style=DIM)
+                for x in row:
+                    g.append(" ■" if x == "0" else " ·", style=KEEP_STYLE if x == "0" else DIM)
+                g.append("\n")
+            g.rstrip()
+            parts.append(g)
+    if swa.get("attention_window"):
+        parts.append(_kv("paged window", f"attention_window_size per layer {{{', '.join(f'{k}: {v}' for k, v in list(swa['attention_window'].items())[:6])}"
+                                         f"{', …' if len(swa['attention_window']) > 6 else ''}}} (TensorRT-LLM attention_window_size, "
+                                         "vLLM sliding_window): the kernel skips KV tiles left of each query's window"))
+    return parts
+
+
 def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableType:
     """Visible keys per query; the kq_mask slice (cells) or the attention metadata (paged)."""
     parts: list[RenderableType] = [_kv("rule", m.rule)]
     for v in m.visible:
         qs = [f"q{q['pos']}→{q['keys']}" for q in v["queries"]]
         parts.append(_kv(f"seq {v['seq_id']}", "visible keys: " + short(qs, head=4, tail=2, sep="  "), style="bold cyan"))
+    if m.swa:
+        parts += swa_parts(st, m.swa)
     if m.kq_mask is not None:
         kq = m.kq_mask
         parts.append(_kv("llama.cpp kq_mask", f"{kq['dtype']} ne = [n_kv={kq['ne'][0]}, n_tokens_pad={kq['ne'][1]}, "
@@ -389,6 +474,10 @@ def _sampler_text(s: dict[str, Any]) -> str:
         desc = "greedy (temperature 0: argmax, lowest id on ties)"
     else:
         desc = f"temperature {s['temperature']:g} · top_k {s['top_k'] or 'off'} · top_p {s['top_p']:g} · min_p {s['min_p']:g} · seed {s['seed']}"
+        if s.get("order") == "llama.cpp":
+            desc += " · order llama.cpp (top-k/top-p/min-p on unscaled logits, then temperature)"
+        elif s.get("order") == "hf":
+            desc += " · order hf (temperature, then top-k/top-p/min-p)"
     if s.get("repetition_penalty", 1.0) != 1.0:
         desc += f" · repetition_penalty {s['repetition_penalty']:g}"
     return desc + f" · max_new_tokens {s['max_new_tokens']}" + (" · ignore_eos" if s.get("ignore_eos") else "")
@@ -460,8 +549,12 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
     """One rule line for the step, then one panel per recorded variable in ``show``."""
     console.rule(Text(_step_title(st), style="bold"), align="left")
     if not st.batch:  # idle: no variables to show
+        if st.serving:  # a request stopped by the scheduler (kv_full)
+            console.print(serving_view(st))
         return
     console.print(packed_batch_view(st))
+    if st.serving:
+        console.print(serving_view(st))
     views = {
         "hidden": lambda: st.hidden and hidden_view(st, st.hidden),
         "positions": lambda: st.positions and positions_view(st, st.positions),
@@ -475,7 +568,7 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
         body = views[name]()
         if body is None:
             continue
-        console.print(Panel(body, title=f"[b]{name}[/b] · step {st.step}", title_align="left", box=box.ROUNDED,
+        console.print(Panel(body, title=Text.assemble((name, "bold"), f" · step {st.step}"), title_align="left", box=box.ROUNDED,
                             border_style="bright_black"))
 
 

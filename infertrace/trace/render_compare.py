@@ -71,7 +71,7 @@ def render_backends_diff(console: Console, rep: dict[str, Any]) -> None:
     head = [(f"{na} ({_CONV.get(na, '?')})", _storage_text(rep["storage"][na])),
             (f"{nb} ({_CONV.get(nb, '?')})", _storage_text(rep["storage"][nb])),
             ("tolerance", f"atol {rep['atol']:g} on logits and K/V ({rep['dtype']}); positions, masks, tokens exact")]
-    console.print(Panel(_facts(head + _requests_facts(rep["requests"])), title=f"[b]diff-backends[/b] · {na} vs {nb}, lockstep",
+    console.print(Panel(_facts(head + _requests_facts(rep["requests"])), title=Text.assemble(("diff-backends", "bold"), f" · {na} vs {nb}, lockstep"),
                         title_align="left", box=box.ROUNDED))
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1),
               title="LOGICAL (must be equal)  |  PHYSICAL (expected to differ)   batch = seq:phase C+T, p prefill, d decode",
@@ -117,7 +117,7 @@ def render_reference_diff(console: Console, rep: dict[str, Any]) -> None:
         "llama.cpp (llama-cpp-python), quantised compute, one request at a time"
     head = [("ours", f"infertrace engine, backend {rep['backend']}, continuous batching"), ("reference", who),
             ("tolerance", f"atol {rep['atol']:g} on logits; greedy tokens (argmax) must be equal")]
-    console.print(Panel(_facts(head + _requests_facts(rep["requests"])), title=f"[b]diff-backends --against {ref}[/b]",
+    console.print(Panel(_facts(head + _requests_facts(rep["requests"])), title=Text(f"diff-backends --against {ref}", style="bold"),
                         title_align="left", box=box.ROUNDED))
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
     for col in ("step", "seq", "pos", "phase", "argmax ours", f"argmax {ref}", "sampled", "max|Δlogits|"):

@@ -37,6 +37,25 @@ def _storage_line(d: dict[str, Any]) -> str:
             f"({human_bytes(per)} per layer, {human_bytes(per * L)} in all)")
 
 
+def _window_line(d: dict[str, Any]) -> Text | None:
+    """Which layers are windowed and what that means for this cache (None: no windowed layer)."""
+    ph = d.get("physical") or {}
+    if d["backend"] == "cells":
+        W, layers = int(ph.get("n_swa") or 0), list(ph.get("swa_layers") or [])
+    else:
+        aw = ph.get("attention_window") or {}
+        layers = sorted(int(k) for k in aw)
+        W = int(next(iter(aw.values()))) if aw else 0
+    if not W or not layers:
+        return None
+    from infertrace.kv.base import ranges_text
+
+    how = ("one cell pool; windowed layers read kq_mask_swa (cells with pos_q - pos >= n_swa dropped), the others kq_mask"
+           if d["backend"] == "cells" else "windowed layers get attention_window_size in the metadata; blocks stay allocated")
+    return Text(f"layers {ranges_text(layers)} windowed, W={W}: query at p sees keys p-W+1..p (as HF and llama.cpp); {how}",
+                style="magenta")
+
+
 def _batch_line(d: dict[str, Any]) -> Text:
     if d["idle"]:
         return Text("idle: nothing scheduled (waiting for arrivals), nothing written", style=DIM)
@@ -77,8 +96,13 @@ def _cells_view(d: dict[str, Any]) -> list[RenderableType]:
             g.append(" ")
         g.append("\n")
     g.rstrip()
+    if lay.get("map_cells_total", lay["map_cells"]) > lay["map_cells"]:
+        g.append(f"\n  … {lay['map_cells_total'] - lay['map_cells']} more cells not drawn", style=DIM)
     parts.append(g)
     seqs = ph.get("seqs", {})
+    if ph.get("prefix_cache"):  # kv/prefix_cache.py: finished sequences keep their cells for reuse
+        parts.append(Text(f"prefix cache: retained (finished, reusable) seqs {ph.get('retained', [])}; a cell with "
+                          "several seq_ids is shared (seq_cp), freed when its last owner goes", style="italic"))
     if seqs:
         parts.append(_facts([(f"seq {s}", f"cells {v['cells']} · pos {v['pos']}") for s, v in seqs.items()],
                             label_style="bold cyan"))
@@ -94,14 +118,19 @@ def _paged_view(d: dict[str, Any]) -> list[RenderableType]:
         ("pool", f"{ph['used_blocks']} / {ph['num_blocks']} blocks used · {ph['free_blocks']} free · "
                  f"tokens_per_block {B} · {tokens} tokens in {ph['used_blocks'] * B} reserved slots"),
         ("free list", f"head {ph['free_list_head']}{' …' if ph['free_blocks'] > len(ph['free_list_head']) else ''} "
-                      "(next blocks handed out, lowest id first)"),
+                      + ("(next blocks handed out, least recently freed first; a hashed block is evicted when handed out)"
+                       if ph.get("prefix_cache") else "(next blocks handed out, lowest id first)")),
     ])]
     t = _table("seq", "len", "block table", "block: logical positions")
     for s, v in reqs.items():
-        t.add_row(s, str(v["len"]), str(v["block_table"]), " · ".join(f"{b['block']}: {b['pos']}" for b in v["blocks"]))
+        t.add_row(s, str(v["len"]), str(v["block_table"]), " · ".join(f"{b['block']}: {b['pos']}" + _block_note(b) for b in v["blocks"]))
     if not reqs:
         t.add_row("-", "", "", Text("no request holds blocks", style=DIM))
     parts += [Text("block tables (block offsets per request):", style="italic"), t]
+    if ph.get("prefix_cache"):  # kv/prefix_cache.py: hashed full blocks, ref counts, LRU free queue
+        parts.append(Text(f"prefix cache: {ph.get('cached_blocks', 0)} hashed full blocks can be hit, "
+                          f"{ph.get('cached_free_blocks', 0)} of them in the free queue (no owner; evicted least recently "
+                          "freed first); (ref n) = owners of a shared block, #hash = its content hash", style="italic"))
     if d["writes"]:
         sm = _table("seq", "pos", "slot", "= block·B + offset")
         for w in d["writes"]:
@@ -124,14 +153,21 @@ def _values_view(d: dict[str, Any]) -> RenderableType:
     return Group(Text(f"K/V values: layer {v['layer']}, kv head {v['head']} ({src})", style="italic"), t)
 
 
+def _block_note(b: dict[str, Any]) -> str:
+    """`` (ref 2) #3f9a0c`` for a shared / hashed block (prefix cache), else nothing."""
+    out = f" (ref {b['ref']})" if isinstance(b.get("ref"), int) and b["ref"] > 1 else ""
+    return out + (f" #{str(b['hash'])[:6]}" if b.get("hash") else "")
+
+
 def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
     """Print a dump dict (from :func:`infertrace.kv.dump.dump_kv_at_step` or :func:`dump_from_step`)."""
     be = d["backend"]
     conv = "llama.cpp-style cells" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool"
-    parts: list[RenderableType] = [_facts([
-        ("storage", _storage_line(d)),
-        (f"step {d['step']}", _batch_line(d)),
-    ])]
+    facts = [("storage", _storage_line(d)), (f"step {d['step']}", _batch_line(d))]
+    win = _window_line(d)
+    if win:
+        facts.append(("window", win))
+    parts: list[RenderableType] = [_facts(facts)]
     parts += _cells_view(d) if be == "cells" else _paged_view(d)
     if d.get("finished"):
         freed = "cells" if be == "cells" else "blocks"
@@ -139,6 +175,6 @@ def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
                           + f": its {freed} are freed right after this step (shown here still held)", style="yellow"))
     if d.get("values"):
         parts.append(_values_view(d))
-    console.print(Panel(Group(*parts), title=f"[b]kv cache after step {d['step']}[/b] · {be} ({conv})",
+    console.print(Panel(Group(*parts), title=Text.assemble((f"kv cache after step {d['step']}", "bold"), f" · {be} ({conv})"),
                         title_align="left", box=box.ROUNDED))
 

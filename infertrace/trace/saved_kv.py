@@ -50,6 +50,9 @@ def values_from_tensors(tt: Any, st: Any, layer: int, head: int, positions: Sequ
     for n in sorted(names, key=lambda x: int(x[len(pre) + 3:].split("/")[0])):
         sid = int(n[len(pre) + 3:].split("/")[0])
         k, v = tt.array(n), tt.array(n[: -len("k_cache")] + "v_cache")  # [len, n_kv, hd] numpy
+        if k.ndim != 3 or tuple(v.shape) != tuple(k.shape):
+            raise InfertraceError(f"{n}: k_cache {list(k.shape)} / v_cache {list(v.shape)} are not two [len, n_kv_heads, "
+                                  "head_dim] tensors of one shape; the trace is damaged, re-save it")
         if not 0 <= head < k.shape[1]:
             raise InfertraceError(f"--head {head} out of range: the cache holds kv heads 0..{k.shape[1] - 1}")
         n_values = k.shape[2] if full else min(n_first, k.shape[2])

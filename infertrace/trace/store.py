@@ -18,17 +18,23 @@ with one line naming the file and what to do.
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Iterable
 
 from infertrace.errors import InfertraceError
+from infertrace.safe_io import MAX_MANIFEST_BYTES, TORCH_TO_ST, parse_json, read_regular, safetensors_header
+from infertrace.safe_text import visible
 from infertrace.trace.records import (SCHEMA_VERSION, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep,
                                       RowStat, RunTrace, StepTrace, checked_runtime)
 
 MANIFEST, TENSORS, TIMING = "trace.json", "tensors.safetensors", "timing.json"
+#: what a saved trace directory may hold (``--force`` replaces only such a directory)
+TRACE_FILES = frozenset({MANIFEST, TENSORS, TIMING, "report.html"})
 KEEP = ("summary", "tensors")
+#: who computed a trace (the manifest's ``engine``)
+ENGINES = ("infertrace", "llama.cpp")
 #: per-step fields that depend on the machine, not on the run; stored in timing.json
 TIMING_FIELDS = ("time_ms",)
 
@@ -55,32 +61,38 @@ def manifest_dict(trace: RunTrace, store: dict[str, Any] | None = None) -> dict[
     return d
 
 
-def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def save_trace(trace: RunTrace, directory: str | Path, tensors: dict[str, Any] | None = None,
-               tensor_layers: Iterable[int] = ()) -> dict[str, int]:
-    """Write ``trace`` (and ``tensors``, when given and non-empty) to ``directory``.
+               tensor_layers: Iterable[int] = (), replace: bool = True) -> dict[str, int]:
+    """Write ``trace`` (and ``tensors``, when given and non-empty) to ``directory``, atomically.
+
+    The files are written into a fresh private directory next to ``directory``
+    (:func:`infertrace.safe_io.fresh_dir_beside`), which is then renamed into place
+    (:func:`infertrace.safe_io.publish_dir`): a reader never sees half a trace, and of two
+    writers racing for one new directory exactly one wins.
 
     Args:
         trace: the run (live or loaded).
-        directory: created if missing; existing trace files in it are replaced.
+        directory: must not exist, or be an empty directory, or (``replace``) hold only the
+            files of a saved trace (they are replaced as a whole).
         tensors: ``{name: torch.Tensor}`` from :func:`infertrace.runner.run_requests`
             (``tensors=``); None or empty = ``keep summary`` (manifest only).
         tensor_layers: layers the tensors were taken from (recorded in the manifest).
+        replace: replace an existing trace in ``directory`` (``run --save --force``).
 
     Returns:
         ``{file name: size in bytes}`` of what was written.
 
     Raises:
-        InfertraceError: the directory cannot be created or written.
+        InfertraceError: the directory is taken (by another writer, or holds something else),
+            or cannot be created or written.
     """
+    from infertrace.safe_io import DirTaken, fresh_dir_beside, publish_dir
+
     d = Path(directory)
+    shown = visible(str(d))
+    tmp: Path | None = None
     try:
-        d.mkdir(parents=True, exist_ok=True)
+        tmp = fresh_dir_beside(d)
         written: dict[str, int] = {}
         index = {}
         if tensors:
@@ -88,21 +100,27 @@ def save_trace(trace: RunTrace, directory: str | Path, tensors: dict[str, Any] |
 
             index = {k: {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)} for k, t in sorted(tensors.items())}
             data = st_save({k: t.contiguous() for k, t in tensors.items()}, metadata={"format": "pt"})
-            _write(d / TENSORS, data)
+            (tmp / TENSORS).write_bytes(data)
             written[TENSORS] = len(data)
-        elif (d / TENSORS).exists():
-            (d / TENSORS).unlink()  # a summary save must not leave an older run's tensors behind
         store = {"keep": "tensors" if tensors else "summary", "tensor_layers": sorted(set(tensor_layers)) if tensors else [],
                  "tensors": index}
         text = canonical_json(manifest_dict(trace, store)).encode("utf-8")
-        _write(d / MANIFEST, text)
+        (tmp / MANIFEST).write_bytes(text)
         written[MANIFEST] = len(text)
         timing = canonical_json({"steps": [{"step": s.step, "time_ms": s.time_ms} for s in trace.steps],
                                  **({"runtime": trace.runtime} if trace.runtime else {})}).encode()
-        _write(d / TIMING, timing)
+        (tmp / TIMING).write_bytes(timing)
         written[TIMING] = len(timing)
+        publish_dir(tmp, d, replace, TRACE_FILES)
+        tmp = None
+    except DirTaken as e:
+        raise InfertraceError(f"--save {shown}: {visible(str(e))}; the directory is taken, choose another "
+                              "(or pass --force to replace a trace)") from None
     except OSError as e:
-        raise InfertraceError(f"cannot write trace to {d}: {e.strerror or e}") from None
+        raise InfertraceError(f"cannot write trace to {shown}: {e.strerror or e}") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return written
 
 
@@ -113,7 +131,7 @@ def _where(directory: Path) -> str:
     return str(directory / MANIFEST)
 
 
-def _json_error(path: Path, text: str, e: json.JSONDecodeError) -> InfertraceError:
+def _json_error(path: Path | str, text: str, e: json.JSONDecodeError) -> InfertraceError:
     if not text.strip():
         return InfertraceError(f"{path}: empty file (truncated?); re-save the trace with infertrace run --save")
     if e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string"):
@@ -146,7 +164,7 @@ def _check_list(obj: Any, where: str) -> list:
     return obj
 
 
-def validate_manifest(d: Any, path: str) -> None:
+def validate_manifest(d: Any, path: str, consistency: bool = True) -> None:
     """Check the structure :meth:`RunTrace.from_dict` relies on; the message names the field.
 
     Raises:
@@ -165,6 +183,8 @@ def validate_manifest(d: Any, path: str) -> None:
     for k in ("model", "config", "options", "steps", "requests"):
         if k not in d:
             raise InfertraceError(f"{path}: missing key {k!r}")
+    if d.get("engine", "infertrace") not in ENGINES:
+        raise InfertraceError(f"{path}: 'engine' must be one of {', '.join(ENGINES)}")
     for k in ("model", "config", "options"):
         if not isinstance(d[k], dict):
             raise InfertraceError(f"{path}: {k!r} must be an object")
@@ -186,36 +206,39 @@ def validate_manifest(d: Any, path: str) -> None:
     store = d.get("store", {})
     if not isinstance(store, dict) or store.get("keep", "summary") not in KEEP:
         raise InfertraceError(f"{path}: 'store' must be an object with keep summary or tensors")
+    from infertrace.trace.schema import validate_trace
+
+    validate_trace(d, path, consistency)  # types, ranges, sizes and cross-field consistency of every record
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
+def read_manifest(directory: str | Path, consistency: bool = True) -> dict[str, Any]:
     """The validated manifest dict of a saved trace (``directory`` or its ``trace.json``).
+
+    ``consistency=False`` skips only the cross-field consistency checks (types, sizes and limits
+    are always checked): ``infertrace check`` reports those as invariant violations itself.
 
     Raises:
         InfertraceError: missing directory or file, unreadable, invalid or truncated JSON,
             newer schema, missing keys.
     """
     d = Path(directory)
-    if d.is_file() and d.name == MANIFEST:
+    if d.name == MANIFEST and not d.is_dir():
         d = d.parent
+    shown = visible(str(d))
     if not d.exists():
-        raise InfertraceError(f"trace directory {d} does not exist; save one with infertrace run --save {d}")
+        raise InfertraceError(f"trace directory {shown} does not exist; save one with infertrace run --save {shown}")
     if not d.is_dir():
-        raise InfertraceError(f"{d} is not a trace directory (expected a directory holding {MANIFEST})")
+        raise InfertraceError(f"{shown} is not a trace directory (expected a directory holding {MANIFEST})")
     p = d / MANIFEST
-    if not p.is_file():
-        raise InfertraceError(f"{d}: no {MANIFEST} here, not a saved trace (write one with infertrace run --save {d})")
+    if not p.exists():
+        raise InfertraceError(f"{shown}: no {MANIFEST} here, not a saved trace (write one with infertrace run --save {shown})")
+    where = visible(str(p))
+    data = read_regular(p, MAX_MANIFEST_BYTES, "trace.json (limit MAX_MANIFEST_BYTES)")
     try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise InfertraceError(f"{p}: not UTF-8 text (corrupted?)") from None
-    except OSError as e:
-        raise InfertraceError(f"cannot read {p}: {e.strerror or e}") from None
-    try:
-        obj = json.loads(text)
+        obj = parse_json(data, where)
     except json.JSONDecodeError as e:
-        raise _json_error(p, text, e) from None
-    validate_manifest(obj, str(p))
+        raise _json_error(where, e.doc, e) from None
+    validate_manifest(obj, where, consistency)
     return obj
 
 
@@ -249,10 +272,10 @@ def load_trace(directory: str | Path, timings: bool = True, manifest: dict[str, 
     if timings and (d / TIMING).is_file():
         rt: Any = None
         try:
-            doc = json.loads((d / TIMING).read_text())
+            doc = parse_json(read_regular(d / TIMING, 64 << 20, "timing.json"), TIMING)
             t = {s["step"]: float(s["time_ms"]) for s in doc["steps"]}
             rt = doc.get("runtime")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (InfertraceError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
             t = {}  # timings are informational; a broken timing.json only loses them
         for st in tr.steps:
             st.time_ms = t.get(st.step, st.time_ms)
@@ -270,27 +293,31 @@ class TraceTensors:
 
     def __init__(self, path: Path, index: dict[str, Any], layers: list[int]):
         self.path, self.index, self.layers = path, index, layers
+        shown = visible(str(path))
+        try:  # our own bounded header check first: offsets inside the file, no overlap, sizes = shape × dtype
+            header = safetensors_header(path)
+        except InfertraceError as e:
+            raise InfertraceError(f"{e.message}; the file may be truncated; re-save the trace with "
+                                  "infertrace run --save --keep tensors") from None
+        for name in sorted(index):
+            if name not in header:
+                raise InfertraceError(f"{shown}: tensor {visible(name)!r} listed in {MANIFEST} is missing from the file")
+            want, got = index[name], header[name]
+            if TORCH_TO_ST.get(want["dtype"]) != got["dtype"] or list(want["shape"]) != list(got["shape"]):
+                raise InfertraceError(f"{shown}: tensor {visible(name)!r} is {got['dtype']} {got['shape']} in the file but "
+                                      f"{visible(want['dtype'])} {want['shape']} in {MANIFEST}; the two files do not belong together")
         try:
             from safetensors import safe_open
 
             self._f = safe_open(str(path), framework="np")  # numpy: reading a trace needs no torch
-            names = set(self._f.keys())
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise InfertraceError(f"{path}: cannot read tensors ({_one(e)}); the file may be truncated; "
+            raise InfertraceError(f"{shown}: cannot read tensors ({_one(e)}); the file may be truncated; "
                                   "re-save the trace with infertrace run --save --keep tensors") from None
-        missing = sorted(set(index) - names)
-        if missing:
-            raise InfertraceError(f"{path}: tensor {missing[0]!r} listed in {MANIFEST} is missing from the file")
-        if path.stat().st_size != self._expected_size():
-            raise InfertraceError(f"{path}: size does not match its header (truncated?); re-save the trace")
-
-    def _expected_size(self) -> int:
-        with open(self.path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        self._header, self._data_start = header, 8 + n
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        return 8 + n + end
+        # bf16 (numpy has none) is read by hand from the checked header: data begins after the
+        # 8-byte length and the header JSON
+        self._header = header
+        with open(path, "rb") as f:
+            self._data_start = 8 + int.from_bytes(f.read(8), "little")
 
     def names(self, prefix: str = "") -> list[str]:
         return sorted(k for k in self.index if k.startswith(prefix))
@@ -308,7 +335,7 @@ class TraceTensors:
         import numpy as np
 
         if name not in self.index:
-            raise InfertraceError(f"{self.path}: no tensor {name!r} in this trace")
+            raise InfertraceError(f"{visible(str(self.path))}: no tensor {visible(name)!r} in this trace")
         try:
             info = self._header.get(name) or {}
             if info.get("dtype") == "BF16":  # bf16 = the high 16 bits of a float32
@@ -320,7 +347,7 @@ class TraceTensors:
                 return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
             return self._f.get_tensor(name)
         except Exception as e:  # noqa: BLE001
-            raise InfertraceError(f"{self.path}: cannot read tensor {name!r} ({_one(e)})") from None
+            raise InfertraceError(f"{visible(str(self.path))}: cannot read tensor {visible(name)!r} ({visible(_one(e))})") from None
 
     def get(self, name: str) -> Any:
         """The tensor ``name`` (torch, CPU, its saved dtype); imports torch. Presentation and
@@ -330,14 +357,14 @@ class TraceTensors:
             InfertraceError: no such tensor, or the file cannot be read.
         """
         if name not in self.index:
-            raise InfertraceError(f"{self.path}: no tensor {name!r} in this trace")
+            raise InfertraceError(f"{visible(str(self.path))}: no tensor {visible(name)!r} in this trace")
         try:
             from safetensors import safe_open
 
             with safe_open(str(self.path), framework="pt") as f:
                 return f.get_tensor(name)
         except Exception as e:  # noqa: BLE001
-            raise InfertraceError(f"{self.path}: cannot read tensor {name!r} ({_one(e)})") from None
+            raise InfertraceError(f"{visible(str(self.path))}: cannot read tensor {visible(name)!r} ({visible(_one(e))})") from None
 
 
 def _one(e: BaseException) -> str:
@@ -357,7 +384,7 @@ def load_tensors(directory: str | Path, manifest: dict[str, Any] | None = None) 
     if store.get("keep", "summary") != "tensors":
         return None
     p = d / TENSORS
-    if not p.is_file():
+    if not p.exists():
         raise InfertraceError(f"{d}: {MANIFEST} says tensors were kept but {TENSORS} is missing")
     return TraceTensors(p, store.get("tensors", {}), list(store.get("tensor_layers", [])))
 

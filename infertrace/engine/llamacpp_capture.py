@@ -1,0 +1,265 @@
+"""llama.cpp at run time, through llama-cpp-python's low-level ctypes API: decode one ``llama_batch``
+per engine step and capture the graph inputs and the cache as llama.cpp itself has them.
+
+What is read, and from where (llama.cpp as vendored by llama-cpp-python 0.3.x):
+
+* an eval callback (``cb_eval`` / ``cb_eval_user_data`` of ``llama_context_params``; llama.cpp
+  ``examples/eval-callback``): for every graph node the scheduler asks ``ask=true`` first; we answer
+  yes for the nodes we want, and after each computed node (``ask=false``) read it and its sources
+  (graph inputs are leaves, so they are reached as ``src[i]`` of the nodes that consume them):
+  ``inp_tokens`` I32 ``[N]``, ``embd`` F32 ``ne=[H, N]`` (the embedding output = ``inpL``),
+  ``inp_pos`` I32 ``[N]``, ``attn_inp_kq_mask`` (F16 with flash attention, else F32,
+  ``ne=[n_kv, n_tokens, 1, n_stream]``, ``src/llama-graph.cpp`` ``build_attn_inp_kq_mask``),
+  ``attn_inp_k_idxs`` / ``attn_inp_v_idxs`` I64 (the cell of every current token,
+  ``src/llama-kv-cache.cpp`` ``build_input_k_idxs``), ``out_ids`` I32 ``[n_outputs]``
+  (``build_inp_out_ids``), ``Qcur-{il}`` / ``Kcur-{il}`` / ``Vcur-{il}`` of one layer (first node
+  of a name = the projection, last = after RoPE) and that layer's cache after the write
+  (``cache_k_l{il} (view)``, the ``ggml_set_rows`` result);
+* ``llama_get_logits_ith`` for the rows flagged in the batch;
+* the memory API: ``llama_memory_seq_pos_min`` / ``_max`` per sequence, ``llama_memory_seq_rm``.
+
+Tensors are read with ``ggml_backend_tensor_get`` from the wheel's ``libggml`` (bound here with
+ctypes; the fields ``type``/``ne``/``nb``/``src``/``name`` of ``struct ggml_tensor`` are read
+through a ctypes mirror of its layout in ``ggml/include/ggml.h``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from infertrace.errors import InfertraceError
+
+GGML_MAX_DIMS, GGML_MAX_OP_PARAMS, GGML_MAX_SRC, GGML_MAX_NAME = 4, 64, 10, 64
+#: ggml_type -> numpy dtype for the types the inputs and caches use
+GGML_NP = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
+GGML_TYPE_NAME = {0: "f32", 1: "f16", 24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64", 30: "bf16"}
+INPUTS = ("inp_tokens", "inp_pos", "attn_inp_kq_mask", "attn_inp_kq_mask_swa", "attn_inp_k_idxs", "attn_inp_v_idxs",
+          "out_ids")
+
+
+class GgmlTensor(ctypes.Structure):
+    """Prefix of ``struct ggml_tensor`` (``ggml/include/ggml.h``) up to ``name``."""
+
+
+GgmlTensor._fields_ = [
+    ("type", ctypes.c_int),
+    ("buffer", ctypes.c_void_p),
+    ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+    ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+    ("op", ctypes.c_int),
+    ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+    ("flags", ctypes.c_int32),
+    ("src", ctypes.POINTER(GgmlTensor) * GGML_MAX_SRC),
+    ("view_src", ctypes.POINTER(GgmlTensor)),
+    ("view_offs", ctypes.c_size_t),
+    ("data", ctypes.c_void_p),
+    ("name", ctypes.c_char * GGML_MAX_NAME),
+]
+
+
+def import_llama_cpp() -> Any:
+    """``llama_cpp`` or an InfertraceError naming the extra to install."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise InfertraceError("--engine llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'") from None
+    return llama_cpp
+
+
+def _ggml_lib(llama_cpp: Any) -> ctypes.CDLL:
+    """``libggml`` of the wheel with ``ggml_backend_tensor_get`` / ``ggml_nbytes`` typed."""
+    from llama_cpp import _ggml
+
+    lib = _ggml.libggml
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    lib.ggml_nbytes.restype = ctypes.c_size_t
+    return lib
+
+
+@dataclass
+class Captured:
+    """One ``llama_decode`` = one ubatch (n_ubatch >= N): the tensors llama.cpp built, as numpy
+    arrays in ggml ``ne`` order reversed (numpy shape = ``ne[::-1]`` trimmed), plus ``ne``/dtype."""
+
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    ne: dict[str, list[int]] = field(default_factory=dict)
+    dtype: dict[str, str] = field(default_factory=dict)
+    first: dict[str, np.ndarray] = field(default_factory=dict)  # first node of a repeated name (pre-RoPE Q/K)
+    n_ubatch_calls: int = 0
+
+
+class LlamaCppContext:
+    """A llama.cpp model + context with the capture callback installed.
+
+    Args:
+        path: GGUF file.
+        n_ctx: cells of the cache (llama.cpp pads it to a multiple of 256).
+        n_batch: ``n_batch`` = ``n_ubatch`` (>= the largest step, so one step = one ubatch).
+        n_seq_max: distinct sequences.
+        layer: the layer whose Q/K/V and cache are captured.
+        n_threads: CPU threads.
+
+    Raises:
+        InfertraceError: package missing, the file is not GGUF, llama.cpp refuses the file.
+    """
+
+    def __init__(self, path: Path, n_ctx: int, n_batch: int, n_seq_max: int, layer: int = 0, n_threads: int = 2):
+        llama_cpp = import_llama_cpp()
+        self.L = llama_cpp
+        p = Path(path)
+        if not p.is_file() or p.suffix.lower() != ".gguf":
+            raise InfertraceError(f"--engine llama.cpp needs a GGUF file; {p.name} is not one")
+        self._silence()
+        llama_cpp.llama_backend_init()
+        self.ggml = _ggml_lib(llama_cpp)
+        mp = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(str(p).encode(), mp)
+        if not self.model:
+            raise InfertraceError(f"llama.cpp cannot load {p.name}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        self.layer = layer
+        self.cap = Captured()
+        self._want_layer = {f"Qcur-{layer}", f"Kcur-{layer}", f"Vcur-{layer}", f"cache_k_l{layer} (view)",
+                            f"cache_v_l{layer} (view)", "embd"}
+        self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval)  # kept alive for the context's life
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
+        cp.n_seq_max = max(1, n_seq_max)
+        cp.kv_unified = True  # one stream, as infertrace's cells backend
+        cp.n_threads = cp.n_threads_batch = n_threads
+        cp.cb_eval = self._cb
+        cp.cb_eval_user_data = None
+        cp.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise InfertraceError("llama.cpp cannot create a context (lower --ctx-size or --max-batch-tokens)")
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.n_batch = n_batch
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+
+    def _silence(self) -> None:
+        L = self.L
+
+        @L.llama_log_callback
+        def _quiet(level, text, user_data):  # noqa: ANN001 - ctypes signature
+            return None
+
+        self._log_cb = _quiet
+        L.llama_log_set(self._log_cb, ctypes.c_void_p(0))
+
+    # ------------------------------------------------------------------ callback
+    def _read(self, tp: Any) -> tuple[np.ndarray, list[int], str] | None:
+        t = tp.contents
+        if t.type not in GGML_NP or not t.buffer:
+            return None
+        ne = [int(t.ne[i]) for i in range(GGML_MAX_DIMS)]
+        n = int(np.prod(ne))
+        nbytes = int(self.ggml.ggml_nbytes(ctypes.cast(tp, ctypes.c_void_p)))
+        dt = np.dtype(GGML_NP[t.type])
+        if nbytes != n * dt.itemsize:  # a strided view: not one of ours
+            return None
+        buf = np.empty(n, dtype=dt)
+        self.ggml.ggml_backend_tensor_get(ctypes.cast(tp, ctypes.c_void_p), buf.ctypes.data, 0, nbytes)
+        shape = [d for d in reversed(ne)]
+        while len(shape) > 1 and shape[0] == 1:
+            shape = shape[1:]
+        return buf.reshape(shape), ne, GGML_TYPE_NAME.get(t.type, str(t.type))
+
+    def _keep(self, name: str, tp: Any) -> None:
+        got = self._read(tp)
+        if got is None:
+            return
+        arr, ne, dt = got
+        if name not in self.cap.first:
+            self.cap.first[name] = arr
+        self.cap.tensors[name], self.cap.ne[name], self.cap.dtype[name] = arr, ne, dt
+
+    def _eval(self, addr: Any, ask: bool, user_data: Any) -> bool:
+        """``ggml_backend_sched_eval_callback``: ``ask`` -> whether we want to see this node once
+        computed (it is wanted, or it consumes an input not read yet this ubatch); else read it."""
+        try:
+            tp = ctypes.cast(addr, ctypes.POINTER(GgmlTensor))
+            t = tp.contents
+            name = t.name.decode("utf-8", "replace")
+            srcs = []
+            for i in range(GGML_MAX_SRC):
+                s = t.src[i]
+                if not s:
+                    break
+                sname = s.contents.name.decode("utf-8", "replace")
+                if sname in INPUTS and sname not in self.cap.tensors:
+                    srcs.append((sname, s))
+            if ask:
+                return name in self._want_layer or bool(srcs)
+            if name in self._want_layer:
+                self._keep(name, tp)
+            for sname, s in srcs:
+                self._keep(sname, s)
+        except Exception:  # never let a Python error unwind through C
+            return True
+        return True
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, tokens: list[int], pos: list[int], seq: list[int], logits: list[bool]) -> Captured:
+        """One ``llama_decode`` of a batch (packed order as given) and what it captured.
+
+        Returns:
+            :class:`Captured` with the tensors above and ``tensors["logits"]`` float32
+            ``[n_outputs, n_vocab]`` from ``llama_get_logits_ith`` (rows in batch order).
+
+        Raises:
+            InfertraceError: llama_decode failed (cache full, inconsistent positions).
+        """
+        L, N = self.L, len(tokens)
+        batch = L.llama_batch_init(N, 0, 1)
+        try:
+            for i in range(N):
+                batch.token[i], batch.pos[i] = tokens[i], pos[i]
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq[i]
+                batch.logits[i] = bool(logits[i])
+            batch.n_tokens = N
+            self.cap = Captured()
+            rc = L.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise InfertraceError(f"llama_decode returned {rc} (1: no KV slot; <0: error); raise --ctx-size")
+            rows = []
+            for i in range(N):
+                if logits[i]:
+                    ptr = L.llama_get_logits_ith(self.ctx, i)
+                    rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+            self.cap.tensors["logits"] = np.stack(rows) if rows else np.zeros((0, self.n_vocab), np.float32)
+        finally:
+            L.llama_batch_free(batch)
+        return self.cap
+
+    def seq_pos_range(self, seq_id: int) -> tuple[int, int]:
+        """``(llama_memory_seq_pos_min, llama_memory_seq_pos_max)``; ``(-1, -1)`` when empty."""
+        return (int(self.L.llama_memory_seq_pos_min(self.mem, seq_id)), int(self.L.llama_memory_seq_pos_max(self.mem, seq_id)))
+
+    def seq_rm(self, seq_id: int) -> None:
+        """``llama_memory_seq_rm(mem, seq_id, -1, -1)``: free every cell of the sequence."""
+        self.L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.L.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            self.L.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass

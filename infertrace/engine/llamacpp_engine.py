@@ -1,0 +1,335 @@
+"""``run --engine llama.cpp``: the same requests, scheduled by infertrace's scheduler step by step,
+computed by llama.cpp itself; every variable of the trace is what llama.cpp built.
+
+One engine step = one ``llama_batch`` = one ubatch (``n_ubatch`` >= the step's N, unified KV
+cache, so llama.cpp's ``split_simple`` keeps the packed order). Per step the batch carries each
+token's ``seq_id``, position and ``logits`` flag, exactly as our engine packs it; the eval
+callback of :mod:`infertrace.engine.llamacpp_capture` then gives:
+
+========================  ==================================================================
+trace field               llama.cpp source
+========================  ==================================================================
+positions.inp_pos         ``inp_pos`` I32 ``[N]``
+mask.kq_mask              ``attn_inp_kq_mask`` (``ne``, dtype, 0/-inf), rows x cells
+kv cells / head           ``attn_inp_k_idxs`` (cell of each token; head = last cell + 1 as
+                          ``apply_ubatch``), freed by ``llama_memory_seq_rm``; checked against
+                          ``llama_memory_seq_pos_min/max`` every step
+kv layer view / cache     layer ``--layer``'s cache rows after ``ggml_set_rows`` (F16)
+hidden                    ``embd`` F32 ``ne=[H, N]`` (embedding output)
+RoPE evidence             ``Qcur-l``/``Kcur-l`` before and after ``ggml_rope_ext``, ``Vcur-l``
+decode logits             ``llama_get_logits_ith`` for the flagged rows; ``out_ids`` recorded
+========================  ==================================================================
+
+Q/K come in GGUF (adjacent-pair, ``norm``) order; they are put in half-split order (as our
+engine's un-permuted weights) so the two traces compare element for element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from infertrace.engine.engine import Engine, EngineOptions
+from infertrace.engine.sampler import SampleResult, sample
+from infertrace.engine.llamacpp_capture import Captured, LlamaCppContext
+from infertrace.errors import InfertraceError
+from infertrace.kv.base import AttnInputs, ChunkSpec
+from infertrace.kv.cells import CellsKV
+
+ENGINE = "llama.cpp"
+
+
+def norm_to_neox(x: np.ndarray) -> np.ndarray:
+    """``[..., hd]`` in GGUF adjacent-pair order -> half-split order: ``out[j + a*hd/2] = x[2j + a]``
+    (the inverse of llama.cpp ``convert_hf_to_gguf``'s Q/K permutation, per head)."""
+    hd = x.shape[-1]
+    return x.reshape(*x.shape[:-1], hd // 2, 2).swapaxes(-1, -2).reshape(x.shape)
+
+
+class LlamaCppKV(CellsKV):
+    """llama.cpp's unified KV cache as read back at run time, in the ``cells`` shape infertrace
+    records (so the ordinary recorder, ``show``, ``report`` and ``dump-kv`` read it).
+
+    Placement is never chosen here: :meth:`prepare` only packs positions and seq_ids, and
+    :meth:`after_decode` applies the cells llama.cpp chose (``attn_inp_k_idxs``). K/V storage
+    holds layer ``layer`` only, as llama.cpp wrote it (its cache dtype).
+
+    Args:
+        cfg: model config; lctx: the :class:`LlamaCppContext`; layer: the captured layer.
+    """
+
+    def __init__(self, cfg: Any, lctx: LlamaCppContext, n_seq_max: int, layer: int):
+        super().__init__(1, cfg.n_head_kv, cfg.head_dim, lctx.n_ctx, n_seq_max, torch.float16, "cpu")
+        self.lctx, self.layer, self.cfg = lctx, layer, cfg
+        self.k = [self.k[0]] * cfg.n_layer  # one storage; read() refuses the layers not captured
+        self.v = [self.v[0]] * cfg.n_layer
+        self._n_kv = 0
+        self.notes: list[str] = []
+
+    def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
+        positions, seq_ids = [], []
+        for c in chunks:
+            self._check_seq(c.seq_id)
+            positions += list(range(c.C, c.C + c.T))
+            seq_ids += [c.seq_id] * c.T
+        return AttnInputs(list(chunks), torch.tensor(positions, dtype=torch.int64), torch.tensor(seq_ids, dtype=torch.int64),
+                          self.kind, {})
+
+    def after_decode(self, inp: AttnInputs, cap: Captured, step: int) -> None:
+        """Apply llama.cpp's placement and fill ``inp`` with its tensors (see the module table).
+
+        Raises:
+            InfertraceError: a tensor the trace needs was not captured (unsupported graph).
+        """
+        t = cap.tensors
+        for name in ("inp_pos", "attn_inp_kq_mask", "attn_inp_k_idxs"):
+            if name not in t:
+                raise InfertraceError(f"llama.cpp graph gave no {name} at step {step}; this model's graph is not supported by --engine llama.cpp")
+        N = inp.n_tokens
+        idx = torch.from_numpy(t["attn_inp_k_idxs"].reshape(-1)[:N].astype(np.int64))  # [N] cells
+        pos = torch.from_numpy(t["inp_pos"].reshape(-1)[:N].astype(np.int64))  # [N]
+        head_before = self.head
+        self.pos[idx] = pos
+        self.seq[idx, inp.seq_ids] = True
+        self.head = int(idx[-1]) + 1 if N else self.head  # llama_kv_cache::apply_ubatch
+        ne = cap.ne["attn_inp_kq_mask"]
+        self._n_kv = int(ne[0])
+        m = t["attn_inp_kq_mask"].reshape(ne[3], ne[2], ne[1], ne[0])  # [n_stream, 1, n_tokens, n_kv]
+        mask = torch.from_numpy(m.copy())
+        inp.positions = pos
+        inp.extra.update({
+            "cell_idx": idx, "n_kv": self._n_kv, "kq_mask": mask, "n_tokens_pad": int(ne[1]), "kq_mask_ne": list(ne),
+            "kq_mask_dtype": cap.dtype["attn_inp_kq_mask"], "head_before": head_before, "head_after": self.head,
+            "cell_pos": self.pos[: self._n_kv].clone(), "cell_seq": self.seq[: self._n_kv].clone(),
+            "out_ids": t["out_ids"].reshape(-1).astype(int).tolist() if "out_ids" in t else None,
+            "inp_tokens": t["inp_tokens"].reshape(-1).astype(int).tolist() if "inp_tokens" in t else None,
+        })
+        self._store_layer(cap, idx)
+        self._check_memory(inp, step)
+
+    def _store_layer(self, cap: Captured, idx: torch.Tensor) -> None:
+        """Layer ``layer``'s K/V rows of the current tokens, as written into the cache."""
+        t, il, N = cap.tensors, self.layer, int(idx.numel())
+        nkv, hd = self.cfg.n_head_kv, self.cfg.head_dim
+        ii = idx.numpy()
+
+        def rows(name: str, fallback: str) -> np.ndarray:
+            c = t.get(name)  # the ggml_set_rows result: a view of the cache from cell 0, [cells, nkv, hd]
+            if c is not None and c.ndim == 3 and c.shape[1:] == (nkv, hd) and (N == 0 or int(ii.max()) < c.shape[0]):
+                return c[ii]  # [N, nkv, hd] as stored (F16)
+            return t[fallback].reshape(N, nkv, hd)  # not readable as rows: the values the graph wrote
+
+        k = rows(f"cache_k_l{il} (view)", f"Kcur-{il}")
+        v = rows(f"cache_v_l{il} (view)", f"Vcur-{il}")
+        self.k[0][idx] = torch.from_numpy(norm_to_neox(np.asarray(k, dtype=np.float32))).to(self.k[0].dtype)
+        self.v[0][idx] = torch.from_numpy(np.asarray(v, dtype=np.float32)).to(self.v[0].dtype)
+
+    def _check_memory(self, inp: AttnInputs, step: int) -> None:
+        """Per sequence in the cache: our reading of the cells vs ``llama_memory_seq_pos_min/max``."""
+        ranges = {}
+        for sid in sorted(set(self.seq.any(dim=0).nonzero().flatten().tolist())):
+            lo, hi = self.lctx.seq_pos_range(sid)
+            ranges[str(sid)] = [lo, hi]
+            ps = [p for _, p in self.cells_of(sid)]
+            if ps and (min(ps), max(ps)) != (lo, hi):
+                self.notes.append(f"step {step}: seq {sid} cells read from k_idxs hold pos {min(ps)}..{max(ps)}, "
+                                  f"llama_memory_seq_pos_min/max say {lo}..{hi}")
+        inp.extra["memory_seq_pos"] = ranges
+        self._memory_seq_pos = ranges
+
+    def snapshot(self) -> dict[str, Any]:
+        """The cells map (as :meth:`CellsKV.snapshot`) plus ``llama_memory_seq_pos``: per sequence
+        ``[llama_memory_seq_pos_min, llama_memory_seq_pos_max]`` after the last ubatch."""
+        snap = super().snapshot()
+        snap["llama_memory_seq_pos"] = dict(getattr(self, "_memory_seq_pos", {}))
+        return snap
+
+    def n_kv(self) -> int:
+        """``n_kv`` of the last ubatch as llama.cpp built it (``attn_inp_kq_mask`` ``ne[0]``)."""
+        return self._n_kv
+
+    def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer != self.layer:
+            raise InfertraceError(f"--engine llama.cpp captured layer {self.layer} only; pass --layer {layer}")
+        cells = torch.tensor([c for c, _ in self.cells_of(seq_id)], dtype=torch.int64)
+        return self.k[0][cells], self.v[0][cells]  # [L, n_kv_heads, hd] each
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: AttnInputs) -> None:  # pragma: no cover
+        raise InfertraceError("llama.cpp writes its own cache")
+
+    def release(self, seq_id: int) -> None:
+        """``llama_memory_seq_rm(seq_id, -1, -1)``; head moves back to the first freed cell
+        (``llama_kv_cache::seq_rm``)."""
+        self.lctx.seq_rm(seq_id)
+        super().release(seq_id)
+
+
+class LlamaCppModel:
+    """Stands in for :class:`~infertrace.model.llama.LlamaModel` in the engine loop: ``forward``
+    decodes the step with llama.cpp and returns its logits rows."""
+
+    def __init__(self, base: Any, lctx: LlamaCppContext):
+        self.cfg, self.dtype, self.device = base.cfg, base.dtype, base.device
+        self.lctx = lctx
+        self.step = 0
+        self.captures: list[Captured] = []
+        self.keep_captures = False
+
+    def forward(self, ids: torch.Tensor, inp: AttnInputs, kv: LlamaCppKV, rows: torch.Tensor, tracer: Any) -> torch.Tensor:
+        """Decode ``ids`` ``[N]`` at ``inp.positions`` / ``inp.seq_ids`` with logits for ``rows``.
+
+        Returns:
+            logits ``[M, V]`` float32 (llama.cpp's, rows in batch order).
+        """
+        N = int(ids.shape[0])
+        flags = [False] * N
+        for r in rows.tolist():
+            flags[r] = True
+        cap = self.lctx.decode(ids.tolist(), inp.positions.tolist(), inp.seq_ids.tolist(), flags)
+        kv.after_decode(inp, cap, self.step)
+        if self.keep_captures:
+            self.captures.append(cap)
+        if tracer.enabled:
+            self._taps(cap, N, tracer)
+        self.step += 1
+        return torch.from_numpy(cap.tensors["logits"].astype(np.float32))  # [M, V]
+
+    def _taps(self, cap: Captured, N: int, tracer: Any) -> None:
+        cfg, t, il = self.cfg, cap.tensors, self.lctx.layer
+        if "embd" in t:
+            tracer.tap("embed", hidden=torch.from_numpy(t["embd"].reshape(N, -1).astype(np.float32)))  # [N, H]
+        names = (f"Qcur-{il}", f"Kcur-{il}", f"Vcur-{il}")
+        if all(n in t for n in names):
+            nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+
+            def qk(a: np.ndarray, heads: int) -> torch.Tensor:
+                return torch.from_numpy(norm_to_neox(a.reshape(N, heads, hd).astype(np.float32)))  # [N, heads, hd]
+
+            tracer.tap("rope", layer=il, q=qk(cap.first[names[0]], nh), q_rot=qk(t[names[0]], nh),
+                       k=qk(cap.first[names[1]], nkv), k_rot=qk(t[names[1]], nkv),
+                       v=torch.from_numpy(t[names[2]].reshape(N, nkv, hd).astype(np.float32)))
+
+
+class LlamaCppEngine(Engine):
+    """:class:`Engine` whose forward pass and cache are llama.cpp's.
+
+    Args:
+        loaded: :class:`~infertrace.runner.Loaded` (tokenizer, config; the GGUF path).
+        opts: engine options (backend must be ``cells``: llama.cpp's convention).
+        tracer: recorder or null tracer.
+        layer: the layer whose Q/K/V and cache are captured.
+        forced: teacher forcing, ``{seq_id: [token, ...]}``: the i-th sampled token of a request
+            is replaced by ``forced[seq_id][i]`` (llama.cpp's own choice is kept in ``top``).
+        n_seq_max: sequences llama.cpp must hold (the number of requests).
+
+    Raises:
+        InfertraceError: llama-cpp-python missing, non-GGUF model, ``--backend paged``.
+    """
+
+    def __init__(self, loaded: Any, opts: EngineOptions, tracer: Any, layer: int = 0,
+                 forced: dict[int, list[int]] | None = None, n_seq_max: int = 1, n_threads: int = 2):
+        if opts.backend != "cells":
+            raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
+        n_batch = max(1, min(opts.max_batch_tokens, opts.ctx_size))
+        self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads)
+        self.lmodel = LlamaCppModel(loaded.model, self.lctx)
+        super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)
+        self.kv = self.scheduler.kv = LlamaCppKV(loaded.config, self.lctx, opts.n_seq_max, layer)
+        self.forced = forced or {}
+        self.attn_impl = "llama.cpp"
+        self.sampler_order = opts.sampler_order or "llama.cpp"
+
+    def sample_row(self, logits: torch.Tensor, req: Any) -> SampleResult:
+        res = sample(logits, req.params, req.all_ids, req.generator, order=self.sampler_order)
+        f = self.forced.get(req.seq_id)
+        i = len(req.output_ids)
+        if f is not None and i < len(f):
+            return SampleResult(int(f[i]), res.top)
+        return res
+
+    def close(self) -> None:
+        self.lctx.close()
+
+
+def run_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, recorder: Any, layer: int = 0,
+                 forced: dict[int, list[int]] | None = None, on_step: Callable[[Any], None] | None = None,
+                 keep_captures: bool = False) -> tuple[LlamaCppEngine, list[str]]:
+    """Run ``prompts`` through llama.cpp with our scheduler; returns the finished engine and notes.
+
+    Raises:
+        InfertraceError: as :class:`LlamaCppEngine`, or a llama_decode failure.
+    """
+    from infertrace.runner import encode_prompt
+
+    eng = LlamaCppEngine(loaded, opts, recorder, layer, forced, n_seq_max=max(1, len(prompts)))
+    eng.lmodel.keep_captures = keep_captures
+    for s in prompts:
+        eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
+    emitted = 0
+    while eng.step() is not None:
+        steps = getattr(recorder, "steps", None)
+        if on_step is not None and steps is not None:
+            for st in steps[emitted:]:
+                on_step(st)
+            emitted = len(steps)
+    notes = [f"engine llama.cpp (llama-cpp-python {_version()}): n_ctx {eng.lctx.n_ctx}, n_ubatch = n_batch "
+             f"{min(opts.max_batch_tokens, opts.ctx_size)}, kv_unified, one llama_batch per step"]
+    if eng.lctx.n_ctx != opts.ctx_size:
+        notes.append(f"llama.cpp pads n_ctx to a multiple of 256: {opts.ctx_size} -> {eng.lctx.n_ctx} cells")
+    notes += eng.kv.notes
+    return eng, notes
+
+
+def _version() -> str:
+    try:
+        import importlib.metadata as md
+
+        return md.version("llama-cpp-python")
+    except Exception:  # pragma: no cover
+        return "?"
+
+
+def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: int = 0,
+                          show: tuple[str, ...] | None = None, on_step: Callable[[Any], None] | None = None,
+                          options_for_record: dict[str, Any] | None = None,
+                          tensors: dict[str, torch.Tensor] | None = None,
+                          forced: dict[int, list[int]] | None = None) -> Any:
+    """:func:`infertrace.runner.run_requests` with llama.cpp computing: the same records, with
+    ``engine = "llama.cpp"`` in the header.
+
+    Args:
+        loaded: the GGUF model (our tokenizer and config; llama.cpp loads the same file).
+        tensors: as ``run_requests`` (layer ``layer`` only: K/V cache, Q/K/V, hidden, top-k logits).
+        forced: teacher forcing (see :class:`LlamaCppEngine`).
+
+    Raises:
+        InfertraceError: bad layer, llama-cpp-python missing, non-GGUF model, decode failure.
+    """
+    from infertrace.runner import model_identity
+    from infertrace.trace.recorder import VARIABLES, Recorder
+    from infertrace.trace.records import RunTrace
+
+    cfg = loaded.config
+    if not 0 <= layer < cfg.n_layer:
+        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
+    if not prompts:
+        raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
+    show = tuple(show or VARIABLES)
+    rec = Recorder(loaded.tokenizer, cfg, layer=layer, show=show, layers=[layer], tensors=tensors)
+    eng, notes = run_llamacpp(loaded, prompts, opts, rec, layer, forced, on_step)
+    try:
+        tok = loaded.tokenizer
+        reqs = [{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
+                 "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
+                 "num_preemptions": r.num_preemptions, "params": r.params.to_dict()} for r in eng.requests.values()]
+        options = {"backend": "cells", "attention": "llama.cpp", **(options_for_record or {}), "engine": asdict(opts),
+                   "layer": layer, "show": list(show), "sampler_order": eng.sampler_order,
+                   "llama_cpp": {"version": _version(), "n_ctx": eng.lctx.n_ctx, "n_ubatch": eng.lctx.n_batch,
+                                 "kv_unified": True, "teacher_forced": bool(forced)}}
+        return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
+                        notes=list(loaded.ckpt.notes) + notes, steps=list(rec.steps), requests=reqs, engine=ENGINE)
+    finally:
+        eng.close()

@@ -1,0 +1,126 @@
+"""What a run will cost before it starts: KV cache bytes, decode steps, and the bounds on them.
+
+``--ctx-size`` (and ``--num-blocks`` x ``--tokens-per-block``) decide how much memory the KV cache
+takes; nothing else in a run grows as fast. :func:`check_kv_budget` refuses a cache larger than
+half the memory of the device before it is allocated (instead of an out-of-memory kill);
+:func:`run_cost_warnings` describes a run that goes past the model's trained context
+(``n_ctx_train``): legal, but the positions were never trained and the cost grows with it.
+
+Sizes follow llama.cpp ``llama_kv_cache`` (``n_ctx`` cells x ``n_embd_k_gqa`` + ``n_embd_v_gqa``
+per layer) and the TensorRT-LLM / vLLM pool (``num_blocks x 2 x n_kv_heads x tokens_per_block x head_dim``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+from infertrace.errors import InfertraceError
+
+#: largest --ctx-size / pool in tokens accepted before a model is loaded (2^24 = 16.7M positions).
+MAX_CTX_TOKENS = 1 << 24
+#: fraction of the device memory (physical RAM for cpu, total memory for a CUDA device) the KV cache may take.
+KV_MEMORY_FRACTION = 0.5
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"  # pragma: no cover
+
+
+def kv_tokens(opts: Any) -> int:
+    """Token slots the backend of ``opts`` allocates (cells: ``ctx_size``; paged: ``num_blocks x tokens_per_block``)."""
+    if getattr(opts, "backend", "cells") == "paged":
+        nb = opts.num_blocks if opts.num_blocks is not None else -(-opts.ctx_size // opts.tokens_per_block)
+        return nb * opts.tokens_per_block
+    return opts.ctx_size
+
+
+def kv_bytes_per_layer(cfg: Any, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one layer: ``2 x tokens x n_head_kv x head_dim x itemsize``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * tokens * cfg.n_head_kv * cfg.head_dim * itemsize
+
+
+def memory_limit_bytes(device: str | torch.device = "cpu") -> int | None:
+    """``KV_MEMORY_FRACTION`` of the device's memory, or None when it cannot be told."""
+    dev = torch.device(device)
+    try:
+        if dev.type == "cuda":
+            total = torch.cuda.get_device_properties(dev.index or 0).total_memory
+        else:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, RuntimeError, AttributeError, AssertionError):
+        return None
+    return int(total * KV_MEMORY_FRACTION)
+
+
+def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch.device = "cpu") -> int:
+    """Refuse a KV cache larger than :func:`memory_limit_bytes`, before it is allocated.
+
+    Args:
+        cfg: the :class:`~infertrace.model.config.ModelConfig` (``n_layer``, ``n_head_kv``, ``head_dim``).
+        opts: :class:`~infertrace.engine.engine.EngineOptions`.
+        dtype, device: of the cache.
+
+    Returns:
+        The cache size in bytes (all layers, K and V, plus the cells' ``pos`` / ``seq_id`` bookkeeping).
+
+    Raises:
+        InfertraceError: the cache would exceed the limit; the message gives its size and the limit.
+    """
+    tokens = kv_tokens(opts)
+    per_layer = kv_bytes_per_layer(cfg, tokens, dtype)
+    total = per_layer * cfg.n_layer
+    book = 0
+    if getattr(opts, "backend", "cells") == "cells":  # cell bookkeeping: pos (int64) + seq_id set (n_seq_max bools)
+        book = tokens * (8 + getattr(opts, "n_seq_max", 64))
+    total += book
+    limit = memory_limit_bytes(device)
+    if limit is not None and total > limit:
+        what = "--ctx-size" if getattr(opts, "backend", "cells") == "cells" else "--num-blocks x --tokens-per-block"
+        raise InfertraceError(
+            f"the KV cache for {tokens} tokens would take {human_bytes(total)} ({human_bytes(per_layer)} per layer x "
+            f"{cfg.n_layer} layers at {str(dtype).replace('torch.', '')}{f' + {human_bytes(book)} of cell bookkeeping' if book else ''}), "
+            f"over the limit of {human_bytes(limit)} "
+            f"(half of this machine's memory); lower {what}")
+    return total
+
+
+def run_cost_warnings(cfg: Any, opts: Any, max_new_tokens: Sequence[int], dtype: torch.dtype,
+                      default_ctx_size: int | None = None) -> list[str]:
+    """One-line warnings for a run that goes past the model's trained context, with its cost.
+
+    Args:
+        cfg: model config (``n_ctx_train``, ``n_layer``, ``n_head_kv``, ``head_dim``).
+        opts: engine options (``ctx_size``, backend, pool).
+        max_new_tokens: ``--max-new-tokens`` of each request.
+        dtype: KV cache dtype.
+        default_ctx_size: the CLI's default ``--ctx-size``; a default larger than a small model's
+            trained context is only mentioned when the generation length can actually pass it.
+
+    Returns:
+        Zero, one or two messages (no ``warning:`` prefix).
+    """
+    out: list[str] = []
+    n_train = cfg.n_ctx_train
+    tokens = kv_tokens(opts)
+    per_layer = kv_bytes_per_layer(cfg, tokens, dtype)
+    dt = str(dtype).replace("torch.", "")
+    biggest = max(max_new_tokens, default=0)
+    if opts.ctx_size > n_train and (opts.ctx_size != default_ctx_size or biggest > n_train):
+        out.append(f"--ctx-size {opts.ctx_size} is beyond the model's trained context ({n_train} tokens): positions past "
+                   f"{n_train} were never trained; the KV cache takes {human_bytes(per_layer)} per layer x {cfg.n_layer} "
+                   f"layers = {human_bytes(per_layer * cfg.n_layer)} at {dt}")
+    if biggest > n_train:
+        steps = min(biggest, opts.ctx_size - 1)
+        out.append(f"--max-new-tokens {biggest} is beyond the model's trained context ({n_train} tokens): up to "
+                   f"{steps} decode steps per request ({len(max_new_tokens)} request(s)), each reading a KV cache that grows "
+                   f"to {human_bytes(kv_bytes_per_layer(cfg, min(opts.ctx_size, tokens), dtype) * cfg.n_layer)} at {dt}")
+    return out

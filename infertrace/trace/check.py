@@ -1,0 +1,326 @@
+"""``infertrace check``: invariants every trace must satisfy, whoever produced it (our engine on
+either backend, or llama.cpp through ``run --engine llama.cpp``).
+
+Checked per step, in this order (the first violation is reported with its step, seq_id and
+variable):
+
+1. **positions** -- each request's positions are ``C .. C+T-1``, continuing where its previous
+   chunk stopped (restarting at 0 only after a preemption); ``inp_pos`` is the packed
+   concatenation of them.
+2. **positions (RoPE)** -- every recorded ``cos``/``sin`` is ``cos(pos * inv_freq[i])`` /
+   ``sin(...)`` for its position (1e-5: values are stored rounded to 6 digits).
+3. **mask (causality)** -- no query sees a later position, and each query sees its own.
+4. **mask (isolation)** -- in the kq_mask slice (cells), a kept entry (0) lies on a cell that
+   holds the query's seq_id at a position <= the query's; the materialised logical mask has
+   no leak column.
+5. **kv (ownership)** -- cells: no two cells hold the same (seq, pos); the cells written this
+   step were free or released before; after the step each computed request owns exactly
+   positions ``0 .. C+T-1``; a finished request owns nothing later. paged: a block belongs to
+   one request; the slot mapping is ``table[p // B] * B + p % B``; a finished request has no
+   table later. llama.cpp traces: ``llama_memory_seq_pos_min/max`` agree with the cells.
+
+Every field is validated before use: a malformed trace is a violation of "schema", not a crash.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+
+@dataclass
+class Violation:
+    """The first broken invariant: where (step, seq_id, variable) and what."""
+
+    step: int | None
+    seq_id: int | None
+    variable: str
+    rule: str
+    detail: str
+
+    def line(self) -> str:
+        where = f"step {self.step}" + (f" seq {self.seq_id}" if self.seq_id is not None else "")
+        return f"violation: {where} {self.variable}: {self.rule}: {self.detail}"
+
+
+class _Bad(Exception):
+    def __init__(self, v: Violation):
+        self.v = v
+
+
+def parse_ranges(text: Any) -> list[int]:
+    """``"0..2,5"`` -> ``[0, 1, 2, 5]``; ``"-"`` -> ``[]``. ValueError on anything else (bounded:
+    at most 1_000_000 values)."""
+    if not isinstance(text, str):
+        raise ValueError(f"expected range text, got {type(text).__name__}")
+    if text == "-":
+        return []
+    out: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"(\d+)(?:\.\.(\d+))?", part.strip())
+        if not m:
+            raise ValueError(f"bad range {part!r}")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) else lo
+        if hi < lo or hi - lo > 1_000_000 or len(out) > 1_000_000:
+            raise ValueError(f"bad range {part!r}")
+        out.extend(range(lo, hi + 1))
+    return out
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class _Checker:
+    def __init__(self, m: dict[str, Any]):
+        self.m = m
+        self.next_pos: dict[int, int] = {}
+        self.finished: set[int] = set()
+        self.prev_cells: dict[int, tuple[int, list[int]]] = {}
+        self.n_checks = 0
+
+    def fail(self, step: Any, sid: Any, var: str, rule: str, detail: str) -> None:
+        raise _Bad(Violation(step if _int(step) else None, sid if _int(sid) else None, var, rule, detail))
+
+    def need(self, ok: bool, step: Any, sid: Any, var: str, detail: str) -> None:
+        self.n_checks += 1
+        if not ok:
+            self.fail(step, sid, var, "schema", detail)
+
+    # ------------------------------------------------------------------ per step
+    def step(self, st: Any) -> None:
+        self.need(isinstance(st, dict), None, None, "schema", "a step is not an object")
+        s = st.get("step")
+        self.need(_int(s), None, None, "schema", "step number missing")
+        batch = st.get("batch")
+        self.need(isinstance(batch, list), s, None, "schema", "batch is not a list")
+        preempted = st.get("preempted") or []
+        self.need(isinstance(preempted, list) and all(_int(x) for x in preempted), s, None, "schema", "preempted is not a list of ints")
+        for sid in preempted:
+            self.next_pos[sid] = 0
+        reqs = []
+        for r in batch:
+            self.need(isinstance(r, dict) and _int(r.get("seq_id")) and _int(r.get("C")) and _int(r.get("T")), s, None,
+                      "schema", "batch row without int seq_id/C/T")
+            self.need(isinstance(r.get("positions"), list) and all(_int(p) for p in r["positions"]), s, r["seq_id"],
+                      "schema", "positions is not a list of ints")
+            reqs.append(r)
+        self._positions(s, st, reqs)
+        self._rope(s, st)
+        self._causal(s, st, reqs)
+        self._isolation(s, st, reqs)
+        self._kv(s, st, reqs)
+        for r in reqs:
+            if r.get("finished"):
+                self.finished.add(r["seq_id"])
+
+    def _positions(self, s: int, st: dict, reqs: list[dict]) -> None:
+        packed = []
+        for r in reqs:
+            sid, C, T, pos = r["seq_id"], r["C"], r["T"], r["positions"]
+            self.n_checks += 1
+            if sid in self.finished:
+                self.fail(s, sid, "positions", "lifetime", "a finished request is computed again")
+            if pos != list(range(C, C + T)):
+                self.fail(s, sid, "positions", "contiguous", f"positions {pos[:8]} are not C..C+T-1 = {C}..{C + T - 1}")
+            want = self.next_pos.get(sid, 0)
+            if C != want:
+                self.fail(s, sid, "positions", "contiguous across chunks",
+                          f"chunk starts at position {C}, the previous chunk of this sequence ended at {want - 1}")
+            self.next_pos[sid] = C + T
+            packed += pos
+        p = st.get("positions")
+        if isinstance(p, dict):
+            self.n_checks += 1
+            if p.get("inp_pos") != packed:
+                self.fail(s, None, "positions", "inp_pos = packed positions",
+                          f"inp_pos {str(p.get('inp_pos'))[:80]} != batch positions {packed[:16]}")
+
+    def _rope(self, s: int, st: dict) -> None:
+        p = st.get("positions")
+        if not isinstance(p, dict):
+            return
+        inv = p.get("inv_freq_first")
+        cs = p.get("cos_sin")
+        if not isinstance(inv, list) or not isinstance(cs, list):
+            return
+        self.need(all(isinstance(x, (int, float)) and math.isfinite(x) for x in inv), s, None, "positions", "inv_freq_first not numbers")
+        ip = p.get("inp_pos") if isinstance(p.get("inp_pos"), list) else []
+        for k, e in enumerate(cs):
+            self.need(isinstance(e, dict) and _int(e.get("pos")) and isinstance(e.get("cos"), list) and isinstance(e.get("sin"), list),
+                      s, None, "positions", "cos_sin entry malformed")
+            if k < len(ip) and e["pos"] != ip[k]:
+                self.fail(s, None, "positions", "RoPE angle consistent with position",
+                          f"cos/sin entry {k} is for pos {e['pos']} but inp_pos[{k}] = {ip[k]}")
+            for i, f in enumerate(inv[: len(e["cos"])]):
+                a = e["pos"] * f
+                c, sn = e["cos"][i], e["sin"][i] if i < len(e["sin"]) else None
+                self.n_checks += 1
+                if not isinstance(c, (int, float)) or not isinstance(sn, (int, float)) or abs(c - math.cos(a)) > 1e-5 \
+                        or abs(sn - math.sin(a)) > 1e-5:
+                    self.fail(s, None, "positions", "RoPE angle consistent with position",
+                              f"pos {e['pos']} pair {i}: cos/sin {c}, {sn} != cos/sin({e['pos']} * {f}) = "
+                              f"{math.cos(a):.6f}, {math.sin(a):.6f}")
+
+    def _causal(self, s: int, st: dict, reqs: list[dict]) -> None:
+        mask = st.get("mask")
+        logical = mask.get("logical") if isinstance(mask, dict) else None
+        for k, r in enumerate(reqs):
+            sid, pos = r["seq_id"], r["positions"]
+            vis = r.get("visible")
+            if isinstance(vis, list):
+                for i, v in enumerate(vis[: len(pos)]):
+                    try:
+                        keys = parse_ranges(v)
+                    except ValueError as e:
+                        self.fail(s, sid, "mask", "schema", f"visible[{i}]: {e}")
+                    self.n_checks += 1
+                    if keys and max(keys) > pos[i]:
+                        self.fail(s, sid, "mask", "causality", f"query pos {pos[i]} sees key pos {max(keys)}")
+                    if pos[i] not in keys:
+                        self.fail(s, sid, "mask", "causality", f"query pos {pos[i]} does not see itself")
+            if isinstance(logical, list) and k < len(logical) and isinstance(logical[k], list):
+                L = r["C"] + r["T"]
+                for i, row in enumerate(logical[k]):
+                    self.need(isinstance(row, list), s, sid, "mask", "logical row is not a list")
+                    self.n_checks += 1
+                    if len(row) > L:
+                        self.fail(s, sid, "mask", "no cross-sequence visibility",
+                                  f"query pos {pos[i] if i < len(pos) else '?'} sees a key of another sequence (leak column)")
+                    late = [j for j, x in enumerate(row) if x and i < len(pos) and j > pos[i]]
+                    if late:
+                        self.fail(s, sid, "mask", "causality", f"query pos {pos[i]} sees key pos {late[0]} (logical mask)")
+
+    def _isolation(self, s: int, st: dict, reqs: list[dict]) -> None:
+        mask = st.get("mask")
+        km = mask.get("kq_mask") if isinstance(mask, dict) else None
+        if not isinstance(km, dict):
+            return
+        rows, cpos, cseq = km.get("rows"), km.get("cell_pos"), km.get("cell_seq")
+        if not (isinstance(rows, list) and isinstance(cpos, list) and isinstance(cseq, list)):
+            return
+        owner = [(r["seq_id"], p) for r in reqs for p in r["positions"]]  # packed row -> (seq, pos)
+        for i, row in enumerate(rows[: len(owner)]):
+            self.need(isinstance(row, list), s, None, "mask", "kq_mask row is not a list")
+            sid, qp = owner[i]
+            for c, x in enumerate(row[: min(len(cpos), len(cseq))]):
+                self.n_checks += 1
+                if x != "0":
+                    continue
+                seqs = cseq[c] if isinstance(cseq[c], list) else []
+                if sid not in seqs:
+                    self.fail(s, sid, "mask", "no cross-sequence visibility",
+                              f"kq_mask row {i} (pos {qp}) keeps cell {c}, owned by seq {seqs}")
+                if not _int(cpos[c]) or cpos[c] > qp or cpos[c] < 0:
+                    self.fail(s, sid, "mask", "causality", f"kq_mask row {i} (pos {qp}) keeps cell {c} at pos {cpos[c]}")
+
+    def _kv(self, s: int, st: dict, reqs: list[dict]) -> None:
+        kv = st.get("kv")
+        if not isinstance(kv, dict) or not isinstance(kv.get("physical"), dict):
+            return
+        phys = kv["physical"]
+        if phys.get("kind") == "cells":
+            self._cells(s, kv, phys, reqs)
+        elif phys.get("kind") == "paged":
+            self._paged(s, kv, phys, reqs)
+
+    def _cells(self, s: int, kv: dict, phys: dict, reqs: list[dict]) -> None:
+        cells = phys.get("cells")
+        self.need(isinstance(cells, list), s, None, "kv", "physical.cells is not a list")
+        now: dict[int, tuple[int, list[int]]] = {}
+        held: dict[tuple[int, int], int] = {}
+        for c in cells:
+            self.need(isinstance(c, dict) and _int(c.get("cell")) and _int(c.get("pos")) and isinstance(c.get("seq_ids"), list),
+                      s, None, "kv", "a cell entry is malformed")
+            now[c["cell"]] = (c["pos"], c["seq_ids"])
+            for sid in c["seq_ids"]:
+                self.n_checks += 1
+                if (sid, c["pos"]) in held:
+                    self.fail(s, sid, "kv", "one cell per (seq, pos)", f"pos {c['pos']} is in cells {held[(sid, c['pos'])]} and {c['cell']}")
+                held[(sid, c["pos"])] = c["cell"]
+                if sid in self.finished:
+                    self.fail(s, sid, "kv", "freed when finished", f"cell {c['cell']} still holds the finished sequence")
+        mem = phys.get("llama_memory_seq_pos")  # --engine llama.cpp: llama_memory_seq_pos_min/max per seq
+        if isinstance(mem, dict):
+            for k, rng in mem.items():
+                sid = int(k) if str(k).isdigit() else None
+                own = sorted(p for (q, p) in held if q == sid)
+                self.n_checks += 1
+                if own and rng != [own[0], own[-1]]:
+                    self.fail(s, sid, "kv", "memory API agrees with the cells",
+                              f"llama_memory_seq_pos_min/max {rng} but the cells hold pos {own[0]}..{own[-1]}")
+        per = {d.get("seq_id"): d for d in kv.get("per_request", []) if isinstance(d, dict)}
+        for r in reqs:
+            sid = r["seq_id"]
+            d = per.get(sid)
+            if d is not None and "cells" in d:
+                try:
+                    written = parse_ranges(d["cells"])
+                except ValueError as e:
+                    self.fail(s, sid, "kv", "schema", f"cells: {e}")
+                for cell in written:
+                    self.n_checks += 1
+                    if cell in self.prev_cells and not set(self.prev_cells[cell][1]) <= self.finished:
+                        self.fail(s, sid, "kv", "written cells were free",
+                                  f"cell {cell} held pos {self.prev_cells[cell][0]} of seq {self.prev_cells[cell][1]} and was overwritten")
+            own = sorted(p for (q, p) in held if q == sid)
+            self.n_checks += 1
+            if own != list(range(r["C"] + r["T"])):
+                self.fail(s, sid, "kv", "cache holds 0..C+T-1",
+                          f"after the step the cells of seq {sid} hold pos {own[:8]}{'...' if len(own) > 8 else ''}, expected 0..{r['C'] + r['T'] - 1}")
+        self.prev_cells = now
+
+    def _paged(self, s: int, kv: dict, phys: dict, reqs: list[dict]) -> None:
+        B = phys.get("tokens_per_block")
+        reqmap = phys.get("requests")
+        self.need(_int(B) and B > 0 and isinstance(reqmap, dict), s, None, "kv", "paged physical malformed")
+        owner: dict[int, int] = {}
+        for k, d in reqmap.items():
+            self.need(isinstance(d, dict) and isinstance(d.get("block_table"), list), s, None, "kv", "block table malformed")
+            sid = int(k) if str(k).isdigit() else -1
+            if sid in self.finished:
+                self.fail(s, sid, "kv", "freed when finished", "a finished request still has a block table")
+            for b in d["block_table"]:
+                self.n_checks += 1
+                if b in owner:
+                    self.fail(s, sid, "kv", "one owner per block", f"block {b} is in the tables of seq {owner[b]} and {sid}")
+                owner[b] = sid
+        per = {d.get("seq_id"): d for d in kv.get("per_request", []) if isinstance(d, dict)}
+        for r in reqs:
+            d = per.get(r["seq_id"])
+            if d is None or not isinstance(d.get("slot_mapping"), list) or not isinstance(d.get("block_table"), list):
+                continue
+            tab = d["block_table"]
+            for p, slot in zip(r["positions"], d["slot_mapping"]):
+                self.n_checks += 1
+                want = tab[p // B] * B + p % B if p // B < len(tab) else None
+                if slot != want:
+                    self.fail(s, r["seq_id"], "kv", "slot = table[p // B] * B + p % B", f"pos {p}: slot {slot}, expected {want}")
+
+
+def check_trace(manifest: dict[str, Any]) -> tuple[Violation | None, int]:
+    """Check every invariant on a manifest (``trace.json`` as a dict; see the module docstring).
+
+    Returns:
+        ``(first violation or None, number of checks made)``.
+    """
+    c = _Checker(manifest)
+    steps = manifest.get("steps") if isinstance(manifest, dict) else None
+    try:
+        if not isinstance(steps, list):
+            c.fail(None, None, "schema", "schema", "the trace has no list of steps")
+        for st in steps:
+            c.step(st)
+    except _Bad as b:
+        return b.v, c.n_checks
+    return None, c.n_checks
+
+
+def iter_rules() -> Iterator[str]:
+    """Names of the rules, for help texts."""
+    yield from ("contiguous", "contiguous across chunks", "inp_pos = packed positions", "RoPE angle consistent with position",
+                "causality", "no cross-sequence visibility", "one cell per (seq, pos)", "written cells were free",
+                "cache holds 0..C+T-1", "freed when finished", "memory API agrees with the cells", "one owner per block", "slot = table[p // B] * B + p % B")

@@ -1,0 +1,70 @@
+"""Text of ``diff-backends --against llama.cpp`` (:func:`infertrace.engine.llamacpp_compare.compare_with_llamacpp`):
+the exact structural checks, then the float agreement against the measured noise floor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+def render_llamacpp_diff(con: Console, rep: dict[str, Any]) -> None:
+    """Print the report; every value from the run is escaped for rich markup."""
+    st = rep["structural"]
+    ok = not st["mismatches"]
+    con.print(f"[bold]cells backend vs llama.cpp[/bold] (teacher-forced, same ubatches, layer {rep['layer']})")
+    con.print(f"structure: {st['checked']} exact checks (inp_pos, n_kv, kq_mask ne and cells, out_ids, ownership, head): "
+              + ("[green]all equal[/green]" if ok else f"[red]{len(st['mismatches'])} differ[/red]"))
+    con.print(f"cell placement: {escape(st['placement'])}")
+    md = st.get("mask_dtype", {})
+    con.print(f"kq_mask dtype: ours {escape(', '.join(md.get('ours', [])))}, llama.cpp {escape(', '.join(md.get('llama.cpp', [])))}"
+              " (F16 when llama.cpp uses flash attention; values are 0 / -inf either way)")
+    for m in st["mismatches"][:10]:
+        con.print(f"  [red]step {m['step']} {escape(m['variable'])}[/red]: {escape(m['detail'])}")
+    nt, fl = rep["next_token"], rep["floor"]
+    t = Table(title="float agreement (ours float32 = base)", show_lines=False)
+    for c in ("", "llama.cpp", "noise floor", "tolerance"):
+        t.add_column(escape(c))
+    for v in ("hidden", "k", "v", "logits"):
+        t.add_row(f"max |Δ| {v}", f"{rep['max_abs'][v]:.4g}", f"{fl['max_abs'][v]:.4g}", f"{fl['factor'] * fl['max_abs'][v]:.4g}")
+    for k, name in (("kl_mean", "KL mean"), ("kl_p99", "KL p99"), ("kl_max", "KL max")):
+        t.add_row(name, f"{nt[k]:.3g}", f"{fl['next_token'][k]:.3g}", "")
+    t.add_row("same top token", f"{nt['same_top']}/{nt['rows']} ({nt['same_top_rate']:.1%})",
+              f"{fl['next_token']['same_top']}/{fl['next_token']['rows']}", "")
+    con.print(t)
+    con.print(f"noise floor: {escape(fl['how'])}")
+    fe = rep["first_exceeding"]
+    con.print("first step over the floor: " + ("[green]none[/green]" if fe is None else
+              f"[red]step {fe['step']} layer {escape(str(fe['layer']))} {escape(fe['variable'])}: {fe['value']:.4g} > tolerance {fe['tolerance']:.4g}[/red]"))
+    con.print(f"near tie: {escape(rep['near_tie_rule'])}")
+    for d in nt["disagreements"]:
+        con.print(f"  step {d['step']} seq {d['seq_id']} pos {d['pos']}: ours {d['base_top']} (rank {d['rank_of_base_top_in_new']} in "
+                  f"llama.cpp), llama.cpp {d['new_top']} (rank {d['rank_of_new_top_in_base']} in ours), gaps "
+                  f"{d['logp_gap_base']} / {d['logp_gap_new']} nats: " + ("near tie" if d["near_tie"] else "[red]not a near tie[/red]"))
+    con.print("[green]identical in structure, within the noise floor[/green]" if rep["identical"] else
+              f"[red]{len(rep['mismatches'])} mismatch(es)[/red]")
+
+
+def _plain(x: Any) -> str:
+    """Terminal-safe text of a value read from a trace (control characters escaped)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(x))
+
+
+def cross_engine_lines(res: Any, cross: dict[str, Any]) -> list[str]:
+    """Header lines of ``diff A B`` across engines: what was compared exactly and the float agreement."""
+    f = cross["floats"]
+    e = [_plain(x) for x in cross["engines"]]
+    da, db = cross["dtypes"]["a"], cross["dtypes"]["b"]
+    lines = [f"engines differ (A: {e[0]}, B: {e[1]}): structure compared exactly (schedule, tokens, inp_pos, kq_mask ne/n_kv/"
+             "rows/cells, visible keys, cells and ownership, logits rows); floats summarised",
+             f"representation: kq_mask dtype A {_plain(da['kq_mask'])} B {_plain(db['kq_mask'])}; KV cache dtype A "
+             f"{_plain(da['kv'])} B {_plain(db['kv'])}",
+             f"floats: same top token {f['same_top']}/{f['rows']} ({f['same_top_rate']:.1%}); max |Δ| of recorded values: "
+             f"hidden {f['max_abs']['hidden']:.3g}, K/V {f['max_abs']['kv']:.3g}, logits {f['max_abs']['logits']:.3g}"]
+    ft = f.get("first_different_top")
+    if ft:
+        lines.append(f"first different top token: step {_plain(ft['step'])} seq {_plain(ft['seq_id'])}: A {_plain(ft['a'])} vs B {_plain(ft['b'])}")
+    lines.append("structure: identical" if res.equal else f"structure: {res.count} difference(s)")
+    return lines

@@ -1,0 +1,125 @@
+"""Rich rendering of the serving record of a step (:attr:`StepTrace.serving`, made by
+:mod:`infertrace.engine.serving`): prefix-cache lookups (hit length, shared blocks or cells with
+their reference counts, positions actually computed, where and why the lookup stopped), cache
+evictions, context shifts (positions dropped and moved, K re-rotated) and the KV audit table.
+
+Every string shown comes from a trace (untrusted when loaded): it is rendered as rich ``Text``
+(never as markup) and shortened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+_DIM = "bright_black"
+_MAX = 160
+
+
+def _s(x: Any) -> str:
+    """``x`` as bounded terminal-safe text: control characters (ESC, BEL, C1, ...) shown as ``\\xNN``."""
+    t = str(x)[: _MAX * 2]
+    t = "".join(ch if ch.isprintable() or ch == "\n" else f"\\x{ord(ch):02x}" for ch in t)
+    return t if len(t) <= _MAX else t[: _MAX - 1] + "…"
+
+
+def _list(x: Any) -> list[dict[str, Any]]:
+    return [e for e in x if isinstance(e, dict)] if isinstance(x, list) else []
+
+
+def serving_mark(pos_text: str, r: Any) -> str | Text:
+    """The worked-example ``positions`` cell with marks: ``hit 0..16←seq 0`` when a prefix hit supplied
+    the cache before this chunk, ``shift −4`` when a context shift moved the cache just before."""
+    marks = []
+    p = getattr(r, "prefix", None)
+    if isinstance(p, dict) and isinstance(p.get("hit"), int) and p["hit"] > 0:
+        src = p.get("src")
+        marks.append(f"hit 0..{p['hit'] - 1}" + (f"←seq {_s(src)}" if src is not None else ""))
+    sh = getattr(r, "shift", None)
+    if isinstance(sh, dict) and sh.get("n_discard"):
+        marks.append(_s(f"shift −{sh['n_discard']} (dropped {sh.get('removed')})"))
+    if not marks:
+        return pos_text
+    t = Text(pos_text)
+    for m in marks:
+        t.append("\n" + _s(m), style="green" if m.startswith("hit") else "yellow")
+    return t
+
+
+def _prefix_line(sid: str, p: dict[str, Any]) -> Text:
+    t = Text()
+    t.append(f"seq {_s(sid)} prefix lookup: ", style="bold")
+    hit = p.get("hit") if isinstance(p.get("hit"), int) else 0
+    t.append(f"hit {hit} of {_s(p.get('prompt_len', '?'))} tokens", style="green" if hit else "")
+    if p.get("src") is not None:
+        t.append(f" from request {_s(p['src'])}" + (f" ({_s(p['src_state'])})" if p.get("src_state") else ""))
+    if p.get("shared_blocks"):
+        t.append(f" · shared blocks {_s(p['shared_blocks'])} ref_cnt {_s(p.get('ref_cnt'))}")
+    if isinstance(p.get("copied"), dict):
+        c = p["copied"]
+        t.append(f" · {_s(c.get('tokens'))} slots copied from block {_s(c.get('from_block'))} into block {_s(c.get('block'))}")
+    if p.get("cells") not in (None, "-"):
+        t.append(f" · cells {_s(p['cells'])} shared (seq_cp)")
+    t.append(f" · computed {_s(p.get('computed', '-'))}")
+    t.append(f"\n    stopped at {_s(p.get('stop', '-'))}", style=_DIM)
+    return t
+
+
+def _op_line(op: dict[str, Any]) -> Text:
+    if op.get("op") == "context_shift" and all(k in op for k in ("seq_id", "n_past", "n_keep", "n_discard", "removed",
+                                                                 "moved", "n_past_after")):
+        return Text(f"context shift seq {op['seq_id']}: n_past {op['n_past']}, n_keep {op['n_keep']}, n_discard "
+                    f"{op['n_discard']}: dropped {op['removed']}, moved {op['moved']} (K re-rotated by "
+                    f"−{op['n_discard']}), n_past now {op['n_past_after']}" + (
+                        f"; K-shift check: layer-0 K of the moved entries vs K computed fresh at their new positions, "
+                        f"max |Δ| {_s(op['k_shift_max_abs_layer0'])}" if "k_shift_max_abs_layer0" in op else ""), style="yellow")
+    return Text(_s(op), style="yellow")
+
+
+def _evict_line(ev: dict[str, Any]) -> Text:
+    if "block" in ev:
+        return Text(f"evicted block {ev['block']} (hash {ev.get('hash')}): handed out again, its prefix is gone", style=_DIM)
+    return Text(f"evicted retained seq {ev.get('seq_id')} to make room: cells {ev.get('freed')} freed, "
+                f"{ev.get('still_shared')} kept (other owners)", style=_DIM)
+
+
+def audit_table(a: dict[str, Any]) -> Table:
+    """One row per provenance: entries and the largest |Δ| of K and V against a from-scratch recomputation."""
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False,
+              title=Text(f"KV audit (cache vs recomputed from scratch): max |Δ| {_s(a.get('max_abs_exact', a.get('max_abs')))} "
+                         "where it must match" + ("; shifted entries must match in layer 0 only (deeper layers saw the "
+                                                  "dropped tokens)" if any("shifted" in str(g.get("provenance")) for g in
+                                                                             _list(a.get("by_provenance"))) else ""),
+                         style="italic"),
+              title_justify="left")
+    for h in ("provenance", "entries", "max |ΔK|", "max |ΔV|", "layer 0 max |Δ|"):
+        t.add_column(h, justify="left" if h == "provenance" else "right")
+    for g in _list(a.get("by_provenance")):
+        nums = [g.get(k) for k in ("max_abs_k", "max_abs_v", "max_abs_layer0")]
+        t.add_row(Text(_s(g.get("provenance"))), _s(g.get("entries")),
+                  *[f"{x:.3g}" if isinstance(x, (int, float)) else _s(x) for x in nums])
+    return t
+
+
+def serving_view(st: Any) -> RenderableType:
+    """Lines for the step's serving record (prefix lookups, ops before the step, evictions, audit)."""
+    sv = st.serving if isinstance(st.serving, dict) else {}  # a loaded trace is untrusted: skip what is malformed
+    parts: list[RenderableType] = []
+    for op in _list(sv.get("ops_before_step")):
+        parts.append(_op_line(op))
+    prefix = sv.get("prefix") if isinstance(sv.get("prefix"), dict) else {}
+    for sid, p in prefix.items():
+        if isinstance(p, dict):
+            parts.append(_prefix_line(sid, p))
+    for ev in _list(sv.get("evictions")):
+        parts.append(_evict_line(ev))
+    for sid, why in (sv.get("stopped") if isinstance(sv.get("stopped"), dict) else {}).items():
+        parts.append(Text(f"seq {sid} stopped: {_s(why)} (the KV storage of {sv.get('pool_tokens')} tokens is full even with "
+                          "every other request preempted)", style="yellow"))
+    if isinstance(sv.get("audit"), dict):
+        parts.append(audit_table(sv["audit"]))
+    return Group(*parts) if parts else Text("")

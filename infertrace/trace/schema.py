@@ -1,0 +1,499 @@
+"""The one schema check of a saved ``trace.json`` (types, ranges, sizes, cross-field consistency).
+
+Every consumer of a saved trace (``show``, ``diff``, ``report``, ``dump-kv DIR``, the pytest
+snapshot plugin) reads it through :func:`infertrace.trace.store.read_manifest`, which calls
+:func:`validate_trace` before anything else looks at a value. After it passes:
+
+* every field the renderers read exists and has its type (int is an int, never a bool or a
+  string; a float is a JSON number; strings are bounded);
+* every size a loop or an allocation depends on is bounded by a named limit (:data:`LIMITS`):
+  ``ctx_size``, ``num_blocks``, ``tokens_per_block``, cell indices, positions, list lengths,
+  range texts such as ``"0..3"``;
+* the records agree with each other: per request ``T = len(token_ids) = len(positions) = …``,
+  ``positions = C..C+T-1``, ``N = ΣT``, packed rows inside ``0..N-1``, the paged metadata's
+  ``seq_lens``/``kv_lens``/``cu_seqlens`` equal ``T``/``C+T``/prefix sums, the logical masks are
+  ``[T][C+T]`` of 0/1, cells lie inside the cache, block tables cover their lengths, step numbers
+  increase.
+
+A problem is an :class:`InfertraceError` (exit 2) naming the file, the field path and what was
+expected. Unknown keys inside records are refused (``cls(**obj)`` would fail on them); the open
+sections (``model``, ``config``, ``options``) may hold extra keys, bounded in size and depth.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable
+
+from infertrace.errors import InfertraceError
+from infertrace.safe_text import visible
+
+#: bounds on what a trace may ask a consumer to loop over or allocate (name -> value)
+LIMITS = {
+    "MAX_STEPS": 1 << 20,          # steps in one trace
+    "MAX_LIST": 1 << 22,           # items in any one list
+    "MAX_STR": 1 << 20,            # characters in any one string
+    "MAX_CTX": 1 << 24,            # ctx_size, cells, positions, C + T
+    "MAX_BLOCKS": 1 << 24,         # num_blocks, block ids
+    "MAX_TOKENS_PER_BLOCK": 1 << 16,
+    "MAX_SEQ_ID": 1 << 31,
+    "MAX_ID": 1 << 31,             # token ids, vocab sizes
+    "MAX_DIM": 1 << 24,            # layers, heads, hidden sizes, tensor dims
+    "MAX_DEPTH": 32,               # nesting of the open sections
+    "MAX_RANGE_ITEMS": 1 << 24,    # integers one range text such as "0..3,7" may stand for
+}
+L = LIMITS
+#: the largest cache padding of n_kv (llama.cpp pads used_max_p1 to 32, or 256 with flash attention)
+N_KV_PAD_MAX = 256
+_NUM_ABS = 1e300  # ints stored where a float is expected must convert to a finite float
+
+
+class Bad(Exception):
+    """A schema violation at ``path`` (turned into one InfertraceError line by :func:`validate_trace`)."""
+
+    def __init__(self, path: str, msg: str):
+        super().__init__(f"{path}: {msg}")
+        self.path, self.msg = path, msg
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, (dict, list)):
+        return type(v).__name__
+    s = repr(v) if not isinstance(v, int) or abs(v) < 10 ** 30 else f"an integer of {len(str(abs(v)))} digits"
+    return visible(s if len(s) <= 40 else s[:37] + "…")
+
+
+# ----------------------------------------------------------------------------- primitive specs
+Spec = Callable[[Any, str], None]
+
+
+def Int(lo: int = 0, hi: int = L["MAX_ID"], null: bool = False, limit: str = "") -> Spec:
+    def check(v: Any, p: str) -> None:
+        if v is None and null:
+            return
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise Bad(p, f"expected an integer, got {_short(v)}")
+        if not lo <= v <= hi:
+            lim = f" (limit {limit} = {hi})" if limit and v > hi else ""
+            raise Bad(p, f"{_short(v)} is outside {lo}..{hi}{lim}")
+    return check
+
+
+def Num(null: bool = False, lo: float = -math.inf, hi: float = math.inf) -> Spec:
+    """A JSON number (float or int, never bool); NaN/inf allowed unless ``lo``/``hi`` exclude them."""
+    def check(v: Any, p: str) -> None:
+        if v is None and null:
+            return
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise Bad(p, f"expected a number, got {_short(v)}")
+        if isinstance(v, int) and abs(v) > _NUM_ABS:
+            raise Bad(p, f"number {_short(v)} is too large")
+        if (lo > -math.inf or hi < math.inf) and not (lo <= v <= hi):
+            raise Bad(p, f"{_short(v)} is outside {lo:g}..{hi:g}")
+    return check
+
+
+def Str(null: bool = False, choices: tuple[str, ...] | None = None, max_len: int = L["MAX_STR"]) -> Spec:
+    def check(v: Any, p: str) -> None:
+        if v is None and null:
+            return
+        if not isinstance(v, str):
+            raise Bad(p, f"expected a string, got {_short(v)}")
+        if len(v) > max_len:
+            raise Bad(p, f"string of {len(v)} characters exceeds the limit {max_len}")
+        if choices is not None and v not in choices:
+            raise Bad(p, f"{_short(v)} is not one of {', '.join(choices)}")
+    return check
+
+
+def Bool(null: bool = False) -> Spec:
+    def check(v: Any, p: str) -> None:
+        if not (isinstance(v, bool) or (v is None and null)):
+            raise Bad(p, f"expected true or false, got {_short(v)}")
+    return check
+
+
+def List(item: Spec, max_len: int = L["MAX_LIST"], null: bool = False, length: int | None = None) -> Spec:
+    def check(v: Any, p: str) -> None:
+        if v is None and null:
+            return
+        if not isinstance(v, list):
+            raise Bad(p, f"expected a list, got {_short(v)}")
+        if len(v) > max_len:
+            raise Bad(p, f"list of {len(v)} items exceeds the limit {max_len}")
+        if length is not None and len(v) != length:
+            raise Bad(p, f"expected {length} items, got {len(v)}")
+        for i, x in enumerate(v):
+            item(x, f"{p}[{i}]")
+    return check
+
+
+def Obj(req: dict[str, Spec], opt: dict[str, Spec] | None = None, extra: bool = False, null: bool = False) -> Spec:
+    """A JSON object with required keys ``req``, optional keys ``opt``; other keys refused unless
+    ``extra`` (then any bounded JSON value)."""
+    opt = opt or {}
+
+    def check(v: Any, p: str) -> None:
+        if v is None and null:
+            return
+        if not isinstance(v, dict):
+            raise Bad(p, f"expected an object, got {_short(v)}")
+        for k, spec in req.items():
+            if k not in v:
+                raise Bad(p, f"missing key {k!r}")
+            spec(v[k], f"{p}.{k}")
+        for k, x in v.items():
+            if k in req:
+                continue
+            if k in opt:
+                opt[k](x, f"{p}.{k}")
+            elif extra:
+                Any_(x, f"{p}.{visible(k)[:40]}")
+            else:
+                raise Bad(p, f"unknown key {_short(k)} (written by a different infertrace?)")
+    return check
+
+
+def Map(value: Spec, key_int: bool = True, max_len: int = L["MAX_LIST"]) -> Spec:
+    """An object keyed by decimal seq_ids (``{"0": …}``) or free strings."""
+    def check(v: Any, p: str) -> None:
+        if not isinstance(v, dict):
+            raise Bad(p, f"expected an object, got {_short(v)}")
+        if len(v) > max_len:
+            raise Bad(p, f"object of {len(v)} keys exceeds the limit {max_len}")
+        for k, x in v.items():
+            if key_int and not (re.fullmatch(r"0|[1-9][0-9]{0,9}", k) and int(k) <= L["MAX_SEQ_ID"]):
+                raise Bad(p, f"key {_short(k)} is not a seq_id")
+            Str(max_len=4096)(k, p)
+            value(x, f"{p}.{visible(k)[:40]}")
+    return check
+
+
+def Any_(v: Any, p: str, depth: int = 0) -> None:
+    """Any JSON value, bounded: depth <= MAX_DEPTH, strings and lists bounded, numbers finite-sized."""
+    if depth > L["MAX_DEPTH"]:
+        raise Bad(p, f"nested deeper than the limit MAX_DEPTH = {L['MAX_DEPTH']}")
+    if v is None or isinstance(v, (bool, float)):
+        return
+    if isinstance(v, int):
+        Num()(v, p)
+    elif isinstance(v, str):
+        Str()(v, p)
+    elif isinstance(v, list):
+        if len(v) > L["MAX_LIST"]:
+            raise Bad(p, f"list of {len(v)} items exceeds the limit {L['MAX_LIST']}")
+        for i, x in enumerate(v):
+            Any_(x, f"{p}[{i}]", depth + 1)
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            Str(max_len=4096)(k, p)
+            Any_(x, f"{p}.{visible(k)[:40]}", depth + 1)
+    else:  # pragma: no cover - json.loads makes nothing else
+        raise Bad(p, f"unexpected value {_short(v)}")
+
+
+_RANGE_RE = re.compile(r"-|(?:0|[1-9][0-9]{0,8})(?:\.\.(?:0|[1-9][0-9]{0,8}))?(?:,(?:0|[1-9][0-9]{0,8})(?:\.\.(?:0|[1-9][0-9]{0,8}))?)*")
+
+
+def range_count(text: str) -> int:
+    """How many integers a range text (``"0..2,5"``, ``"-"``) stands for; -1 when malformed."""
+    if len(text) > L["MAX_STR"] or not _RANGE_RE.fullmatch(text):
+        return -1
+    if text == "-":
+        return 0
+    n = 0
+    for part in text.split(","):
+        a, _, b = part.partition("..")
+        lo, hi = int(a), int(b or a)
+        if hi < lo or hi >= L["MAX_CTX"]:
+            return -1
+        n += hi - lo + 1
+    return n
+
+
+def Range(null: bool = False) -> Spec:
+    """A range text as :func:`infertrace.kv.base.ranges_text` writes it, values below MAX_CTX."""
+    def check(v: Any, p: str) -> None:
+        if v is None and null:
+            return
+        Str()(v, p)
+        n = range_count(v)
+        if n < 0:
+            raise Bad(p, f"{_short(v)} is not a range text such as 0..3,7 with values below MAX_CTX = {L['MAX_CTX']}")
+        if n > L["MAX_RANGE_ITEMS"]:
+            raise Bad(p, f"range text stands for {n} integers, more than the limit MAX_RANGE_ITEMS")
+    return check
+
+
+# ----------------------------------------------------------------------------- the trace
+I, U = Int(), Int(0, L["MAX_ID"])
+POS = Int(0, L["MAX_CTX"] - 1, limit="MAX_CTX")
+DIM = Int(0, L["MAX_DIM"], limit="MAX_DIM")
+SEQ = Int(0, L["MAX_SEQ_ID"], limit="MAX_SEQ_ID")
+SHAPE = List(DIM, 8)
+S = Str()
+F = Num()
+SAMPLER = Obj({}, {"temperature": F, "top_k": Int(0, L["MAX_ID"]), "top_p": F, "min_p": F, "repetition_penalty": F,
+                   "seed": Int(0, 2 ** 64), "max_new_tokens": Int(0, L["MAX_CTX"]), "ignore_eos": Bool()}, extra=True)
+
+# serving mechanisms (engine/serving.py): prefix-cache lookups, context shifts, evictions, KV audit
+OPT_RANGE = Range(null=True)
+BLK = Int(0, L["MAX_BLOCKS"])
+PREFIX = Obj({}, {"hit": Int(0, L["MAX_CTX"]), "prompt_len": Int(0, L["MAX_CTX"]), "src": Int(0, L["MAX_SEQ_ID"], null=True),
+                  "src_state": Str(null=True), "shared_blocks": List(BLK), "ref_cnt": List(Int(0, L["MAX_SEQ_ID"])),
+                  "hashes": List(Str(max_len=64)),
+                  "copied": Obj({}, {"block": BLK, "from_block": BLK, "tokens": Int(0, L["MAX_TOKENS_PER_BLOCK"])}, null=True),
+                  "cells": OPT_RANGE, "computed": OPT_RANGE, "stop": Str(null=True)}, extra=True, null=True)
+SHIFT_OP = Obj({}, {"op": S, "seq_id": SEQ, "n_past": POS, "n_keep": POS, "n_discard": POS, "removed": OPT_RANGE,
+                    "moved": Str(null=True), "n_past_after": POS, "k_shift_max_abs_layer0": Num(null=True)}, extra=True, null=True)
+EVICTION = Obj({}, {"block": BLK, "hash": Str(null=True, max_len=64), "seq_id": SEQ, "freed": OPT_RANGE,
+                    "still_shared": OPT_RANGE}, extra=True)
+AUDIT = Obj({}, {"max_abs": Num(null=True), "max_abs_exact": Num(null=True),
+                 "by_provenance": List(Obj({}, {"provenance": S, "entries": Int(0, L["MAX_LIST"] * 64),
+                                                "max_abs_k": Num(null=True), "max_abs_v": Num(null=True),
+                                                "max_abs_layer0": Num(null=True)}, extra=True))}, extra=True, null=True)
+SERVING = Obj({}, {"prefix": Map(PREFIX), "ops_before_step": List(SHIFT_OP), "evictions": List(EVICTION),
+                   "stopped": Map(Str()), "pool_tokens": Int(0, L["MAX_CTX"] * 64, null=True), "audit": AUDIT},
+              extra=True, null=True)
+REQ_STEP = Obj({"seq_id": SEQ, "phase": Str(choices=("prefill", "decode")), "C": POS, "T": Int(0, L["MAX_CTX"]),
+                "token_ids": List(U), "pieces": List(S), "positions": List(POS), "visible": List(S),
+                "cache_before": S, "cache_after": S, "rows": List(Int(0, L["MAX_LIST"]))},
+               {"logits_row": Int(0, L["MAX_LIST"], null=True), "sampled": Int(0, L["MAX_ID"], null=True),
+                "sampled_piece": Str(null=True), "finished": Str(null=True),
+                "prefix": PREFIX, "shift": SHIFT_OP, "visible_swa": List(S, null=True)})
+ROW_STAT = Obj({"seq_id": SEQ, "pos": POS, "token_id": U, "piece": S, "mean": F, "std": F, "min": F, "max": F, "l2": F,
+                "first": List(F, 4096)})
+HIDDEN = Obj({"logical_shape": SHAPE, "dtype": S, "ggml_ne": SHAPE, "packed_shape": List(Int(0, L["MAX_DIM"]), 2, length=2),
+              "rows": List(ROW_STAT), "cached_tokens_recomputed": Int(0, L["MAX_CTX"])}, null=True)
+POSITIONS = Obj({"inp_pos": List(POS), "position_ids": List(POS), "pairing": S, "pairing_in_file": S, "theta": F,
+                 "theta_is_default": Bool(), "rope_dim": Int(0, L["MAX_DIM"]), "head_dim": Int(0, L["MAX_DIM"]),
+                 "scaling": Obj({}, {"type": S, "factor": F}, extra=True), "inv_freq_first": List(F, 4096),
+                 "cos_sin": List(Obj({"pos": POS, "cos": List(F, 4096), "sin": List(F, 4096)})),
+                 "evidence": Obj({}, {"layer": DIM, "rows": List(Obj({"pos": POS}, {
+                     "dq_max": F, "dk_max": F, "q_norm_before": F, "q_norm_after": F}, extra=True)),
+                     "v_cache_minus_v_proj_max": F, "k_cache_minus_k_rot_max": F}, extra=True)}, null=True)
+KQ_MASK = Obj({"ne": List(DIM, 4, length=4), "torch_shape": SHAPE, "dtype": S, "n_kv": Int(0, L["MAX_CTX"]),
+               "rows": List(List(Str(choices=("0", "-inf")), 4096), 4096)},
+              {"n_tokens": Int(0, L["MAX_CTX"]), "cell_pos": List(Int(-1, L["MAX_CTX"] - 1)), "cell_seq": List(List(SEQ))},
+              null=True)
+METADATA = Obj({"mask_type": S, "seq_lens": List(Int(0, L["MAX_CTX"])), "kv_lens": List(Int(0, L["MAX_CTX"])),
+                "cu_seqlens": List(Int(0, L["MAX_LIST"])), "request_ids": List(SEQ)},
+               {"request_types": List(S), "num_contexts": Int(0, L["MAX_LIST"]),
+                "block_tables": List(List(Int(-1, L["MAX_BLOCKS"]))), "dense_mask_tensor": Any_}, null=True)
+VISIBLE = List(Obj({"seq_id": SEQ, "queries": List(Obj({"pos": POS, "keys": S}))}))
+#: sliding-window side of the mask (model families with windowed layers, e.g. Gemma 3)
+SWA = Obj({}, {"n_swa": Int(0, L["MAX_CTX"]), "layers": List(DIM), "global_layers": List(DIM), "convention": S,
+               "visible": VISIBLE, "rope_theta_swa": Num(null=True),
+               "kq_mask_swa": Obj({"ne": List(DIM, 4, length=4), "dtype": S,
+                                   "rows": List(List(Str(choices=("0", "-inf")), 4096), 4096)},
+                                  {"col_start": Int(0, L["MAX_CTX"]), "cell_pos": List(Int(-1, L["MAX_CTX"] - 1))}),
+               "attention_window": Map(Int(0, L["MAX_CTX"]), key_int=False)}, extra=True, null=True)
+MASK = Obj({"backend": S, "rule": S, "visible": VISIBLE,
+            "kq_mask": KQ_MASK, "metadata": METADATA, "logical": List(List(List(Int(0, 1))))}, {"swa": SWA}, null=True)
+CELL = Obj({"cell": POS, "pos": POS, "seq_ids": List(SEQ, 4096)}, {"ref": Int(0, L["MAX_SEQ_ID"])})
+PHYS_CELLS = Obj({"kind": Str(choices=("cells",)), "size": Int(1, L["MAX_CTX"], limit="MAX_CTX"), "used": Int(0, L["MAX_CTX"]),
+                  "n_kv": Int(0, L["MAX_CTX"]), "cells": List(CELL)},
+                 {"head": POS, "head_before": POS, "head_after": POS,
+                  "seqs": Map(Obj({"cells": Range(), "pos": Range()})),
+                  "prefix_cache": Bool(), "retained": List(SEQ), "n_swa": Int(0, L["MAX_CTX"]), "swa_layers": List(DIM)})
+PHYS_PAGED = Obj({"kind": Str(choices=("paged",)), "num_blocks": Int(1, L["MAX_BLOCKS"], limit="MAX_BLOCKS"),
+                  "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], limit="MAX_TOKENS_PER_BLOCK"),
+                  "used_blocks": Int(0, L["MAX_BLOCKS"]), "free_blocks": Int(0, L["MAX_BLOCKS"]),
+                  "free_list_head": List(Int(0, L["MAX_BLOCKS"]), 4096),
+                  "requests": Map(Obj({"block_table": List(Int(0, L["MAX_BLOCKS"])), "len": Int(0, L["MAX_CTX"])},
+                                      {"blocks": List(Obj({"block": Int(0, L["MAX_BLOCKS"]), "pos": Range()},
+                                                                         {"ref": Int(0, L["MAX_SEQ_ID"]),
+                                                                          "hash": Str(max_len=64)}))}))},
+                 {"prefix_cache": Bool(), "cached_blocks": Int(0, L["MAX_BLOCKS"]),
+                  "attention_window": Map(Int(0, L["MAX_CTX"]), key_int=False),
+                  "cached_free_blocks": Int(0, L["MAX_BLOCKS"])})
+
+
+def _physical(v: Any, p: str) -> None:
+    kind = v.get("kind") if isinstance(v, dict) else None
+    (PHYS_CELLS if kind == "cells" else PHYS_PAGED)(v, p)
+
+
+KV = Obj({"backend": Str(choices=("cells", "paged")), "dtype": S, "layers": DIM,
+          "per_request": List(Obj({"seq_id": SEQ, "shape_before": SHAPE, "shape_after": SHAPE, "written_pos": Range()},
+                                  {"cells": Range(), "slot_mapping": List(Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"])),
+                                   "block_table": List(Int(0, L["MAX_BLOCKS"]))})),
+          "layer_view": Obj({}, {"layer": DIM, "requests": List(Obj({"seq_id": SEQ, "rows": List(Obj(
+              {"pos": POS, "k": List(F, 1 << 16), "v": List(F, 1 << 16)}))}))}),
+          "physical": _physical, "physical_shape": SHAPE}, null=True)
+TOP = Obj({"id": U, "piece": Str(null=True), "logit": F, "prob": F})
+DECODE = Obj({"logits_shape": SHAPE, "logits_dtype": S, "logits_rows": List(Int(0, L["MAX_LIST"])),
+              "per_request": List(Obj({"seq_id": SEQ}, {
+                  "row": Int(0, L["MAX_LIST"], null=True), "note": S, "sampler": SAMPLER, "top": List(TOP, 1 << 16),
+                  "chosen": Int(0, L["MAX_ID"], null=True), "chosen_piece": Str(null=True), "next_input": Int(0, L["MAX_ID"], null=True),
+                  "next_pos": Int(0, L["MAX_CTX"], null=True), "stop": Str(null=True)}))}, null=True)
+STEP = Obj({"step": Int(0, L["MAX_STEPS"], limit="MAX_STEPS"), "backend": Str(choices=("cells", "paged")), "attention": S,
+            "N": Int(0, L["MAX_LIST"]), "batch": List(REQ_STEP)},
+           {"hidden": HIDDEN, "positions": POSITIONS, "mask": MASK, "kv": KV, "decode": DECODE,
+            "preempted": List(SEQ), "admitted": List(SEQ), "time_ms": F, "serving": SERVING})
+REQUEST = Obj({"seq_id": SEQ}, {"prompt": S, "prompt_ids": List(U), "output_ids": List(U), "text": S, "stop_reason": Str(null=True),
+                                "arrival_step": Int(0, L["MAX_STEPS"]), "num_preemptions": Int(0, L["MAX_STEPS"]),
+                                "params": SAMPLER}, extra=True)
+ENGINE = Obj({}, {"backend": Str(choices=("cells", "paged")), "ctx_size": Int(1, L["MAX_CTX"], null=True, limit="MAX_CTX"),
+                  "num_blocks": Int(1, L["MAX_BLOCKS"], null=True, limit="MAX_BLOCKS"),
+                  "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], null=True, limit="MAX_TOKENS_PER_BLOCK"),
+                  "max_batch_tokens": Int(1, L["MAX_CTX"], null=True), "prefill_chunk": Int(1, L["MAX_CTX"], null=True),
+                  "n_seq_max": Int(0, L["MAX_SEQ_ID"], null=True), "attention": S}, extra=True)
+OPTIONS = Obj({}, {"backend": Str(choices=("cells", "paged")), "attention": S, "device": S, "dtype": S, "layer": DIM,
+                   "show": List(S, 64), "engine": ENGINE}, extra=True)
+MODEL = Obj({}, {"file": S, "name": Str(null=True), "size": Int(0, 1 << 62), "source": S, "metadata_sha256": Str(null=True)},
+            extra=True)
+CONFIG = Obj({}, {"arch": S, "name": Str(null=True), "source": S, "n_layer": DIM, "n_embd": DIM, "n_head": DIM,
+                  "n_head_kv": DIM, "head_dim": DIM, "n_ff": DIM, "vocab_size": U, "n_ctx_train": Int(0, 1 << 40),
+                  "rope_theta": F, "rope_theta_is_default": Bool(), "rope_dim": DIM, "rms_eps": F,
+                  "rope_pairing_in_file": S, "tie_embeddings": Bool(),
+                  "rope_scaling": Obj({}, {"type": S, "factor": F}, extra=True),
+                  "rope_freq_factors": List(F, L["MAX_DIM"], null=True)}, extra=True)
+TENSOR_ENTRY = Obj({"dtype": Str(choices=("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                                          "uint8", "bool")), "shape": SHAPE})
+#: tensor names as the recorder writes them: step3/hidden, step3/layer0/q_pre_rope, step3/layer0/seq1/k_cache
+TENSOR_NAME = re.compile(r"step[0-9]{1,7}/(?:layer[0-9]{1,5}/(?:seq[0-9]{1,10}/)?)?[a-z][a-z0-9_]{0,40}")
+
+
+def _tensor_index(v: Any, p: str) -> None:
+    Map(TENSOR_ENTRY, key_int=False)(v, p)
+    for k in v:
+        if not TENSOR_NAME.fullmatch(k):
+            raise Bad(p, f"tensor name {_short(k)} is not stepN/[layerL/[seqS/]]name")
+
+
+STORE = Obj({}, {"keep": Str(choices=("summary", "tensors")), "tensor_layers": List(DIM, 1 << 16),
+                 "tensors": _tensor_index})
+#: the required top-level keys are checked first (with their historical messages)
+TOP_LEVEL = Obj({"schema_version": Int(1, 1 << 30), "model": MODEL, "config": CONFIG, "options": OPTIONS,
+                 "steps": List(STEP, L["MAX_STEPS"]), "requests": List(REQUEST, L["MAX_LIST"])},
+                {"notes": List(S), "store": STORE}, extra=True)
+
+
+# ----------------------------------------------------------------------------- cross-field consistency
+
+
+def _consistent(d: dict[str, Any]) -> None:
+    eng = d["options"].get("engine") or {}
+    B = eng.get("tokens_per_block") or 32
+    nb = eng.get("num_blocks")
+    if nb is not None and nb * B > L["MAX_CTX"] * 4:
+        raise Bad("options.engine", f"num_blocks × tokens_per_block = {nb * B} exceeds 4 × MAX_CTX")
+    prev = -1
+    for i, st in enumerate(d["steps"]):
+        p = f"steps[{i}]"
+        if st["step"] <= prev:
+            raise Bad(f"{p}.step", f"step numbers must increase (got {st['step']} after {prev})")
+        prev = st["step"]
+        n = 0
+        for j, r in enumerate(st["batch"]):
+            q = f"{p}.batch[{j}]"
+            T = r["T"]
+            for k in ("token_ids", "pieces", "positions", "visible", "rows"):
+                if len(r[k]) != T:
+                    raise Bad(f"{q}.{k}", f"has {len(r[k])} items but T = {T}")
+            if r["C"] + T > L["MAX_CTX"]:
+                raise Bad(q, f"C + T = {r['C'] + T} exceeds MAX_CTX = {L['MAX_CTX']}")
+            if r["positions"] != list(range(r["C"], r["C"] + T)):
+                raise Bad(f"{q}.positions", f"must be C..C+T-1 = {r['C']}..{r['C'] + T - 1}")
+            n += T
+        if n != st["N"]:
+            raise Bad(f"{p}.N", f"N = {st['N']} but the batch holds {n} tokens")
+        for j, r in enumerate(st["batch"]):
+            if any(x >= n for x in r["rows"]) or (r.get("logits_row") is not None and r["logits_row"] >= n):
+                raise Bad(f"{p}.batch[{j}].rows", f"packed rows must lie in 0..N-1 (N = {n})")
+        _mask_consistent(st, p)
+        _kv_consistent(st, p)
+        h = st.get("hidden")
+        if h is not None and len(h["rows"]) > max(n, 0):
+            raise Bad(f"{p}.hidden.rows", f"{len(h['rows'])} rows for N = {n} tokens")
+    store = d.get("store") or {}
+    if (store.get("keep", "summary") == "summary") and store.get("tensors"):
+        raise Bad("store.tensors", "a keep summary trace lists tensors")
+
+
+def _mask_consistent(st: dict[str, Any], p: str) -> None:
+    m = st.get("mask")
+    if m is None:
+        return
+    b = st["batch"]
+    if len(m["logical"]) != len(b) and m["logical"]:
+        raise Bad(f"{p}.mask.logical", f"{len(m['logical'])} matrices for {len(b)} requests")
+    for j, (r, lg) in enumerate(zip(b, m["logical"])):
+        if len(lg) != r["T"] or any(len(row) != r["C"] + r["T"] for row in lg):
+            raise Bad(f"{p}.mask.logical[{j}]", f"must be [T={r['T']}][C+T={r['C'] + r['T']}]")
+    md = m.get("metadata")
+    if md is not None:
+        T = [r["T"] for r in b]
+        K = [r["C"] + r["T"] for r in b]
+        cu = [0]
+        for t in T:
+            cu.append(cu[-1] + t)
+        for k, want in (("seq_lens", T), ("kv_lens", K), ("cu_seqlens", cu), ("request_ids", [r["seq_id"] for r in b])):
+            if md[k] != want:
+                raise Bad(f"{p}.mask.metadata.{k}", f"must be {want if len(want) < 20 else 'consistent with the batch'}")
+    kq = m.get("kq_mask")
+    if kq is not None and kq["rows"]:
+        w = len(kq["rows"][0])
+        if any(len(r) != w for r in kq["rows"]) or w > kq["n_kv"]:
+            raise Bad(f"{p}.mask.kq_mask.rows", "rows must have equal length, at most n_kv")
+
+
+def _kv_consistent(st: dict[str, Any], p: str) -> None:
+    kv = st.get("kv")
+    if kv is None:
+        return
+    ph = kv["physical"]
+    if ph["kind"] != kv["backend"]:
+        raise Bad(f"{p}.kv.physical.kind", f"{ph['kind']!r} but the record's backend is {kv['backend']!r}")
+    shape = kv["physical_shape"]
+    want = [ph["size"], None, None] if ph["kind"] == "cells" else [ph["num_blocks"], 2, None, ph["tokens_per_block"], None]
+    if len(shape) != len(want) or any(w is not None and x != w for x, w in zip(shape, want)):
+        raise Bad(f"{p}.kv.physical_shape", f"{shape} does not match the {ph['kind']} storage "
+                  + ("[size, n_kv_heads, head_dim]" if ph["kind"] == "cells" else "[num_blocks, 2, n_kv_heads, tokens_per_block, head_dim]"))
+    if ph["kind"] == "cells":
+        size = ph["size"]
+        if ph["n_kv"] > size or ph["used"] > size or len(ph["cells"]) > size:
+            raise Bad(f"{p}.kv.physical", f"n_kv, used and the cells listed must not exceed size = {size}")
+        used_max_p1 = 0
+        for c in ph["cells"]:
+            if c["cell"] >= size:
+                raise Bad(f"{p}.kv.physical.cells", f"cell {c['cell']} outside the cache of size {size}")
+            used_max_p1 = max(used_max_p1, c["cell"] + 1)
+        pad = max(N_KV_PAD_MAX, -(-used_max_p1 // 32) * 32)
+        if ph["n_kv"] > pad:  # llama.cpp: n_kv = used_max_p1 padded (get_padding), never more
+            raise Bad(f"{p}.kv.physical.n_kv", f"{ph['n_kv']} but the cells used end at {used_max_p1} (padded: {pad})")
+        return
+    B, nb = ph["tokens_per_block"], ph["num_blocks"]
+    if nb * B > L["MAX_CTX"] * 4:
+        raise Bad(f"{p}.kv.physical", f"num_blocks × tokens_per_block = {nb * B} exceeds 4 × MAX_CTX")
+    for s, r in ph["requests"].items():
+        if any(b >= nb for b in r["block_table"]) or r["len"] > len(r["block_table"]) * B:
+            raise Bad(f"{p}.kv.physical.requests.{s}", f"block table must cover len with blocks below num_blocks = {nb}")
+    for j, d in enumerate(kv["per_request"]):
+        if any(b >= nb for b in d.get("block_table", [])) or any(x >= nb * B for x in d.get("slot_mapping", [])):
+            raise Bad(f"{p}.kv.per_request[{j}]", f"blocks and slots must lie inside the pool ({nb} blocks of {B})")
+
+
+def validate_trace(d: Any, where: str, consistency: bool = True) -> None:
+    """Check a parsed ``trace.json`` completely (see the module docstring).
+
+    Args:
+        d: what ``json.loads`` returned.
+        where: the file, for the message.
+        consistency: also check the cross-field consistency (positions = C..C+T-1, packed rows,
+            lens, mask shapes, cells); ``infertrace check`` reports those as violations instead.
+
+    Raises:
+        InfertraceError: one line ``<where>: <field path>: <what is wrong> (limit NAME = N)``.
+    """
+    try:
+        TOP_LEVEL(d, "$")
+        if consistency:
+            _consistent(d)
+    except Bad as e:
+        path = e.path[2:] if e.path.startswith("$.") else e.path.lstrip("$")
+        raise InfertraceError(f"{where}: {path + ': ' if path else ''}{e.msg}") from None
+    except RecursionError:
+        raise InfertraceError(f"{where}: nested too deeply") from None
