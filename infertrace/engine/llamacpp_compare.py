@@ -154,7 +154,7 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
     from unittest import mock
 
     from infertrace.kv.cells import CellsKV
-    from infertrace.model import llama as llama_mod
+    from infertrace.model import decoder as llama_mod  # the forward (and its F) lives in decoder.py
     from infertrace.runner import encode_prompt
 
     class _KV(F16CacheKV, CellsKV):
