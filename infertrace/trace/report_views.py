@@ -124,22 +124,34 @@ def simulate_cells(trace: Any, n_steps: int | None = None) -> list[dict[int, tup
     size = int(trace.options.get("engine", {}).get("ctx_size") or 2048)
     cells: dict[int, tuple[int, list[int]]] = {}
     head, out = 0, []
+
+    def release(seq_id: int) -> dict[int, tuple[int, list[int]]]:
+        nonlocal head
+        freed = [c for c, v in cells.items() if seq_id in v[1]]
+        if freed and min(freed) < head:  # llama_kv_cache::seq_rm: head back to the first freed cell
+            head = min(freed)
+        return {c: v for c, v in cells.items() if seq_id not in v[1]}
+
     for st in trace.steps[:n_steps]:
         for s in st.preempted:
-            cells = {c: v for c, v in cells.items() if s not in v[1]}
+            cells = release(s)
+        n_tokens = sum(len(r.positions) for r in st.batch)
+        if head > len(cells) + 2 * n_tokens:  # llama.cpp find_slot: plenty of unused cells before head -> restart at 0
+            head = 0
+        c = head
         for r in st.batch:
             for p in r.positions:
                 if len(cells) >= size:
                     break  # full: the record shows what the engine did
-                c, scanned = head, 0
-                while c in cells and scanned < size:  # next free cell from head, wrapping (bounded by cells used)
+                scanned = 0
+                while c in cells and scanned < size:  # next free cell, wrapping (bounded by cells used)
                     c, scanned = (c + 1) % size, scanned + 1
                 cells[c] = (p, [r.seq_id])
                 head = (c + 1) % size
         out.append(dict(cells))
         for r in st.batch:
             if r.finished:
-                cells = {c: v for c, v in cells.items() if r.seq_id not in v[1]}
+                cells = release(r.seq_id)
     return out
 
 

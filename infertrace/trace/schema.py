@@ -296,7 +296,8 @@ PHYS_CELLS = Obj({"kind": Str(choices=("cells",)), "size": Int(1, L["MAX_CTX"], 
                   "n_kv": Int(0, L["MAX_CTX"]), "cells": List(CELL)},
                  {"head": POS, "head_before": POS, "head_after": POS,
                   "seqs": Map(Obj({"cells": Range(), "pos": Range()})),
-                  "prefix_cache": Bool(), "retained": List(SEQ), "n_swa": Int(0, L["MAX_CTX"]), "swa_layers": List(DIM)})
+                  "prefix_cache": Bool(), "retained": List(SEQ), "n_swa": Int(0, L["MAX_CTX"]), "swa_layers": List(DIM),
+                  "llama_memory_seq_pos": Map(List(Int(-1, L["MAX_CTX"]), 2, length=2))})
 PHYS_PAGED = Obj({"kind": Str(choices=("paged",)), "num_blocks": Int(1, L["MAX_BLOCKS"], limit="MAX_BLOCKS"),
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], limit="MAX_TOKENS_PER_BLOCK"),
                   "used_blocks": Int(0, L["MAX_BLOCKS"]), "free_blocks": Int(0, L["MAX_BLOCKS"]),
