@@ -294,7 +294,7 @@ class Engine:
                 break
         samples[req.seq_id] = out[len(emitted) - 1]
         cells = inp.extra["cell_idx"][row : row + c.T] if "cell_idx" in inp.extra else None
-        rewind = self.spec.rewind(self, c, accepted, cells) if req.seq_id not in finished else None
+        rewind = self.spec.rewind(self, c, accepted, cells)  # also when finishing: the trace shows the rewound cache
         counts = self.spec.note(req.seq_id, c, accepted, len(emitted))
         spec_rec[req.seq_id] = {**counts, "C": c.C, "tokens": list(c.token_ids), "parents": list(c.parents),
                                 "positions": [c.C + d for d in c.depths()], "accepted_nodes": accepted,

@@ -170,7 +170,9 @@ class Scheduler:
         C = req.num_computed
         cache_ids = req.cache_ids  # all_ids unless a context shift dropped some
         if req.phase == "decode" and req.draft:  # verify: the pending token + drafts whose parents fit the budget
-            parents = [-1] + req.draft_parents[: n - 1]  # nodes follow their parents: any prefix is a tree
+            # chunk-local: the pending token is node 0, draft i is node i + 1; nodes follow their parents, so
+            # any prefix (a budget cut) is still a tree
+            parents = [-1] + [p + 1 for p in req.draft_parents[: n - 1]]
             return ScheduledChunk(req, "decode", C, cache_ids[C:] + req.draft[: len(parents) - 1], True, parents)
         ids = cache_ids[C : C + n]
         return ScheduledChunk(req, req.phase, C, ids, need_logits=(C + n == len(cache_ids)))

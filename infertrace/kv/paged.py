@@ -175,11 +175,9 @@ class PagedKV:
         W = max(self.windows) if swa else 0
         out = []
         for c, T, L in zip(inp.chunks, inp.extra["seq_lens"].tolist(), inp.extra["kv_lens"].tolist()):
-            q = torch.arange(L - T, L).unsqueeze(1)  # [T, 1]
-            k = torch.arange(L).unsqueeze(0)  # [1, L]
+            q = (L - T + torch.tensor(c.depths())).unsqueeze(1)  # [T, 1] query positions (past + depth for a draft tree)
+            k = torch.arange(L).unsqueeze(0)  # [1, L] key positions; a tree row sees its ancestors, one per position
             m = k <= q  # [T, L]
-            if c.parents is not None:  # verify chunk: the past plus the ancestors (storage order = node order)
-                m[:, L - T :] = c.ancestors()  # [T, T]
             out.append(m & (k > q - W) if W else m)  # [T, L]
         return out
 
