@@ -204,3 +204,21 @@ def test_bad_speculative_options_are_one_line_errors(tiny):
     e.add_request(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=4))
     with pytest.raises(InfertraceError, match="needs greedy"):
         e.run()
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_real_model_layer_skip_draft_equals_plain_greedy(smol, backend):
+    """SmolLM2-135M as target and, through its first 10 of 30 layers, as its own draft model."""
+    tok = smol.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode("1, 2, 3, 4, 5,")]
+
+    def run(**kw):
+        e = Engine(smol.model, tok, EngineOptions(backend=backend, ctx_size=128, tokens_per_block=8, **kw))
+        for p in prompts:
+            e.add_request(p, SamplingParams(max_new_tokens=10, ignore_eos=True))
+        return [r.output_ids for r in e.run()], e
+
+    ref, _ = run()
+    out, e = run(speculative="draft", draft_layers=10, num_spec_tokens=3)
+    assert out == ref
+    assert e.spec.summary()["requests"]["1"]["accepted_by_pos"][0] > 0  # the counting prompt is easy to draft
