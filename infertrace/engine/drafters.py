@@ -8,7 +8,7 @@ node that gets no proposal is dropped with its subtree.
 * :class:`NgramDrafter` -- llama.cpp ``examples/lookup`` / ``common_ngram_cache`` and vLLM v1
   ``NgramProposer``: take the longest suffix of the context (``n = ngram_max .. ngram_min``) that
   occurred earlier and propose the token that followed it (rank r: the r-th distinct follower,
-  most recent occurrence first). The draft is a point mass (q = one-hot).
+  most recent occurrence first, then the followers of shorter suffixes). The draft is a point mass (q = one-hot).
 * :class:`DraftModelDrafter` -- llama.cpp ``common/speculative.cpp`` / vLLM ``draft_model``: a
   smaller model with its own KV cache (cells), kept in step with the target's accepted tokens by
   ``seq_rm`` of whatever diverged; rank r = the r-th best token of the draft's logits (greedy),
@@ -76,9 +76,7 @@ class NgramDrafter:
                     out.append(ctx[i + n])
                     if len(out) >= want:
                         return out
-            if out:
-                return out
-        return out
+        return out  # the longest match's followers first, then shorter suffixes' (a tree's other branches)
 
     def draft(self, engine: Any, reqs: list[Any], parents: Sequence[int]) -> dict[int, Draft]:
         rk = ranks(parents)
