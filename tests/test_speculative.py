@@ -222,3 +222,25 @@ def test_real_model_layer_skip_draft_equals_plain_greedy(smol, backend):
     out, e = run(speculative="draft", draft_layers=10, num_spec_tokens=3)
     assert out == ref
     assert e.spec.summary()["requests"]["1"]["accepted_by_pos"][0] > 0  # the counting prompt is easy to draft
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_separate_draft_model_file(tiny, plain, backend, tmp_path):
+    """--draft-model PATH: another (1-layer, differently seeded) checkpoint with the same vocabulary."""
+    w, s = make_weights(seed=9, n_layer=1)
+    path = write_gguf(tmp_path / "draft.gguf", w, s)
+    out, e = _run(tiny, backend=backend, speculative="draft", draft_model=str(path), num_spec_tokens=3)
+    assert out == plain[backend]
+    assert e.spec.drafter.model is not tiny[1] and len(e.spec.drafter.model.layers) == 1
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny):
+    import dataclasses
+    from types import SimpleNamespace
+
+    from infertrace.engine.drafters import DraftModelDrafter
+
+    _, m = tiny
+    other = SimpleNamespace(cfg=dataclasses.replace(m.cfg, vocab_size=m.cfg.vocab_size - 1))
+    with pytest.raises(InfertraceError, match="vocabulary"):
+        DraftModelDrafter(other, m, 64, 4)
