@@ -25,6 +25,9 @@ from infertrace.trace.recorder import VARIABLES, Recorder
 
 #: EngineOptions fields of the serving mechanisms and their off values (engine/serving.py)
 SERVING_DEFAULTS = {"prefix_cache": False, "context_shift": False, "n_keep": 0, "n_discard": 0, "audit_kv": False}
+#: EngineOptions fields of speculative decoding and their defaults (recorded only when speculative is on)
+SPEC_DEFAULTS = {"speculative": None, "num_spec_tokens": 3, "spec_tree": None, "draft_model": None, "draft_layers": None,
+                 "ngram_min": 1, "ngram_max": 3}
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -160,11 +163,17 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     for k, default in SERVING_DEFAULTS.items():  # serving options recorded only when set (older traces compare equal)
         if engine_opts.get(k) == default:
             engine_opts.pop(k, None)
+    if not opts.speculative:
+        for k in SPEC_DEFAULTS:
+            engine_opts.pop(k, None)
+    elif opts.spec_tree is not None:
+        engine_opts["spec_tree"] = list(opts.spec_tree)
     options = {"backend": opts.backend, "attention": eng.attn_impl, **(options_for_record or {}),
                "engine": engine_opts, "layer": layer, "show": list(show)}
     out = RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
                    notes=list(loaded.ckpt.notes) + list(getattr(tok, "warnings", []) or []),
-                   steps=list(rec.steps) if trace else [], requests=reqs)
+                   steps=list(rec.steps) if trace else [], requests=reqs,
+                   spec=eng.spec.summary() if eng.spec is not None else None)
     from infertrace.threads import current
 
     th = current()

@@ -77,6 +77,8 @@ def paged_attention_torch(
     cu_seqlens: torch.Tensor,
     scale: float,
     window: int = 0,
+    tree_mask: torch.Tensor | None = None,
+    q_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention read from a paged KV pool through block tables.
 
@@ -91,6 +93,11 @@ def paged_attention_torch(
         scale: softmax scale.
         window: sliding window W, 0 = none: the query at position p sees keys p-W+1..p
             (HF ``sliding_window``; TensorRT-LLM ``attention_window_size``; vLLM ``sliding_window``).
+        tree_mask: optional ``[S, T_max, T_max]`` bool, speculative tree verification: query t
+            of request i sees its past ``0..kv_len-T-1`` and, of the step's own keys, those set in
+            row t (the unpacked TensorRT-LLM ``spec_decoding_packed_mask``).
+        q_pos: ``[S, T_max]`` int64 query positions (``past + spec_decoding_position_offsets``)
+            for the window rule when ``tree_mask`` is given.
 
     Returns:
         ``[N, n_head, head_dim]``, dtype of ``q``.
@@ -124,6 +131,15 @@ def paged_attention_torch(
     qpos = (kv_lens.long().to(dev) - seq_lens.long().to(dev)).unsqueeze(1) + t_idx.unsqueeze(0)  # [S, T_max]
     keys = torch.arange(L_max, device=dev).view(1, 1, L_max)  # [1, 1, L]
     keep = keys <= qpos.unsqueeze(2)  # [S, T_max, L]
+    if tree_mask is not None:
+        past = (kv_lens.long() - seq_lens.long()).to(dev).view(S, 1, 1)  # [S, 1, 1]
+        rel = (keys - past).expand(S, T_max, L_max)  # [S, T_max, L] index among the step's own keys
+        inside = rel >= 0
+        tm = tree_mask.to(dev)  # [S, T_max, T_max]
+        own = torch.gather(tm, 2, rel.clamp(0, T_max - 1))  # [S, T_max, L]
+        keep = torch.where(inside, own & (rel < T_max), keys < past)  # [S, T_max, L]
+        if q_pos is not None:
+            qpos = q_pos.long().to(dev)  # [S, T_max] tree positions for the window rule
     if window > 0:
         keep &= keys > qpos.unsqueeze(2) - window  # [S, T_max, L] sliding window
     keep &= valid_q.unsqueeze(2)

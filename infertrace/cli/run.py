@@ -13,6 +13,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from infertrace.cli import run_options as o
 from infertrace.cli.common import (ATTENTION, BACKENDS, DEVICES, ENGINES, MIN_WIDTH, PROMPT_KEYS,  # noqa: F401 - re-exported
                                    check_choice, check_min, load_with_progress, parse_show, parse_steps,
                                    progress_display, read_prompts_file, stdout_console)
@@ -122,6 +123,13 @@ def run(
     n_keep: Annotated[int, typer.Option("--n-keep", help="Context shift: cached tokens kept at the start.")] = 0,
     n_discard: Annotated[int, typer.Option("--n-discard", help="Context shift: tokens dropped after --n-keep (0 = half of the rest).")] = 0,
     audit_kv: Annotated[bool, typer.Option("--audit-kv", help="Record each cached K/V entry's provenance and recompute the cache from scratch every step (max |Δ| per provenance).")] = False,
+    speculative: o.Speculative = None,
+    num_spec_tokens: o.NumSpecTokens = EngineOptions.num_spec_tokens,
+    spec_tree: o.SpecTree = None,
+    draft_model: o.DraftModel = None,
+    draft_layers: o.DraftLayers = None,
+    ngram_min: o.NgramMin = EngineOptions.ngram_min,
+    ngram_max: o.NgramMax = EngineOptions.ngram_max,
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
@@ -158,6 +166,9 @@ def run(
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
         attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
+    opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
+    if engine == "llama.cpp" and opts.speculative:
+        raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
 
     # -- load and run (progress on stderr only)
     with progress_display(enabled=not as_json) as progress:

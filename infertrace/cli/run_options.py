@@ -51,6 +51,15 @@ NKeep = Annotated[int, typer.Option("--n-keep", help="Context shift: cached toke
 NDiscard = Annotated[int, typer.Option("--n-discard", help="Context shift: tokens dropped after --n-keep (0 = half of the rest).")]
 AuditKv = Annotated[bool, typer.Option("--audit-kv", help="Record each cached K/V entry's provenance and recompute the cache from scratch every step (max |Δ| per provenance).")]
 
+# speculative decoding (engine/speculative.py)
+Speculative = Annotated[Optional[str], typer.Option("--speculative", help="Speculative decoding: ngram (prompt lookup, as llama.cpp lookup / vLLM ngram) or draft (a draft model: --draft-model or --draft-layers). Default off.")]
+NumSpecTokens = Annotated[int, typer.Option("--num-spec-tokens", help="Speculative: K draft tokens per step (a chain).")]
+SpecTree = Annotated[Optional[str], typer.Option("--spec-tree", help="Speculative: a static draft tree instead of a chain, as the parent index of each draft node (-1 = the last accepted token), e.g. -1,-1,0,0,1. Greedy only.")]
+DraftModel = Annotated[Optional[str], typer.Option("--draft-model", help="Speculative draft: the draft model file (same vocabulary as the target).")]
+DraftLayers = Annotated[Optional[int], typer.Option("--draft-layers", help="Speculative draft: the target's own first k layers as the draft model (layer skip).")]
+NgramMin = Annotated[int, typer.Option("--ngram-min", help="Speculative ngram: shortest suffix looked up.")]
+NgramMax = Annotated[int, typer.Option("--ngram-max", help="Speculative ngram: longest suffix looked up.")]
+
 D = SamplingParams  # defaults
 E = EngineOptions
 
@@ -153,3 +162,32 @@ def print_run_cost(progress: Any, loaded: Any, specs: list[PromptSpec], opts: En
     news = [s.params.max_new_tokens for s in specs]
     for w in run_cost_warnings(loaded.config, opts, news, parse_dtype(dtype), default_ctx_size=EngineOptions.ctx_size):
         progress.console.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)
+
+
+def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec_tokens: int, spec_tree: Optional[str],
+                       draft_model: Optional[str], draft_layers: Optional[int], ngram_min: int, ngram_max: int) -> EngineOptions:
+    """Check the speculative-decoding options (before a model loads) and return ``opts`` with them set.
+
+    Raises:
+        InfertraceError: an unknown method, a bad tree, or a draft option without ``--speculative``.
+    """
+    import dataclasses
+
+    if speculative is None:
+        if spec_tree or draft_model or draft_layers is not None or num_spec_tokens != EngineOptions.num_spec_tokens:
+            raise InfertraceError("--num-spec-tokens, --spec-tree, --draft-model and --draft-layers need --speculative ngram|draft")
+        return opts
+    method = check_choice("--speculative", speculative, ("ngram", "draft"))
+    from infertrace.engine.speculative import MAX_DRAFT, parse_tree
+
+    tree = parse_tree(spec_tree) if spec_tree else None
+    if not 1 <= num_spec_tokens <= MAX_DRAFT:
+        raise InfertraceError(f"--num-spec-tokens must be in 1..{MAX_DRAFT} (got {num_spec_tokens})")
+    if method == "draft" and (draft_model is None) == (draft_layers is None):
+        raise InfertraceError("--speculative draft needs exactly one of --draft-model PATH or --draft-layers k")
+    if method == "ngram" and (draft_model is not None or draft_layers is not None):
+        raise InfertraceError("--draft-model/--draft-layers need --speculative draft")
+    if draft_layers is not None:
+        check_min("--draft-layers", draft_layers, 1)
+    return dataclasses.replace(opts, speculative=method, num_spec_tokens=num_spec_tokens, spec_tree=tree,
+                               draft_model=draft_model, draft_layers=draft_layers, ngram_min=ngram_min, ngram_max=ngram_max)

@@ -43,6 +43,8 @@ class StepContext:
         sampler_order: ``hf`` or ``llama.cpp`` (the run's order; shown only for sampled rows).
         serving: the step's serving record (prefix lookups, context shifts, evictions, audit;
         engine/serving.py) or None.
+        spec: speculative decoding: ``{"requests": {seq_id: verify record}, "drafted", "accepted",
+        "acceptance_rate"}`` or None.
 
     ``ctx["step"]`` and ``ctx.get("time_ms")`` still work, for tracers written against the
     dict this replaced.
@@ -61,6 +63,7 @@ class StepContext:
     time_ms: float = 0.0
     sampler_order: str | None = None
     serving: dict[str, Any] | None = None
+    spec: dict[str, Any] | None = None  # speculative verify record of the step (engine/speculative.py)
 
     def __getitem__(self, key: str) -> Any:
         try:
@@ -133,6 +136,11 @@ class Engine:
         self.serving = Serving(self)  # prefix cache, context shift, KV audit (engine/serving.py)
         if self.serving.prefix_on:
             self.scheduler.on_admit = self.serving.on_admit
+        self.spec = None
+        if self.opts.speculative:
+            from infertrace.engine.speculative import Speculator
+
+            self.spec = Speculator(self)
 
     def sample_row(self, logits: torch.Tensor, req: Request) -> SampleResult:
         """The next token of ``req`` from its logits row ``[V]`` (subclasses force tokens here)."""
@@ -187,6 +195,8 @@ class Engine:
         if not self.scheduler.has_work():
             return None
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self)  # drafts of running decode requests, packed by the scheduler as verify chunks
         batch = self.scheduler.schedule(self.step_no)
         if not batch.chunks:  # idle: waiting for a later arrival; recorded so the step numbers have no gaps
             if self.tracer.enabled:
@@ -202,13 +212,15 @@ class Engine:
             else:
                 self.step_no += 1
             return batch
-        specs = [ChunkSpec(c.req.seq_id, c.C, c.T) for c in batch.chunks]
+        specs = [ChunkSpec(c.req.seq_id, c.C, c.T, c.parents) for c in batch.chunks]
         inp = self.kv.prepare(specs)
         ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)  # [N]
         rows, r = [], 0
         for c in batch.chunks:
             r += c.T
-            if c.need_logits:
+            if c.parents is not None:
+                rows += list(range(r - c.T, r))  # a verify chunk: logits at every candidate
+            elif c.need_logits:
                 rows.append(r - 1)
         tracer = self.tracer
         if tracer.enabled:
@@ -220,24 +232,27 @@ class Engine:
                 "(rope theta, rms epsilon) are broken - check the file with infertrace inspect"
             )
         samples, finished, j = {}, {}, 0
+        spec_rec: dict[str, Any] | None = {} if self.spec is not None else None
+        row0 = 0
         for c in batch.chunks:
             req = c.req
             req.num_computed += c.T
+            row0 += c.T
+            if c.parents is not None:  # speculative verify (engine/speculative.py)
+                j = self._verify(c, logits, j, inp, row0 - c.T, samples, finished, spec_rec)
+                continue
             if not c.need_logits:
                 continue
             res = self.sample_row(logits[j], req)
             j += 1
             samples[req.seq_id] = res
-            req.output_ids.append(res.token)
-            reason = None
-            if res.token in self.eog and not req.params.ignore_eos:
-                reason = "eos"
-            elif len(req.output_ids) >= req.params.max_new_tokens:
-                reason = "max_new_tokens"
-            elif len(req.cache_ids) >= self.opts.ctx_size and not self.opts.context_shift:
-                reason = "ctx_full"
+            if c.phase == "decode" and spec_rec is not None:
+                self.spec.note(req.seq_id, c, [0], 1)
+            reason = self._emit(req, res.token)
             if reason:
                 finished[req.seq_id] = reason
+        if spec_rec is not None:
+            spec_rec = self._spec_step(batch, spec_rec, finished)
         if self.serving.active:
             self.serving.after_forward(batch, inp)
         serving = self._stopped_record(batch, self.serving.take_record(batch))
@@ -245,13 +260,60 @@ class Engine:
             tracer.end_step(StepContext(step=self.step_no, batch=batch, inp=inp, kv=self.kv, attention=self.attn_impl,
                                         logits=logits, logits_rows=rows, samples=samples, finished=finished,
                                         requests=self.requests, time_ms=(time.perf_counter() - t0) * 1e3,
-                                        sampler_order=self.sampler_order, serving=serving))
+                                        sampler_order=self.sampler_order, serving=serving, spec=spec_rec))
         for sid, reason in finished.items():
             self.scheduler.finish(self.requests[sid], reason)
         if self.serving.active:
             self.serving.after_finish(batch, finished)
         self.step_no += 1
         return batch
+
+    def _emit(self, req: Request, token: int) -> str | None:
+        """Append one generated token; returns the stop reason it causes, if any."""
+        req.output_ids.append(token)
+        if token in self.eog and not req.params.ignore_eos:
+            return "eos"
+        if len(req.output_ids) >= req.params.max_new_tokens:
+            return "max_new_tokens"
+        if len(req.cache_ids) >= self.opts.ctx_size and not self.opts.context_shift:
+            return "ctx_full"
+        return None
+
+    def _verify(self, c: Any, logits: torch.Tensor, j: int, inp: AttnInputs, row: int, samples: dict,
+                finished: dict, spec_rec: dict) -> int:
+        """Accept the longest valid prefix of ``c``'s drafts, emit the tokens, rewind the rest;
+        returns the next logits row."""
+        req = c.req
+        out, accepted = self.spec.verify(self, c, logits[j : j + c.T])  # logits [T, V]
+        emitted = []
+        for res in out:
+            emitted.append(res.token)
+            reason = self._emit(req, res.token)
+            if reason:
+                finished[req.seq_id] = reason
+                break
+        samples[req.seq_id] = out[len(emitted) - 1]
+        cells = inp.extra["cell_idx"][row : row + c.T] if "cell_idx" in inp.extra else None
+        rewind = self.spec.rewind(self, c, accepted, cells)  # also when finishing: the trace shows the rewound cache
+        counts = self.spec.note(req.seq_id, c, accepted, len(emitted))
+        spec_rec[req.seq_id] = {**counts, "C": c.C, "tokens": list(c.token_ids), "parents": list(c.parents),
+                                "positions": [c.C + d for d in c.depths()], "accepted_nodes": accepted,
+                                "emitted": emitted, "rewind": rewind}
+        return j + c.T
+
+    def _spec_step(self, batch: ScheduledBatch, reqs: dict, finished: dict) -> dict[str, Any] | None:
+        """Per-step speculative counters; counts the target forward when a decode / verify chunk ran."""
+        n_tok = sum(len(r["emitted"]) for r in reqs.values()) + sum(
+            1 for c in batch.chunks if c.parents is None and c.phase == "decode" and c.need_logits)
+        if any(c.phase == "decode" for c in batch.chunks):
+            self.spec.target_forwards += 1
+            self.spec.decode_tokens += n_tok
+        if not reqs:
+            return None
+        drafted = sum(r["drafted"] for r in reqs.values())
+        accepted = sum(r["accepted"] for r in reqs.values())
+        return {"requests": {str(k): v for k, v in reqs.items()}, "drafted": drafted, "accepted": accepted,
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else None}
 
     def _stopped_record(self, batch: ScheduledBatch, serving: dict[str, Any] | None) -> dict[str, Any] | None:
         """The step's serving record plus requests the scheduler stopped (``kv_full``: case P5)."""

@@ -80,6 +80,10 @@ class EngineOptions:
         ``n_keep`` cached tokens, drop the next ``n_discard`` (0 = half of the rest) and continue
         (llama.cpp server); off: the request stops with ``ctx_full``.
     audit_kv: record each cached entry's provenance and recompute the cache every step.
+    speculative: ``None`` (off), ``ngram`` (prompt lookup) or ``draft`` (a draft model: ``draft_model``
+        path, or the target's first ``draft_layers`` layers); ``num_spec_tokens`` K drafts per step
+        (a chain); ``spec_tree``: parent index of each draft node (-1 = the last accepted token)
+        instead of a chain; ``ngram_min``/``ngram_max``: suffix lengths the lookup tries.
     """
 
     backend: str = "cells"
@@ -96,3 +100,10 @@ class EngineOptions:
     n_keep: int = 0
     n_discard: int = 0
     audit_kv: bool = False
+    speculative: str | None = None
+    num_spec_tokens: int = 3
+    spec_tree: tuple[int, ...] | None = None
+    draft_model: str | None = None
+    draft_layers: int | None = None
+    ngram_min: int = 1
+    ngram_max: int = 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,11 @@ class Request:
     num_preemptions: int = 0
     shifts: list[tuple[int, int]] = field(default_factory=list)  # context shifts (n_keep, n_discard), in order
     generator: torch.Generator = field(default=None, repr=False)  # type: ignore[assignment]
+    #: speculative decoding (engine/speculative.py): this step's draft tokens, their chunk-local
+    #: parents (root = the pending token at index 0) and draft probabilities (None = a point mass)
+    draft: list[int] = field(default_factory=list)
+    draft_parents: list[int] = field(default_factory=list)
+    draft_q: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.generator is None:

@@ -86,7 +86,8 @@ def kept_set(logits: torch.Tensor, params: SamplingParams, order: str = "hf") ->
     p = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)  # [V]
     if params.top_p < 1.0:
         cum = torch.cumsum(p, -1)
-        drop = (cum - p) >= params.top_p  # keep the smallest prefix reaching top_p
+        before = torch.cat([cum.new_zeros(1), cum[:-1]])  # [V] mass before each token (case S3: not cum - p,
+        drop = before >= params.top_p  # whose float rounding keeps a token after the mass reached top_p)
         keep &= ~drop
         p = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)
     if params.min_p > 0.0:

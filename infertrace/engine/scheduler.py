@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from infertrace.engine.request import FINISHED, RUNNING, WAITING, Request
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import KVBackend
+from infertrace.kv.base import ChunkSpec, KVBackend
 
 
 @dataclass
@@ -28,10 +28,15 @@ class ScheduledChunk:
     C: int
     token_ids: list[int]
     need_logits: bool
+    parents: list[int] | None = None  # speculative verify chunk: [-1, parent of draft 1, ...] (chunk-local)
 
     @property
     def T(self) -> int:
         return len(self.token_ids)
+
+    def depths(self) -> list[int]:
+        """Depth of each token in its draft tree (``0..T-1`` for a plain chunk)."""
+        return ChunkSpec(self.req.seq_id, self.C, self.T, self.parents).depths()
 
 
 @dataclass
@@ -78,7 +83,7 @@ class Scheduler:
         return bool(self.future or self.waiting or self.running)
 
     def _take(self, req: Request, budget: int) -> int:
-        n = min(req.num_pending, budget)
+        n = min(req.num_pending + (len(req.draft) if req.phase == "decode" else 0), budget)
         if req.phase == "prefill" and self.prefill_chunk is not None:
             n = min(n, self.prefill_chunk)
         return n
@@ -88,6 +93,7 @@ class Scheduler:
         victim.num_computed = 0
         victim.status = WAITING
         victim.num_preemptions += 1
+        victim.draft, victim.draft_parents = [], []
         self.running.remove(victim)
         self.waiting.appendleft(victim)
 
@@ -163,6 +169,11 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         C = req.num_computed
         cache_ids = req.cache_ids  # all_ids unless a context shift dropped some
+        if req.phase == "decode" and req.draft:  # verify: the pending token + drafts whose parents fit the budget
+            # chunk-local: the pending token is node 0, draft i is node i + 1; nodes follow their parents, so
+            # any prefix (a budget cut) is still a tree
+            parents = [-1] + [p + 1 for p in req.draft_parents[: n - 1]]
+            return ScheduledChunk(req, "decode", C, cache_ids[C:] + req.draft[: len(parents) - 1], True, parents)
         ids = cache_ids[C : C + n]
         return ScheduledChunk(req, req.phase, C, ids, need_logits=(C + n == len(cache_ids)))
 

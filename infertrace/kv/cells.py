@@ -129,7 +129,7 @@ class CellsKV:
         positions, seq_ids = [], []
         for c in chunks:
             self._check_seq(c.seq_id)
-            positions += list(range(c.C, c.C + c.T))
+            positions += [c.C + d for d in c.depths()]  # past + 0..T-1; a draft tree: past + depth(node)
             seq_ids += [c.seq_id] * c.T
         N = len(positions)
         head_before = self.head
@@ -145,6 +145,14 @@ class CellsKV:
         owns = self.seq[:n_kv][:, sid_t].T  # [N, n_kv]: cell holds the query's seq_id
         causal = self.pos[:n_kv].unsqueeze(0) <= pos_t.unsqueeze(1)  # [N, n_kv]
         keep = owns & causal & (self.pos[:n_kv] >= 0).unsqueeze(0)  # [N, n_kv]
+        row = 0
+        for c in chunks:  # speculative tree verify: the past, plus the query's ancestors among the step's cells
+            if c.parents is not None:
+                anc = torch.zeros(c.T, n_kv, dtype=torch.bool)  # [T, n_kv]
+                anc[:, idx_t[row : row + c.T]] = c.ancestors()  # [T, T] onto the chunk's cells
+                past = (self.pos[:n_kv] >= 0) & (self.pos[:n_kv] < c.C)  # [n_kv]
+                keep[row : row + c.T] = owns[row : row + c.T] & (past.unsqueeze(0) | anc)  # [T, n_kv]
+            row += c.T
         mask = torch.full((1, 1, n_pad, n_kv), float("-inf"))  # ne = [n_kv, n_pad, 1, 1]
         mask[0, 0, :N] = torch.where(keep, 0.0, float("-inf"))  # [N, n_kv]
         extra = {"cell_idx": idx_t, "n_kv": n_kv, "kq_mask": mask, "n_tokens_pad": n_pad,

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from infertrace.attention.reference import paged_attention_torch
 from infertrace.attention.select import paged_attention, write_kv_paged
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec, ranges_text
@@ -99,10 +100,10 @@ class PagedKV:
             if self.lens.get(c.seq_id, 0) != c.C:
                 raise InfertraceError(f"internal: seq {c.seq_id} has {self.lens.get(c.seq_id, 0)} cached tokens, step expects C={c.C}")
             self._grow(c.seq_id, c.T)
-            for p in range(c.C, c.C + c.T):
-                positions.append(p)
+            for p, d in zip(range(c.C, c.C + c.T), c.depths()):
+                positions.append(c.C + d)  # past + depth(node) for a draft tree (TensorRT-LLM position offsets)
                 seq_ids.append(c.seq_id)
-                slots.append(self.slot(c.seq_id, p))
+                slots.append(self.slot(c.seq_id, p))  # storage order = packed order
         max_blocks = max(len(self.tables[c.seq_id]) for c in chunks)
         bt = torch.full((len(chunks), max_blocks), -1, dtype=torch.int32)  # [num_seqs, max_blocks]
         for i, c in enumerate(chunks):
@@ -112,10 +113,14 @@ class PagedKV:
         kv_lens = torch.tensor([c.C + c.T for c in chunks], dtype=torch.int32)  # [num_seqs]
         cu = torch.zeros(len(chunks) + 1, dtype=torch.int32)  # [num_seqs+1]
         cu[1:] = torch.cumsum(seq_lens, 0)
-        types = ["context" if (c.C == 0 or c.T > 1) else "generation" for c in chunks]
+        types = ["generation" if c.parents is not None else "context" if (c.C == 0 or c.T > 1) else "generation"
+                 for c in chunks]
+        from infertrace.kv.spec_meta import spec_metadata
+
+        spec = spec_metadata(chunks)  # {} unless the step verifies drafts
         return AttnInputs(
             list(chunks), torch.tensor(positions, dtype=torch.int64), torch.tensor(seq_ids, dtype=torch.int64), self.kind,
-            {"slot_mapping": torch.tensor(slots, dtype=torch.int64), "block_tables": bt, "seq_lens": seq_lens,
+            {**spec, "slot_mapping": torch.tensor(slots, dtype=torch.int64), "block_tables": bt, "seq_lens": seq_lens,
              "kv_lens": kv_lens, "cu_seqlens": cu, "request_types": types,
              "num_contexts": sum(t == "context" for t in types), "mask_type": "causal",
              "tokens_per_block": self.B, "attention_window": {i: w for i, w in enumerate(self.windows) if w}},
@@ -136,6 +141,13 @@ class PagedKV:
     def attend(self, layer: int, q: torch.Tensor, inp: AttnInputs, scale: float) -> torch.Tensor:
         """Causal varlen attention read through block tables; no dense mask."""
         d = self._dev(inp)
+        tree = inp.extra.get("spec_tree_mask")  # [S, T_max, T_max] bool, only when a step verifies a branching tree
+        if tree is not None:
+            if self.attn_impl != "torch":
+                raise InfertraceError("tree verification needs --attention torch (the Triton kernel reads causal lengths only)")
+            return paged_attention_torch(q, self.pool[layer], d["block_tables"], d["seq_lens"], d["kv_lens"],
+                                         d["cu_seqlens"], scale, self.windows[layer], tree_mask=tree,
+                                         q_pos=inp.extra["spec_q_pos"])
         return paged_attention(self.attn_impl, q, self.pool[layer], d["block_tables"], d["seq_lens"], d["kv_lens"],
                                d["cu_seqlens"], scale, self.windows[layer])
 
@@ -162,9 +174,9 @@ class PagedKV:
         view (keys ``p-W+1..p``)."""
         W = max(self.windows) if swa else 0
         out = []
-        for T, L in zip(inp.extra["seq_lens"].tolist(), inp.extra["kv_lens"].tolist()):
-            q = torch.arange(L - T, L).unsqueeze(1)  # [T, 1]
-            k = torch.arange(L).unsqueeze(0)  # [1, L]
+        for c, T, L in zip(inp.chunks, inp.extra["seq_lens"].tolist(), inp.extra["kv_lens"].tolist()):
+            q = (L - T + torch.tensor(c.depths())).unsqueeze(1)  # [T, 1] query positions (past + depth for a draft tree)
+            k = torch.arange(L).unsqueeze(0)  # [1, L] key positions; a tree row sees its ancestors, one per position
             m = k <= q  # [T, L]
             out.append(m & (k > q - W) if W else m)  # [T, L]
         return out

@@ -15,7 +15,8 @@ variable):
    no leak column.
 5. **kv (ownership)** -- cells: no two cells hold the same (seq, pos); the cells written this
    step were free or released before; after the step each computed request owns exactly
-   positions ``0 .. C+T-1``; a finished request owns nothing later. paged: a block belongs to
+   positions ``0 .. C+T-1`` (after a speculative verify: ``0 .. C + accepted path - 1``, and the
+   verify row's positions are ``C + depth(node)`` of its draft tree); a finished request owns nothing later. paged: a block belongs to
    one request; the slot mapping is ``table[p // B] * B + p % B``; a finished request has no
    table later. llama.cpp traces: ``llama_memory_seq_pos_min/max`` agree with the cells.
 
@@ -28,6 +29,8 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
+
+from infertrace.trace.schema import Bad, spec_positions
 
 
 @dataclass
@@ -124,13 +127,19 @@ class _Checker:
             self.n_checks += 1
             if sid in self.finished:
                 self.fail(s, sid, "positions", "lifetime", "a finished request is computed again")
-            if pos != list(range(C, C + T)):
-                self.fail(s, sid, "positions", "contiguous", f"positions {pos[:8]} are not C..C+T-1 = {C}..{C + T - 1}")
+            try:
+                expect = spec_positions(r)  # C..C+T-1, or C + depth(node) for a speculative verify row
+            except Bad as e:
+                self.fail(s, sid, "positions", "schema", e.msg)
+            if pos != expect:
+                self.fail(s, sid, "positions", "contiguous" if not r.get("spec") else "verify tree",
+                          f"positions {pos[:8]} are not {'C..C+T-1 = ' if not r.get('spec') else 'C + depth = '}"
+                          f"{expect[:8] if r.get('spec') else f'{C}..{C + T - 1}'}")
             want = self.next_pos.get(sid, 0)
             if C != want:
                 self.fail(s, sid, "positions", "contiguous across chunks",
                           f"chunk starts at position {C}, the previous chunk of this sequence ended at {want - 1}")
-            self.next_pos[sid] = C + T
+            self.next_pos[sid] = kept_len(r)
             packed += pos
         p = st.get("positions")
         if isinstance(p, dict):
@@ -268,9 +277,9 @@ class _Checker:
                                   f"cell {cell} held pos {self.prev_cells[cell][0]} of seq {self.prev_cells[cell][1]} and was overwritten")
             own = sorted(p for (q, p) in held if q == sid)
             self.n_checks += 1
-            if own != list(range(r["C"] + r["T"])):
-                self.fail(s, sid, "kv", "cache holds 0..C+T-1",
-                          f"after the step the cells of seq {sid} hold pos {own[:8]}{'...' if len(own) > 8 else ''}, expected 0..{r['C'] + r['T'] - 1}")
+            if own != list(range(kept_len(r))):  # a verify step: the rejected candidates were rewound
+                self.fail(s, sid, "kv", "cache holds 0..C+T-1" if not r.get("spec") else "cache holds the accepted positions",
+                          f"after the step the cells of seq {sid} hold pos {own[:8]}{'...' if len(own) > 8 else ''}, expected 0..{kept_len(r) - 1}")
         self.prev_cells = now
 
     def _paged(self, s: int, kv: dict, phys: dict, reqs: list[dict]) -> None:
@@ -294,11 +303,20 @@ class _Checker:
             if d is None or not isinstance(d.get("slot_mapping"), list) or not isinstance(d.get("block_table"), list):
                 continue
             tab = d["block_table"]
-            for p, slot in zip(r["positions"], d["slot_mapping"]):
+            stored = range(r["C"], r["C"] + r["T"])  # storage order: a verify tree's node i sits at slot of C + i
+            for p, slot in zip(stored if r.get("spec") else r["positions"], d["slot_mapping"]):
                 self.n_checks += 1
                 want = tab[p // B] * B + p % B if p // B < len(tab) else None
                 if slot != want:
                     self.fail(s, r["seq_id"], "kv", "slot = table[p // B] * B + p % B", f"pos {p}: slot {slot}, expected {want}")
+
+
+def kept_len(r: dict[str, Any]) -> int:
+    """Positions a request holds after its step: ``C + T``, or ``C + accepted path`` after a verify."""
+    sp = r.get("spec")
+    if isinstance(sp, dict) and isinstance(sp.get("accepted_nodes"), list):
+        return r["C"] + len(sp["accepted_nodes"])
+    return r["C"] + r["T"]
 
 
 def check_trace(manifest: dict[str, Any]) -> tuple[Violation | None, int]:

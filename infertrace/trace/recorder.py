@@ -14,6 +14,7 @@ from infertrace.model.rope import inv_freq_table
 from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES  # noqa: F401 - re-exported (defined torch-free in records)
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
+from infertrace.trace.spec_capture import verify_record
 
 if TYPE_CHECKING:
     from infertrace.engine.engine import StepContext
@@ -67,6 +68,7 @@ class Recorder:
         self.inv_freq = inv_freq_table(config)
         self.steps: list[StepTrace] = []
         self._taps: dict[str, dict[str, Any]] = {}
+        self._spec_acc: dict[int, list[int]] = {}  # accepted nodes of this step's verify chunks, by seq_id
 
     def tap(self, name: str, **tensors: Any) -> None:
         if name == "rope":  # one per tapped layer; the evidence uses ``self.layer``'s
@@ -100,6 +102,7 @@ class Recorder:
                 st.kv = self._kv(batch, None, kv)
             self.steps.append(st)
             return st
+        self._spec_acc = {int(k): v["accepted_nodes"] for k, v in ((ctx.get("spec") or {}).get("requests") or {}).items()}
         logical = kv.logical_mask(inp)
         logical_swa = kv.logical_mask(inp, swa=True) if self.cfg.windowed_layers else None
         rows_of, row, logits_row = {}, 0, {}
@@ -117,16 +120,22 @@ class Recorder:
             if logical_swa is not None:
                 ms = logical_swa[n_ch]
                 vis_swa = [ranges_text([j for j in range(ms.shape[1]) if bool(ms[i, j])]) for i in range(ch.T)]
+            vrec = (ctx.get("spec") or {}).get("requests", {}).get(str(sid)) if ch.parents is not None else None
+            kept = ch.C + len(vrec["accepted_nodes"]) if vrec else ch.C + ch.T  # a verify step rewinds the rejected tail
             reqs.append(ReqStep(
                 seq_id=sid, phase=ch.phase, C=ch.C, T=ch.T, token_ids=list(ch.token_ids),
-                pieces=[self.tok.piece(t) for t in ch.token_ids], positions=list(range(ch.C, ch.C + ch.T)),
-                visible=vis, cache_before=ranges_text(range(ch.C)), cache_after=ranges_text(range(ch.C + ch.T)),
+                pieces=[self.tok.piece(t) for t in ch.token_ids], positions=inp.positions[rows_of[sid]].tolist(),
+                visible=vis, cache_before=ranges_text(range(ch.C)), cache_after=ranges_text(range(kept)),
                 rows=rows_of[sid], logits_row=logits_row.get(rows_of[sid][-1]) if ch.need_logits else None,
                 sampled=s.token if s else None, sampled_piece=self.tok.piece(s.token) if s else None,
                 finished=ctx.finished.get(sid), visible_swa=vis_swa,
+                spec=({**verify_record(inp, n_ch, rows_of[sid][0], vrec),
+                       "emitted_pieces": [self.tok.piece(t) for t in vrec["emitted"]]} if vrec else None),
             ))
         st = StepTrace(step=ctx.step, backend=kv.kind, attention=ctx.attention, N=batch.N, batch=reqs,
                        preempted=list(batch.preempted), admitted=list(batch.admitted), time_ms=_r(ctx.time_ms, 3))
+        if ctx.get("spec"):  # speculative decoding: the step's drafted / accepted / acceptance rate
+            st.spec = {k: v for k, v in ctx.spec.items() if k != "requests"}
         serving = ctx.serving
         if serving:  # prefix hits / context shifts per request, evictions and audit for the step
             st.serving = serving
@@ -189,9 +198,10 @@ class Recorder:
         xf = x.float()
         rows, r = [], 0
         for ch in batch.chunks:
+            depth = ch.depths()  # 0..T-1; a speculative verify tree: depth(node)
             for j, t in enumerate(ch.token_ids):
                 v = xf[r]
-                rows.append(RowStat(ch.req.seq_id, ch.C + j, int(t), self.tok.piece(int(t)), _r(v.mean()), _r(v.std()),
+                rows.append(RowStat(ch.req.seq_id, ch.C + depth[j], int(t), self.tok.piece(int(t)), _r(v.mean()), _r(v.std()),
                                     _r(v.min()), _r(v.max()), _r(v.norm()), [_r(a) for a in v[: self.n_first].tolist()]))
                 r += 1
         N, H = x.shape
@@ -219,8 +229,11 @@ class Recorder:
             r = 0
             for c in inp.chunks:
                 kc, vc = kv.read(self.layer, c.seq_id)  # [C+T, nkv, hd]
-                dv = max(dv, float((vc[c.C : c.C + c.T].float() - v[r : r + c.T]).abs().max()))
-                dk_cache = max(dk_cache, float((kc[c.C : c.C + c.T].float() - kr[r : r + c.T]).abs().max()))
+                acc = self._spec_acc.get(c.seq_id) if c.parents is not None else None
+                rows = torch.tensor([r + a for a in acc] if acc else list(range(r, r + c.T)))  # verify: accepted nodes
+                n = int(rows.numel())
+                dv = max(dv, float((vc[c.C : c.C + n].float() - v[rows]).abs().max()))
+                dk_cache = max(dk_cache, float((kc[c.C : c.C + n].float() - kr[rows]).abs().max()))
                 r += c.T
             ev["v_cache_minus_v_proj_max"] = _r(dv, 9)
             ev["k_cache_minus_k_rot_max"] = _r(dk_cache, 9)
@@ -295,14 +308,15 @@ class Recorder:
         per, view = [], {"layer": self.layer, "requests": []}
         chunks = inp.chunks if inp is not None else []  # idle step: no chunks
         for c in chunks:
+            kept = c.C + len(self._spec_acc[c.seq_id]) if (c.parents is not None and c.seq_id in self._spec_acc) else c.C + c.T
             d: dict[str, Any] = {"seq_id": c.seq_id, "shape_before": [c.C, cfg.n_head_kv, cfg.head_dim],
-                                 "shape_after": [c.C + c.T, cfg.n_head_kv, cfg.head_dim],
+                                 "shape_after": [kept, cfg.n_head_kv, cfg.head_dim],  # a verify step: after the rewind
                                  "written_pos": ranges_text(range(c.C, c.C + c.T))}
             per.append(d)
             k, v = kv.read(self.layer, c.seq_id)  # [C+T, nkv, hd]
             view["requests"].append({"seq_id": c.seq_id, "rows": [
                 {"pos": p, "k": [_r(a) for a in k[p, 0, : self.n_first].tolist()], "v": [_r(a) for a in v[p, 0, : self.n_first].tolist()]}
-                for p in range(c.C, c.C + c.T)][:8]})
+                for p in range(c.C, min(c.C + c.T, k.shape[0]))][:8]})  # a verify step: only the accepted remain
         if kv.kind == "cells":
             idx = inp.extra["cell_idx"].tolist() if inp is not None else []
             r = 0
@@ -315,9 +329,10 @@ class Recorder:
         else:
             sm = inp.extra["slot_mapping"].tolist() if inp is not None else []
             r = 0
-            for d, c in zip(per, chunks):
+            for i, (d, c) in enumerate(zip(per, chunks)):
                 d["slot_mapping"] = sm[r : r + c.T]
-                d["block_table"] = list(kv.tables[c.seq_id])
+                d["block_table"] = (list(kv.tables[c.seq_id]) if c.parents is None else  # a verify step: the table the
+                                    [b for b in inp.extra["block_tables"][i].tolist() if b >= 0])  # slots were written through
                 r += c.T
             phys = [kv.num_blocks, 2, cfg.n_head_kv, kv.B, cfg.head_dim]
             extra = {}
@@ -342,7 +357,8 @@ class Recorder:
                 "seq_id": r.seq_id, "row": r.logits_row, "sampler": sampler,
                 "top": [{"id": i, "piece": self.tok.piece(i), "logit": _r(lg, 5), "prob": _r(p, 5)} for i, lg, p in s.top[: self.top_k]],
                 "chosen": s.token, "chosen_piece": self.tok.piece(s.token),
-                "next_input": None if r.finished else s.token, "next_pos": None if r.finished else r.positions[-1] + 1,
+                "next_input": None if r.finished else s.token,
+                "next_pos": None if r.finished else (r.C + len(r.spec["accepted_nodes"]) if r.spec else r.positions[-1] + 1),
                 "stop": r.finished,
             })
         return DecodeRec(list(logits.shape), _dtype(logits), list(ctx.logits_rows), per)

@@ -43,6 +43,7 @@ class ReqStep:
     prefix: dict[str, Any] | None = None  # prefix-cache lookup at admission: hit, shared blocks/cells, stop reason
     shift: dict[str, Any] | None = None  # context shift done right before this step (n_keep, n_discard, moved)
     visible_swa: list[str] | None = None  # per query, visible keys on sliding-window layers (None: no windowed layer)
+    spec: dict[str, Any] | None = None  # speculative verify: tree, verify mask, accepted nodes, rewind (trace/spec_capture.py)
 
 
 @dataclass
@@ -149,13 +150,15 @@ class StepTrace:
     admitted: list[int] = field(default_factory=list)
     time_ms: float = 0.0
     serving: dict[str, Any] | None = None  # prefix lookups, evictions, context shifts, KV audit (engine/serving.py)
+    spec: dict[str, Any] | None = None  # speculative decoding: drafted, accepted, acceptance rate of the step
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if d.get("serving") is None:  # serving fields only when a serving mechanism was on (older traces compare equal)
-            d.pop("serving", None)
+        for k in ("serving", "spec"):  # only when the mechanism was on (older traces compare equal)
+            if d.get(k) is None:
+                d.pop(k, None)
         for b in d["batch"]:
-            for k in ("prefix", "shift"):
+            for k in ("prefix", "shift", "spec"):
                 if b.get(k) is None:
                     b.pop(k, None)
         return d
@@ -179,6 +182,7 @@ class StepTrace:
             decode=opt(DecodeRec, "decode"), preempted=list(d.get("preempted", [])),
             admitted=list(d.get("admitted", [])), time_ms=float(d.get("time_ms", 0.0)),
             serving=d.get("serving") if isinstance(d.get("serving"), dict) else None,
+            spec=d.get("spec") if isinstance(d.get("spec"), dict) else None,
         )
 
 
@@ -197,10 +201,14 @@ class RunTrace:
     #: machine facts of the run, like ``time_ms``: in ``to_dict`` (``run --json``) but not in
     #: trace.json (timing.json holds them): ``{"threads": int, "threads_reason": str}`` or empty
     runtime: dict[str, Any] = field(default_factory=dict)
+    #: speculative decoding summary (engine/speculative.py ``Speculator.summary``) or None
+    spec: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["steps"] = [s.to_dict() for s in self.steps]  # without unset serving fields
+        if d.get("spec") is None:
+            d.pop("spec", None)
         return d
 
     @staticmethod
@@ -208,7 +216,8 @@ class RunTrace:
         return RunTrace(model=d["model"], config=d["config"], options=d["options"], notes=list(d.get("notes", [])),
                         steps=[StepTrace.from_dict(s) for s in d["steps"]], requests=list(d["requests"]),
                         schema_version=int(d.get("schema_version", SCHEMA_VERSION)),
-                        engine=str(d.get("engine", "infertrace")), runtime=checked_runtime(d.get("runtime")))
+                        engine=str(d.get("engine", "infertrace")), runtime=checked_runtime(d.get("runtime")),
+                        spec=d.get("spec") if isinstance(d.get("spec"), dict) else None)
 
 
 def checked_runtime(rt: Any) -> dict[str, Any]:

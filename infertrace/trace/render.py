@@ -28,6 +28,8 @@ from infertrace.ranges import ranges_text
 from infertrace.safe_text import has_unsafe, visible
 from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
 from infertrace.trace.render_serving import serving_mark, serving_view
+from infertrace.trace.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_output_text,
+                                          spec_tokens_text, with_extra)
 
 _VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
 KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"
@@ -247,7 +249,8 @@ def worked_example_table(trace: RunTrace, width: int = 120) -> Table:
         if r is None:
             cells[3], cells[5] = Text("nothing scheduled", style=DIM), Text("waiting for arrivals", style=DIM)
         else:
-            cells[3], cells[5] = tokens_text(r, tok_w), visible_text(r, vis_w)
+            cells[3], cells[5] = spec_tokens_text(r, [piece_text(p) for p in r.pieces]) or tokens_text(r, tok_w), visible_text(r, vis_w)
+            cells[7] = spec_output_text(r, piece_text) or cells[7]  # a verify row: every emitted token
         t.add_row(*cells, end_section=sections and i == max(0, len(st.batch) - 1))
     return t
 
@@ -558,8 +561,8 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
     views = {
         "hidden": lambda: st.hidden and hidden_view(st, st.hidden),
         "positions": lambda: st.positions and positions_view(st, st.positions),
-        "mask": lambda: st.mask and mask_view(st, st.mask, st.kv),
-        "kv": lambda: st.kv and kv_view(st, st.kv),
+        "mask": lambda: st.mask and with_extra(mask_view(st, st.mask, st.kv), spec_mask_view(st)),
+        "kv": lambda: st.kv and with_extra(kv_view(st, st.kv), spec_kv_view(st)),
         "decode": lambda: st.decode and decode_view(st, st.decode),
     }
     for name in VARIABLES:
@@ -590,3 +593,4 @@ def render_run(console: Console, trace: RunTrace, show: Sequence[str] = VARIABLE
             render_step(console, st, show)
     console.rule(style="bright_black")
     render_outputs(console, trace)
+    render_spec_summary(console, trace)

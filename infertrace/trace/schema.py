@@ -256,12 +256,32 @@ AUDIT = Obj({}, {"max_abs": Num(null=True), "max_abs_exact": Num(null=True),
 SERVING = Obj({}, {"prefix": Map(PREFIX), "ops_before_step": List(SHIFT_OP), "evictions": List(EVICTION),
                    "stopped": Map(Str()), "pool_tokens": Int(0, L["MAX_CTX"] * 64, null=True), "audit": AUDIT},
               extra=True, null=True)
+# speculative decoding (engine/speculative.py, trace/spec_capture.py): per verify chunk, per step, per run
+NODE = Int(0, L["MAX_LIST"])
+SPEC_REWIND = Obj({}, {"op": S, "seq_id": SEQ, "kept_pos": OPT_RANGE, "n_removed": NODE, "range": Str(null=True),
+                       "removed_pos": OPT_RANGE, "freed": OPT_RANGE, "freed_blocks": List(BLK),
+                       "moved_slots": List(List(Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"]), length=2))},
+                  extra=True, null=True)
+SPEC_REQ = Obj({"parents": List(Int(-1, L["MAX_LIST"]), 4096), "accepted_nodes": List(NODE, 4096), "emitted": List(U, 4096),
+                "drafted": NODE, "accepted": NODE},
+               {"rejected_nodes": List(NODE, 4096), "rewind": SPEC_REWIND, "cells": List(POS, 4096),
+                "kq_mask_block": List(List(Str(choices=("0", "-inf")), 4096), 4096),
+                "verify_mask": List(Str(max_len=4096), 4096), "position_offsets": List(Int(0, 4096), 4096),
+                "packed_mask": List(List(Int(-(2 ** 31), 2 ** 31 - 1), 128), 4096), "emitted_pieces": List(S, 4096)}, null=True)
+SPEC_STEP = Obj({}, {"drafted": NODE, "accepted": NODE, "acceptance_rate": Num(null=True, lo=0, hi=1)}, null=True)
+SPEC_RUN = Obj({}, {"method": S, "tree": List(Int(-1, 4096), 4096), "target_forwards": Int(0, L["MAX_STEPS"]),
+                    "decode_tokens": Int(0, L["MAX_CTX"] * 64), "tokens_per_target_forward": Num(null=True),
+                    "requests": Map(Obj({}, {"drafted_by_pos": List(Int(0, L["MAX_STEPS"]), 4096),
+                                             "accepted_by_pos": List(Int(0, L["MAX_STEPS"]), 4096),
+                                             "acceptance_by_pos": List(Num(null=True, lo=0, hi=1), 4096),
+                                             "verify_forwards": Int(0, L["MAX_STEPS"]), "tokens": Int(0, L["MAX_CTX"] * 64),
+                                             "tokens_per_forward": Num(null=True)}))}, null=True)
 REQ_STEP = Obj({"seq_id": SEQ, "phase": Str(choices=("prefill", "decode")), "C": POS, "T": Int(0, L["MAX_CTX"]),
                 "token_ids": List(U), "pieces": List(S), "positions": List(POS), "visible": List(S),
                 "cache_before": S, "cache_after": S, "rows": List(Int(0, L["MAX_LIST"]))},
                {"logits_row": Int(0, L["MAX_LIST"], null=True), "sampled": Int(0, L["MAX_ID"], null=True),
                 "sampled_piece": Str(null=True), "finished": Str(null=True),
-                "prefix": PREFIX, "shift": SHIFT_OP, "visible_swa": List(S, null=True)})
+                "prefix": PREFIX, "shift": SHIFT_OP, "visible_swa": List(S, null=True), "spec": SPEC_REQ})
 ROW_STAT = Obj({"seq_id": SEQ, "pos": POS, "token_id": U, "piece": S, "mean": F, "std": F, "min": F, "max": F, "l2": F,
                 "first": List(F, 4096)})
 HIDDEN = Obj({"logical_shape": SHAPE, "dtype": S, "ggml_ne": SHAPE, "packed_shape": List(Int(0, L["MAX_DIM"]), 2, length=2),
@@ -332,7 +352,7 @@ DECODE = Obj({"logits_shape": SHAPE, "logits_dtype": S, "logits_rows": List(Int(
 STEP = Obj({"step": Int(0, L["MAX_STEPS"], limit="MAX_STEPS"), "backend": Str(choices=("cells", "paged")), "attention": S,
             "N": Int(0, L["MAX_LIST"]), "batch": List(REQ_STEP)},
            {"hidden": HIDDEN, "positions": POSITIONS, "mask": MASK, "kv": KV, "decode": DECODE,
-            "preempted": List(SEQ), "admitted": List(SEQ), "time_ms": F, "serving": SERVING})
+            "preempted": List(SEQ), "admitted": List(SEQ), "time_ms": F, "serving": SERVING, "spec": SPEC_STEP})
 REQUEST = Obj({"seq_id": SEQ}, {"prompt": S, "prompt_ids": List(U), "output_ids": List(U), "text": S, "stop_reason": Str(null=True),
                                 "arrival_step": Int(0, L["MAX_STEPS"]), "num_preemptions": Int(0, L["MAX_STEPS"]),
                                 "params": SAMPLER}, extra=True)
@@ -369,7 +389,7 @@ STORE = Obj({}, {"keep": Str(choices=("summary", "tensors")), "tensor_layers": L
 #: the required top-level keys are checked first (with their historical messages)
 TOP_LEVEL = Obj({"schema_version": Int(1, 1 << 30), "model": MODEL, "config": CONFIG, "options": OPTIONS,
                  "steps": List(STEP, L["MAX_STEPS"]), "requests": List(REQUEST, L["MAX_LIST"])},
-                {"notes": List(S), "store": STORE}, extra=True)
+                {"notes": List(S), "store": STORE, "spec": SPEC_RUN}, extra=True)
 
 
 # ----------------------------------------------------------------------------- cross-field consistency
@@ -396,8 +416,9 @@ def _consistent(d: dict[str, Any]) -> None:
                     raise Bad(f"{q}.{k}", f"has {len(r[k])} items but T = {T}")
             if r["C"] + T > L["MAX_CTX"]:
                 raise Bad(q, f"C + T = {r['C'] + T} exceeds MAX_CTX = {L['MAX_CTX']}")
-            if r["positions"] != list(range(r["C"], r["C"] + T)):
-                raise Bad(f"{q}.positions", f"must be C..C+T-1 = {r['C']}..{r['C'] + T - 1}")
+            if r["positions"] != spec_positions(r, q):
+                raise Bad(f"{q}.positions", f"must be C..C+T-1 = {r['C']}..{r['C'] + T - 1}" if not r.get("spec")
+                          else "must be C + depth(node) of the verify tree")
             n += T
         if n != st["N"]:
             raise Bad(f"{p}.N", f"N = {st['N']} but the batch holds {n} tokens")
@@ -412,6 +433,28 @@ def _consistent(d: dict[str, Any]) -> None:
     store = d.get("store") or {}
     if (store.get("keep", "summary") == "summary") and store.get("tensors"):
         raise Bad("store.tensors", "a keep summary trace lists tensors")
+
+
+def spec_positions(r: dict[str, Any], q: str = "") -> list[int]:
+    """The positions a batch row must have: ``C..C+T-1``, or ``C + depth(node)`` for a speculative
+    verify row (its ``spec.parents``: -1 first, then each parent an earlier node; accepted nodes
+    a root-first path of the tree).
+
+    Raises:
+        Bad: a malformed tree.
+    """
+    C, T, sp = r["C"], r["T"], r.get("spec")
+    if not sp:
+        return list(range(C, C + T))
+    par, acc = sp["parents"], sp["accepted_nodes"]
+    if len(par) != T or not par or par[0] != -1 or any(not 0 <= x < i for i, x in enumerate(par) if i):
+        raise Bad(f"{q}.spec.parents", f"must be {T} parent indices: -1, then each an earlier node")
+    if not acc or acc[0] != 0 or any(a >= T or par[a] != b for a, b in zip(acc[1:], acc)):
+        raise Bad(f"{q}.spec.accepted_nodes", "must be a path from the root (node 0) down the tree")
+    depth: list[int] = []
+    for x in par:
+        depth.append(0 if x < 0 else depth[x] + 1)
+    return [C + d for d in depth]
 
 
 def _mask_consistent(st: dict[str, Any], p: str) -> None:

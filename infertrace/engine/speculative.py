@@ -1,0 +1,219 @@
+"""Speculative decoding: draft, verify K+1 candidates in one target forward, accept, rewind.
+
+Each step, every running request in decode gets a draft (engine/drafters.py) shaped by the
+static tree (a chain unless ``--spec-tree``); the scheduler packs the pending token and the drafts
+as one verify chunk (``ChunkSpec.parents``), so hidden is ``[sum of (K+1), H]``, positions are
+``past + depth(node)`` and the mask is the ancestor relation -- rows of ``kq_mask`` (cells) or
+``spec_decoding_position_offsets`` + ``spec_decoding_packed_mask`` (paged, kv/spec_meta.py).
+After the forward, :meth:`Speculator.verify` walks the tree:
+
+* greedy: the target's token at the current node is compared with the node's children; a child
+  holding it is accepted and the walk continues (the longest matching prefix); the target's token
+  at the last accepted node is emitted as well (the correction / bonus token). The output equals
+  plain greedy decoding token for token.
+* sampling (chain): draft token x at depth i is accepted with probability ``min(1, p(x)/q(x))``
+  (p: the target's final sampling distribution at the parent, q: the draft's; an n-gram draft is a
+  point mass); on rejection one token is drawn from ``norm(max(p - q, 0))`` and the walk stops; if
+  every draft is accepted, a bonus token is drawn from p at the last node (Leviathan et al. 2023;
+  vLLM v1 ``rejection_sampler.py``). The emitted tokens follow the target distribution exactly.
+
+The rejected candidates' K/V are then rewound (kv/spec_ops.py). Counters: per step drafted /
+accepted / acceptance rate, per request acceptance by draft position, per run tokens per target
+forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from infertrace.engine.drafters import DraftModelDrafter, NgramDrafter, layer_skip, target_probs
+from infertrace.engine.sampler import SampleResult, sample
+from infertrace.errors import InfertraceError
+from infertrace.kv.spec_ops import rewind_verify
+
+#: largest draft (tree nodes) per request and step
+MAX_DRAFT = 64
+
+
+def parse_tree(text: str) -> tuple[int, ...]:
+    """``"-1,0,0,1"`` -> parent index of each draft node (-1 = the pending token).
+
+    Raises:
+        InfertraceError: not integers, a parent not before its node, or more than :data:`MAX_DRAFT` nodes.
+    """
+    try:
+        parents = tuple(int(x) for x in str(text).replace(" ", "").split(",") if x != "")
+    except ValueError:
+        raise InfertraceError(f"--spec-tree must be comma-separated parent indices like -1,0,0,1 (got {text!r})") from None
+    check_tree(parents)
+    return parents
+
+
+def check_tree(parents: tuple[int, ...]) -> None:
+    """Raise :class:`InfertraceError` unless each parent is -1 or an earlier node and 1 <= nodes <= MAX_DRAFT."""
+    if not 1 <= len(parents) <= MAX_DRAFT:
+        raise InfertraceError(f"--spec-tree must have 1..{MAX_DRAFT} nodes (got {len(parents)})")
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise InfertraceError(f"--spec-tree node {i} has parent {p}: a parent must be -1 (the last token) or an "
+                                  "earlier node")
+
+
+def prune(tokens: list[int | None], parents: list[int], max_depth: int) -> tuple[list[int], list[int], list[int]]:
+    """Drop nodes without a token, deeper than ``max_depth`` or under a dropped node; renumber.
+    Returns (tokens, parents as -1/kept index, kept static node ids)."""
+    new_id: dict[int, int] = {}
+    toks, pars, kept, depth = [], [], [], {}
+    for i, (t, p) in enumerate(zip(tokens, parents)):
+        if t is None or (p >= 0 and p not in new_id):
+            continue
+        depth[i] = 1 if p < 0 else depth[p] + 1
+        if depth[i] > max_depth:
+            continue
+        new_id[i] = len(toks)
+        toks.append(int(t))
+        pars.append(-1 if p < 0 else new_id[p])
+        kept.append(i)
+    return toks, pars, kept
+
+
+class Speculator:
+    """Per-engine speculative decoding state (drafter, tree, counters)."""
+
+    def __init__(self, engine: Any):
+        o = engine.opts
+        if o.speculative not in ("ngram", "draft"):
+            raise InfertraceError(f"--speculative must be ngram or draft (got {o.speculative!r})")
+        if o.prefix_cache or o.context_shift or o.audit_kv:
+            raise InfertraceError("--speculative cannot be combined with --prefix-cache, --context-shift or --audit-kv yet; drop one")
+        if o.spec_tree is not None:
+            check_tree(tuple(o.spec_tree))
+            self.parents = [p for p in o.spec_tree]
+        else:
+            if not 1 <= o.num_spec_tokens <= MAX_DRAFT:
+                raise InfertraceError(f"--num-spec-tokens must be in 1..{MAX_DRAFT} (got {o.num_spec_tokens})")
+            self.parents = list(range(-1, o.num_spec_tokens - 1))
+        self.chain = self.parents == list(range(-1, len(self.parents) - 1))
+        if o.speculative == "ngram":
+            if o.draft_model or o.draft_layers:
+                raise InfertraceError("--draft-model/--draft-layers need --speculative draft")
+            self.drafter: Any = NgramDrafter(o.ngram_min, o.ngram_max)
+        else:
+            if bool(o.draft_model) == bool(o.draft_layers):
+                raise InfertraceError("--speculative draft needs exactly one of --draft-model PATH or --draft-layers k")
+            if o.draft_layers:
+                dm = layer_skip(engine.model, o.draft_layers)
+            else:
+                from infertrace.runner import load_model
+
+                dm = load_model(o.draft_model, device=str(engine.model.device)).model
+            size = engine.kv.capacity_tokens + o.n_seq_max * (len(self.parents) + 1)
+            self.drafter = DraftModelDrafter(dm, engine.model, size, o.n_seq_max)
+        self.target_forwards = 0  # steps that ran the target on at least one decode / verify chunk
+        self.decode_tokens = 0  # tokens emitted by those steps
+        self.req_stats: dict[int, dict[str, Any]] = {}
+
+    # --- before scheduling -------------------------------------------------------
+    def propose(self, engine: Any) -> None:
+        """Set ``req.draft`` / ``draft_parents`` / ``draft_q`` of every running request in decode."""
+        sch = engine.scheduler
+        running = {r.seq_id for r in sch.running}
+        for sid in list(getattr(self.drafter, "cached", {})):
+            if sid not in running:
+                self.drafter.release(sid)
+        reqs = []
+        for r in sch.running:
+            r.draft, r.draft_parents, r.draft_q = [], [], None
+            if r.phase == "decode":
+                reqs.append(r)
+        if not reqs:
+            return
+        if any(not r.params.greedy for r in reqs) and not self.chain:
+            raise InfertraceError("--spec-tree needs greedy requests (--temperature 0): speculative sampling here verifies chains")
+        drafts = self.drafter.draft(engine, reqs, self.parents)
+        for r in reqs:
+            toks, qs = drafts[r.seq_id]
+            left = min(r.params.max_new_tokens - len(r.output_ids) - 1, engine.opts.ctx_size - len(r.cache_ids) - 1)
+            t, p, kept = prune(toks, self.parents, left)
+            r.draft, r.draft_parents = t, p
+            r.draft_q = [qs[i] for i in kept] if any(q is not None for q in qs) else None
+
+    # --- after the verify forward -------------------------------------------------
+    def verify(self, engine: Any, chunk: Any, logits: torch.Tensor) -> tuple[list[SampleResult], list[int]]:
+        """Walk the verify chunk's tree over its logits ``[T, V]``; returns the emitted tokens'
+        results and the accepted nodes (chunk-local, root 0 first)."""
+        req, order = chunk.req, engine.sampler_order
+        parents, toks = chunk.parents, chunk.token_ids
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            kids.setdefault(p, []).append(i)
+        seen = list(req.all_ids)
+        node, accepted, out = 0, [0], []
+        if req.params.greedy:
+            while True:
+                res = sample(logits[node], req.params, seen, req.generator, order=order)
+                out.append(res)
+                nxt = [j for j in kids.get(node, []) if toks[j] == res.token]
+                if not nxt:
+                    return out, accepted
+                node = nxt[0]
+                accepted.append(node)
+                seen.append(res.token)
+        g = req.generator
+        for i in range(1, chunk.T):  # a chain: node i's parent is i - 1
+            p = target_probs(logits[i - 1], req.params, seen, order)  # [V]
+            q = req.draft_q[i - 1] if req.draft_q is not None else None
+            x = toks[i]
+            qx = float(q[x]) if q is not None else 1.0
+            u = float(torch.rand(1, generator=g))
+            if u < min(1.0, float(p[x]) / qx):
+                accepted.append(i)
+                seen.append(x)
+                out.append(SampleResult(x, [(x, float(logits[i - 1, x]), float(p[x]))]))
+                continue
+            resid = (p - (q if q is not None else torch.nn.functional.one_hot(torch.tensor(x), p.numel()).float())).clamp_min(0)
+            if float(resid.sum()) <= 0:  # p == q: any draw from p is exact
+                resid = p
+            t = int(torch.multinomial(resid / resid.sum(), 1, generator=g))
+            out.append(SampleResult(t, [(t, float(logits[i - 1, t]), float(p[t]))]))
+            return out, accepted
+        out.append(sample(logits[chunk.T - 1], req.params, seen, g, order=order))  # every draft accepted: bonus token
+        return out, accepted
+
+    def rewind(self, engine: Any, chunk: Any, accepted: list[int], cell_idx: Any) -> dict[str, Any]:
+        """Free the rejected candidates' K/V; the request's ``num_computed`` becomes ``C + len(accepted)``."""
+        op = rewind_verify(engine.kv, chunk.req.seq_id, chunk.C, chunk.T, accepted, cell_idx,
+                           is_chain=chunk.parents == list(range(-1, chunk.T - 1)))
+        chunk.req.num_computed = chunk.C + len(accepted)
+        return op
+
+    def note(self, seq_id: int, chunk: Any, accepted: list[int], emitted: int) -> dict[str, Any]:
+        """Count drafted / accepted by draft position (depth) for ``seq_id``; returns the step's per-request counts."""
+        st = self.req_stats.setdefault(seq_id, {"drafted_by_pos": [], "accepted_by_pos": [], "verify_forwards": 0,
+                                               "tokens": 0})
+        depths = chunk.depths() if chunk.parents is not None else [0]
+        for d in depths[1:]:
+            while len(st["drafted_by_pos"]) < d:
+                st["drafted_by_pos"].append(0)
+                st["accepted_by_pos"].append(0)
+        for d in sorted({d for d in depths[1:]}):
+            st["drafted_by_pos"][d - 1] += 1  # one chain position per depth (a tree: any node at that depth)
+        for k in range(1, len(accepted)):
+            st["accepted_by_pos"][k - 1] += 1
+        st["verify_forwards"] += 1
+        st["tokens"] += emitted
+        return {"drafted": chunk.T - 1, "accepted": len(accepted) - 1}
+
+    def summary(self) -> dict[str, Any]:
+        """Per run: tokens per target forward; per request: acceptance rate by draft position."""
+        reqs = {}
+        for sid, st in sorted(self.req_stats.items()):
+            rate = [round(a / d, 4) if d else None for a, d in zip(st["accepted_by_pos"], st["drafted_by_pos"])]
+            reqs[str(sid)] = {**st, "acceptance_by_pos": rate,
+                              "tokens_per_forward": round(st["tokens"] / st["verify_forwards"], 4) if st["verify_forwards"] else None}
+        return {"method": self.drafter.name, "tree": list(self.parents), "target_forwards": self.target_forwards,
+                "decode_tokens": self.decode_tokens,
+                "tokens_per_target_forward": round(self.decode_tokens / self.target_forwards, 4) if self.target_forwards else None,
+                "requests": reqs}
