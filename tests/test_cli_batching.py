@@ -28,8 +28,8 @@ from typer.testing import CliRunner
 
 from infertrace.cli.app import app
 from infertrace.trace.records import RunTrace
-from infertrace.trace.render import render_run
-from infertrace.trace.render_kv import render_kv_dump
+from infertrace.present.render import render_run
+from infertrace.present.render_kv import render_kv_dump
 
 pytestmark = pytest.mark.model
 

@@ -1,6 +1,6 @@
 """``dump-kv``: the KV cache right after step N, as one JSON-ready dict.
 
-Two sources build the same dict (so one renderer, :func:`infertrace.trace.render_kv.render_kv_dump`,
+Two sources build the same dict (so one renderer, :func:`infertrace.present.render_kv.render_kv_dump`,
 prints both):
 
 * a live run: :func:`dump_kv_at_step` steps an engine up to and including step N and

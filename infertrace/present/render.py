@@ -27,7 +27,7 @@ from rich.text import Text
 from infertrace.ranges import ranges_text
 from infertrace.safe_text import has_unsafe, visible
 from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
-from infertrace.trace.render_serving import serving_mark, serving_view
+from infertrace.present.render_serving import serving_mark, serving_view
 
 _VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
 KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"

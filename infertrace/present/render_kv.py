@@ -17,7 +17,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from infertrace.ranges import ranges_text
-from infertrace.trace.render import DIM, _facts, _table, floats, human_bytes
+from infertrace.present.render import DIM, _facts, _table, floats, human_bytes
 
 _ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -48,8 +48,6 @@ def _window_line(d: dict[str, Any]) -> Text | None:
         W = int(next(iter(aw.values()))) if aw else 0
     if not W or not layers:
         return None
-    from infertrace.kv.base import ranges_text
-
     how = ("one cell pool; windowed layers read kq_mask_swa (cells with pos_q - pos >= n_swa dropped), the others kq_mask"
            if d["backend"] == "cells" else "windowed layers get attention_window_size in the metadata; blocks stay allocated")
     return Text(f"layers {ranges_text(layers)} windowed, W={W}: query at p sees keys p-W+1..p (as HF and llama.cpp); {how}",
