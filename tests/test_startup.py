@@ -50,13 +50,14 @@ def saved_trace(smol, tmp_path_factory):
     """A short real run saved with tensors of layer 0 (the saved-trace commands' input)."""
     from infertrace.engine.options import EngineOptions, SamplingParams
     from infertrace.runner import PromptSpec, run_requests
+    from infertrace.capture.tensors import encode_tensors
     from infertrace.trace.store import save_trace
 
     d = tmp_path_factory.mktemp("startup") / "trace"
     tensors: dict = {}
     trace = run_requests(smol, [PromptSpec("The capital of", SamplingParams(max_new_tokens=2))],
                          EngineOptions(), tensors=tensors, tensor_layers=[0])
-    save_trace(trace, d, tensors, [0])
+    save_trace(trace, d, encode_tensors(tensors, [0]))
     return d
 
 

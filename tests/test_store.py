@@ -13,6 +13,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
+from infertrace.capture.tensors import encode_tensors
 from infertrace.cli.app import app
 from infertrace.engine.engine import EngineOptions
 from infertrace.engine.sampler import SamplingParams
@@ -84,7 +85,7 @@ def test_round_trip_and_lazy_tensors(smol, tmp_path):
     tensors: dict = {}
     spec = [PromptSpec(PROMPT, SamplingParams(max_new_tokens=2))]
     trace = run_requests(smol, spec, EngineOptions(backend="paged", tokens_per_block=2), tensors=tensors, tensor_layers=[1, 3])
-    save_trace(trace, tmp_path, tensors, [1, 3])
+    save_trace(trace, tmp_path, encode_tensors(tensors, [1, 3]))
     back = load_trace(tmp_path)
     assert back.to_dict() == trace.to_dict()  # time_ms merged back from timing.json
     tt = load_tensors(tmp_path)

@@ -15,7 +15,8 @@ from infertrace.safe_text import json_text
 from infertrace.cli import run_options as o
 from infertrace.cli.common import check_min, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
-from infertrace.kv.dump import dump_kv_at_step, parse_positions
+from infertrace.kv.dump import dump_kv_at_step
+from infertrace.trace.kv_dump import parse_positions
 
 HELP = ("Show the KV cache right after step N of a run (same options as run): cells map with head/used/n_kv "
         "(cells) or pool usage, free list, block tables and slot mapping (paged); --layer/--head add K/V values. "

@@ -183,9 +183,10 @@ def run(
                                  options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
                                  tensor_layers=tensor_layers)
     if save is not None:
+        from infertrace.capture.tensors import encode_tensors
         from infertrace.present.render import human_bytes
 
-        sizes = save_trace(trace, save, tensors, tensor_layers or (), replace=force)  # atomic; a racing --save loses with exit 2
+        sizes = save_trace(trace, save, encode_tensors(tensors or {}, tensor_layers or ()), replace=force)  # atomic; a racing --save loses with exit 2
         typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
 
     wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]

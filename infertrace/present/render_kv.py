@@ -158,7 +158,7 @@ def _block_note(b: dict[str, Any]) -> str:
 
 
 def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
-    """Print a dump dict (from :func:`infertrace.kv.dump.dump_kv_at_step` or :func:`dump_from_step`)."""
+    """Print a dump dict (from :func:`infertrace.kv.dump.dump_kv_at_step` or :func:`infertrace.trace.kv_dump.dump_from_step`)."""
     be = d["backend"]
     conv = "llama.cpp-style cells" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool"
     facts = [("storage", _storage_line(d)), (f"step {d['step']}", _batch_line(d))]

@@ -1,8 +1,8 @@
 """``dump-kv --step N DIR``: the KV cache after step N of a *saved* trace, as the same dump dict
-a live ``dump-kv`` builds (:mod:`infertrace.kv.dump`), so one renderer prints both.
+a live ``dump-kv`` builds (:mod:`infertrace.trace.kv_dump`), so one renderer prints both.
 
 The layout (cell map or block tables, writes) comes from the step record
-(:func:`infertrace.kv.dump.dump_from_step`, ``KVRec.physical``). K/V values for ``--layer`` /
+(:func:`infertrace.trace.kv_dump.dump_from_step`, ``KVRec.physical``). K/V values for ``--layer`` /
 ``--head`` come from the saved tensors (``step{N}/layer{L}/seq{S}/k_cache``, ``v_cache``:
 every request's cache after the step, by position), placed at their physical cell or slot;
 a trace saved with ``--keep summary`` has none, and says so.
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from infertrace.errors import InfertraceError
+from infertrace.trace.kv_dump import dump_from_step
 from infertrace.trace.store import load_tensors, read_manifest, trace_from_manifest
 
 
@@ -80,8 +81,6 @@ def dump_saved(directory: str | Path, step: int, layer: int | None = None, head:
         InfertraceError: broken trace, step not in the trace, no kv record, ``--keep summary``
             trace asked for values, layer not kept.
     """
-    from infertrace.kv.dump import dump_from_step
-
     m = read_manifest(directory)
     trace = trace_from_manifest(m, str(Path(directory) / "trace.json"))
     st = next((s for s in trace.steps if s.step == step), None)
