@@ -148,8 +148,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     if not header_only:
         import torch
         from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
+        from infertrace.model.dequant import dequantize
         from infertrace.model.rope import unpermute_from_norm
     # the header (metadata + tensor table) from the cache when the file is unchanged, else from
     # gguf.GGUFReader (then cached); tensor data is memory-mapped at the offsets gguf-py computed
@@ -209,7 +208,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
                 arr = np.asarray(data, dtype=np.float32)
             else:
                 with np.errstate(all="ignore"):  # broken scales give inf/nan; the engine reports non-finite logits
-                    arr = dequantize(data, qtype)
+                    arr = dequantize(data, qtype)  # gguf-py's values, a fresh float32 array
         except NotImplementedError:
             raise InfertraceError(
                 f"tensor {t.name} has quant type {qtype.name}, which gguf-py cannot dequantise; requantise the model (e.g. Q8_0, Q4_K)"
@@ -217,7 +216,9 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
         except (ValueError, IndexError, TypeError) as e:
             raise InfertraceError(f"cannot dequantise tensor {t.name} ({qtype.name}): {e}; the file is corrupt") from None
         shape = [int(x) for x in reversed(list(t.shape))]  # ggml ne -> torch order
-        ten = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))  # [out, in]
+        if not arr.flags.writeable or arr.dtype != np.float32:  # F32: a view of the read-only memmap
+            arr = np.array(arr, dtype=np.float32)
+        ten = torch.from_numpy(arr.reshape(shape))  # [out, in]
         name = t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name
         weights[name] = ten
         if progress:
