@@ -61,6 +61,14 @@ def imports_of(path: Path, root: Path) -> list[tuple[int, str]]:
     return out
 
 
+def torch_loads(path: Path) -> list[int]:
+    """Lines where ``path`` has a library load torch for it without an import statement:
+    ``framework="pt"`` (safetensors' ``safe_open``/``load``)."""
+    return [n.value.lineno for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+            if isinstance(n, ast.keyword) and n.arg == "framework" and isinstance(n.value, ast.Constant)
+            and n.value.value == "pt"]
+
+
 def _file_of(module: str, root: Path) -> Path | None:
     p = root / Path(*module.split("."))
     if p.with_suffix(".py").exists():
@@ -78,7 +86,8 @@ def violations(root: Path, layers: dict[str, tuple[str, ...]] = LAYERS, shared: 
     directory holding the ``infertrace`` package): a layer's module importing an infertrace
     module outside its allowed prefixes and :data:`SHARED`, or any module reached from a layer
     (itself, a shared module, or one those import) importing a :data:`FORBIDDEN` module or an
-    infertrace module outside the layers and :data:`SHARED`."""
+    infertrace module outside the layers and :data:`SHARED`, or asking safetensors for torch
+    (``framework="pt"``)."""
     bad: list[str] = []
     seen: set[Path] = set()
     todo: list[Path] = []
@@ -94,6 +103,7 @@ def violations(root: Path, layers: dict[str, tuple[str, ...]] = LAYERS, shared: 
         if f in seen:
             continue
         seen.add(f)
+        bad += [f"{f.relative_to(root)}:{line}: loads torch (framework='pt')" for line in torch_loads(f)]
         for line, mod in imports_of(f, root):
             if _under(mod, forbidden):
                 bad.append(f"{f.relative_to(root)}:{line}: imports {mod}")
@@ -137,6 +147,8 @@ def _fake_tree(tmp_path: Path, files: dict[str, str]) -> Path:
      "infertrace/trace/store.py:2: imports torch"),
     ({"infertrace/trace/store.py": "def save():\n    from safetensors.torch import save\n"},
      "infertrace/trace/store.py:2: imports safetensors.torch"),
+    ({"infertrace/trace/store.py": "from safetensors import safe_open\ndef get(p):\n    return safe_open(p, framework='pt')\n"},
+     "infertrace/trace/store.py:3: loads torch (framework='pt')"),
     ({"infertrace/present/render.py": "from infertrace.engine.engine import Engine\n"},
      "infertrace/present/render.py:1: infertrace.present imports infertrace.engine.engine"),
     ({"infertrace/present/render.py": "from ..capture import recorder\n"},
@@ -152,7 +164,7 @@ def _fake_tree(tmp_path: Path, files: dict[str, str]) -> Path:
     ({"infertrace/trace/diff.py": "import infertrace.safe_io\n",
       "infertrace/safe_io.py": "from infertrace.runner import load_model\n"},  # a shared module reaching the engine
      "infertrace/safe_io.py:1: reaches infertrace.runner"),
-], ids=["lazy-torch", "safetensors-torch", "engine", "relative-capture", "trace-imports-present", "type-checking-kv",
+], ids=["lazy-torch", "safetensors-torch", "safetensors-framework-pt", "engine", "relative-capture", "trace-imports-present", "type-checking-kv",
         "shared-module-torch", "shared-module-engine"])
 def test_the_check_catches_a_bad_import(tmp_path, files, expected):
     root = _fake_tree(tmp_path, files)

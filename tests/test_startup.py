@@ -89,6 +89,7 @@ def test_bf16_f16_int_tensors_read_through_numpy_equal_torch(tmp_path):
     """``TraceTensors.array`` (numpy; bf16 widened to float32) equals torch's read of the same file."""
     from safetensors.torch import save_file
 
+    from infertrace.capture.tensors import read_tensor
     from infertrace.trace.store import TraceTensors
 
     g = torch.Generator().manual_seed(0)
@@ -109,7 +110,7 @@ def test_bf16_f16_int_tensors_read_through_numpy_equal_torch(tmp_path):
         else:
             assert arr.dtype == t.numpy().dtype
             np.testing.assert_array_equal(arr, t.numpy())
-        back = tt.get(k)  # the torch read keeps the saved dtype, bit for bit
+        back = read_tensor(tt, k)  # the torch read keeps the saved dtype, bit for bit
         assert back.dtype == t.dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
 
 

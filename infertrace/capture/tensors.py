@@ -1,5 +1,6 @@
-"""The tensors a run keeps (``--keep tensors``), serialised on the engine side: the torch-free
-store (:func:`infertrace.trace.store.save_trace`) writes the bytes as they are.
+"""The tensors a run keeps (``--keep tensors``) on the torch side: serialised here for the torch-free
+store (:func:`infertrace.trace.store.save_trace` writes the bytes as they are), and read back as
+torch tensors (:func:`read_tensor`; the trace layer itself reads them through numpy).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from typing import Iterable, Mapping
 import torch
 from safetensors.torch import save as st_save
 
-from infertrace.trace.store import TensorFile
+from infertrace.errors import InfertraceError
+from infertrace.safe_text import visible
+from infertrace.trace.store import TensorFile, TraceTensors
 
 
 def encode_tensors(tensors: Mapping[str, torch.Tensor], layers: Iterable[int]) -> TensorFile | None:
@@ -31,3 +34,23 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor], layers: Iterable[int]) -
     index = {k: {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)} for k, t in sorted(tensors.items())}
     data = st_save({k: t.contiguous() for k, t in tensors.items()}, metadata={"format": "pt"})
     return TensorFile(data=data, index=index, layers=sorted(set(layers)))
+
+
+def read_tensor(tt: TraceTensors, name: str) -> torch.Tensor:
+    """The saved tensor ``name`` as a CPU torch tensor of its saved dtype (bfloat16 included), bit
+    for bit what :func:`encode_tensors` was given; the file's header was checked when ``tt`` was
+    opened (:func:`infertrace.trace.store.load_tensors`).
+
+    Raises:
+        InfertraceError: no such tensor in the trace, or the file cannot be read.
+    """
+    if name not in tt.index:
+        raise InfertraceError(f"{visible(str(tt.path))}: no tensor {visible(name)!r} in this trace")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(tt.path), framework="pt") as f:
+            return f.get_tensor(name)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise InfertraceError(f"{visible(str(tt.path))}: cannot read tensor {visible(name)!r} "
+                              f"({visible(' '.join(str(e).split())[:200] or type(e).__name__)})") from None

@@ -302,11 +302,18 @@ def load_trace(directory: str | Path, timings: bool = True, manifest: dict[str, 
 
 
 class TraceTensors:
-    """Lazy access to ``tensors.safetensors`` (memory-mapped; a tensor is read when asked).
+    """Lazy access to ``tensors.safetensors`` (memory-mapped; a tensor is read when asked), through
+    numpy: no torch (:func:`infertrace.capture.tensors.read_tensor` gives a torch tensor).
 
     Attributes:
         index: ``{name: {"dtype": str, "shape": [..]}}`` from the manifest.
         layers: the layers whose tensors were kept.
+        path: the ``tensors.safetensors`` file.
+
+    Raises:
+        InfertraceError: (constructor) the file's own header fails :func:`infertrace.safe_io.safetensors_header`
+            (truncated, offsets outside the file, overlapping), a tensor of ``index`` is missing from it or
+            has another dtype/shape there, or safetensors cannot open it.
     """
 
     def __init__(self, path: Path, index: dict[str, Any], layers: list[int]):
@@ -338,6 +345,7 @@ class TraceTensors:
             self._data_start = 8 + int.from_bytes(f.read(8), "little")
 
     def names(self, prefix: str = "") -> list[str]:
+        """Sorted tensor names starting with ``prefix`` (e.g. ``"step3/layer0/"``)."""
         return sorted(k for k in self.index if k.startswith(prefix))
 
     def __contains__(self, name: str) -> bool:
@@ -367,22 +375,6 @@ class TraceTensors:
         except Exception as e:  # noqa: BLE001
             raise InfertraceError(f"{visible(str(self.path))}: cannot read tensor {visible(name)!r} ({visible(_one(e))})") from None
 
-    def get(self, name: str) -> Any:
-        """The tensor ``name`` (torch, CPU, its saved dtype); imports torch. Presentation and
-        ``diff`` use :meth:`array` instead.
-
-        Raises:
-            InfertraceError: no such tensor, or the file cannot be read.
-        """
-        if name not in self.index:
-            raise InfertraceError(f"{visible(str(self.path))}: no tensor {visible(name)!r} in this trace")
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(self.path), framework="pt") as f:
-                return f.get_tensor(name)
-        except Exception as e:  # noqa: BLE001
-            raise InfertraceError(f"{visible(str(self.path))}: cannot read tensor {visible(name)!r} ({visible(_one(e))})") from None
 
 
 def _one(e: BaseException) -> str:
