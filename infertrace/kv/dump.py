@@ -15,11 +15,14 @@ per-request block offsets) and vLLM's block manager ``slot_mapping``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from infertrace.errors import InfertraceError
 from infertrace.ranges import ranges_text
 from infertrace.trace.kv_dump import N_FIRST, build_dump
+
+if TYPE_CHECKING:
+    from infertrace.engine.engine import StepContext
 
 
 # ----------------------------------------------------------------------------- live: engine state -> dict
@@ -78,11 +81,26 @@ def read_values(kv: Any, layer: int, head: int, positions: Sequence[int] | None,
             "requests": reqs}
 
 
-def describe_live(ctx: dict[str, Any], layer: int | None = None, head: int | None = None,
+def describe_live(ctx: StepContext, layer: int | None = None, head: int | None = None,
                   positions: Sequence[int] | None = None, full: bool = False) -> dict[str, Any]:
-    """Dump dict from an engine step context (the ``ctx`` a tracer's ``end_step`` receives:
-    step, batch, inp (None when idle), kv, finished)."""
-    kv, inp, batch = ctx["kv"], ctx["inp"], ctx["batch"]
+    """Dump dict from an engine step context, read from the live backend at the end of the step.
+
+    Args:
+        ctx: the :class:`~infertrace.engine.engine.StepContext` a tracer's ``end_step`` receives:
+            ``step``, ``batch`` (the ScheduledBatch), ``inp`` (the step's AttnInputs; None when idle:
+            cells ``extra["cell_idx"]`` int64 ``[N]``, paged ``extra["slot_mapping"]`` int64 ``[N]``),
+            ``kv`` (CellsKV or PagedKV), ``finished``.
+        layer, head, positions, full: with ``layer`` or ``head`` given, K/V values as
+            :func:`read_values` reads them.
+
+    Returns:
+        the dict of :func:`infertrace.trace.kv_dump.build_dump` (``source = "live"``; ``dtype`` the
+        cache's torch dtype name, e.g. ``"float32"``).
+
+    Raises:
+        InfertraceError: ``positions`` not cached by any request (:func:`read_values`).
+    """
+    kv, inp, batch = ctx.kv, ctx.inp, ctx.batch
     rows, r, out_batch, writes = {}, 0, [], []
     for c in batch.chunks:
         rows[c.req.seq_id] = list(range(r, r + c.T))
@@ -108,9 +126,9 @@ def describe_live(ctx: dict[str, Any], layer: int | None = None, head: int | Non
     values = None
     if layer is not None or head is not None:
         values = read_values(kv, layer or 0, head or 0, positions, full)
-    return build_dump(step=ctx["step"], backend=kv.kind, physical=phys, physical_shape=shape,
+    return build_dump(step=ctx.step, backend=kv.kind, physical=phys, physical_shape=shape,
                       dtype=str(dtype).replace("torch.", ""), n_layer=len(kv.k) if kv.kind == "cells" else len(kv.pool),
-                      batch=out_batch, writes=writes, finished={str(k): v for k, v in ctx["finished"].items()},
+                      batch=out_batch, writes=writes, finished={str(k): v for k, v in ctx.finished.items()},
                       values=values)
 
 
@@ -125,13 +143,16 @@ class StepProbe:
         self.target, self.fn, self.result = target, fn, None
 
     def tap(self, name: str, **tensors: Any) -> None:
+        """Tap points are ignored (the tracer protocol of :class:`~infertrace.capture.recorder.Recorder`)."""
         return None
 
     def begin_step(self) -> None:
+        """Nothing to prepare."""
         return None
 
-    def end_step(self, ctx: dict[str, Any]) -> None:
-        if ctx["step"] == self.target:
+    def end_step(self, ctx: StepContext) -> None:
+        """Keep ``fn(ctx)`` when ``ctx.step`` is the target step."""
+        if ctx.step == self.target:
             self.result = self.fn(ctx)
 
 

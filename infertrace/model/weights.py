@@ -34,7 +34,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 @dataclass
 class TensorInfo:
-    """One row of ``inspect``'s tensor table."""
+    """One row of ``inspect``'s tensor table: name as stored, type (``Q4_1``, ``F32``, ``BF16``...),
+    ``shape`` (ggml ``ne`` order for GGUF, torch order for safetensors) and ``n_bytes`` in the file."""
 
     name: str
     type: str
@@ -285,7 +286,12 @@ def _extra_layer(cfg: ModelConfig, n: str) -> bool:
 
 
 def raise_refusals(cfg: ModelConfig, where: str) -> None:
-    """Raise the first ``refused`` setting as a one-line :class:`InfertraceError` (no silent math)."""
+    """Raise the first ``refused`` setting of ``cfg`` (the settings ledger) as one line (no silent math).
+
+    Raises:
+        InfertraceError: ``cfg.refusals`` is not empty; the message names ``where`` (the file) and
+            how many more settings are refused.
+    """
     ref = cfg.refusals
     if ref:
         more = f" (+{len(ref) - 1} more)" if len(ref) > 1 else ""

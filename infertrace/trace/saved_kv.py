@@ -23,6 +23,19 @@ def values_from_tensors(tt: Any, st: Any, layer: int, head: int, positions: Sequ
     """K/V rows of kv head ``head`` in ``layer`` for every request cached after step ``st``,
     in the shape :func:`infertrace.kv.dump.read_values` returns (``source = "trace"``).
 
+    Args:
+        tt: the trace's :class:`~infertrace.trace.store.TraceTensors`; ``step{N}/layer{L}/seq{S}/k_cache``
+            and ``v_cache`` are ``[len, n_kv_heads, head_dim]`` (the request's cache after step N, by
+            position; float32, float16, or bfloat16 read as float32).
+        st: the :class:`~infertrace.trace.records.StepTrace` (its ``kv.physical`` places each
+            position at its cell, or slot ``= block * tokens_per_block + offset``).
+        positions: logical positions (None = all cached); ``full``: all ``head_dim`` values,
+            else the first ``n_first``.
+
+    Returns:
+        ``{"layer", "head", "full", "n_values", "source": "trace", "requests": [{"seq_id", "len",
+        "rows": [{"pos", "cell"|"slot", "block", "offset", "k": [float], "v": [float]}]}]}``.
+
     Raises:
         InfertraceError: the layer was not kept, head out of range, positions not cached.
     """
