@@ -33,7 +33,7 @@ from infertrace.model.decoder import NULL_TRACER
 from infertrace.model.registry import resolve_model
 from infertrace.runner import load_model
 from infertrace.threads import choose_threads
-from infertrace.trace.recorder import Recorder
+from infertrace.capture.recorder import Recorder
 
 PROMPT = "The capital of France is"
 

@@ -21,7 +21,7 @@ from infertrace.errors import InfertraceError
 from infertrace.model.decoder import NULL_TRACER, DecoderModel
 from infertrace.model.weights import Checkpoint, Progress, default_model_path, load_checkpoint
 from infertrace.trace.records import RunTrace
-from infertrace.trace.recorder import VARIABLES, Recorder
+from infertrace.capture.recorder import VARIABLES, Recorder
 
 #: EngineOptions fields of the serving mechanisms and their off values (engine/serving.py)
 SERVING_DEFAULTS = {"prefix_cache": False, "context_shift": False, "n_keep": 0, "n_discard": 0, "audit_kv": False}

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from infertrace.cli.app import app
 from infertrace.kv.cells import CellsKV
-from infertrace.trace.render_compare import render_backends_diff
+from infertrace.present.render_compare import render_backends_diff
 
 ENV = {"COLUMNS": "120"}
 THREE = ["--prompt", "The capital of France is", "--prompt", "def add(a, b):", "--prompt", "Water boils at",

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from infertrace.cli import run as run_mod
 from infertrace.cli.app import app
 from infertrace.trace.records import RunTrace
-from infertrace.trace.render import render_run
+from infertrace.present.render import render_run
 
 pytestmark = pytest.mark.model
 

@@ -28,8 +28,8 @@ from typer.testing import CliRunner
 
 from infertrace.cli.app import app
 from infertrace.trace.records import RunTrace
-from infertrace.trace.render import render_run
-from infertrace.trace.render_kv import render_kv_dump
+from infertrace.present.render import render_run
+from infertrace.present.render_kv import render_kv_dump
 
 pytestmark = pytest.mark.model
 
@@ -204,7 +204,7 @@ def test_dump_kv_values_equal_backend_read(dump_cells, dump_paged):
 
 def test_dump_from_saved_trace_matches_live(dump_cells):
     """A recorded run gives the same cache state at step 2 as the live dump (for ``show``/saved traces)."""
-    from infertrace.kv.dump import dump_from_step
+    from infertrace.trace.kv_dump import dump_from_step
 
     _, live = dump_cells
     d = json.loads(_ok(invoke("run", *DUMP, "--show", "kv", "--json")).stdout)

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 import hostile as H
 from infertrace.cli.app import app
-from infertrace.trace.report_assets import BODY_JS, HEAD_JS
+from infertrace.present.report_assets import BODY_JS, HEAD_JS
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

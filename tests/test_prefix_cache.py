@@ -186,8 +186,8 @@ def test_serving_record_render_survives_malformed_trace():
     from rich.console import Console
 
     from infertrace.trace.records import ReqStep, StepTrace
-    from infertrace.trace.render import render_step
-    from infertrace.trace.render_serving import serving_mark
+    from infertrace.present.render import render_step
+    from infertrace.present.render_serving import serving_mark
 
     r = ReqStep(0, "prefill", 0, 1, [1], ["a"], [0], ["0"], "-", "0", [0], prefix={"hit": "x[red]"}, shift={"n_discard": "[b]9"})
     st = StepTrace(step=0, backend="cells", attention="torch", N=1, batch=[r],

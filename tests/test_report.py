@@ -17,8 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from infertrace.cli.app import app
-from infertrace.trace.report import build_report
-from infertrace.trace.report_views import recorded_cells, recorded_tables, simulate_cells, simulate_paged
+from infertrace.present.report import build_report
+from infertrace.present.report_views import recorded_cells, recorded_tables, simulate_cells, simulate_paged
 from infertrace.trace.store import load_trace
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"

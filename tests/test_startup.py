@@ -50,13 +50,14 @@ def saved_trace(smol, tmp_path_factory):
     """A short real run saved with tensors of layer 0 (the saved-trace commands' input)."""
     from infertrace.engine.options import EngineOptions, SamplingParams
     from infertrace.runner import PromptSpec, run_requests
+    from infertrace.capture.tensors import encode_tensors
     from infertrace.trace.store import save_trace
 
     d = tmp_path_factory.mktemp("startup") / "trace"
     tensors: dict = {}
     trace = run_requests(smol, [PromptSpec("The capital of", SamplingParams(max_new_tokens=2))],
                          EngineOptions(), tensors=tensors, tensor_layers=[0])
-    save_trace(trace, d, tensors, [0])
+    save_trace(trace, d, encode_tensors(tensors, [0]))
     return d
 
 
@@ -88,6 +89,7 @@ def test_bf16_f16_int_tensors_read_through_numpy_equal_torch(tmp_path):
     """``TraceTensors.array`` (numpy; bf16 widened to float32) equals torch's read of the same file."""
     from safetensors.torch import save_file
 
+    from infertrace.capture.tensors import read_tensor
     from infertrace.trace.store import TraceTensors
 
     g = torch.Generator().manual_seed(0)
@@ -108,7 +110,7 @@ def test_bf16_f16_int_tensors_read_through_numpy_equal_torch(tmp_path):
         else:
             assert arr.dtype == t.numpy().dtype
             np.testing.assert_array_equal(arr, t.numpy())
-        back = tt.get(k)  # the torch read keeps the saved dtype, bit for bit
+        back = read_tensor(tt, k)  # the torch read keeps the saved dtype, bit for bit
         assert back.dtype == t.dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
 
 

@@ -13,6 +13,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
+from infertrace.capture.tensors import encode_tensors, read_tensor
 from infertrace.cli.app import app
 from infertrace.engine.engine import EngineOptions
 from infertrace.engine.sampler import SamplingParams
@@ -84,19 +85,19 @@ def test_round_trip_and_lazy_tensors(smol, tmp_path):
     tensors: dict = {}
     spec = [PromptSpec(PROMPT, SamplingParams(max_new_tokens=2))]
     trace = run_requests(smol, spec, EngineOptions(backend="paged", tokens_per_block=2), tensors=tensors, tensor_layers=[1, 3])
-    save_trace(trace, tmp_path, tensors, [1, 3])
+    save_trace(trace, tmp_path, encode_tensors(tensors, [1, 3]))
     back = load_trace(tmp_path)
     assert back.to_dict() == trace.to_dict()  # time_ms merged back from timing.json
     tt = load_tensors(tmp_path)
     assert tt is not None and tt.layers == [1, 3] and set(tt.names()) == set(tensors)
     for name in ("step0/layer1/k_post_rope", "step1/layer3/seq0/v_cache", "step1/logits_topk_values"):
-        assert tt.get(name).equal(tensors[name])
+        assert read_tensor(tt, name).equal(tensors[name])
     # RoPE: k_cache holds the rotated K of the positions written at each step; V is not rotated
-    k0, kc = tt.get("step0/layer1/k_post_rope"), tt.get("step0/layer1/seq0/k_cache")
-    assert kc.equal(k0) and tt.get("step0/layer1/seq0/v_cache").equal(tt.get("step0/layer1/v"))
+    k0, kc = read_tensor(tt, "step0/layer1/k_post_rope"), read_tensor(tt, "step0/layer1/seq0/k_cache")
+    assert kc.equal(k0) and read_tensor(tt, "step0/layer1/seq0/v_cache").equal(read_tensor(tt, "step0/layer1/v"))
     # top-k logits agree with the sampler's record
     top = trace.steps[0].decode.per_request[0]["top"]
-    assert tt.get("step0/logits_topk_ids")[0, :3].tolist() == [c["id"] for c in top[:3]]
+    assert read_tensor(tt, "step0/logits_topk_ids")[0, :3].tolist() == [c["id"] for c in top[:3]]
     # a summary save: manifest only, and an older tensors file is removed
     save_trace(trace, tmp_path)
     assert load_tensors(tmp_path) is None and not (tmp_path / "tensors.safetensors").exists()

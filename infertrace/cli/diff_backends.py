@@ -109,10 +109,10 @@ def diff_backends(
     if as_json:
         typer.echo(json_text(rep, default=_jsonable))
     else:
-        from infertrace.trace.render_compare import render_backends_diff, render_reference_diff
+        from infertrace.present.render_compare import render_backends_diff, render_reference_diff
 
         if against == "llama.cpp":
-            from infertrace.trace.render_llamacpp import render_llamacpp_diff
+            from infertrace.present.render_llamacpp import render_llamacpp_diff
 
             render_llamacpp_diff(stdout_console(), rep)
         else:

@@ -43,7 +43,7 @@ def diff(
     else:
         res = diff_traces(ma, mb, atol, rtol, ta, tb, ignore=ignore or ())
     if cross is not None and not as_json:
-        from infertrace.trace.render_llamacpp import cross_engine_lines
+        from infertrace.present.render_llamacpp import cross_engine_lines
 
         for line in cross_engine_lines(res, cross):
             typer.echo(line)

@@ -3,7 +3,7 @@ trace saved with ``run --save DIR`` (:func:`infertrace.trace.saved_kv.dump_saved
 
 Thin: validate options (as ``run``), load the model, call
 :func:`infertrace.kv.dump.dump_kv_at_step`, print with
-:func:`infertrace.trace.render_kv.render_kv_dump` or as JSON.
+:func:`infertrace.present.render_kv.render_kv_dump` or as JSON.
 """
 
 from pathlib import Path
@@ -15,7 +15,8 @@ from infertrace.safe_text import json_text
 from infertrace.cli import run_options as o
 from infertrace.cli.common import check_min, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
-from infertrace.kv.dump import dump_kv_at_step, parse_positions
+from infertrace.kv.dump import dump_kv_at_step
+from infertrace.trace.kv_dump import parse_positions
 
 HELP = ("Show the KV cache right after step N of a run (same options as run): cells map with head/used/n_kv "
         "(cells) or pool usage, free list, block tables and slot mapping (paged); --layer/--head add K/V values. "
@@ -69,7 +70,7 @@ def dump_kv(
     if (pos is not None or full) and layer is None and head is None:
         raise InfertraceError("--positions / --full choose K/V values: add --layer L and/or --head H")
     if trace_dir is not None:  # a saved trace: the step's record (+ saved tensors for values), no model, no run
-        from infertrace.trace.render_kv import render_kv_dump
+        from infertrace.present.render_kv import render_kv_dump
         from infertrace.trace.saved_kv import dump_saved
 
         if prompt or prompts:
@@ -92,6 +93,6 @@ def dump_kv(
     if as_json:
         typer.echo(json_text(d))
         return
-    from infertrace.trace.render_kv import render_kv_dump
+    from infertrace.present.render_kv import render_kv_dump
 
     render_kv_dump(stdout_console(), d)

@@ -1,7 +1,7 @@
 """``infertrace report DIR -o report.html``: one self-contained HTML page for a saved trace.
 
 Thin: :func:`infertrace.trace.store.load_trace`, then
-:func:`infertrace.trace.report.build_report`, written to ``-o`` (default ``DIR/report.html``).
+:func:`infertrace.present.report.build_report`, written to ``-o`` (default ``DIR/report.html``).
 """
 
 import os
@@ -26,7 +26,7 @@ def report(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
 ) -> None:
     """Errors (missing/broken/newer trace, unwritable output) are one ``error:`` line, exit 2."""
-    from infertrace.trace.report import build_report
+    from infertrace.present.report import build_report
 
     trace, _ = load_saved(trace_dir)  # a broken tensors file is reported too
     out = output if output is not None else Path(trace_dir) / "report.html"

@@ -2,7 +2,7 @@
 
 Thin: parse and validate options, load the model (progress on stderr), call
 :func:`infertrace.runner.run_requests`, then print the trace with
-:func:`infertrace.trace.render.render_run` or as JSON (``RunTrace.to_dict``).
+:func:`infertrace.present.render.render_run` or as JSON (``RunTrace.to_dict``).
 The helpers other commands share (consoles, model loading with progress, option checks) live
 in :mod:`infertrace.cli.common`; module level stays torch-free so ``--help`` is instant.
 """
@@ -194,9 +194,10 @@ def run(
                                  options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
                                  tensor_layers=tensor_layers)
     if save is not None:
-        from infertrace.trace.render import human_bytes
+        from infertrace.capture.tensors import encode_tensors
+        from infertrace.present.render import human_bytes
 
-        sizes = save_trace(trace, save, tensors, tensor_layers or (), replace=force)  # atomic; a racing --save loses with exit 2
+        sizes = save_trace(trace, save, encode_tensors(tensors or {}, tensor_layers or ()), replace=force)  # atomic; a racing --save loses with exit 2
         typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
 
     wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]
@@ -206,6 +207,6 @@ def run(
     if as_json:
         typer.echo(json_text(trace.to_dict()))
         return
-    from infertrace.trace.render import render_run
+    from infertrace.present.render import render_run
 
     render_run(stdout_console(), trace, show=show_vars, steps=wanted)

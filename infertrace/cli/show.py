@@ -1,7 +1,7 @@
 """``infertrace show DIR``: print a saved trace exactly as ``run`` printed it.
 
 Thin: load with :func:`infertrace.trace.store.load_trace`, then the same
-:func:`infertrace.trace.render.render_run` on the same console width, so
+:func:`infertrace.present.render.render_run` on the same console width, so
 ``show DIR --var V --step S`` prints the same bytes as ``run ... --show V --steps S`` did.
 """
 
@@ -22,7 +22,7 @@ HELP = ("Print a trace saved with 'run --save DIR' exactly as run printed it: he
 def render_saved(trace: RunTrace, where: str, show: tuple[str, ...], steps: Optional[list[int]]) -> None:
     """:func:`render_run` on stdout; a malformed record that rendering trips over becomes a
     one-line :class:`InfertraceError` naming ``where`` (the file is at fault, not the program)."""
-    from infertrace.trace.render import render_run
+    from infertrace.present.render import render_run
 
     try:
         render_run(stdout_console(), trace, show=show, steps=steps)

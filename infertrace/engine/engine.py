@@ -118,7 +118,7 @@ class Engine:
         model: :class:`DecoderModel`.
         tokenizer: for EOG ids.
         opts: :class:`EngineOptions`.
-        tracer: a :class:`~infertrace.trace.recorder.Recorder` or the null tracer.
+        tracer: a :class:`~infertrace.capture.recorder.Recorder` or the null tracer.
     """
 
     def __init__(self, model: DecoderModel, tokenizer: Any, opts: EngineOptions | None = None, tracer: Any = NULL_TRACER):

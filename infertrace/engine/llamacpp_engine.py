@@ -309,7 +309,7 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         InfertraceError: bad layer, llama-cpp-python missing, non-GGUF model, decode failure.
     """
     from infertrace.runner import model_identity
-    from infertrace.trace.recorder import VARIABLES, Recorder
+    from infertrace.capture.recorder import VARIABLES, Recorder
     from infertrace.trace.records import RunTrace
 
     cfg = loaded.config

@@ -34,7 +34,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 @dataclass
 class TensorInfo:
-    """One row of ``inspect``'s tensor table."""
+    """One row of ``inspect``'s tensor table: name as stored, type (``Q4_1``, ``F32``, ``BF16``...),
+    ``shape`` (ggml ``ne`` order for GGUF, torch order for safetensors) and ``n_bytes`` in the file."""
 
     name: str
     type: str
@@ -148,8 +149,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     if not header_only:
         import torch
         from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
+        from infertrace.model.dequant import dequantize
         from infertrace.model.rope import unpermute_from_norm
     # the header (metadata + tensor table) from the cache when the file is unchanged, else from
     # gguf.GGUFReader (then cached); tensor data is memory-mapped at the offsets gguf-py computed
@@ -209,7 +209,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
                 arr = np.asarray(data, dtype=np.float32)
             else:
                 with np.errstate(all="ignore"):  # broken scales give inf/nan; the engine reports non-finite logits
-                    arr = dequantize(data, qtype)
+                    arr = dequantize(data, qtype)  # gguf-py's values, a fresh float32 array
         except NotImplementedError:
             raise InfertraceError(
                 f"tensor {t.name} has quant type {qtype.name}, which gguf-py cannot dequantise; requantise the model (e.g. Q8_0, Q4_K)"
@@ -217,7 +217,9 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
         except (ValueError, IndexError, TypeError) as e:
             raise InfertraceError(f"cannot dequantise tensor {t.name} ({qtype.name}): {e}; the file is corrupt") from None
         shape = [int(x) for x in reversed(list(t.shape))]  # ggml ne -> torch order
-        ten = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))  # [out, in]
+        if not arr.flags.writeable or arr.dtype != np.float32:  # F32: a view of the read-only memmap
+            arr = np.array(arr, dtype=np.float32)
+        ten = torch.from_numpy(arr.reshape(shape))  # [out, in]
         name = t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name
         weights[name] = ten
         if progress:
@@ -284,7 +286,12 @@ def _extra_layer(cfg: ModelConfig, n: str) -> bool:
 
 
 def raise_refusals(cfg: ModelConfig, where: str) -> None:
-    """Raise the first ``refused`` setting as a one-line :class:`InfertraceError` (no silent math)."""
+    """Raise the first ``refused`` setting of ``cfg`` (the settings ledger) as one line (no silent math).
+
+    Raises:
+        InfertraceError: ``cfg.refusals`` is not empty; the message names ``where`` (the file) and
+            how many more settings are refused.
+    """
     ref = cfg.refusals
     if ref:
         more = f" (+{len(ref) - 1} more)" if len(ref) > 1 else ""

@@ -84,7 +84,7 @@ class Snapshot:
         """Run the scenario and return its :class:`RunTrace` (attention pinned to torch unless set)."""
         from infertrace.engine.engine import EngineOptions
         from infertrace.runner import load_model, run_requests
-        from infertrace.trace.recorder import VARIABLES
+        from infertrace.capture.recorder import VARIABLES
 
         if loaded is None:
             key = str(model or "")

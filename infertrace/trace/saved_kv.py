@@ -1,8 +1,8 @@
 """``dump-kv --step N DIR``: the KV cache after step N of a *saved* trace, as the same dump dict
-a live ``dump-kv`` builds (:mod:`infertrace.kv.dump`), so one renderer prints both.
+a live ``dump-kv`` builds (:mod:`infertrace.trace.kv_dump`), so one renderer prints both.
 
 The layout (cell map or block tables, writes) comes from the step record
-(:func:`infertrace.kv.dump.dump_from_step`, ``KVRec.physical``). K/V values for ``--layer`` /
+(:func:`infertrace.trace.kv_dump.dump_from_step`, ``KVRec.physical``). K/V values for ``--layer`` /
 ``--head`` come from the saved tensors (``step{N}/layer{L}/seq{S}/k_cache``, ``v_cache``:
 every request's cache after the step, by position), placed at their physical cell or slot;
 a trace saved with ``--keep summary`` has none, and says so.
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from infertrace.errors import InfertraceError
+from infertrace.trace.kv_dump import dump_from_step
 from infertrace.trace.store import load_tensors, read_manifest, trace_from_manifest
 
 
@@ -21,6 +22,19 @@ def values_from_tensors(tt: Any, st: Any, layer: int, head: int, positions: Sequ
                         n_first: int = 4) -> dict[str, Any]:
     """K/V rows of kv head ``head`` in ``layer`` for every request cached after step ``st``,
     in the shape :func:`infertrace.kv.dump.read_values` returns (``source = "trace"``).
+
+    Args:
+        tt: the trace's :class:`~infertrace.trace.store.TraceTensors`; ``step{N}/layer{L}/seq{S}/k_cache``
+            and ``v_cache`` are ``[len, n_kv_heads, head_dim]`` (the request's cache after step N, by
+            position; float32, float16, or bfloat16 read as float32).
+        st: the :class:`~infertrace.trace.records.StepTrace` (its ``kv.physical`` places each
+            position at its cell, or slot ``= block * tokens_per_block + offset``).
+        positions: logical positions (None = all cached); ``full``: all ``head_dim`` values,
+            else the first ``n_first``.
+
+    Returns:
+        ``{"layer", "head", "full", "n_values", "source": "trace", "requests": [{"seq_id", "len",
+        "rows": [{"pos", "cell"|"slot", "block", "offset", "k": [float], "v": [float]}]}]}``.
 
     Raises:
         InfertraceError: the layer was not kept, head out of range, positions not cached.
@@ -80,8 +94,6 @@ def dump_saved(directory: str | Path, step: int, layer: int | None = None, head:
         InfertraceError: broken trace, step not in the trace, no kv record, ``--keep summary``
             trace asked for values, layer not kept.
     """
-    from infertrace.kv.dump import dump_from_step
-
     m = read_manifest(directory)
     trace = trace_from_manifest(m, str(Path(directory) / "trace.json"))
     st = next((s for s in trace.steps if s.step == step), None)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from infertrace.errors import InfertraceError
 from infertrace.safe_io import MAX_MANIFEST_BYTES, TORCH_TO_ST, parse_json, read_regular, safetensors_header
@@ -61,9 +61,26 @@ def manifest_dict(trace: RunTrace, store: dict[str, Any] | None = None) -> dict[
     return d
 
 
-def save_trace(trace: RunTrace, directory: str | Path, tensors: dict[str, Any] | None = None,
-               tensor_layers: Iterable[int] = (), replace: bool = True) -> dict[str, int]:
-    """Write ``trace`` (and ``tensors``, when given and non-empty) to ``directory``, atomically.
+@dataclass(frozen=True)
+class TensorFile:
+    """A ``tensors.safetensors`` image, already serialised on the engine side
+    (:func:`infertrace.capture.tensors.encode_tensors`), so saving needs no torch.
+
+    Attributes:
+        data: the safetensors bytes (header + little-endian tensor data, ``{"format": "pt"}`` metadata).
+        index: ``{name: {"dtype": torch dtype name, e.g. "float32", "shape": [int]}}``, sorted by name;
+            becomes the manifest's tensor index, which :func:`load_tensors` checks the file against.
+        layers: sorted layers the tensors were taken from (``--layers``).
+    """
+
+    data: bytes
+    index: dict[str, dict[str, Any]]
+    layers: list[int]
+
+
+def save_trace(trace: RunTrace, directory: str | Path, tensors: TensorFile | None = None, *,
+               replace: bool = True) -> dict[str, int]:
+    """Write ``trace`` (and ``tensors``, when given) to ``directory``, atomically.
 
     The files are written into a fresh private directory next to ``directory``
     (:func:`infertrace.safe_io.fresh_dir_beside`), which is then renamed into place
@@ -74,9 +91,9 @@ def save_trace(trace: RunTrace, directory: str | Path, tensors: dict[str, Any] |
         trace: the run (live or loaded).
         directory: must not exist, or be an empty directory, or (``replace``) hold only the
             files of a saved trace (they are replaced as a whole).
-        tensors: ``{name: torch.Tensor}`` from :func:`infertrace.runner.run_requests`
-            (``tensors=``); None or empty = ``keep summary`` (manifest only).
-        tensor_layers: layers the tensors were taken from (recorded in the manifest).
+        tensors: the serialised tensors (:func:`infertrace.capture.tensors.encode_tensors` of the
+            ``{name: torch.Tensor}`` that :func:`infertrace.runner.run_requests` fills); None =
+            ``keep summary`` (manifest only).
         replace: replace an existing trace in ``directory`` (``run --save --force``).
 
     Returns:
@@ -85,7 +102,11 @@ def save_trace(trace: RunTrace, directory: str | Path, tensors: dict[str, Any] |
     Raises:
         InfertraceError: the directory is taken (by another writer, or holds something else),
             or cannot be created or written.
+        TypeError: ``tensors`` is not a :class:`TensorFile` (a dict of torch tensors must be encoded first).
     """
+    if tensors is not None and not isinstance(tensors, TensorFile):
+        raise TypeError("save_trace(tensors=...) takes a TensorFile: encode the {name: tensor} dict with "
+                        "infertrace.capture.tensors.encode_tensors(tensors, layers)")
     from infertrace.safe_io import DirTaken, fresh_dir_beside, publish_dir
 
     d = Path(directory)
@@ -95,15 +116,12 @@ def save_trace(trace: RunTrace, directory: str | Path, tensors: dict[str, Any] |
         tmp = fresh_dir_beside(d)
         written: dict[str, int] = {}
         index = {}
-        if tensors:
-            from safetensors.torch import save as st_save
-
-            index = {k: {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)} for k, t in sorted(tensors.items())}
-            data = st_save({k: t.contiguous() for k, t in tensors.items()}, metadata={"format": "pt"})
-            (tmp / TENSORS).write_bytes(data)
-            written[TENSORS] = len(data)
-        store = {"keep": "tensors" if tensors else "summary", "tensor_layers": sorted(set(tensor_layers)) if tensors else [],
-                 "tensors": index}
+        if tensors is not None:
+            index = tensors.index
+            (tmp / TENSORS).write_bytes(tensors.data)
+            written[TENSORS] = len(tensors.data)
+        store = {"keep": "tensors" if tensors is not None else "summary",
+                 "tensor_layers": list(tensors.layers) if tensors is not None else [], "tensors": index}
         text = canonical_json(manifest_dict(trace, store)).encode("utf-8")
         (tmp / MANIFEST).write_bytes(text)
         written[MANIFEST] = len(text)
@@ -284,11 +302,18 @@ def load_trace(directory: str | Path, timings: bool = True, manifest: dict[str, 
 
 
 class TraceTensors:
-    """Lazy access to ``tensors.safetensors`` (memory-mapped; a tensor is read when asked).
+    """Lazy access to ``tensors.safetensors`` (memory-mapped; a tensor is read when asked), through
+    numpy: no torch (:func:`infertrace.capture.tensors.read_tensor` gives a torch tensor).
 
     Attributes:
         index: ``{name: {"dtype": str, "shape": [..]}}`` from the manifest.
         layers: the layers whose tensors were kept.
+        path: the ``tensors.safetensors`` file.
+
+    Raises:
+        InfertraceError: (constructor) the file's own header fails :func:`infertrace.safe_io.safetensors_header`
+            (truncated, offsets outside the file, overlapping), a tensor of ``index`` is missing from it or
+            has another dtype/shape there, or safetensors cannot open it.
     """
 
     def __init__(self, path: Path, index: dict[str, Any], layers: list[int]):
@@ -320,6 +345,7 @@ class TraceTensors:
             self._data_start = 8 + int.from_bytes(f.read(8), "little")
 
     def names(self, prefix: str = "") -> list[str]:
+        """Sorted tensor names starting with ``prefix`` (e.g. ``"step3/layer0/"``)."""
         return sorted(k for k in self.index if k.startswith(prefix))
 
     def __contains__(self, name: str) -> bool:
@@ -349,22 +375,6 @@ class TraceTensors:
         except Exception as e:  # noqa: BLE001
             raise InfertraceError(f"{visible(str(self.path))}: cannot read tensor {visible(name)!r} ({visible(_one(e))})") from None
 
-    def get(self, name: str) -> Any:
-        """The tensor ``name`` (torch, CPU, its saved dtype); imports torch. Presentation and
-        ``diff`` use :meth:`array` instead.
-
-        Raises:
-            InfertraceError: no such tensor, or the file cannot be read.
-        """
-        if name not in self.index:
-            raise InfertraceError(f"{visible(str(self.path))}: no tensor {visible(name)!r} in this trace")
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(self.path), framework="pt") as f:
-                return f.get_tensor(name)
-        except Exception as e:  # noqa: BLE001
-            raise InfertraceError(f"{visible(str(self.path))}: cannot read tensor {visible(name)!r} ({visible(_one(e))})") from None
 
 
 def _one(e: BaseException) -> str:

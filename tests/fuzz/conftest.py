@@ -1,4 +1,5 @@
-"""pytest hooks of tests/fuzz/: prints the outcome counts per fuzz target at the end of the run
+"""pytest hooks of tests/fuzz/: bounds the peak RSS growth of every fuzz module
+(:func:`fuzzkit.rss_guard`) and prints the outcome counts per fuzz target at the end of the run
 (and writes them as JSON to ``INFERTRACE_FUZZ_REPORT`` when set). The shared settings and
 helpers live in ``fuzzkit.py`` (``INFERTRACE_FUZZ_EXAMPLES``, default 25 inputs per target;
 ``INFERTRACE_FUZZ_RANDOM=1`` for fresh inputs; see README.md)."""
@@ -9,7 +10,14 @@ import json
 import os
 from typing import Any
 
-from fuzzkit import EXAMPLES, OUTCOMES, RANDOM
+import pytest
+from fuzzkit import EXAMPLES, OUTCOMES, RANDOM, rss_guard
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bounded_rss():
+    with rss_guard():
+        yield
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

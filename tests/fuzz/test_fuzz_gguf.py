@@ -9,31 +9,29 @@ lengths, value types, dims, ggml types and offsets.
 Invariant: :func:`load_checkpoint` returns or raises :class:`InfertraceError` (no other
 exception); ``infertrace inspect --json`` exits 0 (stdout is JSON) or 2 with one ``error:`` line,
 and so does ``infertrace run`` on a file the loader accepted;
-each example finishes within ``EXAMPLE_SECONDS`` (SIGALRM) and the process' peak RSS grows by less
-than ``RSS_GROWTH_MB`` over the whole run.
+each example finishes within ``fuzzkit.TIME_BOUND_S`` (SIGALRM) and the process' peak RSS grows by less
+than ``fuzzkit.RSS_GROWTH_MB`` over the module.
 
-Examples per test: ``INFERTRACE_FUZZ_EXAMPLES`` (default 25). Set ``INFERTRACE_FUZZ_STATS=FILE`` to
-append one JSON line of outcome counts per test. Run longer, e.g.::
+Settings, the CLI invariant, the time bound and the RSS guard are :mod:`fuzzkit`'s
+(``INFERTRACE_FUZZ_EXAMPLES``, default 25 inputs per test; ``INFERTRACE_FUZZ_REPORT=FILE`` writes the
+outcome counts; see tests/fuzz/README.md). Run longer, e.g.::
 
     INFERTRACE_FUZZ_EXAMPLES=2000 python -m pytest -q -p no:cacheprovider tests/fuzz/test_fuzz_gguf.py
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
-import os
-import resource
-import signal
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from fuzzkit import check_cli_result, fuzz_settings, record, time_bound  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
@@ -43,36 +41,13 @@ from infertrace.model.weights import load_checkpoint  # noqa: E402
 from tests.hostile_gguf import arr, gguf_bytes, kv, s, tensor_info  # noqa: E402
 from tests.tiny import make_weights, write_gguf  # noqa: E402
 
-EXAMPLES = int(os.environ.get("INFERTRACE_FUZZ_EXAMPLES", "25"))
-EXAMPLE_SECONDS = 20
-RSS_GROWTH_MB = 1024
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = fuzz_settings()
 INTERESTING = [0, 1, 2, 3, 31, 32, 33, 63, 64, 255, 1 << 15, 1 << 16, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32,
                1 << 40, 1 << 62, (1 << 63) - 1, 1 << 63, (1 << 64) - 32, (1 << 64) - 1]
 
 _RUN = CliRunner()
-_STATS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _DIR = Path(tempfile.mkdtemp(prefix="infertrace-fuzz-gguf-"))
 _N = [0]
-
-
-@contextlib.contextmanager
-def _time_bound(seconds: int):
-    def boom(*_):
-        raise TimeoutError(f"example ran longer than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 @pytest.fixture(scope="module")
@@ -81,48 +56,29 @@ def seed() -> bytes:
     return write_gguf(_DIR / "seed.gguf", w, sh).read_bytes()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _report():
-    rss0 = _rss_mb()
-    yield
-    assert _rss_mb() - rss0 < RSS_GROWTH_MB, f"peak RSS grew by {_rss_mb() - rss0:.0f} MB"
-    out = os.environ.get("INFERTRACE_FUZZ_STATS")
-    if out:
-        with open(out, "a") as fh:
-            for name, c in _STATS.items():
-                fh.write(json.dumps({"target": name, **c}) + "\n")
-
-
 def _check(name: str, data: bytes, header_only: bool, cli: bool) -> None:
     """The invariant, for one input file."""
     _N[0] += 1
-    _STATS[name]["examples"] += 1
     p = _DIR / f"x{_N[0]}.gguf"  # a fresh name: nothing can be served from a cache keyed by path
     p.write_bytes(data)
     try:
-        with _time_bound(EXAMPLE_SECONDS):
+        with time_bound():
             try:
                 load_checkpoint(p, header_only=header_only)
-                _STATS[name]["loaded"] += 1
+                record(f"{name}: loader", "loaded")
                 if cli:  # a file the loader accepts must also run (or be refused) with one line
+                    t0 = time.perf_counter()
                     res = _RUN.invoke(app, ["run", "-m", str(p), "-p", "hi", "-n", "2", "--ctx-size", "64", "--json"])
-                    assert res.exit_code in (0, 2), res.output
-                    if res.exit_code == 2:
-                        assert [ln for ln in res.output.splitlines() if ln.strip()][-1].startswith("error:"), res.output
-                    _STATS[name][f"run exit {res.exit_code}"] += 1
+                    check_cli_result(f"{name}: run", res, time.perf_counter() - t0)
             except InfertraceError as e:
                 assert e.exit_code == 2 and "\n" not in e.message.strip()
-                _STATS[name]["refused (InfertraceError)"] += 1
+                record(f"{name}: loader", "refused (InfertraceError)")
             if cli:
+                t0 = time.perf_counter()
                 res = _RUN.invoke(app, ["inspect", "--json", str(p)])
-                assert res.exit_code in (0, 2), res.output
+                check_cli_result(f"{name}: inspect --json", res, time.perf_counter() - t0)
                 if res.exit_code == 0:
                     json.loads(res.stdout)
-                    _STATS[name]["cli exit 0"] += 1
-                else:
-                    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-                    assert len(lines) == 1 and lines[0].startswith("error:"), res.output
-                    _STATS[name]["cli exit 2"] += 1
     finally:
         p.unlink()
 

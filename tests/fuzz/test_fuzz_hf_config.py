@@ -9,29 +9,27 @@ nesting / over-long integers, (c) ``tokenizer_config.json`` fields replaced the 
 Invariant: :func:`load_checkpoint` returns or raises :class:`InfertraceError`; ``infertrace inspect
 --json`` exits 0 (stdout is JSON) or 2 with one ``error:`` line, and so does ``infertrace run`` on a
 directory the loader accepted; each example finishes within
-``EXAMPLE_SECONDS``; peak RSS grows by less than ``RSS_GROWTH_MB`` over the run.
+``fuzzkit.TIME_BOUND_S`` (SIGALRM); peak RSS grows by less than ``fuzzkit.RSS_GROWTH_MB`` over the module.
 
-Examples per test: ``INFERTRACE_FUZZ_EXAMPLES`` (default 25); ``INFERTRACE_FUZZ_STATS=FILE`` appends
-outcome counts as JSON lines. Run longer, e.g.::
+Settings, the CLI invariant, the time bound and the RSS guard are :mod:`fuzzkit`'s
+(``INFERTRACE_FUZZ_EXAMPLES``, default 25 inputs per test; ``INFERTRACE_FUZZ_REPORT=FILE`` writes the
+outcome counts; see tests/fuzz/README.md). Run longer, e.g.::
 
     INFERTRACE_FUZZ_EXAMPLES=2000 python -m pytest -q -p no:cacheprovider tests/fuzz/test_fuzz_hf_config.py
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
-import os
-import resource
-import signal
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from fuzzkit import check_cli_result, fuzz_settings, record, time_bound  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
@@ -40,14 +38,9 @@ from infertrace.errors import InfertraceError  # noqa: E402
 from infertrace.model.weights import load_checkpoint  # noqa: E402
 from tests.tiny import make_weights, write_hf  # noqa: E402
 
-EXAMPLES = int(os.environ.get("INFERTRACE_FUZZ_EXAMPLES", "25"))
-EXAMPLE_SECONDS = 20
-RSS_GROWTH_MB = 1024
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = fuzz_settings()
 
 _RUN = CliRunner()
-_STATS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _DIR = Path(tempfile.mkdtemp(prefix="infertrace-fuzz-hf-"))
 
 CONFIG_FIELDS = ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -67,24 +60,6 @@ _value = st.recursive(_scalar, lambda inner: st.one_of(
     max_leaves=8)
 
 
-@contextlib.contextmanager
-def _time_bound(seconds: int):
-    def boom(*_):
-        raise TimeoutError(f"example ran longer than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 @pytest.fixture(scope="module")
 def hf_dir() -> Path:
     w, sh = make_weights(n_layer=1, H=16, n_head=2, n_kv=1, head_dim=8, ff=16)
@@ -96,46 +71,28 @@ def originals(hf_dir) -> dict[str, str]:
     return {n: (hf_dir / n).read_text() for n in ("config.json", "tokenizer_config.json")}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _report():
-    rss0 = _rss_mb()
-    yield
-    assert _rss_mb() - rss0 < RSS_GROWTH_MB, f"peak RSS grew by {_rss_mb() - rss0:.0f} MB"
-    out = os.environ.get("INFERTRACE_FUZZ_STATS")
-    if out:
-        with open(out, "a") as fh:
-            for name, c in _STATS.items():
-                fh.write(json.dumps({"target": name, **c}) + "\n")
-
-
 def _check(name: str, d: Path, files: dict[str, str | bytes], originals: dict[str, str], header_only: bool, cli: bool) -> None:
-    _STATS[name]["examples"] += 1
+    """The invariant, for the directory ``d`` with ``files`` replaced (restored afterwards)."""
     for fn, text in files.items():
         (d / fn).write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
     try:
-        with _time_bound(EXAMPLE_SECONDS):
+        with time_bound():
             try:
                 load_checkpoint(d, header_only=header_only)
-                _STATS[name]["loaded"] += 1
+                record(f"{name}: loader", "loaded")
                 if cli:  # a file the loader accepts must also run (or be refused) with one line
+                    t0 = time.perf_counter()
                     res = _RUN.invoke(app, ["run", "-m", str(d), "-p", "hi", "-n", "2", "--ctx-size", "64", "--json"])
-                    assert res.exit_code in (0, 2), res.output
-                    if res.exit_code == 2:
-                        assert [ln for ln in res.output.splitlines() if ln.strip()][-1].startswith("error:"), res.output
-                    _STATS[name][f"run exit {res.exit_code}"] += 1
+                    check_cli_result(f"{name}: run", res, time.perf_counter() - t0)
             except InfertraceError as e:
                 assert e.exit_code == 2 and "\n" not in e.message.strip()
-                _STATS[name]["refused (InfertraceError)"] += 1
+                record(f"{name}: loader", "refused (InfertraceError)")
             if cli:
+                t0 = time.perf_counter()
                 res = _RUN.invoke(app, ["inspect", "--json", str(d)])
-                assert res.exit_code in (0, 2), res.output
+                check_cli_result(f"{name}: inspect --json", res, time.perf_counter() - t0)
                 if res.exit_code == 0:
                     json.loads(res.stdout)
-                    _STATS[name]["cli exit 0"] += 1
-                else:
-                    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-                    assert len(lines) == 1 and lines[0].startswith("error:"), res.output
-                    _STATS[name]["cli exit 2"] += 1
     finally:
         for fn, text in originals.items():
             (d / fn).write_text(text)

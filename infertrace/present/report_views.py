@@ -20,7 +20,7 @@ from markupsafe import Markup
 from typing import Any, Sequence
 
 from infertrace.trace.records import StepTrace
-from infertrace.trace.render import piece_text
+from infertrace.present.render import piece_text
 
 MAX_COLS, MAX_ROWS = 128, 64
 

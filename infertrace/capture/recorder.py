@@ -14,7 +14,7 @@ from infertrace.model.rope import inv_freq_table
 from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES  # noqa: F401 - re-exported (defined torch-free in records)
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
-from infertrace.trace.spec_capture import verify_record
+from infertrace.capture.spec_capture import verify_record
 
 if TYPE_CHECKING:
     from infertrace.engine.engine import StepContext

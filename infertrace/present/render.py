@@ -27,9 +27,9 @@ from rich.text import Text
 from infertrace.ranges import ranges_text
 from infertrace.safe_text import has_unsafe, visible
 from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
-from infertrace.trace.render_serving import serving_mark, serving_view
-from infertrace.trace.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_output_text,
-                                          spec_tokens_text, with_extra)
+from infertrace.present.render_serving import serving_mark, serving_view
+from infertrace.present.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_output_text,
+                                            spec_tokens_text, with_extra)
 
 _VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
 KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"

@@ -17,7 +17,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from infertrace.trace.render_serving import _s
+from infertrace.present.render_serving import _s
 
 _DIM = "bright_black"
 #: candidates drawn in a grid at most

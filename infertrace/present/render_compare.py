@@ -16,7 +16,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from infertrace.trace.render import DIM, _facts, piece_text
+from infertrace.present.render import DIM, _facts, piece_text
 
 OK, BAD = "green", "bold red"
 _CONV = {"cells": "llama.cpp", "paged": "TensorRT-LLM/vLLM"}

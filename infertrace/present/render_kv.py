@@ -17,7 +17,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from infertrace.ranges import ranges_text
-from infertrace.trace.render import DIM, _facts, _table, floats, human_bytes
+from infertrace.present.render import DIM, _facts, _table, floats, human_bytes
 
 _ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -48,8 +48,6 @@ def _window_line(d: dict[str, Any]) -> Text | None:
         W = int(next(iter(aw.values()))) if aw else 0
     if not W or not layers:
         return None
-    from infertrace.kv.base import ranges_text
-
     how = ("one cell pool; windowed layers read kq_mask_swa (cells with pos_q - pos >= n_swa dropped), the others kq_mask"
            if d["backend"] == "cells" else "windowed layers get attention_window_size in the metadata; blocks stay allocated")
     return Text(f"layers {ranges_text(layers)} windowed, W={W}: query at p sees keys p-W+1..p (as HF and llama.cpp); {how}",
@@ -160,7 +158,12 @@ def _block_note(b: dict[str, Any]) -> str:
 
 
 def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
-    """Print a dump dict (from :func:`infertrace.kv.dump.dump_kv_at_step` or :func:`dump_from_step`)."""
+    """Print a dump dict (from :func:`infertrace.kv.dump.dump_kv_at_step` or
+    :func:`infertrace.trace.kv_dump.dump_from_step`) as one panel: storage and step facts, the
+    window line, the cells map and stretches (as llama.cpp's ``LLAMA_KV_CACHE_DEBUG`` print) or
+    the pool, free list and block tables (TensorRT-LLM ``KVCacheManager``), then K/V values when
+    the dict has them. Pure function of the dict; the CLI passes a
+    :class:`infertrace.safe_text.SafeConsole`, which makes control characters visible."""
     be = d["backend"]
     conv = "llama.cpp-style cells" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool"
     facts = [("storage", _storage_line(d)), (f"step {d['step']}", _batch_line(d))]

@@ -2,9 +2,9 @@
 
 Inline CSS, JS and SVG only: it opens from a file with no network. Top to bottom: run facts,
 the worked-example table, the cache over time (llama.cpp cell map and paged block tables, one
-recorded and one derived, see :mod:`infertrace.trace.report_views`), then one section per step
+recorded and one derived, see :mod:`infertrace.present.report_views`), then one section per step
 (its table rows, hidden, positions, the masks side by side, kv, top-k bars), then outputs.
-A pure function of the records, like :func:`infertrace.trace.render.render_run`.
+A pure function of the records, like :func:`infertrace.present.render.render_run`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 from markupsafe import Markup
 
-from infertrace.trace import report_views as v
+from infertrace.present import report_views as v
 from infertrace.trace.records import RunTrace, StepTrace
-from infertrace.trace.render import _sampler_text, _step_title, human_bytes, piece_text
-from infertrace.trace.report_assets import BODY_JS, CSS, HEAD_JS
+from infertrace.present.render import _sampler_text, _step_title, human_bytes, piece_text
+from infertrace.present.report_assets import BODY_JS, CSS, HEAD_JS
 
 # Autoescape discipline: every fragment is a markupsafe.Markup built from a literal template;
 # values enter only as ``.format`` arguments (or ``Markup + value``, ``Markup("").join``), which
