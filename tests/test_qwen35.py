@@ -201,3 +201,19 @@ def test_hf_config_settings_are_honoured_or_refused(tiny, tmp_path):
     (tmp_path / "x" / "config.json").write_text(json.dumps({**raw, "attention_bias": True}))
     with pytest.raises(InfertraceError, match="attention_bias"):
         load_checkpoint(tmp_path / "x")
+
+
+def test_diff_backends_passes_on_the_hybrid_model_with_several_requests(tiny):
+    import json
+
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+
+    r = CliRunner().invoke(app, ["diff-backends", "--model", str(tiny["dir"]), "-p", "hello world", "-p", "abc",
+                                 "-p", "the quick brown fox", "-n", "5", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["identical"] and len(d["requests"]) == 3
+    kv = [s["checks"]["kv"]["detail"] for s in d["steps"] if not s["idle"]]
+    assert all("GDN conv+recurrent state of" in t for t in kv)
