@@ -8,7 +8,8 @@ is either GDN (:mod:`infertrace.model.gdn`; state in ``kv.state``, slots from
 partial RoPE, KV cache attention, ``* sigmoid(gate)``, ``o_proj``). GDN layers ignore positions.
 
 Tap points (for layers in ``tracer.layers``): ``rope`` as every family; ``attn_proj`` (full-attention
-layer: qkv projection output and its Q / gate / K / V split); ``gdn`` (GDN layer: qkv, z, g,
+layer: qkv projection output and its Q / gate / K / V split); ``attn_out`` (attention output before
+and after ``* sigmoid(gate)``, and after ``o_proj``); ``gdn`` (GDN layer: qkv, z, g,
 beta, conv / recurrent state of each request after the step).
 """
 
@@ -114,8 +115,11 @@ def attn_mixer(model: Any, il: int, L: dict[str, Any], x: torch.Tensor, h: torch
         tracer.tap("rope", layer=il, x=x, q=q, k=k, v=v, q_rot=q_r, k_rot=k_r, cos=cos, sin=sin)
     kv.write(il, k_r, v, attn)
     o = kv.attend(il, q_r, attn, model.scale)  # [N, nh, hd]
-    o = o.reshape(N, nh * hd) * torch.sigmoid(gate)  # [N, nh*hd]
-    return F.linear(o, L["wo"])  # [N, H]
+    og = o.reshape(N, nh * hd) * torch.sigmoid(gate)  # [N, nh*hd]
+    out = F.linear(og, L["wo"])  # [N, H]
+    if tracer.enabled and il in tracer.layers:
+        tracer.tap("attn_out", layer=il, o=o.reshape(N, nh * hd), gated=og, out=out)
+    return out
 
 
 def qwen35_forward(model: Any, x: torch.Tensor, attn: Any, kv: Any, cos_sin: tuple[torch.Tensor, torch.Tensor],

@@ -58,7 +58,11 @@ class Recorder:
         self.tensors = tensors
         self.tensor_layers = tuple(sorted(set(layers))) if layers is not None else (layer,)
         self.top_k_tensors = top_k_tensors
+        if getattr(config, "is_hybrid", False) and config.is_linear(layer):  # a GDN layer has no K/V and no RoPE
+            self.layer = layer = next(i for i in range(config.n_layer) if not config.is_linear(i))
         self.layers = frozenset({layer}) | (frozenset(self.tensor_layers) if tensors is not None else frozenset())
+        if getattr(config, "is_hybrid", False):  # the first GDN layer taps its state (trace/hybrid_rec.py)
+            self.layers |= {next(i for i in range(config.n_layer) if config.is_linear(i))}
         self._rope: dict[int, dict[str, Any]] = {}
         self.show = set(show)
         self.n_first = n_first
@@ -73,6 +77,8 @@ class Recorder:
             self._rope[tensors.get("layer", self.layer)] = tensors
             if tensors.get("layer", self.layer) != self.layer:
                 return
+        if name in ("attn_proj", "attn_out") and tensors.get("layer") != self.layer:
+            return
         self._taps[name] = tensors
 
     def begin_step(self) -> None:
@@ -98,6 +104,7 @@ class Recorder:
                 st.serving = ctx.serving
             if "kv" in self.show:
                 st.kv = self._kv(batch, None, kv)
+            self._hybrid(st, None, kv)
             self.steps.append(st)
             return st
         logical = kv.logical_mask(inp)
@@ -146,8 +153,17 @@ class Recorder:
             st.decode = self._decode(ctx, reqs)
         if self.tensors is not None:
             self._capture(ctx, st.step)
+        self._hybrid(st, inp, kv)
         self.steps.append(st)
         return st
+
+    def _hybrid(self, st: StepTrace, inp: Any, kv: Any) -> None:
+        """Qwen3.5-style hybrid models: layer map, M-RoPE positions, projections, GDN state (trace/hybrid_rec.py)."""
+        if getattr(self.cfg, "is_hybrid", False):
+            from infertrace.kv.recurrent import NO_REUSE_REASON
+            from infertrace.trace.hybrid_rec import hybrid_record
+
+            st.hybrid = hybrid_record(self.cfg, inp, kv, self._taps, self.layer, NO_REUSE_REASON)
 
     def _capture(self, ctx: StepContext, step: int) -> None:
         """Copy this step's tensors into ``self.tensors`` (CPU, contiguous, compute dtype):

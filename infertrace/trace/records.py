@@ -149,11 +149,14 @@ class StepTrace:
     admitted: list[int] = field(default_factory=list)
     time_ms: float = 0.0
     serving: dict[str, Any] | None = None  # prefix lookups, evictions, context shifts, KV audit (engine/serving.py)
+    hybrid: dict[str, Any] | None = None  # hybrid models: layer map, M-RoPE positions, GDN state (trace/hybrid_rec.py)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if d.get("serving") is None:  # serving fields only when a serving mechanism was on (older traces compare equal)
             d.pop("serving", None)
+        if d.get("hybrid") is None:
+            d.pop("hybrid", None)
         for b in d["batch"]:
             for k in ("prefix", "shift"):
                 if b.get(k) is None:
@@ -179,6 +182,7 @@ class StepTrace:
             decode=opt(DecodeRec, "decode"), preempted=list(d.get("preempted", [])),
             admitted=list(d.get("admitted", [])), time_ms=float(d.get("time_ms", 0.0)),
             serving=d.get("serving") if isinstance(d.get("serving"), dict) else None,
+            hybrid=d.get("hybrid") if isinstance(d.get("hybrid"), dict) else None,
         )
 
 
