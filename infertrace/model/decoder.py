@@ -158,7 +158,7 @@ class DecoderModel:
         if self.embed_scale is not None:
             x = x * self.embed_scale  # [N, H] Gemma: x sqrt(H)
         if tracer.enabled:
-            tracer.tap("embed", hidden=x)
+            tracer.tap("embed", hidden=x, ids=ids)
         pos = attn.positions.to(self.device)
         if cfg.rope_scaling.type == "dynamic" and N and int(pos.max()) >= cfg.n_ctx_train:
             raise InfertraceError(f"position {int(pos.max())} reaches max_position_embeddings {cfg.n_ctx_train} of a 'dynamic' "

@@ -58,12 +58,17 @@ def hybrid_record(cfg: Any, inp: Any, kv: Any, taps: dict[str, dict[str, Any]], 
         pos = inp.positions.tolist()
         n = len(pos)
         rec["positions"] = {
-            "position_ids_shape": [3, 1, n], "position_ids": [pos[:MAX_POS]] * 3, "dtype": "I32",
+            "position_ids_shape": [3, 1, n], "position_ids": [pos[:MAX_POS]] * 3, "dtype": _dt(inp.positions),
             "n_pos_per_embd": N_POS_PER_EMBD, "inp_pos_len": n * N_POS_PER_EMBD,
             "inp_pos": (pos[:MAX_POS] + pos[:MAX_POS] + pos[:MAX_POS] + [0] * min(n, MAX_POS)) if n <= MAX_POS else [],
             "consumers": full, "ignored_by": lin, "rope_dim": cfg.rope_dim, "head_dim": cfg.head_dim,
             "sections": list(cfg.mrope_sections),
         }
+    e = taps.get("embed")
+    if e is not None:
+        rec["hidden"] = _shape(e["hidden"])
+        if e.get("ids") is not None:
+            rec["input_ids"] = _shape(e["ids"])
     a, o = taps.get("attn_proj"), taps.get("attn_out")
     if a is not None:
         rec["projection"] = {"layer": int(a["layer"]), "h": _shape(a["h"]), "qkv": _shape(a["qkv"]), "q": _shape(a["q"]),

@@ -570,6 +570,11 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
             continue
         console.print(Panel(body, title=Text.assemble((name, "bold"), f" · step {st.step}"), title_align="left", box=box.ROUNDED,
                             border_style="bright_black"))
+    if st.hybrid and ("kv" in show or "positions" in show):  # hybrid models: state beside the KV (render_hybrid.py)
+        from infertrace.trace.render_hybrid import hybrid_view
+
+        console.print(Panel(hybrid_view(st), title=Text.assemble(("hybrid state", "bold"), f" · step {st.step}"),
+                            title_align="left", box=box.ROUNDED, border_style="bright_black"))
 
 
 def render_run(console: Console, trace: RunTrace, show: Sequence[str] = VARIABLES,
