@@ -436,6 +436,10 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     notes = ["HF checkpoint: Q/K rows already in half-split ('neox') order"]
     if cfg.family == "gemma3":
         notes.append("Gemma RMSNorm (1 + w): +1 folded into every *norm weight at load (llama.cpp's converter does the same)")
+    if cfg.family == "qwen35" and raw.get("infertrace_random_weights"):
+        from infertrace.model.synth import RANDOM_NOTE
+
+        notes.append(RANDOM_NOTE)
     if cfg.family == "qwen35":
         notes.append("Qwen3.5 zero-centred RMSNorm (1 + w): +1 folded into every norm but the gated ssm_norm at load; "
                      "A_log -> ssm_a = -exp(A_log) (as llama.cpp's converter)")

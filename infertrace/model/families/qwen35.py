@@ -158,6 +158,10 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
                     ("vision_start_token_id", "vision input"), ("vision_end_token_id", "vision input")):
         if k in cfg:
             led.na(k, cfg[k], note)
+    from infertrace.model.synth import RANDOM_KEY, RANDOM_NOTE
+
+    if cfg.get(RANDOM_KEY):
+        led.na(RANDOM_KEY, "yes", RANDOM_NOTE)
     kw.update(rope_dim=rope_dim)
     if cfg.get("rms_norm_eps") is None:
         kw["rms_eps"] = 1e-6  # Qwen3_5TextConfig default
