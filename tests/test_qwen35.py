@@ -217,3 +217,22 @@ def test_diff_backends_passes_on_the_hybrid_model_with_several_requests(tiny):
     assert d["identical"] and len(d["requests"]) == 3
     kv = [s["checks"]["kv"]["detail"] for s in d["steps"] if not s["idle"]]
     assert all("GDN conv+recurrent state of" in t for t in kv)
+
+
+def test_llama_cpp_runs_the_tiny_qwen35_gguf_and_agrees(tiny):
+    """The installed llama-cpp-python runs arch qwen35: its logits over the prompt rows and its greedy
+    tokens match ours on the same GGUF (llama.cpp's F32 CPU kernels differ by float rounding only)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    lm = llama_cpp.Llama(str(tiny["gguf"]), n_ctx=64, verbose=False, logits_all=True, n_threads=1)
+    lm.eval(IDS)
+    theirs = torch.tensor(np.array(lm.scores[: len(IDS)]))  # [T, V]
+    kv = make_kv(tiny["mg"], EngineOptions(backend="cells", ctx_size=64), "torch")
+    ours = tiny["mg"].forward(torch.tensor(IDS), kv.prepare([ChunkSpec(0, 0, len(IDS))]), kv, torch.arange(len(IDS)))
+    assert (theirs - ours).abs().max() < 3e-3, (theirs - ours).abs().max()
+    toks = []
+    for _ in range(8):
+        toks.append(int(np.argmax(lm.scores[lm.n_tokens - 1])))
+        lm.eval([toks[-1]])
+    assert toks == tiny["ref_tokens"][:8]
