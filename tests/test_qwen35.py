@@ -236,3 +236,41 @@ def test_llama_cpp_runs_the_tiny_qwen35_gguf_and_agrees(tiny):
         toks.append(int(np.argmax(lm.scores[lm.n_tokens - 1])))
         lm.eval([toks[-1]])
     assert toks == tiny["ref_tokens"][:8]
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_trace_and_dump_kv_show_state_beside_kv_and_round_trip(tiny, tmp_path, backend):
+    """The saved trace holds the hybrid section (schema-checked, re-loadable); dump-kv (live and from
+    the trace) shows the GDN state beside the KV: constant shape, values advancing step by step."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+
+    run = CliRunner().invoke
+    r = run(app, ["run", "--model", str(tiny["dir"]), "-p", "hello", "-p", "abc", "-n", "3", "--backend", backend,
+                  "--save", str(tmp_path / "t")])
+    assert r.exit_code == 0, r.output
+    assert "hybrid state" in r.output and "appendix B" in r.output
+    assert run(app, ["check", str(tmp_path / "t")]).exit_code == 0
+    tr = json.loads((tmp_path / "t" / "trace.json").read_text())
+    sums = []
+    for st in tr["steps"]:
+        h = st["hybrid"]
+        assert h["state"]["convention"] == backend and h["state"]["rec_shape"] == [4, 8, 8]
+        assert h["positions"]["consumers"] == [1, 3] and h["positions"]["ignored_by"] == [0, 2]
+        n = len(st["batch"]) and sum(b["T"] for b in st["batch"])
+        assert h["positions"]["inp_pos_len"] == 4 * n and h["positions"]["position_ids_shape"] == [3, 1, n]
+        sums.append(h["state"]["per_seq"][0]["layers"][0]["rec_sum"])
+        if backend == "cells":
+            assert st["kv"]["physical"]["kind"] == "cells"
+    assert len(set(sums)) == len(sums)  # seq 0's state moved every step
+    live = run(app, ["dump-kv", "--model", str(tiny["dir"]), "-p", "hello", "-p", "abc", "--step", "1", "--backend", backend,
+                     "--json"])
+    assert live.exit_code == 0, live.output
+    d = json.loads(live.output)
+    assert d["state"]["conv_shape"] == [tiny["m"].cfg.conv_dim, 3] and d["state"]["state_indices"] == [0, 1]
+    saved = run(app, ["dump-kv", str(tmp_path / "t"), "--step", "1", "--json"])
+    assert saved.exit_code == 0, saved.output
+    assert json.loads(saved.output)["state"]["per_seq"] == d["state"]["per_seq"]

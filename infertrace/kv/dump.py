@@ -212,10 +212,15 @@ def describe_live(ctx: dict[str, Any], layer: int | None = None, head: int | Non
     values = None
     if layer is not None or head is not None:
         values = read_values(kv, layer or 0, head or 0, positions, full)
-    return build_dump(step=ctx["step"], backend=kv.kind, physical=phys, physical_shape=shape,
-                      dtype=str(dtype).replace("torch.", ""), n_layer=len(kv.k) if kv.kind == "cells" else len(kv.pool),
-                      batch=out_batch, writes=writes, finished={str(k): v for k, v in ctx["finished"].items()},
-                      values=values)
+    d = build_dump(step=ctx["step"], backend=kv.kind, physical=phys, physical_shape=shape,
+                   dtype=str(dtype).replace("torch.", ""), n_layer=len(kv.k) if kv.kind == "cells" else len(kv.pool),
+                   batch=out_batch, writes=writes, finished={str(k): v for k, v in ctx["finished"].items()},
+                   values=values)
+    if getattr(kv, "state", None) is not None:  # hybrid: the GDN state beside the KV (constant shape)
+        from infertrace.trace.hybrid_rec import state_summary
+
+        d["state"] = state_summary(kv.state, inp is not None)
+    return d
 
 
 class StepProbe:
@@ -321,9 +326,12 @@ def dump_from_step(st: Any) -> dict[str, Any]:
                                          for x in q["rows"]]}
                                for q in lv["requests"]]}
     finished = {str(r.seq_id): r.finished for r in st.batch if r.finished}
-    return build_dump(step=st.step, backend=kv.backend, physical=dict(kv.physical), physical_shape=kv.physical_shape,
-                      dtype=kv.dtype, n_layer=kv.layers, batch=batch, writes=writes, finished=finished,
-                      values=values, source="trace")
+    d = build_dump(step=st.step, backend=kv.backend, physical=dict(kv.physical), physical_shape=kv.physical_shape,
+                   dtype=kv.dtype, n_layer=kv.layers, batch=batch, writes=writes, finished=finished,
+                   values=values, source="trace")
+    if getattr(st, "hybrid", None) and isinstance(st.hybrid.get("state"), dict):
+        d["state"] = st.hybrid["state"]
+    return d
 
 
 def _expand(text: str) -> list[int]:

@@ -60,21 +60,7 @@ def hybrid_view(st: Any) -> RenderableType:
             + (f" · attn out {_t(pr.get('attn_out'))} * sigmoid(gate) -> o_proj {_t(pr.get('o_proj'))}" if pr.get("o_proj") else "")))
     s = h.get("state")
     if isinstance(s, dict):
-        conv = "TensorRT-LLM MambaHybridCacheManager state slots, state_indices" if s.get("convention") == "paged" else \
-            "llama.cpp memory_recurrent cells (one per seq), rs_z"
-        parts.append(Text(
-            f"state ({conv}) per GDN layer: conv {_sh(s.get('conv_shape'))} + recurrent {_sh(s.get('rec_shape'))} "
-            f"{s.get('dtype')} × {s.get('n_layers')} layers = {s.get('bytes_per_seq')} bytes per request, constant · "
-            f"slots {s.get('n_slots')} · state_indices {s.get('state_indices')} · rs_z {s.get('rs_z')}"))
-        t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-        for c in ("seq", "slot", "layer", "conv shape", "‖conv‖", "Σconv", "recurrent shape", "‖S‖", "ΣS"):
-            t.add_column(c, justify="right" if c not in ("conv shape", "recurrent shape") else "left")
-        for r in s.get("per_seq", [])[:16]:
-            for i, lr in enumerate(r.get("layers", [])):
-                t.add_row(str(r.get("seq_id")) if i == 0 else "", str(r.get("slot")) if i == 0 else "", str(lr.get("layer")),
-                          _sh(s.get("conv_shape")), f"{lr.get('conv_norm', 0):.4f}", f"{lr.get('conv_sum', 0):+.4f}",
-                          _sh(s.get("rec_shape")), f"{lr.get('rec_norm', 0):.4f}", f"{lr.get('rec_sum', 0):+.4f}")
-        parts.append(t)
+        parts += state_view(s)
     return Group(*parts)
 
 
@@ -198,3 +184,23 @@ def render_appendix(console: Any, trace: Any) -> None:
     notes = [n for n in trace.notes if "random weights" in n]
     for n in notes:
         console.print(Text(n, style="yellow"))
+
+
+def state_view(s: dict[str, Any]) -> list[RenderableType]:
+    """The GDN state of a hybrid step or dump: one line of facts and a table of norms / checksums per request."""
+    conv = "TensorRT-LLM MambaHybridCacheManager state slots, state_indices" if s.get("convention") == "paged" else \
+        "llama.cpp memory_recurrent cells (one per seq), rs_z"
+    parts: list[RenderableType] = [Text(
+        f"state ({conv}) per GDN layer: conv {_sh(s.get('conv_shape'))} + recurrent {_sh(s.get('rec_shape'))} "
+        f"{s.get('dtype')} × {s.get('n_layers')} layers = {s.get('bytes_per_seq')} bytes per request, constant · "
+        f"slots {s.get('n_slots')} · state_indices {s.get('state_indices')} · rs_z {s.get('rs_z')}")]
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for c in ("seq", "slot", "layer", "conv shape", "‖conv‖", "Σconv", "recurrent shape", "‖S‖", "ΣS"):
+        t.add_column(c, justify="right" if c not in ("conv shape", "recurrent shape") else "left")
+    for r in s.get("per_seq", [])[:16]:
+        for i, lr in enumerate(r.get("layers", [])):
+            t.add_row(str(r.get("seq_id")) if i == 0 else "", str(r.get("slot")) if i == 0 else "", str(lr.get("layer")),
+                      _sh(s.get("conv_shape")), f"{lr.get('conv_norm', 0):.4f}", f"{lr.get('conv_sum', 0):+.4f}",
+                      _sh(s.get("rec_shape")), f"{lr.get('rec_norm', 0):.4f}", f"{lr.get('rec_sum', 0):+.4f}")
+    parts.append(t)
+    return parts
