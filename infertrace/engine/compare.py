@@ -73,7 +73,7 @@ class StepCapture:
         n_layer = len(kv.k) if kv.kind == "cells" else len(kv.pool)
         kvs = {}
         for sid in holders:
-            ks, vs = zip(*(kv.read(layer, sid) for layer in range(n_layer)))
+            ks, vs = zip(*(kv.read(layer, sid) for layer in getattr(kv, "kv_layers", range(n_layer))))
             kvs[sid] = (torch.stack(ks), torch.stack(vs))  # [n_layer, L, n_kv_heads, hd] each
         st = getattr(kv, "state", None)  # hybrid: GDN conv + recurrent state of each holder, compared with K/V
         states = {sid: (torch.stack([st.state_of(il, sid)[0] for il in st.layers]),  # [n_gdn, conv_dim, K-1]

@@ -211,7 +211,9 @@ def describe_live(ctx: dict[str, Any], layer: int | None = None, head: int | Non
         dtype = kv.pool[0].dtype
     values = None
     if layer is not None or head is not None:
-        values = read_values(kv, layer or 0, head or 0, positions, full)
+        il = layer if layer is not None else getattr(kv, "kv_layers", [0])[0]  # hybrid: first attention layer
+        values = read_values(kv, kv.phys_layer(il) if hasattr(kv, "phys_layer") else il, head or 0, positions, full)
+        values["layer"] = il
     d = build_dump(step=ctx["step"], backend=kv.kind, physical=phys, physical_shape=shape,
                    dtype=str(dtype).replace("torch.", ""), n_layer=len(kv.k) if kv.kind == "cells" else len(kv.pool),
                    batch=out_batch, writes=writes, finished={str(k): v for k, v in ctx["finished"].items()},

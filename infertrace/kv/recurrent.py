@@ -152,13 +152,40 @@ class HybridKV:
     """A KV backend plus recurrent state: llama.cpp ``llama_memory_hybrid`` (attention KV cache +
     ``memory_recurrent``) / TensorRT-LLM ``MambaHybridCacheManager`` (KVCacheManager + state slots).
 
-    Every KV method is the wrapped backend's; ``can_fit``, ``prepare`` and ``release`` also handle
-    the state (``inp.extra["state_indices"]`` holds each chunk's slot).
+    The wrapped backend stores K/V of the attention layers only (``kv_layers``, model layer indices;
+    physical layer j holds model layer ``kv_layers[j]``), as llama.cpp's ``memory_hybrid`` gives its
+    KV cache only the non-recurrent layers and TensorRT-LLM's KV pools cover the attention layers.
+    ``write`` / ``attend`` / ``read`` take model layer indices. Every other KV method is the wrapped
+    backend's; ``can_fit``, ``prepare`` and ``release`` also handle the state
+    (``inp.extra["state_indices"]`` holds each chunk's slot).
     """
 
-    def __init__(self, attn: Any, state: RecurrentState):
+    def __init__(self, attn: Any, state: RecurrentState, kv_layers: Sequence[int]):
         self.__dict__["attn"] = attn
         self.__dict__["state"] = state
+        self.__dict__["kv_layers"] = list(kv_layers)
+        self.__dict__["kv_index"] = {il: j for j, il in enumerate(kv_layers)}
+
+    def phys_layer(self, il: int) -> int:
+        """Physical KV layer of model layer ``il``.
+
+        Raises:
+            InfertraceError: ``il`` is a GDN layer (it keeps state, no K/V).
+        """
+        j = self.kv_index.get(il)
+        if j is None:
+            raise InfertraceError(f"layer {il} is a Gated DeltaNet layer: it keeps a fixed-size state, no K/V "
+                                  f"(K/V layers: {', '.join(map(str, self.kv_layers))})")
+        return j
+
+    def write(self, layer: int, k: Any, v: Any, inp: AttnInputs) -> None:
+        self.attn.write(self.phys_layer(layer), k, v, inp)
+
+    def attend(self, layer: int, q: Any, inp: AttnInputs, scale: float) -> Any:
+        return self.attn.attend(self.phys_layer(layer), q, inp, scale)
+
+    def read(self, layer: int, seq_id: int) -> Any:
+        return self.attn.read(self.phys_layer(layer), seq_id)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["attn"], name)

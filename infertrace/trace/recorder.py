@@ -191,7 +191,7 @@ class Recorder:
                 if src in t:
                     out[f"{p}layer{il}/{name}"] = keep(t[src])
             for sid in sorted(ctx.requests):  # every request holding cache, computed this step or not
-                if ctx.kv.seq_len(sid) == 0:
+                if ctx.kv.seq_len(sid) == 0 or il not in getattr(ctx.kv, "kv_layers", [il]):  # GDN layer: no K/V
                     continue
                 k, v = ctx.kv.read(il, sid)  # [len, n_kv, hd] each
                 out[f"{p}layer{il}/seq{sid}/k_cache"] = keep(k)
@@ -340,7 +340,7 @@ class Recorder:
         snap = kv.snapshot()
         snap.update(extra)
         dtype = kv.k[0].dtype if kv.kind == "cells" else kv.pool[0].dtype
-        return KVRec(kv.kind, _dtype(dtype), cfg.n_layer, per, view, snap, phys)
+        return KVRec(kv.kind, _dtype(dtype), len(getattr(kv, "kv_layers", range(cfg.n_layer))), per, view, snap, phys)
 
     def _decode(self, ctx: StepContext, reqs: list[ReqStep]) -> DecodeRec:
         logits = ctx.logits
