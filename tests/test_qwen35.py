@@ -277,3 +277,31 @@ def test_trace_and_dump_kv_show_state_beside_kv_and_round_trip(tiny, tmp_path, b
     saved = run(app, ["dump-kv", str(tmp_path / "t"), "--step", "1", "--json"])
     assert saved.exit_code == 0, saved.output
     assert json.loads(saved.output)["state"]["per_seq"] == d["state"]["per_seq"]
+
+
+def test_stray_tensor_refused_mtp_and_vision_not_loaded_with_a_note(tiny, tmp_path):
+    """A tensor the forward would not read is refused (one line, exit 2); the multimodal layout
+    (``model.language_model.*``) loads, and its ``mtp.*`` / ``model.visual.*`` tensors are left out
+    with a load note (HF's Qwen3_5ForCausalLM ignores them too)."""
+    import json
+
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+    from tests.tiny_qwen35 import hf_config
+
+    w = dict(tiny["w"])
+    d = write_hf_dir(tmp_path / "stray", {**w, "model.layers.0.linear_attn.extra.weight": torch.zeros(2, 2)}, tiny["s"])
+    r = CliRunner().invoke(app, ["run", "--model", str(d), "-p", "hi", "-n", "1"])
+    assert r.exit_code == 2 and "linear_attn.extra.weight" in r.output and "refuses" in r.output
+    mm = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in w.items()}
+    mm.update({"mtp.fc.weight": torch.zeros(2, 2), "model.visual.patch.weight": torch.zeros(2, 2)})
+    d2 = write_hf_dir(tmp_path / "mm", w, tiny["s"])
+    save_file({k: v.contiguous() for k, v in mm.items()}, str(d2 / "model.safetensors"))
+    text = {k: v for k, v in hf_config(tiny["s"]).items() if k not in ("architectures",)}
+    (d2 / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                                                "tie_word_embeddings": False, "text_config": text}))
+    ck = load_checkpoint(d2)
+    assert ck.config.family == "qwen35" and any("mtp.fc.weight" in n and "MTP" in n for n in ck.notes)
+    assert torch.equal(ck.weights["blk.0.attn_qkv"], tiny["ck"].weights["blk.0.attn_qkv"])

@@ -71,7 +71,7 @@ def gdn_mixer(model: Any, il: int, L: dict[str, Any], h: torch.Tensor, attn: Any
     qkv = F.linear(h, L["w_qkv"])  # [N, conv_dim]
     z = F.linear(h, L["w_z"]).view(N, nv, dv)  # [N, Hv, dv]
     ba = F.linear(h, L["w_ba"])  # [N, 2*Hv]
-    beta = ba[:, :nv].float().sigmoid()  # [N, Hv]
+    beta = ba[:, :nv].sigmoid().float()  # [N, Hv] sigmoid in the model dtype, as HF
     g = L["A"].float() * F.softplus(ba[:, nv:].float() + L["dt_bias"])  # [N, Hv] log decay <= 0
     st = kv.state
     o = torch.empty(N, nv, dv, dtype=h.dtype, device=h.device)  # [N, Hv, dv]

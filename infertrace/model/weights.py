@@ -397,13 +397,13 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     w: dict[str, torch.Tensor] = {}
     file_names: dict[str, str] = {}
     ignored: list[str] = []
-    skip = None
+    skip, not_loaded = None, []
     if fam.name == "qwen35":
         from infertrace.model.families.qwen35 import hf_skip as skip
     for k, t in sd.items():
         why = skip(k) if skip else None
         if why:
-            ignored.append(f"{k} ({why})")
+            not_loaded.append(f"{k}: {why}")
             continue
         n = hf_to_engine_name(fam, k)
         if n is None and k.endswith("rotary_emb.inv_freq"):
@@ -444,6 +444,7 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
         notes.append("Qwen3.5 zero-centred RMSNorm (1 + w): +1 folded into every norm but the gated ssm_norm at load; "
                      "A_log -> ssm_a = -exp(A_log) (as llama.cpp's converter)")
     notes += [f"not a weight, skipped: {k}" for k in ignored]
+    notes += [f"not loaded: {k}" for k in not_loaded[:8]] + ([f"not loaded: {len(not_loaded) - 8} more"] if len(not_loaded) > 8 else [])
     if cfg.tie_embeddings:
         notes.append("tie_word_embeddings: lm head tied to embed_tokens")
     return Checkpoint(cfg, w, tokenizer, d, infos, raw, notes)
