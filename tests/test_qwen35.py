@@ -305,3 +305,26 @@ def test_stray_tensor_refused_mtp_and_vision_not_loaded_with_a_note(tiny, tmp_pa
     ck = load_checkpoint(d2)
     assert ck.config.family == "qwen35" and any("mtp.fc.weight" in n and "MTP" in n for n in ck.notes)
     assert torch.equal(ck.weights["blk.0.attn_qkv"], tiny["ck"].weights["blk.0.attn_qkv"])
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_seq_ops_on_hybrid_memory_whole_sequences_only(tiny, backend):
+    """seq_cp copies the state with the KV (llama.cpp memory_hybrid); a range cutting into a sequence
+    (rewind, context shift) is refused with one line; seq_rm of a whole sequence frees its slot."""
+    from infertrace.kv.seq_ops import seq_cp, seq_rm
+
+    m = tiny["m"]
+    kv = make_kv(m, EngineOptions(backend=backend, ctx_size=64, tokens_per_block=4, n_seq_max=4), "torch")
+    inp = kv.prepare([ChunkSpec(0, 0, 5)])
+    m.forward(torch.tensor(IDS[:5]), inp, kv, torch.tensor([4]))
+    with pytest.raises(InfertraceError, match="recurrent"):
+        seq_rm(kv, 0, 3, -1)
+    seq_cp(kv, 0, 1)
+    assert torch.equal(kv.state.state_of(0, 0)[1], kv.state.state_of(0, 1)[1])
+    assert torch.equal(kv.read(1, 0)[0], kv.read(1, 1)[0])
+    # both continue identically from the copied state
+    inp = kv.prepare([ChunkSpec(0, 5, 1), ChunkSpec(1, 5, 1)])
+    lg = m.forward(torch.tensor([IDS[5], IDS[5]]), inp, kv, torch.tensor([0, 1]))
+    assert torch.allclose(lg[0], lg[1], atol=1e-6)
+    seq_rm(kv, 1)
+    assert kv.state.slot_of(1) is None and kv.seq_len(1) == 0
