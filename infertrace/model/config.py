@@ -18,6 +18,9 @@ SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 SUPPORTED_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 
 DEFAULT_ROPE_THETA = 10000.0
+#: ModelConfig fields of hybrid (Qwen3.5) models, left out of ``to_dict`` for other models
+HYBRID_FIELDS = ("layer_types", "attn_output_gate", "norm_mul_f32", "ssm_conv_kernel", "ssm_n_k_heads", "ssm_n_v_heads",
+                 "ssm_k_head_dim", "ssm_v_head_dim", "mrope_sections")
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,9 @@ class ModelConfig:
             d["rope_freq_factors"] = list(d["rope_freq_factors"])
         d["swa_layers"] = list(d["swa_layers"])
         d["layer_types"], d["mrope_sections"] = list(d["layer_types"]), list(d["mrope_sections"])
+        if not self.layer_types:  # hybrid fields only for hybrid models (traces of other models stay as they were)
+            for k in HYBRID_FIELDS:
+                d.pop(k, None)
         d["settings"] = [{"key": k, "value": v, "status": st, "note": n} for k, v, st, n in self.settings]
         return d
 
