@@ -169,9 +169,15 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     elif opts.spec_tree is not None:
         engine_opts["spec_tree"] = list(opts.spec_tree)
     options = {"backend": opts.backend, "attention": eng.attn_impl, **(options_for_record or {}),
-               "engine": engine_opts, "layer": layer, "show": list(show)}
+               "engine": engine_opts, "layer": getattr(rec, "layer", layer), "show": list(show)}
+    extra_notes = []
+    if trace and getattr(rec, "layer", layer) != layer:
+        extra_notes.append(f"layer {layer} is a Gated DeltaNet layer (no K/V, no RoPE): evidence from layer {rec.layer}, "
+                           "the first full-attention layer")
+    if opts.prefix_cache and "prefix_cache" in eng.disabled:
+        extra_notes.append(f"--prefix-cache on ignored: {eng.disabled['prefix_cache']}")
     out = RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
-                   notes=list(loaded.ckpt.notes) + list(getattr(tok, "warnings", []) or []),
+                   notes=list(loaded.ckpt.notes) + list(getattr(tok, "warnings", []) or []) + extra_notes,
                    steps=list(rec.steps) if trace else [], requests=reqs,
                    spec=eng.spec.summary() if eng.spec is not None else None)
     from infertrace.threads import current

@@ -59,7 +59,11 @@ class Recorder:
         self.tensors = tensors
         self.tensor_layers = tuple(sorted(set(layers))) if layers is not None else (layer,)
         self.top_k_tensors = top_k_tensors
+        if getattr(config, "is_hybrid", False) and config.is_linear(layer):  # a GDN layer has no K/V and no RoPE
+            self.layer = layer = next(i for i in range(config.n_layer) if not config.is_linear(i))
         self.layers = frozenset({layer}) | (frozenset(self.tensor_layers) if tensors is not None else frozenset())
+        if getattr(config, "is_hybrid", False):  # the first GDN layer taps its state (capture/hybrid_rec.py)
+            self.layers |= {next(i for i in range(config.n_layer) if config.is_linear(i))}
         self._rope: dict[int, dict[str, Any]] = {}
         self.show = set(show)
         self.n_first = n_first
@@ -75,6 +79,8 @@ class Recorder:
             self._rope[tensors.get("layer", self.layer)] = tensors
             if tensors.get("layer", self.layer) != self.layer:
                 return
+        if name in ("attn_proj", "attn_out") and tensors.get("layer") != self.layer:
+            return
         self._taps[name] = tensors
 
     def begin_step(self) -> None:
@@ -100,6 +106,7 @@ class Recorder:
                 st.serving = ctx.serving
             if "kv" in self.show:
                 st.kv = self._kv(batch, None, kv)
+            self._hybrid(st, None, kv)
             self.steps.append(st)
             return st
         self._spec_acc = {int(k): v["accepted_nodes"] for k, v in ((ctx.get("spec") or {}).get("requests") or {}).items()}
@@ -155,8 +162,17 @@ class Recorder:
             st.decode = self._decode(ctx, reqs)
         if self.tensors is not None:
             self._capture(ctx, st.step)
+        self._hybrid(st, inp, kv)
         self.steps.append(st)
         return st
+
+    def _hybrid(self, st: StepTrace, inp: Any, kv: Any) -> None:
+        """Qwen3.5-style hybrid models: layer map, M-RoPE positions, projections, GDN state (capture/hybrid_rec.py)."""
+        if getattr(self.cfg, "is_hybrid", False):
+            from infertrace.kv.recurrent import NO_REUSE_REASON
+            from infertrace.capture.hybrid_rec import hybrid_record
+
+            st.hybrid = hybrid_record(self.cfg, inp, kv, self._taps, self.layer, NO_REUSE_REASON)
 
     def _capture(self, ctx: StepContext, step: int) -> None:
         """Copy this step's tensors into ``self.tensors`` (CPU, contiguous, compute dtype):
@@ -184,7 +200,7 @@ class Recorder:
                 if src in t:
                     out[f"{p}layer{il}/{name}"] = keep(t[src])
             for sid in sorted(ctx.requests):  # every request holding cache, computed this step or not
-                if ctx.kv.seq_len(sid) == 0:
+                if ctx.kv.seq_len(sid) == 0 or il not in getattr(ctx.kv, "kv_layers", [il]):  # GDN layer: no K/V
                     continue
                 k, v = ctx.kv.read(il, sid)  # [len, n_kv, hd] each
                 out[f"{p}layer{il}/seq{sid}/k_cache"] = keep(k)
@@ -339,7 +355,7 @@ class Recorder:
         snap = kv.snapshot()
         snap.update(extra)
         dtype = kv.k[0].dtype if kv.kind == "cells" else kv.pool[0].dtype
-        return KVRec(kv.kind, _dtype(dtype), cfg.n_layer, per, view, snap, phys)
+        return KVRec(kv.kind, _dtype(dtype), len(getattr(kv, "kv_layers", range(cfg.n_layer))), per, view, snap, phys)
 
     def _decode(self, ctx: StepContext, reqs: list[ReqStep]) -> DecodeRec:
         logits = ctx.logits

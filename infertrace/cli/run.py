@@ -210,3 +210,7 @@ def run(
     from infertrace.present.render import render_run
 
     render_run(stdout_console(), trace, show=show_vars, steps=wanted)
+    if any(st.hybrid for st in trace.steps):  # Qwen3.5-style hybrid: the study's appendix B tables, measured
+        from infertrace.present.render_hybrid import render_appendix
+
+        render_appendix(stdout_console(), trace)

@@ -73,9 +73,13 @@ class StepCapture:
         n_layer = len(kv.k) if kv.kind == "cells" else len(kv.pool)
         kvs = {}
         for sid in holders:
-            ks, vs = zip(*(kv.read(layer, sid) for layer in range(n_layer)))
+            ks, vs = zip(*(kv.read(layer, sid) for layer in getattr(kv, "kv_layers", range(n_layer))))
             kvs[sid] = (torch.stack(ks), torch.stack(vs))  # [n_layer, L, n_kv_heads, hd] each
-        cap.update(positions=inp.positions.tolist(), masks=kv.logical_mask(inp), kv=kvs, logits=logits,
+        st = getattr(kv, "state", None)  # hybrid: GDN conv + recurrent state of each holder, compared with K/V
+        states = {sid: (torch.stack([st.state_of(il, sid)[0] for il in st.layers]),  # [n_gdn, conv_dim, K-1]
+                        torch.stack([st.state_of(il, sid)[1] for il in st.layers]))  # [n_gdn, Hv, dk, dv]
+                  for sid in holders if st is not None and st.slot_of(sid) is not None}
+        cap.update(positions=inp.positions.tolist(), masks=kv.logical_mask(inp), kv=kvs, logits=logits, state=states,
                    tokens={sid: s.token for sid, s in ctx["samples"].items()}, physical=physical_summary(kv, inp))
         self.last = cap
 
@@ -165,8 +169,21 @@ def compare_step(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], a
             first = int((per_layer > atol).nonzero()[0])
             why.append(f"seq {sid}: max |ΔK|,|ΔV| = {d:.3g} (above atol from layer {first} on)")
     n_layer = next(iter(a["kv"].values()))[0].shape[0] if a["kv"] else 0
-    checks["kv"] = {"ok": not why, "max_abs": worst,
-                    "detail": f"{len(a['kv'])} seq(s) × {n_layer} layers, max |Δ| {worst:.3g}" if not why else "; ".join(why)}
+    detail = f"{len(a['kv'])} seq(s) × {n_layer} layers, max |Δ| {worst:.3g}"
+    sa, sb = a.get("state") or {}, b.get("state") or {}
+    if sa or sb:  # hybrid: fixed-size GDN state (conv + recurrent) must agree like K/V does
+        sworst = 0.0
+        if set(sa) != set(sb):
+            why.append(f"requests holding GDN state differ: {na} {sorted(sa)} vs {nb} {sorted(sb)}")
+        for sid in sorted(set(sa) & set(sb)):
+            d = max(float((sa[sid][0].float() - sb[sid][0].float()).abs().max()),
+                    float((sa[sid][1].float() - sb[sid][1].float()).abs().max()))
+            sworst = max(sworst, d)
+            if d > atol:
+                why.append(f"seq {sid}: GDN state max |Δ| = {d:.3g}")
+        worst = max(worst, sworst)
+        detail += f"; GDN conv+recurrent state of {len(sa)} seq(s), max |Δ| {sworst:.3g}"
+    checks["kv"] = {"ok": not why, "max_abs": worst, "detail": detail if not why else "; ".join(why)}
     # tokens
     ok = a["tokens"] == b["tokens"]
     checks["tokens"] = {"ok": ok, "detail": "" if ok else f"{na} {a['tokens']} vs {nb} {b['tokens']}"}

@@ -8,7 +8,7 @@ sample, update requests) and llama.cpp server ``update_slots`` -> ``llama_decode
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -99,14 +99,32 @@ def make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
 
 def _make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
     cfg = model.cfg
-    windows = [cfg.layer_window(i) for i in range(cfg.n_layer)]  # 0 = full attention
+    if cfg.is_hybrid:
+        from infertrace.kv.recurrent import HybridKV, RecurrentState
+
+        if opts.context_shift:
+            raise InfertraceError("--context-shift cannot be used with a hybrid model: a recurrent (GDN) state cannot drop "
+                                  "its oldest tokens (llama.cpp refuses partial seq_rm on recurrent memory); drop the flag")
+        attn_layers = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
+        attn_kv = _make_attn_kv(model, replace(opts, prefix_cache=False), attn_impl, n_layer=len(attn_layers))
+        state = RecurrentState([i for i in range(cfg.n_layer) if cfg.is_linear(i)], cfg.conv_dim, cfg.ssm_conv_kernel,
+                               cfg.ssm_n_v_heads, cfg.ssm_k_head_dim, cfg.ssm_v_head_dim, opts.n_seq_max, opts.backend,
+                               model.dtype, model.device)
+        return HybridKV(attn_kv, state, attn_layers)
+    return _make_attn_kv(model, opts, attn_impl)
+
+
+def _make_attn_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str, n_layer: int | None = None):
+    """The KV backend; ``n_layer`` (hybrid models: the attention layers only) defaults to every layer."""
+    cfg = model.cfg
+    windows = ([cfg.layer_window(i) for i in range(cfg.n_layer)] if n_layer is None else [0] * n_layer)  # 0 = full attention
     if opts.backend == "cells":
         cls = CachingCellsKV if opts.prefix_cache else CellsKV
-        return cls(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device,
+        return cls(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device,
                    windows=windows)
     if opts.backend == "paged":
         nb = opts.num_blocks if opts.num_blocks is not None else -(-opts.ctx_size // opts.tokens_per_block)
-        return SharedPagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device,
+        return SharedPagedKV(len(windows), cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device,
                              attn_impl, caching=opts.prefix_cache, windows=windows)
     raise InfertraceError(f"unknown backend {opts.backend!r}; use cells or paged")
 
@@ -125,6 +143,14 @@ class Engine:
         self.model = model
         self.tok = tokenizer
         self.opts = opts or EngineOptions()
+        #: why a requested feature is off for this model (stated in the trace), e.g. prefix reuse on a hybrid model
+        self.disabled: dict[str, str] = {}
+        if model.cfg.is_hybrid:
+            from infertrace.kv.recurrent import NO_REUSE_REASON
+
+            self.disabled["prefix_cache"] = NO_REUSE_REASON
+            if self.opts.prefix_cache:
+                self.opts = replace(self.opts, prefix_cache=False)
         self.attn_impl = self._resolve_attention(self.opts.attention)
         self.kv = make_kv(model, self.opts, self.attn_impl)
         self.scheduler = Scheduler(self.kv, self.opts.max_batch_tokens, self.opts.prefill_chunk)

@@ -95,6 +95,10 @@ class Captured:
     n_ubatch_calls: int = 0
 
 
+#: the no-op log callback llama.cpp holds a pointer to (see LlamaCppContext._silence)
+_QUIET_LOG_CB: Any = None
+
+
 class LlamaCppContext:
     """A llama.cpp model + context with the capture callback installed.
 
@@ -147,13 +151,18 @@ class LlamaCppContext:
         self.mem = llama_cpp.llama_get_memory(self.ctx)
 
     def _silence(self) -> None:
+        """Install a no-op llama.cpp log callback. It is process-global in llama.cpp, so the ctypes
+        callback is kept alive at module level: one owned by this context would dangle after the
+        context is freed and crash the next llama.cpp log call (e.g. a later ``llama_cpp.Llama``)."""
+        global _QUIET_LOG_CB
         L = self.L
+        if _QUIET_LOG_CB is None:
+            @L.llama_log_callback
+            def _quiet(level, text, user_data):  # noqa: ANN001 - ctypes signature
+                return None
 
-        @L.llama_log_callback
-        def _quiet(level, text, user_data):  # noqa: ANN001 - ctypes signature
-            return None
-
-        self._log_cb = _quiet
+            _QUIET_LOG_CB = _quiet
+        self._log_cb = _QUIET_LOG_CB
         L.llama_log_set(self._log_cb, ctypes.c_void_p(0))
 
     # ------------------------------------------------------------------ callback

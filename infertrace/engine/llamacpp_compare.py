@@ -276,6 +276,9 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
     from infertrace.runner import load_model
 
     o = replace(opts, backend="cells", attention="torch")
+    if getattr(loaded.config, "is_hybrid", False):
+        raise InfertraceError("--against llama.cpp reads per-layer K/V from llama.cpp's graph, which this comparison does not "
+                              "do yet for hybrid (GDN) models; use --against hf (tests compare llama.cpp's logits directly)")
     if not 0 <= layer < loaded.config.n_layer:
         raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{loaded.config.n_layer - 1}")
     eng, ours = _run_ours(loaded.model, loaded.tokenizer, prompts, o, layer, None)

@@ -77,7 +77,8 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
     """
     tokens = kv_tokens(opts)
     per_layer = kv_bytes_per_layer(cfg, tokens, dtype)
-    total = per_layer * cfg.n_layer
+    n_kv_layers = sum(1 for i in range(cfg.n_layer) if not (hasattr(cfg, "is_linear") and cfg.is_linear(i)))
+    total = per_layer * n_kv_layers  # hybrid models: K/V only for the attention layers (GDN state is small, fixed)
     book = 0
     if getattr(opts, "backend", "cells") == "cells":  # cell bookkeeping: pos (int64) + seq_id set (n_seq_max bools)
         book = tokens * (8 + getattr(opts, "n_seq_max", 64))
@@ -87,7 +88,7 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
         what = "--ctx-size" if getattr(opts, "backend", "cells") == "cells" else "--num-blocks x --tokens-per-block"
         raise InfertraceError(
             f"the KV cache for {tokens} tokens would take {human_bytes(total)} ({human_bytes(per_layer)} per layer x "
-            f"{cfg.n_layer} layers at {str(dtype).replace('torch.', '')}{f' + {human_bytes(book)} of cell bookkeeping' if book else ''}), "
+            f"{n_kv_layers} layers at {str(dtype).replace('torch.', '')}{f' + {human_bytes(book)} of cell bookkeeping' if book else ''}), "
             f"over the limit of {human_bytes(limit)} "
             f"(half of this machine's memory); lower {what}")
     return total

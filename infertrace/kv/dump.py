@@ -125,11 +125,18 @@ def describe_live(ctx: StepContext, layer: int | None = None, head: int | None =
         dtype = kv.pool[0].dtype
     values = None
     if layer is not None or head is not None:
-        values = read_values(kv, layer or 0, head or 0, positions, full)
-    return build_dump(step=ctx.step, backend=kv.kind, physical=phys, physical_shape=shape,
-                      dtype=str(dtype).replace("torch.", ""), n_layer=len(kv.k) if kv.kind == "cells" else len(kv.pool),
-                      batch=out_batch, writes=writes, finished={str(k): v for k, v in ctx.finished.items()},
-                      values=values)
+        il = layer if layer is not None else getattr(kv, "kv_layers", [0])[0]  # hybrid: first attention layer
+        values = read_values(kv, kv.phys_layer(il) if hasattr(kv, "phys_layer") else il, head or 0, positions, full)
+        values["layer"] = il
+    d = build_dump(step=ctx.step, backend=kv.kind, physical=phys, physical_shape=shape,
+                   dtype=str(dtype).replace("torch.", ""), n_layer=len(kv.k) if kv.kind == "cells" else len(kv.pool),
+                   batch=out_batch, writes=writes, finished={str(k): v for k, v in ctx.finished.items()},
+                   values=values)
+    if getattr(kv, "state", None) is not None:  # hybrid: the GDN state beside the KV (constant shape)
+        from infertrace.capture.hybrid_rec import state_summary
+
+        d["state"] = state_summary(kv.state, inp is not None)
+    return d
 
 
 class StepProbe:

@@ -237,14 +237,37 @@ def paged_shift_out(kv: Any, seq_id: int, p0: int, p1: int, inv_freq: torch.Tens
 # ----------------------------------------------------------------------------- one entry point per operation
 
 
+def _recurrent(kv: Any, op: str, seq_id: int, p0: int, p1: int) -> Any:
+    """The recurrent state of a hybrid memory (None otherwise). A range that cuts into a sequence is
+    refused there, as llama.cpp's ``llama_memory_recurrent::seq_rm`` refuses it: a GDN state is one
+    summary of all the sequence's tokens and cannot drop some of them (TensorRT-LLM keeps per-step
+    intermediate states for speculative rewind; not implemented here)."""
+    st = getattr(kv, "state", None)
+    if st is None or not hasattr(st, "seq_cp"):
+        return None
+    whole = p0 <= 0 and p1 < 0
+    if not whole and p0 < kv.seq_len(seq_id):
+        raise InfertraceError(f"{op} of positions {max(p0, 0)}..{'end' if p1 < 0 else p1 - 1} of seq {seq_id} on a hybrid "
+                              "model: its recurrent (GDN) state cannot drop or copy part of a sequence (llama.cpp's "
+                              "memory_recurrent refuses it too)")
+    return st if whole else None
+
+
 def seq_rm(kv: Any, seq_id: int, p0: int = -1, p1: int = -1) -> dict[str, Any]:
-    """``llama_memory_seq_rm`` on either backend (paged: tail only)."""
-    return cells_seq_rm(kv, seq_id, p0, p1) if kv.kind == "cells" else paged_seq_rm(kv, seq_id, p0, p1)
+    """``llama_memory_seq_rm`` on either backend (paged: tail only; hybrid: whole sequences only)."""
+    st = _recurrent(kv, "seq_rm", seq_id, p0, p1)
+    out = cells_seq_rm(kv, seq_id, p0, p1) if kv.kind == "cells" else paged_seq_rm(kv, seq_id, p0, p1)
+    if st is not None:
+        st.release(seq_id)
+    return out
 
 
 def seq_cp(kv: Any, src: int, dst: int, p0: int = -1, p1: int = -1) -> dict[str, Any]:
     """``llama_memory_seq_cp`` (cells) / fork (paged: a prefix ``0..p1-1`` only, shared blocks
-    reference counted, partial last block copied)."""
+    reference counted, partial last block copied); hybrid: whole sequences, the state copied too."""
+    st = _recurrent(kv, "seq_cp", src, p0, p1)
+    if st is not None:
+        st.seq_cp(src, dst)
     if kv.kind == "cells":
         return cells_seq_cp(kv, src, dst, p0, p1)
     if p0 > 0:
@@ -256,6 +279,10 @@ def seq_cp(kv: Any, src: int, dst: int, p0: int = -1, p1: int = -1) -> dict[str,
 
 def seq_keep(kv: Any, seq_id: int) -> dict[str, Any]:
     """``llama_memory_seq_keep``: everything but ``seq_id`` is released."""
+    st = getattr(kv, "state", None)
+    if st is not None and hasattr(st, "owner"):
+        for s in [s for s in st.owner if s != seq_id]:
+            st.release(s)
     if kv.kind == "cells":
         return cells_seq_keep(kv, seq_id)
     others = [s for s in list(kv.tables) if s != seq_id]
@@ -267,7 +294,12 @@ def seq_keep(kv: Any, seq_id: int) -> dict[str, Any]:
 def shift_out(kv: Any, seq_id: int, p0: int, p1: int, inv_freq: torch.Tensor) -> dict[str, Any]:
     """Drop ``p0..p1-1`` and shift ``p1..`` down by ``p1 - p0`` (K re-rotated): llama.cpp server's
     context shift ``seq_rm(seq, n_keep, n_keep + n_discard)`` + ``seq_add(seq, n_keep + n_discard,
-    n_past, -n_discard)``, on either backend. Returns the list of operation dicts done."""
+    n_past, -n_discard)``, on either backend. Returns the list of operation dicts done.
+
+    Raises:
+        InfertraceError: a hybrid model (its recurrent state cannot forget tokens).
+    """
+    _recurrent(kv, "shift_out", seq_id, p0, p1)
     if kv.kind == "cells":
         return {"op": "shift_out", "seq_id": seq_id, "steps": [cells_make_private(kv, seq_id, p1),
                                                               cells_seq_rm(kv, seq_id, p0, p1),

@@ -18,6 +18,9 @@ SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 SUPPORTED_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 
 DEFAULT_ROPE_THETA = 10000.0
+#: ModelConfig fields of hybrid (Qwen3.5) models, left out of ``to_dict`` for other models
+HYBRID_FIELDS = ("layer_types", "attn_output_gate", "norm_mul_f32", "ssm_conv_kernel", "ssm_n_k_heads", "ssm_n_v_heads",
+                 "ssm_k_head_dim", "ssm_v_head_dim", "mrope_sections")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,14 @@ class ModelConfig:
             (query at p sees keys p-W+1..p).
         rope_theta_swa / rope_scaling_swa: RoPE base of the windowed layers and whether the
             RoPE scaling applies to them (Gemma 3: base 10000, unscaled).
+        layer_types: per layer ``full_attention`` or ``linear_attention`` (Gated DeltaNet); empty = all
+            full attention. ``attn_output_gate``: the Q projection also yields a per-head gate,
+            attention output ``* sigmoid(gate)`` (Qwen3.5). ``norm_mul_f32``: RMSNorm multiplies by
+            its weight in float32 before the cast (HF ``Qwen3_5RMSNorm``).
+        ssm_conv_kernel, ssm_n_k_heads, ssm_n_v_heads, ssm_k_head_dim, ssm_v_head_dim: Gated
+            DeltaNet shape (HF ``linear_conv_kernel_dim``, ``linear_num_key_heads`` ...; GGUF
+            ``ssm.conv_kernel``, ``ssm.group_count``, ``ssm.time_step_rank``, ``ssm.state_size``).
+        mrope_sections: M-RoPE ``mrope_section`` (pairs per t/h/w axis; text: all axes equal).
         settings: the ledger ``(key, value, status, note)``; status ``honoured``,
             ``not applicable`` or ``refused`` (the loader refuses to run a model with any refused row).
     """
@@ -115,6 +126,16 @@ class ModelConfig:
     swa_layers: tuple[bool, ...] = ()
     rope_theta_swa: float | None = None
     rope_scaling_swa: bool = True
+    # --- hybrid (Qwen3.5: Gated DeltaNet + gated full attention; model/families/qwen35.py) ---
+    layer_types: tuple[str, ...] = ()
+    attn_output_gate: bool = False
+    norm_mul_f32: bool = False
+    ssm_conv_kernel: int = 0
+    ssm_n_k_heads: int = 0
+    ssm_n_v_heads: int = 0
+    ssm_k_head_dim: int = 0
+    ssm_v_head_dim: int = 0
+    mrope_sections: tuple[int, ...] = ()
     settings: tuple[tuple[str, str, str, str], ...] = ()
 
     @property
@@ -136,6 +157,20 @@ class ModelConfig:
         """One-line reasons for every setting this engine does not implement (status ``refused``)."""
         return [f"{k} = {v}: {note}" for k, v, st, note in self.settings if st == "refused"]
 
+    def is_linear(self, il: int) -> bool:
+        """Whether layer ``il`` is a Gated DeltaNet (``linear_attention``) layer."""
+        return il < len(self.layer_types) and self.layer_types[il] == "linear_attention"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether any layer keeps a fixed-size recurrent state instead of KV."""
+        return any(t == "linear_attention" for t in self.layer_types)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN causal conv: ``2 * n_k_heads * k_head_dim + n_v_heads * v_head_dim``."""
+        return 2 * self.ssm_n_k_heads * self.ssm_k_head_dim + self.ssm_n_v_heads * self.ssm_v_head_dim
+
     @property
     def n_rep(self) -> int:
         """Query heads per KV head (GQA group size)."""
@@ -147,6 +182,10 @@ class ModelConfig:
         if d["rope_freq_factors"] is not None:
             d["rope_freq_factors"] = list(d["rope_freq_factors"])
         d["swa_layers"] = list(d["swa_layers"])
+        d["layer_types"], d["mrope_sections"] = list(d["layer_types"]), list(d["mrope_sections"])
+        if not self.layer_types:  # hybrid fields only for hybrid models (traces of other models stay as they were)
+            for k in HYBRID_FIELDS:
+                d.pop(k, None)
         d["settings"] = [{"key": k, "value": v, "status": st, "note": n} for k, v, st, n in self.settings]
         return d
 

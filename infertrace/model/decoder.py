@@ -55,6 +55,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (y.to(x.dtype)) * w
 
 
+def rms_norm_f32w(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm multiplied by ``w`` in float32, then cast (HF ``Qwen3_5RMSNorm`` with ``w`` = 1 + weight);
+    ``x`` ``[..., H]`` -> ``[..., H]`` in ``x``'s dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)  # [..., H]
+
+
 ACTIVATIONS = {
     "silu": F.silu,  # SwiGLU (llama.cpp LLM_FFN_SILU + LLM_FFN_PAR)
     "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),  # GeGLU (HF gelu_pytorch_tanh, llama.cpp LLM_FFN_GELU)
@@ -92,6 +99,11 @@ class DecoderModel:
         for i in range(config.n_layer):
             p = f"blk.{i}."
             opt = lambda n: w[p + n].to(dev) if (p + n) in w else None  # noqa: E731
+            if config.family == "qwen35":
+                from infertrace.model.hybrid import qwen35_layer
+
+                self.layers.append(qwen35_layer(config, w, i, dev))
+                continue
             L = {
                 "attn_norm": w[p + "attn_norm"].to(dev),  # [H]
                 "wqkv": torch.cat([w[p + "attn_q"], w[p + "attn_k"], w[p + "attn_v"]]).to(dev),  # [(nh+2nkv)*hd, H]
@@ -146,7 +158,7 @@ class DecoderModel:
         if self.embed_scale is not None:
             x = x * self.embed_scale  # [N, H] Gemma: x sqrt(H)
         if tracer.enabled:
-            tracer.tap("embed", hidden=x)
+            tracer.tap("embed", hidden=x, ids=ids)
         pos = attn.positions.to(self.device)
         if cfg.rope_scaling.type == "dynamic" and N and int(pos.max()) >= cfg.n_ctx_train:
             raise InfertraceError(f"position {int(pos.max())} reaches max_position_embeddings {cfg.n_ctx_train} of a 'dynamic' "
@@ -155,6 +167,13 @@ class DecoderModel:
         cos_g, sin_g = cos_sin(pos, self.inv_freq.to(self.device), self.dtype, self.rope_mscale)  # [N, rope_dim/2] each
         cos_l, sin_l = ((cos_g, sin_g) if self.inv_freq_swa is self.inv_freq else
                         cos_sin(pos, self.inv_freq_swa.to(self.device), self.dtype))  # [N, rope_dim/2] each
+        if cfg.family == "qwen35":
+            from infertrace.model.hybrid import qwen35_forward
+
+            x = qwen35_forward(self, x, attn, kv, (cos_g, sin_g), tracer)  # [N, H]
+            xs = x[logits_rows.to(self.device)]  # [M, H]
+            xs = rms_norm_f32w(xs, self.output_norm, cfg.rms_eps)  # [M, H]
+            return F.linear(xs, self.output).float()  # [M, V]
         for il, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], cfg.rms_eps)  # [N, H]
             qkv = F.linear(h, L["wqkv"], L["bqkv"])  # [N, (nh+2nkv)*hd]

@@ -52,7 +52,7 @@ GGUF_FLOAT_KEYS = (
     ("attn_logit_softcapping", 0.0, False), ("final_logit_softcapping", 0.0, False),
 )
 
-_LAYER_RE = re.compile(r"^(?:model\.)?(?:blk|layers)\.(\d+)\.")
+_LAYER_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:blk|layers)\.(\d+)\.")  # language_model.: Qwen3.5 multimodal layout
 
 
 def _type_name(v: Any) -> str:

@@ -230,6 +230,10 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
             weights[f"blk.{i}.{n}"] = unpermute_from_norm(weights[f"blk.{i}.{n}"], heads)  # [heads*hd, H]
             if f"blk.{i}.{n}.bias" in weights:  # case R5: the converter permutes the bias like the rows
                 weights[f"blk.{i}.{n}.bias"] = unpermute_from_norm(weights[f"blk.{i}.{n}.bias"], heads)  # [heads*hd]
+    if cfg.family == "qwen35" and not header_only:
+        from infertrace.model.families.qwen35 import fix_gguf_weights
+
+        fix_gguf_weights(cfg, weights)  # V heads: llama.cpp's tiled order -> HF's grouped order
     if not header_only:
         _check_weights(cfg, weights, p.name)
     weights = {k: v.to(dtype) for k, v in weights.items()}
@@ -241,6 +245,11 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     ]
     if cfg.family == "gemma3":
         notes.append("Gemma RMSNorm (1 + w): llama.cpp's converter stored w + 1 in every *norm.weight; used as stored")
+    if cfg.family == "qwen35":
+        notes.append("Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm), ssm_a = -exp(A_log) and GDN "
+                     "V heads in tiled order; norms and ssm_a used as stored, V heads put back in HF's grouped order"
+                     if cfg.ssm_n_k_heads != cfg.ssm_n_v_heads else
+                     "Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm) and ssm_a = -exp(A_log); used as stored")
     if cfg.rope_theta_is_default:
         notes.append(f"llama.rope.freq_base absent: using default theta {cfg.rope_theta:g}")
     if cfg.tie_embeddings:
@@ -395,7 +404,14 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     w: dict[str, torch.Tensor] = {}
     file_names: dict[str, str] = {}
     ignored: list[str] = []
+    skip, not_loaded = None, []
+    if fam.name == "qwen35":
+        from infertrace.model.families.qwen35 import hf_skip as skip
     for k, t in sd.items():
+        why = skip(k) if skip else None
+        if why:
+            not_loaded.append(f"{k}: {why}")
+            continue
         n = hf_to_engine_name(fam, k)
         if n is None and k.endswith("rotary_emb.inv_freq"):
             ignored.append(k)  # a non-persistent buffer some old checkpoints saved; HF recomputes it too
@@ -411,6 +427,10 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     if cfg.family == "gemma3" and not header_only:
         # Gemma RMSNorm multiplies by (1 + w); fold the 1 in once so the decoder always uses x_hat * w
         w = {k: (v.float() + 1.0 if k.split(".")[-1].endswith("norm") else v) for k, v in w.items()}
+    if cfg.family == "qwen35":
+        from infertrace.model.families.qwen35 import fix_hf_weights
+
+        fix_hf_weights(cfg, w)  # as llama.cpp's converter: ssm_a = -exp(A_log), conv1d squeezed, norms 1 + w
     _check_weights(cfg, w, d.name)
     w = {} if header_only else {k: v.to(dtype) for k, v in w.items()}
     from infertrace.model.tokenizer import Tokenizer
@@ -423,7 +443,15 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     notes = ["HF checkpoint: Q/K rows already in half-split ('neox') order"]
     if cfg.family == "gemma3":
         notes.append("Gemma RMSNorm (1 + w): +1 folded into every *norm weight at load (llama.cpp's converter does the same)")
+    if cfg.family == "qwen35" and raw.get("infertrace_random_weights"):
+        from infertrace.model.synth import RANDOM_NOTE
+
+        notes.append(RANDOM_NOTE)
+    if cfg.family == "qwen35":
+        notes.append("Qwen3.5 zero-centred RMSNorm (1 + w): +1 folded into every norm but the gated ssm_norm at load; "
+                     "A_log -> ssm_a = -exp(A_log) (as llama.cpp's converter)")
     notes += [f"not a weight, skipped: {k}" for k in ignored]
+    notes += [f"not loaded: {k}" for k in not_loaded[:8]] + ([f"not loaded: {len(not_loaded) - 8} more"] if len(not_loaded) > 8 else [])
     if cfg.tie_embeddings:
         notes.append("tie_word_embeddings: lm head tied to embed_tokens")
     return Checkpoint(cfg, w, tokenizer, d, infos, raw, notes)

@@ -183,6 +183,13 @@ def family_lines(c: dict[str, Any]) -> list[tuple[str, str | Text]]:
     out: list[tuple[str, str | Text]] = []
     if feats or c.get("family", "llama") != "llama":
         out.append(("family", f"{c.get('family', 'llama')}: " + (" · ".join(feats) if feats else "Llama layer")))
+    lt = c.get("layer_types") if isinstance(c.get("layer_types"), list) else []
+    lin = [i for i, t in enumerate(lt) if t == "linear_attention"]
+    if lin:  # hybrid (Qwen3.5): GDN layers beside gated full attention (render_hybrid.py shows the state)
+        full = [i for i in range(len(lt)) if i not in lin]
+        out.append(("hybrid", Text(f"{len(lin)} Gated DeltaNet layers {ranges_text(lin)} (conv {c.get('ssm_conv_kernel')}, "
+                                   f"state [{c.get('ssm_n_v_heads')}, {c.get('ssm_k_head_dim')}, {c.get('ssm_v_head_dim')}]) + "
+                                   f"{len(full)} gated full-attention layers {ranges_text(full) or '-'}", style="magenta")))
     swa = [i for i, x in enumerate(c.get("swa_layers") or []) if x]
     if swa and c.get("sliding_window"):
         glob = [i for i in range(c["n_layer"]) if i not in swa]
@@ -573,6 +580,11 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
             continue
         console.print(Panel(body, title=Text.assemble((name, "bold"), f" · step {st.step}"), title_align="left", box=box.ROUNDED,
                             border_style="bright_black"))
+    if st.hybrid and ("kv" in show or "positions" in show):  # hybrid models: state beside the KV (render_hybrid.py)
+        from infertrace.present.render_hybrid import hybrid_view
+
+        console.print(Panel(hybrid_view(st), title=Text.assemble(("hybrid state", "bold"), f" · step {st.step}"),
+                            title_align="left", box=box.ROUNDED, border_style="bright_black"))
 
 
 def render_run(console: Console, trace: RunTrace, show: Sequence[str] = VARIABLES,

@@ -178,6 +178,10 @@ def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
                           + f": its {freed} are freed right after this step (shown here still held)", style="yellow"))
     if d.get("values"):
         parts.append(_values_view(d))
+    if isinstance(d.get("state"), dict):  # hybrid models: the fixed-size GDN state beside the growing KV
+        from infertrace.present.render_hybrid import state_view
+
+        parts += state_view(d["state"])
     console.print(Panel(Group(*parts), title=Text.assemble((f"kv cache after step {d['step']}", "bold"), f" · {be} ({conv})"),
                         title_align="left", box=box.ROUNDED))
 

@@ -161,9 +161,12 @@ def dump_from_step(st: Any) -> dict[str, Any]:
                                          for x in q["rows"]]}
                                for q in lv["requests"]]}
     finished = {str(r.seq_id): r.finished for r in st.batch if r.finished}
-    return build_dump(step=st.step, backend=kv.backend, physical=dict(kv.physical), physical_shape=kv.physical_shape,
-                      dtype=kv.dtype, n_layer=kv.layers, batch=batch, writes=writes, finished=finished,
-                      values=values, source="trace")
+    d = build_dump(step=st.step, backend=kv.backend, physical=dict(kv.physical), physical_shape=kv.physical_shape,
+                   dtype=kv.dtype, n_layer=kv.layers, batch=batch, writes=writes, finished=finished,
+                   values=values, source="trace")
+    if getattr(st, "hybrid", None) and isinstance(st.hybrid.get("state"), dict):  # hybrid: GDN state beside the KV
+        d["state"] = st.hybrid["state"]
+    return d
 
 
 def _expand(text: str) -> list[int]:

@@ -151,10 +151,11 @@ class StepTrace:
     time_ms: float = 0.0
     serving: dict[str, Any] | None = None  # prefix lookups, evictions, context shifts, KV audit (engine/serving.py)
     spec: dict[str, Any] | None = None  # speculative decoding: drafted, accepted, acceptance rate of the step
+    hybrid: dict[str, Any] | None = None  # hybrid models: layer map, M-RoPE positions, GDN state (capture/hybrid_rec.py)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("serving", "spec"):  # only when the mechanism was on (older traces compare equal)
+        for k in ("serving", "spec", "hybrid"):  # only when the mechanism was on (older traces compare equal)
             if d.get(k) is None:
                 d.pop(k, None)
         for b in d["batch"]:
@@ -183,6 +184,7 @@ class StepTrace:
             admitted=list(d.get("admitted", [])), time_ms=float(d.get("time_ms", 0.0)),
             serving=d.get("serving") if isinstance(d.get("serving"), dict) else None,
             spec=d.get("spec") if isinstance(d.get("spec"), dict) else None,
+            hybrid=d.get("hybrid") if isinstance(d.get("hybrid"), dict) else None,
         )
 
 

@@ -349,10 +349,30 @@ DECODE = Obj({"logits_shape": SHAPE, "logits_dtype": S, "logits_rows": List(Int(
                   "row": Int(0, L["MAX_LIST"], null=True), "note": S, "sampler": SAMPLER, "top": List(TOP, 1 << 16),
                   "chosen": Int(0, L["MAX_ID"], null=True), "chosen_piece": Str(null=True), "next_input": Int(0, L["MAX_ID"], null=True),
                   "next_pos": Int(0, L["MAX_CTX"], null=True), "stop": Str(null=True)}))}, null=True)
+#: hybrid models (Qwen3.5: GDN + full attention; capture/hybrid_rec.py): layer map, M-RoPE positions, state
+TSHAPE = Obj({"shape": List(DIM, 8), "dtype": S})
+HYBRID = Obj({"layer_map": Obj({"linear_attention": List(DIM), "full_attention": List(DIM),
+                                "types": List(Str(choices=("GDN", "attn")))}),
+              "prefix_reuse": S, "layer": DIM},
+             {"input_ids": TSHAPE, "hidden": TSHAPE,
+              "positions": Obj({"position_ids_shape": List(DIM, 3, length=3), "position_ids": List(List(POS, 16), 3),
+                                "dtype": S, "n_pos_per_embd": DIM, "inp_pos_len": Int(0, L["MAX_LIST"]),
+                                "inp_pos": List(POS, 64), "consumers": List(DIM), "ignored_by": List(DIM),
+                                "rope_dim": DIM, "head_dim": DIM, "sections": List(DIM, 8)}),
+              "projection": Obj({"layer": DIM, "h": TSHAPE, "qkv": TSHAPE, "q": TSHAPE, "gate": TSHAPE, "k": TSHAPE,
+                                 "v": TSHAPE, "heads": List(DIM, 3, length=3)},
+                                {"attn_out": TSHAPE, "gated": TSHAPE, "o_proj": TSHAPE}),
+              "state": Obj({"convention": Str(choices=("cells", "paged")), "n_slots": DIM, "n_layers": DIM,
+                            "conv_shape": List(DIM, 2, length=2), "rec_shape": List(DIM, 3, length=3), "dtype": S,
+                            "state_indices": List(DIM), "rs_z": Int(-1, L["MAX_DIM"]), "free": List(DIM, 64),
+                            "per_seq": List(Obj({"seq_id": SEQ, "slot": DIM, "layers": List(Obj(
+                                {"layer": DIM, "conv_norm": F, "conv_sum": F, "rec_norm": F, "rec_sum": F}), 3)})),
+                            "bytes_per_seq": Int(0, 1 << 50)},
+                           {"gdn_layer": DIM, "qkv": TSHAPE})}, null=True)
 STEP = Obj({"step": Int(0, L["MAX_STEPS"], limit="MAX_STEPS"), "backend": Str(choices=("cells", "paged")), "attention": S,
             "N": Int(0, L["MAX_LIST"]), "batch": List(REQ_STEP)},
            {"hidden": HIDDEN, "positions": POSITIONS, "mask": MASK, "kv": KV, "decode": DECODE,
-            "preempted": List(SEQ), "admitted": List(SEQ), "time_ms": F, "serving": SERVING, "spec": SPEC_STEP})
+            "preempted": List(SEQ), "admitted": List(SEQ), "time_ms": F, "serving": SERVING, "spec": SPEC_STEP, "hybrid": HYBRID})
 REQUEST = Obj({"seq_id": SEQ}, {"prompt": S, "prompt_ids": List(U), "output_ids": List(U), "text": S, "stop_reason": Str(null=True),
                                 "arrival_step": Int(0, L["MAX_STEPS"]), "num_preemptions": Int(0, L["MAX_STEPS"]),
                                 "params": SAMPLER}, extra=True)

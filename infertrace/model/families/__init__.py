@@ -1,7 +1,8 @@
 """The model-family layer: per family, GGUF keys and HF ``config.json`` fields -> :class:`ModelConfig`,
 tensor names, and the decoder features it switches on (one decoder, named features).
 
-Families: :mod:`.llama`, :mod:`.mistral`, :mod:`.qwen2`, :mod:`.qwen3`, :mod:`.gemma3`. The split
+Families: :mod:`.llama`, :mod:`.mistral`, :mod:`.qwen2`, :mod:`.qwen3`, :mod:`.gemma3`, :mod:`.qwen35`
+(hybrid: Gated DeltaNet + gated full attention). The split
 follows llama.cpp (``src/llama-model.cpp`` ``load_hparams`` / ``load_tensors`` per ``LLM_ARCH_*``,
 ``src/models/*.cpp``) and HF transformers (``models/*/configuration_*.py``, ``modeling_*.py``).
 Every setting that changes the forward pass lands in the config's ledger (``ModelConfig.settings``)
@@ -15,10 +16,11 @@ from typing import Any
 
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig
-from infertrace.model.families import gemma3, llama, mistral, qwen2, qwen3
+from infertrace.model.families import gemma3, llama, mistral, qwen2, qwen3, qwen35
 from infertrace.model.families.base import Family, Ledger
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY,
+                                                qwen35.FAMILY)}
 GGUF_ARCHS = {a: f for f in FAMILIES.values() for a in f.gguf_archs}
 HF_ARCHS = {a: f for f in FAMILIES.values() for a in f.hf_archs}
 HF_MODEL_TYPES = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
@@ -86,6 +88,8 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
 def config_from_hf_dict(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
     """HF ``config.json`` dict -> validated :class:`ModelConfig` (refusals recorded, not raised)."""
     fam = family_for_hf(cfg)
+    if fam.name == "qwen35":
+        cfg = qwen35.text_config(cfg)
     led = Ledger()
     kw = fam.from_hf(cfg, led, set())
     tie = bool(cfg.get("tie_word_embeddings", fam.name == "gemma3")) or tie_default
@@ -102,6 +106,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     ``blk.{i}.``: norms, ``attn_q/k/v/output``, ``ffn_gate/up/down``, plus the family's biases,
     QK-norms (``[head_dim]``) and post norms.
     """
+    if cfg.family == "qwen35":
+        return qwen35.expected_tensors(cfg)
     H, V, ff, hd = cfg.n_embd, cfg.vocab_size, cfg.n_ff, cfg.head_dim
     q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
     exp: dict[str, tuple[int, ...]] = {"token_embd": (V, H), "output_norm": (H,)}
@@ -126,6 +132,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def hf_to_engine_name(fam: Family, hf_name: str) -> str | None:
     """HF state-dict key -> engine name, or None when the family has no such tensor."""
+    if fam.name == "qwen35":
+        hf_name = qwen35.hf_key(hf_name)
     k = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
     if k == "embed_tokens.weight":
         return "token_embd"
@@ -134,6 +142,10 @@ def hf_to_engine_name(fam: Family, hf_name: str) -> str | None:
     if hf_name == "lm_head.weight":
         return "output"
     parts = k.split(".")
+    if fam.name == "qwen35" and len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
+        bare = qwen35.BARE_NAMES.get(".".join(parts[2:]))
+        if bare:
+            return f"blk.{int(parts[1])}.{bare}"
     if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit() and parts[-1] in ("weight", "bias"):
         sub = ".".join(parts[2:-1])
         if sub in fam.hf_layer_names:

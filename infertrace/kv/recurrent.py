@@ -1,0 +1,206 @@
+"""Fixed-size per-request state of recurrent (Gated DeltaNet) layers, in both runtime conventions,
+and the hybrid memory that pairs it with a KV cache.
+
+* ``cells`` — llama.cpp ``src/llama-memory-recurrent.cpp`` inside ``llama-memory-hybrid.cpp``:
+  ``size`` recurrent cells, each owned by one sequence (``seq_id``), per layer a conv state
+  ``r_l`` ``[size, conv_dim * (K-1)]`` and an SSM state ``s_l`` ``[size, n_embd_s]``; a new
+  sequence gets a free cell that is cleared (``rs_z``: the cell zeroed in this ubatch); sequence
+  operations copy the cell (``seq_cp``) or free it (``seq_rm`` of the whole sequence).
+* ``paged`` — TensorRT-LLM ``MambaHybridCacheManager`` (``_torch/pyexecutor/mamba_cache_manager.py``):
+  a pool of state slots per layer (``conv_states [slots, conv_dim, K-1]``, ``ssm_states
+  [slots, Hv, dk, dv]``), a request is given a slot on admission and keeps it until
+  ``free_resources``; the step's ``state_indices`` say which slot each request reads and writes.
+  Not paged: the size is constant whatever the sequence length.
+
+Either way a request whose chunk starts at ``C == 0`` (a new request, or one recomputed after
+preemption) starts from zero state; the state is never shared between requests, so prefix / block
+reuse is off for hybrid models (TensorRT-LLM disables it: the state has no block-sharing semantics).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from infertrace.errors import InfertraceError
+from infertrace.kv.base import AttnInputs, ChunkSpec
+
+#: why prefix / block reuse is disabled for hybrid models (stated in traces).
+NO_REUSE_REASON = ("prefix/block reuse disabled: a GDN layer's state is one fixed-size summary of the whole prefix, "
+                   "with no per-block pieces to share (TensorRT-LLM turns block reuse off for hybrid models)")
+
+
+class RecurrentState:
+    """Conv and recurrent state slots of every GDN layer.
+
+    Args:
+        layers: indices of the GDN layers.
+        conv_dim, kernel: conv channels and kernel K (conv state keeps K-1 inputs).
+        n_v_heads, k_head_dim, v_head_dim: recurrent state ``[Hv, dk, dv]``.
+        n_slots: slots (llama.cpp ``n_seq_max`` cells; TensorRT-LLM ``max_batch_size``).
+        convention: ``"cells"`` (llama.cpp memory_recurrent) or ``"paged"`` (TensorRT-LLM state slots).
+        dtype, device: storage.
+
+    Raises:
+        InfertraceError: ``n_slots`` < 1.
+    """
+
+    def __init__(self, layers: Sequence[int], conv_dim: int, kernel: int, n_v_heads: int, k_head_dim: int, v_head_dim: int,
+                 n_slots: int, convention: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if n_slots < 1:
+            raise InfertraceError("the recurrent state needs at least one slot; raise --n-seq-max")
+        self.layers = list(layers)
+        self.convention = convention
+        self.n_slots = n_slots
+        self.conv_shape = (conv_dim, kernel - 1)
+        self.rec_shape = (n_v_heads, k_head_dim, v_head_dim)
+        self.conv = {il: torch.zeros(n_slots, *self.conv_shape, dtype=dtype, device=device) for il in self.layers}  # [S, C, K-1]
+        self.rec = {il: torch.zeros(n_slots, *self.rec_shape, dtype=dtype, device=device) for il in self.layers}  # [S, Hv, dk, dv]
+        self.owner: dict[int, int] = {}  # seq_id -> slot / cell
+        self.free: list[int] = list(range(n_slots))
+        self.rs_z = -1  # cells: the cell zeroed in the last prepare (-1 = none)
+        self.last_indices: list[int] = []
+
+    # --- bookkeeping ------------------------------------------------------------
+    def slot_of(self, seq_id: int) -> int | None:
+        """The slot (cell) ``seq_id`` holds, or None."""
+        return self.owner.get(seq_id)
+
+    def can_fit(self, plan: list[tuple[int, int]]) -> bool:
+        """Whether every new sequence of ``plan`` can get a slot."""
+        new = {s for s, _ in plan if s not in self.owner}
+        return len(new) <= len(self.free)
+
+    def _acquire(self, seq_id: int) -> int:
+        if not self.free:
+            raise InfertraceError(f"no free recurrent-state slot for seq {seq_id} ({self.n_slots} slots); raise --n-seq-max")
+        slot = self.free.pop(0)  # lowest free first
+        self.owner[seq_id] = slot
+        return slot
+
+    def _zero(self, slot: int) -> None:
+        for il in self.layers:
+            self.conv[il][slot].zero_()
+            self.rec[il][slot].zero_()
+
+    def prepare(self, chunks: Sequence[ChunkSpec]) -> list[int]:
+        """Slot per chunk (packed order); chunks starting at ``C == 0`` get cleared state.
+
+        Returns ``state_indices`` ``[num_seqs]`` (TensorRT-LLM) = the cell of each sequence (llama.cpp).
+        """
+        idx, self.rs_z = [], -1
+        for c in chunks:
+            slot = self.owner.get(c.seq_id)
+            if slot is None:
+                if c.C:
+                    raise InfertraceError(f"seq {c.seq_id} continues at position {c.C} but holds no recurrent state")
+                slot = self._acquire(c.seq_id)
+            if c.C == 0:
+                self._zero(slot)
+                self.rs_z = slot if self.rs_z < 0 else min(self.rs_z, slot)
+            idx.append(slot)
+        self.last_indices = idx
+        return idx
+
+    def release(self, seq_id: int) -> None:
+        """Free the slot of ``seq_id`` (finish, preemption, ``seq_rm`` of the whole sequence)."""
+        slot = self.owner.pop(seq_id, None)
+        if slot is not None:
+            self.free.append(slot)
+            self.free.sort()
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Copy ``src``'s state to ``dst`` (llama.cpp ``llama_memory_seq_cp`` on a recurrent memory).
+
+        Raises:
+            InfertraceError: ``src`` holds no state.
+        """
+        s = self.owner.get(src)
+        if s is None:
+            raise InfertraceError(f"seq_cp: seq {src} holds no recurrent state")
+        d = self.owner.get(dst)
+        if d is None:
+            d = self._acquire(dst)
+        for il in self.layers:
+            self.conv[il][d].copy_(self.conv[il][s])
+            self.rec[il][d].copy_(self.rec[il][s])
+
+    # --- reading ------------------------------------------------------------------
+    def state_of(self, il: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Conv ``[conv_dim, K-1]`` and recurrent ``[Hv, dk, dv]`` state of ``seq_id`` in layer ``il``."""
+        slot = self.owner[seq_id]
+        return self.conv[il][slot], self.rec[il][slot]
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready view: shapes, slots, owners and per (layer, seq) L2 norm + checksum (sum)."""
+        per = []
+        for sid, slot in sorted(self.owner.items()):
+            for il in self.layers:
+                c, r = self.conv[il][slot].float(), self.rec[il][slot].float()
+                per.append({"seq_id": sid, "slot": slot, "layer": il, "conv_norm": round(float(c.norm()), 6),
+                            "conv_sum": round(float(c.sum()), 6), "rec_norm": round(float(r.norm()), 6),
+                            "rec_sum": round(float(r.sum()), 6)})
+        return {"convention": self.convention, "n_slots": self.n_slots, "layers": list(self.layers),
+                "conv_shape": list(self.conv_shape), "rec_shape": list(self.rec_shape),
+                "dtype": str(next(iter(self.rec.values())).dtype).replace("torch.", "") if self.rec else "",
+                "owners": {str(k): v for k, v in sorted(self.owner.items())}, "free": list(self.free),
+                "state_indices": list(self.last_indices), "rs_z": self.rs_z, "per_seq": per}
+
+
+class HybridKV:
+    """A KV backend plus recurrent state: llama.cpp ``llama_memory_hybrid`` (attention KV cache +
+    ``memory_recurrent``) / TensorRT-LLM ``MambaHybridCacheManager`` (KVCacheManager + state slots).
+
+    The wrapped backend stores K/V of the attention layers only (``kv_layers``, model layer indices;
+    physical layer j holds model layer ``kv_layers[j]``), as llama.cpp's ``memory_hybrid`` gives its
+    KV cache only the non-recurrent layers and TensorRT-LLM's KV pools cover the attention layers.
+    ``write`` / ``attend`` / ``read`` take model layer indices. Every other KV method is the wrapped
+    backend's; ``can_fit``, ``prepare`` and ``release`` also handle the state
+    (``inp.extra["state_indices"]`` holds each chunk's slot).
+    """
+
+    def __init__(self, attn: Any, state: RecurrentState, kv_layers: Sequence[int]):
+        self.__dict__["attn"] = attn
+        self.__dict__["state"] = state
+        self.__dict__["kv_layers"] = list(kv_layers)
+        self.__dict__["kv_index"] = {il: j for j, il in enumerate(kv_layers)}
+
+    def phys_layer(self, il: int) -> int:
+        """Physical KV layer of model layer ``il``.
+
+        Raises:
+            InfertraceError: ``il`` is a GDN layer (it keeps state, no K/V).
+        """
+        j = self.kv_index.get(il)
+        if j is None:
+            raise InfertraceError(f"layer {il} is a Gated DeltaNet layer: it keeps a fixed-size state, no K/V "
+                                  f"(K/V layers: {', '.join(map(str, self.kv_layers))})")
+        return j
+
+    def write(self, layer: int, k: Any, v: Any, inp: AttnInputs) -> None:
+        self.attn.write(self.phys_layer(layer), k, v, inp)
+
+    def attend(self, layer: int, q: Any, inp: AttnInputs, scale: float) -> Any:
+        return self.attn.attend(self.phys_layer(layer), q, inp, scale)
+
+    def read(self, layer: int, seq_id: int) -> Any:
+        return self.attn.read(self.phys_layer(layer), seq_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["attn"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.__dict__["attn"], name, value)
+
+    def can_fit(self, plan: list[tuple[int, int]]) -> bool:
+        return self.attn.can_fit(plan) and self.state.can_fit(plan)
+
+    def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
+        inp = self.attn.prepare(chunks)
+        inp.extra["state_indices"] = self.state.prepare(chunks)
+        return inp
+
+    def release(self, seq_id: int) -> None:
+        self.attn.release(seq_id)
+        self.state.release(seq_id)

@@ -1,0 +1,321 @@
+"""Qwen3.5 (text): a hybrid of Gated DeltaNet (``linear_attention``) and gated full-attention layers.
+
+HF ``Qwen3_5ForCausalLM`` / ``Qwen3_5TextConfig`` (``model_type`` ``qwen3_5_text``; the
+multimodal ``qwen3_5`` config nests it under ``text_config``) and llama.cpp ``LLM_ARCH_QWEN35``
+(``src/models/qwen35.cpp``; GGUF keys ``qwen35.ssm.*``, ``full_attention_interval``,
+``rope.dimension_sections``; tensor names from gguf-py ``MODEL_ARCH.QWEN35``).
+
+Full-attention layer: ``q_proj`` yields ``[Q | gate]`` per head (``2 * head_dim`` rows per head),
+QK-norm, RoPE on the first ``partial_rotary_factor * head_dim`` dims (M-RoPE: three position
+axes, equal for text), attention, ``out * sigmoid(gate)``, ``o_proj``.
+GDN layer: ``in_proj_qkv`` -> causal depthwise conv (kernel ``linear_conv_kernel_dim``) + SiLU
+-> L2-normed q/k -> gated delta rule (``g = -exp(A_log) * softplus(a + dt_bias)``,
+``beta = sigmoid(b)``) -> gated RMSNorm (``norm(o) * silu(z)``) -> ``out_proj``.
+Norms are zero-centred (``x_hat * (1 + w)``): llama.cpp's converter stores ``w + 1`` (except the
+gated norm), so GGUF weights are used as stored and HF weights get ``+1`` at load. The converter
+also stores ``ssm_a = -exp(A_log)`` and, when ``n_v_heads != n_k_heads``, V heads in tiled order
+(``_LinearAttentionVReorderBase``); the loader puts them back in HF's grouped order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infertrace.errors import InfertraceError
+from infertrace.model.families.base import (
+    Family, Ledger, gguf_common, gguf_unknown_keys, hf_act, hf_common, hf_rope_params,
+)
+
+#: HF decoder-layer sub-modules -> llama.cpp tensor names (``blk.N.*``). Bare parameters
+#: (``A_log``, ``dt_bias``) map to names without a ``.weight`` suffix.
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
+#: bare HF parameters (full key after ``layers.N.``) -> engine names.
+BARE_NAMES = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text part of a Qwen3.5 ``config.json``: ``text_config`` merged over the top level
+    (the multimodal ``qwen3_5`` layout), or the dict itself (``qwen3_5_text``)."""
+    tc = cfg.get("text_config")
+    if not isinstance(tc, dict):
+        return cfg
+    out = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    out.update(tc)
+    out["architectures"] = cfg.get("architectures") or ["Qwen3_5ForCausalLM"]
+    return out
+
+
+def _layer_types_from_interval(n_layer: int, interval: int) -> tuple[str, ...]:
+    """HF ``Qwen3_5TextConfig`` / llama.cpp: layer ``i`` is full attention iff ``(i + 1) % interval == 0``."""
+    return tuple(LINEAR if (i + 1) % interval else FULL for i in range(n_layer))
+
+
+def _check_gdn(kw: dict[str, Any]) -> None:
+    nk, nv = kw["ssm_n_k_heads"], kw["ssm_n_v_heads"]
+    for k in ("ssm_conv_kernel", "ssm_n_k_heads", "ssm_n_v_heads", "ssm_k_head_dim", "ssm_v_head_dim"):
+        if not isinstance(kw[k], int) or not 1 <= kw[k] <= (1 << 20):
+            raise InfertraceError(f"Qwen3.5 linear-attention setting {k} = {kw[k]!r} must be an integer in 1..{1 << 20}")
+    if nv % nk:
+        raise InfertraceError(f"linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}; the config is inconsistent")
+
+
+def _ranges(types: tuple[str, ...], want: str) -> str:
+    from infertrace.ranges import ranges_text
+
+    return ranges_text([i for i, t in enumerate(types) if t == want])
+
+
+def _ledger_hybrid(led: Ledger, kw: dict[str, Any], src: str) -> None:
+    types = kw["layer_types"]
+    n_lin = sum(t == LINEAR for t in types)
+    led.honour("(family) layer map", f"{n_lin} GDN + {len(types) - n_lin} full-attention",
+               f"GDN layers {_ranges(types, LINEAR)}; full attention {_ranges(types, FULL)}")
+    led.honour("(family) full attention", "gated", "q_proj -> [Q | gate] per head, QK-norm, out * sigmoid(gate) -> o_proj")
+    led.honour("(family) Gated DeltaNet", f"conv {kw['ssm_conv_kernel']}, heads k{kw['ssm_n_k_heads']}/v{kw['ssm_n_v_heads']}",
+               f"state [{kw['ssm_n_v_heads']}, {kw['ssm_k_head_dim']}, {kw['ssm_v_head_dim']}] per request, "
+               "conv state [conv_dim, kernel-1]")
+    led.honour("(family) RMSNorm", "x_hat * (1 + w)", "+1 stored by llama.cpp's converter" if src == "gguf"
+               else "+1 folded in at load (gated GDN norm excluded)")
+
+
+def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]:
+    """HF ``Qwen3_5TextConfig`` (or the ``text_config`` of ``Qwen3_5Config``) -> ModelConfig kwargs."""
+    cfg = dict(text_config(cfg))
+    partial = cfg.pop("partial_rotary_factor", None)  # HF_FOREIGN would refuse it; honoured here
+    kw = hf_common(cfg, led, "qwen35")
+    rp, rkey = hf_rope_params(cfg, "full_attention")
+    if partial is None:
+        partial = rp.get("partial_rotary_factor", 0.25)
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < float(partial) <= 1:
+        raise InfertraceError(f"config.json partial_rotary_factor must be a number in (0, 1], got {partial!r}")
+    rope_dim = int(kw["head_dim"] * float(partial))
+    if rope_dim % 2 or rope_dim < 2:
+        raise InfertraceError(f"partial_rotary_factor {partial} gives {rope_dim} rotary dims of head_dim {kw['head_dim']}; must be even")
+    led.honour("partial_rotary_factor", partial, f"RoPE rotates dims 0..{rope_dim - 1} of each head of {kw['head_dim']} "
+               "(half-split pairs); the rest pass through")
+    sec = rp.get("mrope_section", [11, 11, 10])
+    if not (isinstance(sec, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= 4096 for x in sec)):
+        raise InfertraceError("config.json rope_parameters.mrope_section must be a list of small integers")
+    led.honour(f"{rkey}.mrope_section", sec, "M-RoPE t/h/w pair sections; text positions are equal on all axes, so "
+               "the rotation equals 1-D RoPE")
+    if "mrope_interleaved" in rp:
+        led.honour(f"{rkey}.mrope_interleaved", rp["mrope_interleaved"], "axis layout of the sections; no effect for text")
+    act = hf_act(cfg, led, "silu", ("silu",))
+    if cfg.get("attention_bias"):
+        led.refuse("attention_bias", True, "Qwen3.5 attention biases are not implemented")
+    elif "attention_bias" in cfg:
+        led.honour("attention_bias", False)
+    if cfg.get("attn_output_gate", True) is not True:
+        led.refuse("attn_output_gate", cfg.get("attn_output_gate"), "only the gated attention output of Qwen3.5 is implemented")
+    n = kw["n_layer"]
+    lt = cfg.get("layer_types")
+    if lt is None:
+        interval = cfg.get("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise InfertraceError(f"config.json full_attention_interval must be an integer >= 1, got {interval!r}")
+        types = _layer_types_from_interval(n, interval)
+        led.honour("full_attention_interval", interval, "every interval-th layer is full attention")
+    elif not isinstance(lt, list) or len(lt) != n or any(t not in (LINEAR, FULL) for t in lt):
+        raise InfertraceError(f"config.json layer_types must list {n} entries of linear_attention / full_attention")
+    else:
+        types = tuple(lt)
+        led.honour("layer_types", f"{sum(t == LINEAR for t in types)} linear of {n}")
+        if "full_attention_interval" in cfg:
+            led.na("full_attention_interval", cfg["full_attention_interval"], "layer_types given; it wins (as HF)")
+    gdn = dict(ssm_conv_kernel=cfg.get("linear_conv_kernel_dim", 4), ssm_n_k_heads=cfg.get("linear_num_key_heads", 16),
+               ssm_n_v_heads=cfg.get("linear_num_value_heads", 32), ssm_k_head_dim=cfg.get("linear_key_head_dim", 128),
+               ssm_v_head_dim=cfg.get("linear_value_head_dim", 128))
+    _check_gdn(gdn)
+    for k in ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim"):
+        if k in cfg:
+            led.honour(k, cfg[k])
+    for k, note in (("mtp_num_hidden_layers", "MTP draft head (mtp.* tensors): not part of the main forward pass"),
+                    ("mtp_use_dedicated_embeddings", "MTP draft head option"),
+                    ("attention_dropout", "training only"), ("use_cache", "HF generation option"),
+                    ("image_token_id", "vision input"), ("video_token_id", "vision input"),
+                    ("vision_start_token_id", "vision input"), ("vision_end_token_id", "vision input")):
+        if k in cfg:
+            led.na(k, cfg[k], note)
+    from infertrace.model.synth import RANDOM_KEY, RANDOM_NOTE
+
+    if cfg.get(RANDOM_KEY):
+        led.na(RANDOM_KEY, "yes", RANDOM_NOTE)
+    kw.update(rope_dim=rope_dim)
+    if cfg.get("rms_norm_eps") is None:
+        kw["rms_eps"] = 1e-6  # Qwen3_5TextConfig default
+        led.add("rms_norm_eps", "absent (Qwen3.5 default 1e-6)", "honoured")
+    hybrid = dict(layer_types=types, attn_output_gate=True, norm_mul_f32=True, mrope_sections=tuple(sec), **gdn)
+    _ledger_hybrid(led, hybrid, "hf")
+    return dict(kw, family="qwen35", act=act, qk_norm=True, **hybrid)
+
+
+def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]:
+    """``qwen35.*`` keys -> ModelConfig kwargs (llama.cpp ``llama_model_qwen35::load_arch_hparams``)."""
+    arch = "qwen35"
+    rope_dim_raw = meta.get(f"{arch}.rope.dimension_count")
+    kw, f = gguf_common({k: v for k, v in meta.items() if k != f"{arch}.rope.dimension_count"}, arch, led)
+    led.seen.discard(f.key("rope.dimension_count"))
+    led.rows = [r for r in led.rows if r[0] != f.key("rope.dimension_count")]
+    rope_dim = int(rope_dim_raw) if rope_dim_raw is not None else kw["head_dim"] // 4
+    if rope_dim % 2 or not 2 <= rope_dim <= kw["head_dim"]:
+        raise InfertraceError(f"GGUF {arch}.rope.dimension_count {rope_dim} must be even and <= head dim {kw['head_dim']}")
+    led.honour(f.key("rope.dimension_count"), rope_dim, f"RoPE rotates dims 0..{rope_dim - 1} of {kw['head_dim']} per head")
+    kw["rope_dim"] = rope_dim
+    sec = meta.get(f"{arch}.rope.dimension_sections")
+    sec = [int(x) for x in sec] if isinstance(sec, (list, tuple)) else [11, 11, 10, 0]
+    led.honour(f.key("rope.dimension_sections"), sec, "M-RoPE sections (ggml_rope_multi); text positions equal on all axes")
+    n = kw["n_layer"]
+    rec = meta.get(f"{arch}.attention.recurrent_layers")
+    if isinstance(rec, (list, tuple)) and len(rec) >= n:
+        types = tuple(LINEAR if rec[i] else FULL for i in range(n))
+        led.honour(f.key("attention.recurrent_layers"), f"{sum(bool(x) for x in rec[:n])} recurrent of {n}")
+    else:
+        interval = f.num("full_attention_interval", 4, int)
+        if interval is None or interval < 1:
+            raise InfertraceError(f"GGUF {arch}.full_attention_interval must be >= 1")
+        types = _layer_types_from_interval(n, interval)
+        led.honour(f.key("full_attention_interval"), interval, "every interval-th layer is full attention")
+    state = f.num("ssm.state_size", None, int)
+    n_v = f.num("ssm.time_step_rank", None, int)
+    inner = f.num("ssm.inner_size", None, int)
+    gdn = dict(ssm_conv_kernel=f.num("ssm.conv_kernel", None, int), ssm_n_k_heads=f.num("ssm.group_count", None, int),
+               ssm_n_v_heads=n_v, ssm_k_head_dim=state,
+               ssm_v_head_dim=(inner // n_v) if (inner and n_v) else None)
+    if any(v is None for v in gdn.values()):
+        raise InfertraceError(f"GGUF lacks a {arch}.ssm.* key (conv_kernel, group_count, time_step_rank, state_size, "
+                              "inner_size); the file is incomplete")
+    _check_gdn(gdn)
+    if inner != n_v * gdn["ssm_v_head_dim"]:
+        raise InfertraceError(f"GGUF {arch}.ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {n_v}")
+    for k in ("ssm.conv_kernel", "ssm.group_count", "ssm.time_step_rank", "ssm.state_size", "ssm.inner_size"):
+        led.honour(f.key(k), f.get(k))
+    nextn = f.num("nextn_predict_layers", 0, int)
+    if f.has("nextn_predict_layers"):
+        if nextn:
+            led.refuse(f.key("nextn_predict_layers"), nextn, "MTP layers appended to the block stack are not implemented")
+        else:
+            led.na(f.key("nextn_predict_layers"), nextn, "no MTP layers")
+    gguf_unknown_keys(meta, arch, led)
+    hybrid = dict(layer_types=types, attn_output_gate=True, norm_mul_f32=True, mrope_sections=tuple(sec), **gdn)
+    _ledger_hybrid(led, hybrid, "gguf")
+    return dict(kw, family="qwen35", act="silu", qk_norm=True, **hybrid)
+
+
+def expected_tensors(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Every tensor the Qwen3.5 forward reads (engine names, torch shapes ``[out, in]``)."""
+    H, V, ff, hd = cfg.n_embd, cfg.vocab_size, cfg.n_ff, cfg.head_dim
+    exp: dict[str, tuple[int, ...]] = {"token_embd": (V, H), "output_norm": (H,)}
+    if not cfg.tie_embeddings:
+        exp["output"] = (V, H)
+    nv, dk, dv = cfg.ssm_n_v_heads, cfg.ssm_k_head_dim, cfg.ssm_v_head_dim
+    vd = nv * dv
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        per = {"attn_norm": (H,), "post_attention_norm": (H,), "ffn_gate": (ff, H), "ffn_up": (ff, H), "ffn_down": (H, ff)}
+        if cfg.is_linear(i):
+            per.update({"attn_qkv": (cfg.conv_dim, H), "attn_gate": (vd, H), "ssm_beta": (nv, H), "ssm_alpha": (nv, H),
+                        "ssm_conv1d": (cfg.conv_dim, cfg.ssm_conv_kernel), "ssm_a": (nv,), "ssm_dt.bias": (nv,),
+                        "ssm_norm": (dv,), "ssm_out": (H, vd)})
+        else:
+            per.update({"attn_q": (2 * cfg.n_head * hd, H), "attn_k": (cfg.n_head_kv * hd, H), "attn_v": (cfg.n_head_kv * hd, H),
+                        "attn_output": (H, cfg.n_head * hd), "attn_q_norm": (hd,), "attn_k_norm": (hd,)})
+        exp.update({p + n: s for n, s in per.items()})
+    return exp
+
+
+def v_heads_tiled_to_grouped(t: Any, dim: int, n_k: int, n_v: int, head: int) -> Any:
+    """Undo llama.cpp's ``_reorder_v_heads`` along ``dim``: tiled ``[r, n_k]`` head order -> HF's
+    grouped ``[n_k, r]`` (``r = n_v // n_k``); ``head`` = elements per head along ``dim``."""
+    if n_k == n_v:
+        return t
+    r = n_v // n_k
+    shape = list(t.shape)
+    d = dim % len(shape)
+    x = t.reshape(*shape[:d], r, n_k, head, *shape[d + 1:])
+    return x.transpose(d, d + 1).contiguous().reshape(shape)
+
+
+def fix_gguf_weights(cfg: Any, w: dict[str, Any]) -> None:
+    """In place: GGUF V-head order (tiled) -> HF grouped order, for ``n_v_heads != n_k_heads``."""
+    nk, nv, dk, dv = cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_k_head_dim, cfg.ssm_v_head_dim
+    if nk == nv:
+        return
+    qk = 2 * nk * dk
+    for i in range(cfg.n_layer):
+        if not cfg.is_linear(i):
+            continue
+        p = f"blk.{i}."
+        for n in ("attn_qkv", "ssm_conv1d"):
+            t = w[p + n]
+            w[p + n] = _cat_rows(t[:qk], v_heads_tiled_to_grouped(t[qk:], 0, nk, nv, dv))
+        w[p + "attn_gate"] = v_heads_tiled_to_grouped(w[p + "attn_gate"], 0, nk, nv, dv)
+        for n in ("ssm_beta", "ssm_alpha", "ssm_a", "ssm_dt.bias"):
+            w[p + n] = v_heads_tiled_to_grouped(w[p + n], 0, nk, nv, 1)
+        w[p + "ssm_out"] = v_heads_tiled_to_grouped(w[p + "ssm_out"], 1, nk, nv, dv)
+
+
+def _cat_rows(a: Any, b: Any) -> Any:
+    import torch
+
+    return torch.cat([a, b], dim=0)
+
+
+def fix_hf_weights(cfg: Any, w: dict[str, Any]) -> None:
+    """In place, as llama.cpp's converter does once: ``ssm_a = -exp(A_log)`` (float32), conv1d
+    ``[C, 1, K] -> [C, K]``, zero-centred norms ``w -> 1 + w`` (the gated GDN norm excluded)."""
+    for k in list(w):
+        last = k.split(".")[-1]
+        if last == "ssm_a":
+            w[k] = -w[k].float().exp()  # [n_v] A = -exp(A_log)
+        elif last == "ssm_conv1d" and w[k].dim() == 3:
+            w[k] = w[k].squeeze(1)  # [conv_dim, K]
+        elif last.endswith("norm") and last != "ssm_norm":
+            w[k] = w[k].float() + 1.0  # (1 + w)
+
+
+def hf_skip(key: str) -> str | None:
+    """Why an HF tensor outside the text decoder is not loaded (None: it is part of it)."""
+    if key.startswith("mtp."):
+        return "MTP draft head (not part of the main forward pass; HF Qwen3_5ForCausalLM ignores it too)"
+    if key.startswith(("model.visual.", "visual.")):
+        return "vision tower (text-only run; HF Qwen3_5ForCausalLM ignores it too)"
+    return None
+
+
+def hf_key(key: str) -> str:
+    """``model.language_model.X`` (multimodal layout) -> ``model.X``."""
+    return "model." + key[len("model.language_model."):] if key.startswith("model.language_model.") else key
+
+
+FAMILY = Family(
+    name="qwen35", gguf_archs=("qwen35",), hf_archs=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    hf_model_types=("qwen3_5", "qwen3_5_text"), gguf_rope_pairing="neox", hf_layer_names=LAYER_NAMES,
+    from_gguf=from_gguf, from_hf=from_hf,
+    features=("hybrid: Gated DeltaNet (linear_attention) + gated full attention layers",
+              "GDN: causal conv + L2-normed q/k + gated delta rule + gated RMSNorm; fixed-size state per request",
+              "full attention: Q+gate projection, QK-norm, partial RoPE (M-RoPE sections), out * sigmoid(gate)",
+              "zero-centred RMSNorm (1 + w)"),
+)
+
