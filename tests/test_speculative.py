@@ -244,3 +244,20 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny):
     other = SimpleNamespace(cfg=dataclasses.replace(m.cfg, vocab_size=m.cfg.vocab_size - 1))
     with pytest.raises(InfertraceError, match="vocabulary"):
         DraftModelDrafter(other, m, 64, 4)
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_tree_near_a_full_cache_drops_drafts_instead_of_stopping(tiny, backend):
+    """A tree has more nodes than depth: near --ctx-size the verify chunk must shrink to what the
+    pool holds (a prefix of the tree), not stop the request with kv_full before plain greedy would."""
+    ck, m = tiny
+
+    def run(**kw):
+        e = Engine(m, ck.tokenizer, EngineOptions(backend=backend, ctx_size=24, tokens_per_block=4, **kw))
+        e.add_request(PROMPTS[0] * 2, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        return [(r.output_ids, r.stop_reason) for r in e.run()]
+
+    ref = run()
+    assert ref[0][1] == "ctx_full" and len(ref[0][0]) == 24 - 16
+    assert run(speculative="draft", draft_layers=1, spec_tree=(-1, -1, 0, 1, 1, 2)) == ref
+    assert run(speculative="ngram", spec_tree=(-1, -1, 0, 0, 1, 2, 3)) == ref
