@@ -118,7 +118,13 @@ def test_tampered_verify_row_is_caught(saved, tmp_path):
                                       (["--speculative", "eagle"], "--speculative"),
                                       (["--speculative", "draft"], "exactly one of --draft-model"),
                                       (["--speculative", "ngram", "--spec-tree=0"], "--spec-tree"),
-                                      (["--speculative", "ngram", "--num-spec-tokens", "0"], "--num-spec-tokens")])
+                                      (["--speculative", "ngram", "--num-spec-tokens", "0"], "--num-spec-tokens"),
+                                      # options that were silently ignored
+                                      (["--speculative", "ngram", "--spec-tree", ""], "--spec-tree must have 1..64"),
+                                      (["--ngram-min", "2"], "need --speculative"),
+                                      (["--speculative", "draft", "--draft-layers", "1", "--ngram-max", "5"],
+                                       "use them with --speculative ngram"),
+                                      (["--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "1 <= min <= max")])
 def test_bad_options_are_one_line_errors(model_path, args, msg):
     res = invoke("run", "--model", model_path, "--prompt", "ab", *args)
     assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output
