@@ -261,3 +261,17 @@ def test_tree_near_a_full_cache_drops_drafts_instead_of_stopping(tiny, backend):
     assert ref[0][1] == "ctx_full" and len(ref[0][0]) == 24 - 16
     assert run(speculative="draft", draft_layers=1, spec_tree=(-1, -1, 0, 1, 1, 2)) == ref
     assert run(speculative="ngram", spec_tree=(-1, -1, 0, 0, 1, 2, 3)) == ref
+
+
+def test_branching_tree_never_runs_on_the_triton_kernel(tiny, monkeypatch):
+    """The Triton paged kernel reads causal lengths only: a branching tree is refused with
+    --attention triton before any step, and --attention auto (triton on CUDA) picks torch for it;
+    a chain (causal) keeps auto's choice."""
+    ck, m = tiny
+    monkeypatch.setattr("infertrace.attention.select.resolve_attention", lambda req, dev: "triton")  # as on a CUDA device
+    with pytest.raises(InfertraceError, match="needs --attention torch"):
+        Engine(m, ck.tokenizer, EngineOptions(backend="paged", attention="triton", speculative="ngram", spec_tree=TREE))
+    e = Engine(m, ck.tokenizer, EngineOptions(backend="paged", attention="auto", speculative="ngram", spec_tree=TREE))
+    assert e.attn_impl == "torch"
+    e = Engine(m, ck.tokenizer, EngineOptions(backend="paged", attention="auto", speculative="ngram", spec_tree=(-1, 0, 1)))
+    assert e.attn_impl == "triton"

@@ -184,6 +184,9 @@ def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec
     from infertrace.engine.speculative import MAX_DRAFT, parse_tree
 
     tree = parse_tree(spec_tree) if spec_tree is not None else None  # "" is a tree of 0 nodes: refused
+    if tree is not None and list(tree) != list(range(-1, len(tree) - 1)) and opts.attention == "triton":
+        raise InfertraceError("--spec-tree with branches needs --attention torch on --backend paged "
+                              "(the Triton kernel reads causal lengths only); drop --attention triton")
     if method == "draft" and (ngram_min, ngram_max) != (EngineOptions.ngram_min, EngineOptions.ngram_max):
         raise InfertraceError("--ngram-min/--ngram-max set the n-gram drafter: use them with --speculative ngram")
     from infertrace.engine.drafters import NgramDrafter
