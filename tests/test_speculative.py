@@ -275,3 +275,28 @@ def test_branching_tree_never_runs_on_the_triton_kernel(tiny, monkeypatch):
     assert e.attn_impl == "torch"
     e = Engine(m, ck.tokenizer, EngineOptions(backend="paged", attention="auto", speculative="ngram", spec_tree=(-1, 0, 1)))
     assert e.attn_impl == "triton"
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_sliding_window_model_equals_plain_greedy(tmp_path, backend):
+    """Gemma 3 tiny with a 4-token sliding window on layer 0 (kq_mask_swa / windowed paged
+    attention): chain and tree verify rows see only their window, output equals plain greedy, also
+    at the context limit."""
+    from infertrace.runner import load_model
+    from tests.tiny import write_hf
+
+    w, s = make_weights(seed=3, n_layer=2, family="gemma3")
+    lm = load_model(str(write_hf(tmp_path / "g", w, s, sliding_window=4,
+                                 layer_types=["sliding_attention", "full_attention"])))
+    assert lm.config.sliding_window == 4
+
+    def run(ctx, **kw):
+        e = Engine(lm.model, lm.tokenizer, EngineOptions(backend=backend, ctx_size=ctx, tokens_per_block=4, **kw))
+        for p in PROMPTS[:3]:
+            e.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        return [(r.output_ids, r.stop_reason) for r in e.run()]
+
+    for ctx in (256, 24):
+        ref = run(ctx)
+        assert run(ctx, speculative="draft", draft_layers=1, num_spec_tokens=5) == ref
+        assert run(ctx, speculative="draft", draft_layers=1, spec_tree=(-1, -1, 0, 1, 1, 2)) == ref
