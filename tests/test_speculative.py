@@ -200,6 +200,10 @@ def test_bad_speculative_options_are_one_line_errors(tiny):
         with pytest.raises(InfertraceError, match="--spec-tree"):
             parse_tree(bad)
     assert parse_tree("-1, 0,0") == (-1, 0, 0)
+    for huge in ("-1," + "9" * 5000, "-1,x" * 20000, "-1," * 30000):  # the error line stays short (no 5000-digit int)
+        with pytest.raises(InfertraceError, match="--spec-tree") as ei:
+            parse_tree(huge)
+        assert len(str(ei.value)) < 200
     e = Engine(m, ck.tokenizer, EngineOptions(speculative="ngram", spec_tree=(-1, 0, 0)))
     e.add_request(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=4))
     with pytest.raises(InfertraceError, match="needs greedy"):
