@@ -120,3 +120,61 @@ def active_content(html: str) -> ActiveContent:
     p.feed(html)
     p.close()
     return p
+
+
+def spec_verify_rows(d: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """``(step, batch row)`` of every speculative verify row of a trace dict."""
+    return [(st, r) for st in d["steps"] for r in st["batch"] if r.get("spec")]
+
+
+def spec_variants(d: dict[str, Any], string_payload: str) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """Hostile speculative traces made from a real one ``d`` (``run --speculative ... --save``):
+    ``(label, trace, expect)``. ``expect`` is ``"refuse"`` (exit 2 on load: a wrong type, a
+    negative count, NaN, a rate over 1, a wrong-typed spec object), ``"violation"`` (loads, but
+    ``check`` must report it: a mask / count / tree inconsistent with the row's tree) or ``"any"``
+    (every leaf of a spec field set to the string / number / container payloads: exit 0/1/2)."""
+    for pat, _kind in patterns(d):
+        if "spec" not in pat:
+            continue
+        for pay in (string_payload, -1, 10**30, float("nan"), [], {}, None):
+            yield f"{'/'.join(pat)} = {type(pay).__name__}", replace_all(d, pat, lambda _v, p=pay: p), "any"
+    for where in ("row", "step", "run"):
+        for pay in ([], string_payload, 5, [[1]] * 5000):
+            e = copy.deepcopy(d)
+            st, r = spec_verify_rows(e)[0]
+            {"row": r, "step": st, "run": e}[where]["spec"] = pay
+            yield f"{where}.spec = {type(pay).__name__}", e, "refuse"
+
+    def row(label: str, expect: str, fn: Callable[[dict, dict, dict], Any]) -> tuple[str, dict[str, Any], str]:
+        e = copy.deepcopy(d)
+        st, r = spec_verify_rows(e)[-1]
+        fn(st, r, e)
+        return label, e, expect
+
+    def sp(**kw: Any) -> Callable[[dict, dict, dict], Any]:
+        return lambda st, r, e: r["spec"].update(kw)
+
+    T = spec_verify_rows(d)[-1][1]["T"]
+    yield row("verify_mask one row", "violation", sp(verify_mask=["1"]))
+    yield row("verify_mask all ones", "violation", sp(verify_mask=["1" * T] * T))
+    yield row("verify_mask 4096 x 4096", "violation", sp(verify_mask=["1" * 4096] * 4096))
+    yield row("verify_mask payload", "violation", sp(verify_mask=[string_payload[:200]] * T))
+    yield row("kq_mask_block 1 x 1", "violation", sp(kq_mask_block=[["0"]]))
+    yield row("packed_mask no words", "violation", sp(packed_mask=[[]] * T))
+    yield row("packed_mask zero", "violation", sp(packed_mask=[[0]] * T))
+    yield row("position_offsets flat", "violation", sp(position_offsets=[0] * T))
+    yield row("accepted > drafted", "violation", sp(accepted=50, drafted=T - 1))
+    yield row("drafted wrong", "violation", sp(drafted=T + 7))
+    yield row("rejected out of range", "violation", sp(rejected_nodes=[4000]))
+    yield row("emitted none", "violation", sp(emitted=[], emitted_pieces=[]))
+    yield row("emitted 4096", "violation", sp(emitted=[1] * 4096, emitted_pieces=[string_payload[:40]] * 4096))
+    yield row("parents not a tree", "violation", sp(parents=[-1] + [T] * (T - 1)))
+    yield row("accepted path 4096", "violation", sp(accepted_nodes=[0] * 4096))
+    yield row("spec on a prefill row", "violation", lambda st, r, e: e["steps"][0]["batch"][0].update(spec=copy.deepcopy(r["spec"])))
+    yield row("run tree not a tree", "violation", lambda st, r, e: e["spec"].update(tree=[5, 5, 5]))
+    yield row("run tokens per forward inf", "violation", lambda st, r, e: e["spec"].update(tokens_per_target_forward=float("inf")))
+    yield row("accepted negative", "refuse", sp(accepted=-5))
+    yield row("step rate NaN", "refuse", lambda st, r, e: st["spec"].update(acceptance_rate=float("nan")))
+    yield row("step rate 9", "refuse", lambda st, r, e: st["spec"].update(accepted=9, drafted=1, acceptance_rate=9.0))
+    yield row("rewind slot negative", "refuse", sp(rewind={"op": string_payload, "moved_slots": [[10**9, -1]]}))
+    yield row("rewind a list", "refuse", sp(rewind=[1, 2]))

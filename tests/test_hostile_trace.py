@@ -441,3 +441,55 @@ def test_show_into_head_exits_quietly(tmp_path):
     assert res.stderr == "", res.stderr
     lines = res.stdout.splitlines()
     assert len(lines) == 2 and "infertrace run" in lines[0] and lines[1] in ("status 0", "status 141"), res.stdout
+
+
+# ----------------------------------------------------------------------------- speculative traces
+
+
+@pytest.fixture(scope="module", params=["cells", "paged"])
+def spec_trace(request, tmp_path_factory):
+    """A real speculative trace (tiny model, n-gram tree draft, accepted and rejected nodes)."""
+    import tiny
+
+    d = tmp_path_factory.mktemp("spec")
+    w, s = tiny.make_weights(seed=5, n_layer=3)
+    model = tiny.write_gguf(d / "m.gguf", w, s)
+    res = invoke("run", "--model", model, "--prompt", "abcabcabcab", "--prompt", "xyz", "-n", "6", "--ignore-eos",
+                 "--backend", request.param, "--tokens-per-block", "4", "--speculative", "ngram", "--spec-tree=-1,-1,0,1",
+                 "--save", d / "t", "--keep", "summary")
+    assert res.exit_code == 0, res.output
+    return d / "t", json.loads((d / "t" / "trace.json").read_text(encoding="utf-8"))
+
+
+def test_hostile_speculative_trace(tmp_path, spec_trace):
+    """Every spec field attacked (terminal payload, numbers, containers, inconsistent tree / mask /
+    counts): show, report, check, diff, dump-kv exit 0/1/2 with one line, print no control byte,
+    write an inert page, in bounded time; load refuses what the schema forbids and ``check``
+    reports every inconsistency the schema cannot see."""
+    ref, d = spec_trace
+    seen = {"any": set(), "refuse": 0, "violation": 0}
+    for i, (label, e, expect) in enumerate(H.spec_variants(d, H.TERM_PAYLOAD + H.HTML_PAYLOAD)):
+        t = H.write_trace(e, tmp_path / f"t{i}")
+        t0 = time.monotonic()
+        res = invoke("check", t)
+        code = one_line_or_ok(res, (0, 1))
+        no_control(res.stdout + res.stderr)
+        if expect == "refuse":
+            assert code == 2, (label, res.stdout)
+        elif expect == "violation":
+            assert code == 1 and "violation:" in res.stdout, (label, res.stdout)
+        if expect == "any":
+            seen["any"].add(code)
+        else:
+            seen[expect] += 1
+        for args, ok in ((("show", t, "--show", "mask,kv"), (0,)), (("report", t, "-o", tmp_path / "r.html"), (0,)),
+                         (("diff", ref, t), (0, 1)), (("dump-kv", "--step", "2", t), (0,))):
+            r = invoke(*args)
+            assert one_line_or_ok(r, ok) == 2 or code != 2, (label, args[0])  # what load refuses, every command refuses
+            no_control(r.stdout + r.stderr)
+            if args[0] == "report" and r.exit_code == 0:
+                check_inert((tmp_path / "r.html").read_text(encoding="utf-8"))
+                (tmp_path / "r.html").unlink()
+        assert time.monotonic() - t0 < 30, label
+        shutil.rmtree(t)
+    assert seen["any"] == {0, 1, 2} and seen["refuse"] >= 8 and seen["violation"] >= 18, seen

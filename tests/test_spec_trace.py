@@ -5,13 +5,16 @@ target forward); it saves, loads back unchanged and passes ``infertrace check``;
 verify row is caught; bad options are one-line errors."""
 
 import json
+from html.parser import HTMLParser
 
 import pytest
+from markupsafe import escape
 from typer.testing import CliRunner
 
 from infertrace.cli.app import app
 from infertrace.trace.records import RunTrace
 from infertrace.trace.store import load_trace, read_manifest
+from tests.hostile import HTML_PAYLOAD, active_content
 from tests.tiny import make_weights, write_gguf
 
 ENV = {"COLUMNS": "120"}
@@ -118,8 +121,83 @@ def test_tampered_verify_row_is_caught(saved, tmp_path):
                                       (["--speculative", "eagle"], "--speculative"),
                                       (["--speculative", "draft"], "exactly one of --draft-model"),
                                       (["--speculative", "ngram", "--spec-tree=0"], "--spec-tree"),
-                                      (["--speculative", "ngram", "--num-spec-tokens", "0"], "--num-spec-tokens")])
+                                      (["--speculative", "ngram", "--num-spec-tokens", "0"], "--num-spec-tokens"),
+                                      # options that were silently ignored
+                                      (["--speculative", "ngram", "--spec-tree", ""], "--spec-tree must have 1..64"),
+                                      (["--ngram-min", "2"], "need --speculative"),
+                                      (["--speculative", "draft", "--draft-layers", "1", "--ngram-max", "5"],
+                                       "use them with --speculative ngram"),
+                                      (["--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "1 <= min <= max")])
 def test_bad_options_are_one_line_errors(model_path, args, msg):
     res = invoke("run", "--model", model_path, "--prompt", "ab", *args)
     assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output
     assert res.output.count("\n") == 1
+
+
+class _Tables(HTMLParser):
+    """Rows (cell texts) of every ``<table class="verify-mask">`` of a page, in order."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tables, self._in, self._cell = [], False, None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table" and ("class", "verify-mask") in attrs:
+            self._in = True
+            self.tables.append([])
+        elif self._in and tag == "tr":
+            self.tables[-1].append([])
+        elif self._in and tag in ("td", "th"):
+            self._cell = ""
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self._in = False
+        elif self._in and tag in ("td", "th") and self._cell is not None:
+            self.tables[-1][-1].append(self._cell.strip())
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+
+def test_report_shows_every_verify_row(saved, tmp_path):
+    """The HTML report draws each verify row's mask (■ = recorded verify_mask bit 1) with each node
+    marked root / ✓ accepted / ✗ rejected, the worked-example cell marks, and the run's tokens per
+    target forward; a hostile string in a spec field is escaped."""
+    _, d, _ = saved
+    m = json.loads((d / "trace.json").read_text())
+    res = invoke("report", d, "-o", tmp_path / "r.html")
+    assert res.exit_code == 0, res.output
+    html = (tmp_path / "r.html").read_text(encoding="utf-8")
+    p = _Tables()
+    p.feed(html)
+    rows = _verify_rows(m)
+    assert len(p.tables) == len(rows) > 0
+    rejected = 0
+    for tab, (_, r) in zip(p.tables, rows):
+        sp, T = r["spec"], r["T"]
+        assert tab[0] == ["node"] + [str(j) for j in range(T)]
+        for i, (cells, bits) in enumerate(zip(tab[1:], sp["verify_mask"], strict=True)):
+            mark = "root" if i == 0 else "✓" if i in sp["accepted_nodes"] else "✗"
+            assert cells == [f"{i} {mark}"] + ["■" if b == "1" else "·" for b in bits]
+        rejected += len(sp["rejected_nodes"])
+    assert rejected > 0  # the run has rejected drafts, so ✗ marks were checked
+    assert f"tokens per target forward {m['spec']['tokens_per_target_forward']}" in html
+    r = next(r for _, r in rows if len(r["spec"]["accepted_nodes"]) > 1 and r["spec"]["rejected_nodes"])
+    worked = html[html.index('id="worked-example"'):html.index('id="cache-over-time"')]
+    for j, t in enumerate(r["token_ids"][1:], 1):  # the worked-example cell marks each candidate
+        assert f"{'✓' if j in r['spec']['accepted_nodes'] else '✗'}{t} " in worked
+    assert f"+{len(r['spec']['emitted'])} · acc {r['spec']['accepted']}/{r['spec']['drafted']}" in worked
+    # a hostile string in a spec field is escaped, never markup
+    rows[0][1]["spec"]["rewind"]["op"] = HTML_PAYLOAD
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "trace.json").write_text(json.dumps(m))
+    res = invoke("report", bad, "-o", tmp_path / "b.html")
+    assert res.exit_code == 0, res.output
+    page = (tmp_path / "b.html").read_text(encoding="utf-8")
+    a = active_content(page)
+    assert not a.handlers and not a.loaders and len(a.scripts) == 2
+    assert escape(HTML_PAYLOAD) in page

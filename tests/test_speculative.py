@@ -200,6 +200,10 @@ def test_bad_speculative_options_are_one_line_errors(tiny):
         with pytest.raises(InfertraceError, match="--spec-tree"):
             parse_tree(bad)
     assert parse_tree("-1, 0,0") == (-1, 0, 0)
+    for huge in ("-1," + "9" * 5000, "-1,x" * 20000, "-1," * 30000):  # the error line stays short (no 5000-digit int)
+        with pytest.raises(InfertraceError, match="--spec-tree") as ei:
+            parse_tree(huge)
+        assert len(str(ei.value)) < 200
     e = Engine(m, ck.tokenizer, EngineOptions(speculative="ngram", spec_tree=(-1, 0, 0)))
     e.add_request(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=4))
     with pytest.raises(InfertraceError, match="needs greedy"):
@@ -244,3 +248,59 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny):
     other = SimpleNamespace(cfg=dataclasses.replace(m.cfg, vocab_size=m.cfg.vocab_size - 1))
     with pytest.raises(InfertraceError, match="vocabulary"):
         DraftModelDrafter(other, m, 64, 4)
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_tree_near_a_full_cache_drops_drafts_instead_of_stopping(tiny, backend):
+    """A tree has more nodes than depth: near --ctx-size the verify chunk must shrink to what the
+    pool holds (a prefix of the tree), not stop the request with kv_full before plain greedy would."""
+    ck, m = tiny
+
+    def run(**kw):
+        e = Engine(m, ck.tokenizer, EngineOptions(backend=backend, ctx_size=24, tokens_per_block=4, **kw))
+        e.add_request(PROMPTS[0] * 2, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        return [(r.output_ids, r.stop_reason) for r in e.run()]
+
+    ref = run()
+    assert ref[0][1] == "ctx_full" and len(ref[0][0]) == 24 - 16
+    assert run(speculative="draft", draft_layers=1, spec_tree=(-1, -1, 0, 1, 1, 2)) == ref
+    assert run(speculative="ngram", spec_tree=(-1, -1, 0, 0, 1, 2, 3)) == ref
+
+
+def test_branching_tree_never_runs_on_the_triton_kernel(tiny, monkeypatch):
+    """The Triton paged kernel reads causal lengths only: a branching tree is refused with
+    --attention triton before any step, and --attention auto (triton on CUDA) picks torch for it;
+    a chain (causal) keeps auto's choice."""
+    ck, m = tiny
+    monkeypatch.setattr("infertrace.attention.select.resolve_attention", lambda req, dev: "triton")  # as on a CUDA device
+    with pytest.raises(InfertraceError, match="needs --attention torch"):
+        Engine(m, ck.tokenizer, EngineOptions(backend="paged", attention="triton", speculative="ngram", spec_tree=TREE))
+    e = Engine(m, ck.tokenizer, EngineOptions(backend="paged", attention="auto", speculative="ngram", spec_tree=TREE))
+    assert e.attn_impl == "torch"
+    e = Engine(m, ck.tokenizer, EngineOptions(backend="paged", attention="auto", speculative="ngram", spec_tree=(-1, 0, 1)))
+    assert e.attn_impl == "triton"
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_sliding_window_model_equals_plain_greedy(tmp_path, backend):
+    """Gemma 3 tiny with a 4-token sliding window on layer 0 (kq_mask_swa / windowed paged
+    attention): chain and tree verify rows see only their window, output equals plain greedy, also
+    at the context limit."""
+    from infertrace.runner import load_model
+    from tests.tiny import write_hf
+
+    w, s = make_weights(seed=3, n_layer=2, family="gemma3")
+    lm = load_model(str(write_hf(tmp_path / "g", w, s, sliding_window=4,
+                                 layer_types=["sliding_attention", "full_attention"])))
+    assert lm.config.sliding_window == 4
+
+    def run(ctx, **kw):
+        e = Engine(lm.model, lm.tokenizer, EngineOptions(backend=backend, ctx_size=ctx, tokens_per_block=4, **kw))
+        for p in PROMPTS[:3]:
+            e.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        return [(r.output_ids, r.stop_reason) for r in e.run()]
+
+    for ctx in (256, 24):
+        ref = run(ctx)
+        assert run(ctx, speculative="draft", draft_layers=1, num_spec_tokens=5) == ref
+        assert run(ctx, speculative="draft", draft_layers=1, spec_tree=(-1, -1, 0, 1, 1, 2)) == ref

@@ -174,13 +174,24 @@ def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec
     import dataclasses
 
     if speculative is None:
-        if spec_tree or draft_model or draft_layers is not None or num_spec_tokens != EngineOptions.num_spec_tokens:
-            raise InfertraceError("--num-spec-tokens, --spec-tree, --draft-model and --draft-layers need --speculative ngram|draft")
+        if (spec_tree is not None or draft_model is not None or draft_layers is not None
+                or num_spec_tokens != EngineOptions.num_spec_tokens
+                or (ngram_min, ngram_max) != (EngineOptions.ngram_min, EngineOptions.ngram_max)):
+            raise InfertraceError("--num-spec-tokens, --spec-tree, --draft-model, --draft-layers and --ngram-min/--ngram-max "
+                                  "need --speculative ngram|draft")
         return opts
     method = check_choice("--speculative", speculative, ("ngram", "draft"))
     from infertrace.engine.speculative import MAX_DRAFT, parse_tree
 
-    tree = parse_tree(spec_tree) if spec_tree else None
+    tree = parse_tree(spec_tree) if spec_tree is not None else None  # "" is a tree of 0 nodes: refused
+    if tree is not None and list(tree) != list(range(-1, len(tree) - 1)) and opts.attention == "triton":
+        raise InfertraceError("--spec-tree with branches needs --attention torch on --backend paged "
+                              "(the Triton kernel reads causal lengths only); drop --attention triton")
+    if method == "draft" and (ngram_min, ngram_max) != (EngineOptions.ngram_min, EngineOptions.ngram_max):
+        raise InfertraceError("--ngram-min/--ngram-max set the n-gram drafter: use them with --speculative ngram")
+    from infertrace.engine.drafters import NgramDrafter
+
+    NgramDrafter(ngram_min, ngram_max)  # checks the bounds before a model loads
     if not 1 <= num_spec_tokens <= MAX_DRAFT:
         raise InfertraceError(f"--num-spec-tokens must be in 1..{MAX_DRAFT} (got {num_spec_tokens})")
     if method == "draft" and (draft_model is None) == (draft_layers is None):

@@ -181,6 +181,14 @@ class Engine:
             if req == "triton":
                 raise InfertraceError("--attention triton needs --backend paged (the Triton kernel reads the paged pool)")
             return "torch"
+        tree = self.opts.spec_tree if self.opts.speculative else None
+        if tree is not None and list(tree) != list(range(-1, len(tree) - 1)):  # a branching draft tree
+            # the Triton kernel reads causal lengths only; the tree mask needs the torch attention
+            if req == "triton":
+                raise InfertraceError("--spec-tree with branches needs --attention torch on --backend paged "
+                                      "(the Triton kernel reads causal lengths only); drop --attention triton")
+            if req == "auto":
+                return "torch"
         try:
             from infertrace.attention.select import resolve_attention
         except ImportError:  # pragma: no cover - select.py ships with the package

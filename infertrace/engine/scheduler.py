@@ -116,6 +116,11 @@ class Scheduler:
             if n <= 0:
                 continue
             while not self.kv.can_fit(self._plan(batch, req, n)):
+                if req.phase == "decode" and n > req.num_pending:
+                    # drafts are optional: a verify chunk that does not fit drops its last draft nodes
+                    # (a prefix of the tree is a tree) before anyone is preempted or stopped with kv_full
+                    n -= 1
+                    continue
                 scheduled = [c.req for c in batch.chunks]
                 victims = [r for r in self.running if r is not req and r not in scheduled]
                 if not victims:

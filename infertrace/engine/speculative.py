@@ -24,6 +24,7 @@ forward.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -43,10 +44,14 @@ def parse_tree(text: str) -> tuple[int, ...]:
     Raises:
         InfertraceError: not integers, a parent not before its node, or more than :data:`MAX_DRAFT` nodes.
     """
-    try:
-        parents = tuple(int(x) for x in str(text).replace(" ", "").split(",") if x != "")
-    except ValueError:
-        raise InfertraceError(f"--spec-tree must be comma-separated parent indices like -1,0,0,1 (got {text!r})") from None
+    text = str(text)
+    shown = repr(text if len(text) <= 80 else text[:80] + "…")  # the error line stays short
+    fields = [x for x in text.replace(" ", "").split(",") if x != ""]
+    if len(fields) > MAX_DRAFT:
+        raise InfertraceError(f"--spec-tree must have 1..{MAX_DRAFT} nodes (got {len(fields)})")
+    if not all(re.fullmatch(r"-?[0-9]{1,6}", x) for x in fields):
+        raise InfertraceError(f"--spec-tree must be comma-separated parent indices like -1,0,0,1 (got {shown})")
+    parents = tuple(int(x) for x in fields)
     check_tree(parents)
     return parents
 

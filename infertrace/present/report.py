@@ -3,7 +3,9 @@
 Inline CSS, JS and SVG only: it opens from a file with no network. Top to bottom: run facts,
 the worked-example table, the cache over time (llama.cpp cell map and paged block tables, one
 recorded and one derived, see :mod:`infertrace.present.report_views`), then one section per step
-(its table rows, hidden, positions, the masks side by side, kv, top-k bars), then outputs.
+(its table rows, hidden, positions, the masks side by side, a speculative step's verify rows -- mask
+grid with accepted ✓ / rejected ✗ nodes, its llama.cpp / TensorRT-LLM forms, the rewind --, kv,
+top-k bars), then outputs.
 A pure function of the records, like :func:`infertrace.present.render.render_run`.
 """
 
@@ -27,6 +29,8 @@ M = Markup
 J = Markup("").join
 #: rows of the worked-example table and steps drawn before "… N more" (the page stays small for long runs)
 MAX_TABLE_ROWS, MAX_STEP_SECTIONS = 2000, 200
+#: speculative candidates drawn per verify row (tokens, verify-mask grid)
+MAX_SPEC_NODES = 64
 
 
 def _tag(recorded: bool) -> Markup:
@@ -37,12 +41,26 @@ def _facts(pairs: list[tuple[str, str]]) -> Markup:
     return M('<dl class="facts">{}</dl>').format(J(M("<dt>{}</dt><dd>{}</dd>").format(k, val) for k, val in pairs))
 
 
+def _spec_of(r: Any) -> dict[str, Any] | None:
+    sp = getattr(r, "spec", None)
+    return sp if isinstance(sp, dict) and isinstance(sp.get("accepted_nodes"), list) else None
+
+
 def _rows_of(st: StepTrace) -> list[list[Any]]:
     out = []
     for i, r in enumerate(st.batch):
-        tokens = " ".join(str(t) for t in r.token_ids) + "\n" + " ".join(piece_text(p) for p in r.pieces)
+        sp = _spec_of(r)
+        if sp is None:
+            tokens = " ".join(str(t) for t in r.token_ids) + "\n" + " ".join(piece_text(p) for p in r.pieces)
+        else:  # speculative verify row: node 0 the pending token, ✓ an accepted draft, ✗ a rejected one
+            acc = set(sp["accepted_nodes"])
+            tokens = " ".join(("" if j == 0 else "✓" if j in acc else "✗") + f"{t} {piece_text(p)}"
+                              for j, (t, p) in enumerate(zip(r.token_ids[:MAX_SPEC_NODES], r.pieces)))
         vis = "  ".join(f"q{p}:{x}" for p, x in zip(r.positions, r.visible))
         res = piece_text(r.sampled_piece) if r.sampled is not None else "(no logits)"
+        if sp is not None:
+            em = sp.get("emitted") if isinstance(sp.get("emitted"), list) else []
+            res = " ".join(str(x) for x in em[:MAX_SPEC_NODES]) + f"\n+{len(em)} · acc {sp.get('accepted')}/{sp.get('drafted')}"
         if r.finished:
             res += f"\n({r.finished})"
         out.append([st.step if i == 0 else "", r.phase, r.seq_id, tokens, str(r.positions), vis, r.cache_after, res])
@@ -195,8 +213,47 @@ def _decode(st: StepTrace) -> Markup:
     return J(out)
 
 
+def _spec(st: StepTrace) -> Markup:
+    """Speculative verify rows of the step: the verify mask over the candidates (■ sees, · not;
+    accepted nodes marked ✓, rejected ✗), each recorded form of it, and the KV rewind."""
+    out = []
+    for r in st.batch:
+        sp = _spec_of(r)
+        if sp is None:
+            continue
+        acc, T = set(sp["accepted_nodes"]), min(r.T, MAX_SPEC_NODES)
+        mark = ["root" if j == 0 else "✓" if j in acc else "✗" for j in range(T)]
+        vm = sp.get("verify_mask") if isinstance(sp.get("verify_mask"), list) else []
+        rows = [[M('<span class="{}">{} {}</span>').format("ok" if i in acc else "bad", i, mark[i])]
+                + ["■" if str(vm[i])[j : j + 1] == "1" else "·" for j in range(T)] for i in range(min(T, len(vm)))]
+        forms = []
+        if "kq_mask_block" in sp:
+            forms.append(f"llama.cpp kq_mask rows over cells {v.int_list_text(sp.get('cells'))}: 0 where ■, -inf where ·")
+        if "packed_mask" in sp:
+            words = [w[0] if isinstance(w, list) and w else w for w in (sp.get("packed_mask") or [])[:MAX_SPEC_NODES]]
+            forms.append(f"TensorRT-LLM spec_decoding_position_offsets = {str((sp.get('position_offsets') or [])[:MAX_SPEC_NODES])} · "
+                         f"spec_decoding_packed_mask (int32, bit j = sees node j) = {str(words)}")
+        rw = sp.get("rewind") if isinstance(sp.get("rewind"), dict) else {}
+        rewind = (f"rewind: {rw.get('op')} {rw.get('range') or ''} · kept pos {rw.get('kept_pos')} · removed pos {rw.get('removed_pos')}"
+                  + (f" · cells freed {rw.get('freed')}" if "freed" in rw else "")
+                  + (f" · K/V moved slot→slot {str(rw.get('moved_slots'))[:400]}" if rw.get("moved_slots") else "")
+                  + (f" · blocks released {str(rw.get('freed_blocks'))[:400]}" if "freed_blocks" in rw else "")) if rw else ""
+        out.append(M('<div class="spec-row" data-seq="{}"><p><b>seq {}</b>: {} candidates at positions {} · tree parents {} · '
+                     'accepted {} of {} drafts · emitted {}</p>{}{}<p class="dim">{}</p></div>').format(
+            r.seq_id, r.seq_id, r.T, v.int_list_text(r.positions), v.int_list_text(sp.get("parents")), sp.get("accepted"),
+            sp.get("drafted"), v.int_list_text(sp.get("emitted")), v.table(["node"] + [str(j) for j in range(T)], rows, "verify-mask"),
+            J(M("<p>{}</p>").format(f) for f in forms), rewind))
+    if not out:
+        return M("")
+    step_line = M("")
+    if isinstance(st.spec, dict):
+        step_line = M("<p>step: drafted {} · accepted {} · acceptance rate {}</p>").format(
+            st.spec.get("drafted"), st.spec.get("accepted"), st.spec.get("acceptance_rate"))
+    return M('<div class="var var-spec"><h3>speculative verify</h3>{}{}</div>').format(J(out), step_line)
+
+
 def step_section(st: StepTrace) -> Markup:
-    body = J([v.table(HEADS, _rows_of(st), "rows"), _hidden(st), _positions(st), _mask(st), _kv(st), _decode(st)])
+    body = J([v.table(HEADS, _rows_of(st), "rows"), _hidden(st), _positions(st), _mask(st), _spec(st), _kv(st), _decode(st)])
     return M('<section class="step" id="step-{}" data-step="{}"><h2>{}</h2>{}</section>').format(
         st.step, st.step, _step_title(st), body)
 
@@ -264,6 +321,11 @@ def build_report(trace: RunTrace, source: str = "") -> str:
              ("engine", f"backend {o.get('backend')} · attention {o.get('attention')} · ctx {eng.get('ctx_size')} · "
                         f"tokens_per_block {eng.get('tokens_per_block')} · max_batch_tokens {eng.get('max_batch_tokens')} · "
                         f"prefill_chunk {eng.get('prefill_chunk')} · dtype {o.get('dtype')} · device {o.get('device')}")]
+    if isinstance(trace.spec, dict):
+        sp = trace.spec
+        facts.append(("speculative", f"{sp.get('method')} · tree {v.int_list_text(sp.get('tree'))} · tokens per target forward "
+                                      f"{sp.get('tokens_per_target_forward')} ({sp.get('decode_tokens')} tokens / "
+                                      f"{sp.get('target_forwards')} decode forwards)"))
     facts += [("note", n) for n in trace.notes]
     if source:
         facts.append(("trace", source))

@@ -19,6 +19,9 @@ variable):
    verify row's positions are ``C + depth(node)`` of its draft tree); a finished request owns nothing later. paged: a block belongs to
    one request; the slot mapping is ``table[p // B] * B + p % B``; a finished request has no
    table later. llama.cpp traces: ``llama_memory_seq_pos_min/max`` agree with the cells.
+6. **spec** -- a speculative verify row agrees with its tree (:func:`verify_row_problem`: counts,
+   emitted tokens, every recorded verify-mask form); the run's summary is consistent
+   (:func:`run_spec_problem`).
 
 Every field is validated before use: a malformed trace is a violation of "schema", not a crash.
 """
@@ -131,6 +134,11 @@ class _Checker:
                 expect = spec_positions(r)  # C..C+T-1, or C + depth(node) for a speculative verify row
             except Bad as e:
                 self.fail(s, sid, "positions", "schema", e.msg)
+            if r.get("spec"):
+                self.n_checks += 1
+                bad = verify_row_problem(r)
+                if bad:
+                    self.fail(s, sid, "spec", "verify row consistent with its tree", bad)
             if pos != expect:
                 self.fail(s, sid, "positions", "contiguous" if not r.get("spec") else "verify tree",
                           f"positions {pos[:8]} are not {'C..C+T-1 = ' if not r.get('spec') else 'C + depth = '}"
@@ -311,6 +319,77 @@ class _Checker:
                     self.fail(s, r["seq_id"], "kv", "slot = table[p // B] * B + p % B", f"pos {p}: slot {slot}, expected {want}")
 
 
+def _ancestors(parents: list[int]) -> list[set[int]]:
+    """Per node of a checked tree (``spec_positions`` passed): itself and its ancestors."""
+    out: list[set[int]] = []
+    for i, p in enumerate(parents):
+        out.append({i} | (out[p] if p >= 0 else set()))
+    return out
+
+
+def verify_row_problem(r: dict[str, Any]) -> str | None:
+    """What in a speculative verify row (``r["spec"]``, its tree already checked by
+    :func:`~infertrace.trace.schema.spec_positions`) contradicts its tree, else None: ``drafted`` =
+    T - 1, ``accepted`` = accepted path - 1, ``rejected_nodes`` = the other nodes, ``emitted`` = the
+    accepted drafts' tokens then one more (cut short only when the request finished), and every
+    recorded verify-mask form (``verify_mask`` rows, llama.cpp ``kq_mask_block``, TensorRT-LLM
+    ``position_offsets`` / ``packed_mask``) equal to the ancestor relation / depths."""
+    sp, T, toks = r["spec"], r["T"], r.get("token_ids")
+    par, acc = sp["parents"], sp["accepted_nodes"]
+    if sp.get("drafted") != T - 1:
+        return f"drafted = {sp.get('drafted')!r} but the row verifies {T - 1} drafts"
+    if sp.get("accepted") != len(acc) - 1:
+        return f"accepted = {sp.get('accepted')!r} but the accepted path has {len(acc) - 1} drafts"
+    if "rejected_nodes" in sp and sorted(sp["rejected_nodes"]) != sorted(set(range(T)) - set(acc)):
+        return "rejected_nodes are not the nodes off the accepted path"
+    em = sp.get("emitted")
+    if not isinstance(em, list) or not 1 <= len(em) <= len(acc) or (len(em) < len(acc) and not r.get("finished")):
+        return f"emits {len(em) if isinstance(em, list) else em!r} tokens for an accepted path of {len(acc)} (one per accepted node)"
+    if isinstance(toks, list) and len(toks) == T and em[: len(acc) - 1] != [toks[a] for a in acc[1 : len(em) + 1]]:
+        return "the emitted tokens do not begin with the accepted drafts' tokens"
+    anc = _ancestors(par)
+    want = ["".join("1" if j in anc[i] else "0" for j in range(T)) for i in range(T)]
+    if "verify_mask" in sp and sp["verify_mask"] != want:
+        return "verify_mask is not the ancestor relation of the tree"
+    if "kq_mask_block" in sp and sp["kq_mask_block"] != [["0" if c == "1" else "-inf" for c in row] for row in want]:
+        return "kq_mask_block is not 0 on ancestors, -inf elsewhere"
+    if "position_offsets" in sp and sp["position_offsets"] != [p - r["C"] for p in spec_positions(r)]:
+        return "position_offsets are not the depths of the tree's nodes"
+    pm = sp.get("packed_mask")
+    if pm is not None:
+        if not isinstance(pm, list) or len(pm) != T:
+            return f"packed_mask has {len(pm) if isinstance(pm, list) else pm!r} rows for T = {T}"
+        for i, words in enumerate(pm):
+            if not isinstance(words, list) or len(words) * 32 < T:
+                return f"packed_mask row {i} has too few 32-bit words for T = {T}"
+            bits = {w * 32 + b for w, x in enumerate(words) if _int(x) for b in range(32) if (x & 0xFFFFFFFF) >> b & 1}
+            if bits != anc[i]:
+                return f"packed_mask row {i} is not the ancestor set of node {i}"
+    return None
+
+
+def run_spec_problem(sp: Any) -> str | None:
+    """What in the run's speculative summary (``RunTrace.spec``) is impossible, else None: a
+    ``tree`` whose parents are not -1 / earlier nodes; ``tokens_per_target_forward`` other than
+    ``decode_tokens / target_forwards``; an acceptance rate other than accepted / drafted."""
+    if not isinstance(sp, dict):
+        return None
+    tree = sp.get("tree")
+    if isinstance(tree, list) and any(not (_int(p) and -1 <= p < i) for i, p in enumerate(tree)):
+        return "tree: each parent must be -1 or an earlier node"
+    tf, dt, tpf = sp.get("target_forwards"), sp.get("decode_tokens"), sp.get("tokens_per_target_forward")
+    if _int(tf) and _int(dt) and (tpf is not None if not tf else not isinstance(tpf, (int, float)) or not abs(tpf - dt / tf) <= 1e-3):
+        return f"tokens_per_target_forward = {tpf!r} but decode_tokens / target_forwards = {dt}/{tf}"
+    for sid, st in (sp.get("requests") or {}).items() if isinstance(sp.get("requests"), dict) else ():
+        if not isinstance(st, dict):
+            continue
+        a, d, rate = st.get("accepted_by_pos") or [], st.get("drafted_by_pos") or [], st.get("acceptance_by_pos") or []
+        for k, (x, y, q) in enumerate(zip(a, d, rate)):
+            if not (_int(x) and _int(y)) or x > y or (q is None) != (y == 0) or (y and not abs(q - x / y) <= 1e-3):
+                return f"requests[{sid}]: draft position {k + 1} accepted {x!r} of {y!r} drafted, rate {q!r}"
+    return None
+
+
 def kept_len(r: dict[str, Any]) -> int:
     """Positions a request holds after its step: ``C + T``, or ``C + accepted path`` after a verify."""
     sp = r.get("spec")
@@ -332,6 +411,10 @@ def check_trace(manifest: dict[str, Any]) -> tuple[Violation | None, int]:
             c.fail(None, None, "schema", "schema", "the trace has no list of steps")
         for st in steps:
             c.step(st)
+        c.n_checks += 1
+        bad = run_spec_problem(manifest.get("spec"))
+        if bad:
+            c.fail(None, None, "spec", "run summary consistent", bad)
     except _Bad as b:
         return b.v, c.n_checks
     return None, c.n_checks
@@ -341,4 +424,5 @@ def iter_rules() -> Iterator[str]:
     """Names of the rules, for help texts."""
     yield from ("contiguous", "contiguous across chunks", "inp_pos = packed positions", "RoPE angle consistent with position",
                 "causality", "no cross-sequence visibility", "one cell per (seq, pos)", "written cells were free",
-                "cache holds 0..C+T-1", "freed when finished", "memory API agrees with the cells", "one owner per block", "slot = table[p // B] * B + p % B")
+                "cache holds 0..C+T-1", "freed when finished", "memory API agrees with the cells", "one owner per block", "slot = table[p // B] * B + p % B",
+                "verify row consistent with its tree", "run summary consistent")
