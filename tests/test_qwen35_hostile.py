@@ -173,3 +173,15 @@ def test_make_qwen35_no_space_is_one_line_and_leaves_nothing(tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stdout.startswith("error: cannot write the checkpoint to") and "File too large" in res.stdout, res.stdout
     assert "nothing was left there" in res.stdout and list(tmp_path.iterdir()) == []
+
+
+def test_partial_rotary_factor_in_rope_parameters_wins_over_the_top_level(q35_dir, tmp_path):
+    """As HF ``Qwen3_5TextConfig`` (checked with transformers: the top-level value only fills in a missing one)."""
+    from transformers import Qwen3_5TextConfig
+
+    hf = Qwen3_5TextConfig(partial_rotary_factor=0.5, head_dim=16,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+    assert hf.rope_parameters["partial_rotary_factor"] == 0.25
+    with deadline(60):
+        res = runner.invoke(app, ["inspect", str(_with(q35_dir, tmp_path, _set(partial_rotary_factor=0.5)))])
+    assert res.exit_code == 0 and "RoPE rotates dims 0..3 of each head of 16" in res.output, res.output

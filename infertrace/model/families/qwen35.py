@@ -107,8 +107,8 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
     partial = cfg.pop("partial_rotary_factor", None)  # HF_FOREIGN would refuse it; honoured here
     kw = hf_common(cfg, led, "qwen35")
     rp, rkey = hf_rope_params(cfg, "full_attention")
-    if partial is None:
-        partial = rp.get("partial_rotary_factor", 0.25)
+    # HF ``convert_rope_params_to_dict``: the top-level value (default 0.25) is only a default for rope_parameters'
+    partial = rp.get("partial_rotary_factor", 0.25 if partial is None else partial)
     if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < float(partial) <= 1:
         raise InfertraceError(f"config.json partial_rotary_factor must be a number in (0, 1], got {partial!r}")
     rope_dim = int(kw["head_dim"] * float(partial))
