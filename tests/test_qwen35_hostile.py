@@ -137,6 +137,8 @@ def test_make_qwen35_never_overwrites(tmp_path):
     assert "exists and is not an empty directory" in _err("make-qwen35", "--out", str(f))
     assert f.read_text() == "x"
     assert "cannot create" in _err("make-qwen35", "--out", str(f / "sub"))  # parent is a file
+    assert "--seed 18446744073709551616 must be an integer in 0..2^63-1" in _err(
+        "make-qwen35", "--out", str(tmp_path / "new"), "--seed", str(1 << 64))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "full"]
 
 

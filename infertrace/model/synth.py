@@ -87,9 +87,11 @@ def write_qwen35_08b(out: Path, seed: int = 0, progress: Callable[[str], None] |
     directory; a killed process leaves only ``.NAME.partial-*``, never a loadable ``out``).
 
     Raises:
-        InfertraceError: ``out`` exists and is not an empty directory; it cannot be created or
+        InfertraceError: ``seed`` outside 0..2^63-1; ``out`` exists and is not an empty directory; it cannot be created or
             written (permissions, no space), with the reason.
     """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+        raise InfertraceError(f"--seed {seed} must be an integer in 0..2^63-1")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InfertraceError(f"{out} exists and is not an empty directory; pass a new --out")
