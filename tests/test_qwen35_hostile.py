@@ -61,6 +61,7 @@ def _rope(**kv):
     (_set(attn_output_gate=False), "attn_output_gate = False: only the gated attention output"),
     (_set(attention_bias=True), "attention_bias = True: Qwen3.5 attention biases are not implemented"),
     (_set(model_type="qwen3_5", text_config="x"), "text_config must be an object, got str"),
+    (_set(layer_types=["linear_attention"] * 4), "every one of the 4 layers is linear_attention"),
 ])
 def test_hostile_hf_config_is_refused_in_one_line(q35_dir, tmp_path, edit, expect):
     line = _err("run", "-m", str(_with(q35_dir, tmp_path, edit)), "-p", "hi", "-n", "1")

@@ -90,6 +90,10 @@ def _ranges(types: tuple[str, ...], want: str) -> str:
 
 def _ledger_hybrid(led: Ledger, kw: dict[str, Any], src: str) -> None:
     types = kw["layer_types"]
+    if FULL not in types:
+        raise InfertraceError(f"every one of the {len(types)} layers is linear_attention (GDN); a Qwen3.5 model without a "
+                              "full-attention layer is not supported (the trace follows the KV of one); check layer_types / "
+                              "full_attention_interval")
     n_lin = sum(t == LINEAR for t in types)
     led.honour("(family) layer map", f"{n_lin} GDN + {len(types) - n_lin} full-attention",
                f"GDN layers {_ranges(types, LINEAR)}; full attention {_ranges(types, FULL)}")
