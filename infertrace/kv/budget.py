@@ -48,6 +48,19 @@ def kv_bytes_per_layer(cfg: Any, tokens: int, dtype: torch.dtype) -> int:
     return 2 * tokens * cfg.n_head_kv * cfg.head_dim * itemsize
 
 
+def recurrent_state_bytes(cfg: Any, opts: Any, dtype: torch.dtype) -> int:
+    """Bytes of the GDN state of a hybrid model (0 for others): ``n_seq_max`` slots x GDN layers x
+    (conv state ``conv_dim x (K-1)`` + recurrent state ``Hv x dk x dv``) x itemsize, as
+    :class:`~infertrace.kv.recurrent.RecurrentState` allocates (llama.cpp ``memory_recurrent``:
+    ``n_seq_max`` cells; TensorRT-LLM ``MambaCacheManager``: ``max_batch_size`` slots)."""
+    if not getattr(cfg, "is_hybrid", False):
+        return 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n_lin = sum(1 for i in range(cfg.n_layer) if cfg.is_linear(i))
+    per_slot = cfg.conv_dim * (cfg.ssm_conv_kernel - 1) + cfg.ssm_n_v_heads * cfg.ssm_k_head_dim * cfg.ssm_v_head_dim
+    return int(getattr(opts, "n_seq_max", 1)) * n_lin * per_slot * itemsize
+
+
 def memory_limit_bytes(device: str | torch.device = "cpu") -> int | None:
     """``KV_MEMORY_FRACTION`` of the device's memory, or None when it cannot be told."""
     dev = torch.device(device)
@@ -70,7 +83,8 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
         dtype, device: of the cache.
 
     Returns:
-        The cache size in bytes (all layers, K and V, plus the cells' ``pos`` / ``seq_id`` bookkeeping).
+        The cache size in bytes (all attention layers, K and V, the cells' ``pos`` / ``seq_id`` bookkeeping,
+        and for hybrid models the GDN state of ``n_seq_max`` sequences).
 
     Raises:
         InfertraceError: the cache would exceed the limit; the message gives its size and the limit.
@@ -78,7 +92,9 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
     tokens = kv_tokens(opts)
     per_layer = kv_bytes_per_layer(cfg, tokens, dtype)
     n_kv_layers = sum(1 for i in range(cfg.n_layer) if not (hasattr(cfg, "is_linear") and cfg.is_linear(i)))
-    total = per_layer * n_kv_layers  # hybrid models: K/V only for the attention layers (GDN state is small, fixed)
+    total = per_layer * n_kv_layers  # hybrid models: K/V only for the attention layers
+    state = recurrent_state_bytes(cfg, opts, dtype)  # hybrid models: n_seq_max fixed-size GDN state slots per layer
+    total += state
     book = 0
     if getattr(opts, "backend", "cells") == "cells":  # cell bookkeeping: pos (int64) + seq_id set (n_seq_max bools)
         book = tokens * (8 + getattr(opts, "n_seq_max", 64))
@@ -88,7 +104,8 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
         what = "--ctx-size" if getattr(opts, "backend", "cells") == "cells" else "--num-blocks x --tokens-per-block"
         raise InfertraceError(
             f"the KV cache for {tokens} tokens would take {human_bytes(total)} ({human_bytes(per_layer)} per layer x "
-            f"{n_kv_layers} layers at {str(dtype).replace('torch.', '')}{f' + {human_bytes(book)} of cell bookkeeping' if book else ''}), "
+            f"{n_kv_layers} layers at {str(dtype).replace('torch.', '')}{f' + {human_bytes(book)} of cell bookkeeping' if book else ''}"
+            f"{f' + {human_bytes(state)} of GDN state for {opts.n_seq_max} sequences' if state else ''}), "
             f"over the limit of {human_bytes(limit)} "
             f"(half of this machine's memory); lower {what}")
     return total

@@ -17,8 +17,13 @@ produced by encoding; shown as ``<|rNNN|>`` when sampled) and two specials at th
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
+
+from safetensors import SafetensorError
 
 from infertrace.errors import InfertraceError
 
@@ -77,17 +82,45 @@ def write_qwen35_08b(out: Path, seed: int = 0, progress: Callable[[str], None] |
         override: config.json keys to change (tests use it to keep the run small elsewhere;
             the shapes asserted from a run are those of :data:`CONFIG_08B`).
 
-    Raises:
-        InfertraceError: ``out`` exists and is not an empty directory.
-    """
-    import torch
-    from safetensors.torch import save_file
+    The files are written into a hidden staging directory beside ``out`` and renamed to ``out``
+    at the end, so ``out`` never holds a partial checkpoint (a failed write removes the staging
+    directory; a killed process leaves only ``.NAME.partial-*``, never a loadable ``out``).
 
+    Raises:
+        InfertraceError: ``seed`` outside 0..2^63-1; ``out`` exists and is not an empty directory; it cannot be created or
+            written (permissions, no space), with the reason.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+        raise InfertraceError(f"--seed {seed} must be an integer in 0..2^63-1")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InfertraceError(f"{out} exists and is not an empty directory; pass a new --out")
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = {**CONFIG_08B, **override}
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        raise InfertraceError(f"cannot create {out}: {e.strerror or e}; pass a writable --out") from None
+    try:
+        _write_into(stage, seed, progress, {**CONFIG_08B, **override})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes it 0700
+        os.replace(stage, out)  # atomic: ``out`` holds a whole checkpoint or nothing (an empty ``out`` is replaced)
+    except BaseException as e:
+        shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(e, InfertraceError) or not isinstance(e, (OSError, SafetensorError)):
+            raise
+        why = getattr(e, "strerror", None) or str(e)
+        raise InfertraceError(f"cannot write the checkpoint to {out}: {why}; nothing was left there "
+                              "(free some space or pass another --out)") from None
+    return out
+
+
+def _write_into(out: Path, seed: int, progress: Callable[[str], None] | None, cfg: dict) -> None:
+    """The files of :func:`write_qwen35_08b`, written into the (staging) directory ``out``."""
+    import torch
+    from safetensors.torch import save_file
+
     g = torch.Generator().manual_seed(seed)
     H, ff, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -127,9 +160,6 @@ def write_qwen35_08b(out: Path, seed: int = 0, progress: Callable[[str], None] |
             w[q + "k_norm.weight"] = torch.zeros(hd, dtype=bf)
         if progress:
             progress(f"layer {i}")
-    tmp = out / "model.safetensors.tmp"
-    save_file(w, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     write_tokenizer(out, V)
-    return out

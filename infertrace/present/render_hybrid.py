@@ -16,6 +16,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from infertrace.present.report_views import int_list_text
 from infertrace.ranges import ranges_text
 
 _DIM = "bright_black"
@@ -193,7 +194,7 @@ def state_view(s: dict[str, Any]) -> list[RenderableType]:
     parts: list[RenderableType] = [Text(
         f"state ({conv}) per GDN layer: conv {_sh(s.get('conv_shape'))} + recurrent {_sh(s.get('rec_shape'))} "
         f"{s.get('dtype')} × {s.get('n_layers')} layers = {s.get('bytes_per_seq')} bytes per request, constant · "
-        f"slots {s.get('n_slots')} · state_indices {s.get('state_indices')} · rs_z {s.get('rs_z')}")]
+        f"slots {s.get('n_slots')} · state_indices {int_list_text(s.get('state_indices') or [])} · rs_z {s.get('rs_z')}")]
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     for c in ("seq", "slot", "layer", "conv shape", "‖conv‖", "Σconv", "recurrent shape", "‖S‖", "ΣS"):
         t.add_column(c, justify="right" if c not in ("conv shape", "recurrent shape") else "left")

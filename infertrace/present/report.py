@@ -252,8 +252,40 @@ def _spec(st: StepTrace) -> Markup:
     return M('<div class="var var-spec"><h3>speculative verify</h3>{}{}</div>').format(J(out), step_line)
 
 
+def _hybrid(st: StepTrace) -> Markup:
+    """Hybrid models: the layer map, M-RoPE positions and the fixed-size GDN state per request
+    (norm / checksum), beside the growing KV (capture/hybrid_rec.py; every value escaped)."""
+    h = st.hybrid
+    if not h:
+        return M("")
+    from infertrace.ranges import ranges_text
+
+    lm = h.get("layer_map") or {}
+    lin, full = lm.get("linear_attention") or [], lm.get("full_attention") or []
+    out = [M('<div class="var var-hybrid"><h3>hybrid state</h3><p>{} GDN layers {} + {} full-attention layers {} · {}</p>').format(
+        len(lin), ranges_text(lin), len(full), ranges_text(full), h.get("prefix_reuse", ""))]
+    p = h.get("positions")
+    if p:
+        out.append(M("<p>position_ids {} {} (equal on the t/h/w axes for text) · llama.cpp inp_pos [{}] · consumed by "
+                     "full-attention layers only · RoPE dims 0..{} of {}</p>").format(
+            str(p.get("position_ids_shape")), p.get("dtype"), p.get("inp_pos_len"), int(p.get("rope_dim", 0)) - 1, p.get("head_dim")))
+    s = h.get("state")
+    if s:
+        out.append(M("<p>{} state per GDN layer: conv {} + recurrent {} {} × {} layers = {} bytes per request, constant · "
+                     "slots {} · state_indices {} · rs_z {}</p>").format(
+            s.get("convention"), str(s.get("conv_shape")), str(s.get("rec_shape")), s.get("dtype"), s.get("n_layers"),
+            s.get("bytes_per_seq"), s.get("n_slots"), v.int_list_text(s.get("state_indices") or []), s.get("rs_z")))
+        rows = [[r.get("seq_id"), r.get("slot"), lr.get("layer"), f"{lr.get('conv_norm', 0):.4f}", f"{lr.get('conv_sum', 0):+.4f}",
+                 f"{lr.get('rec_norm', 0):.4f}", f"{lr.get('rec_sum', 0):+.4f}"]
+                for r in (s.get("per_seq") or [])[:16] for lr in r.get("layers", [])]
+        out.append(v.table(["seq", "slot", "layer", "‖conv‖", "Σconv", "‖S‖", "ΣS"], rows, "state"))
+    out.append(M("</div>"))
+    return J(out)
+
+
 def step_section(st: StepTrace) -> Markup:
-    body = J([v.table(HEADS, _rows_of(st), "rows"), _hidden(st), _positions(st), _mask(st), _spec(st), _kv(st), _decode(st)])
+    body = J([v.table(HEADS, _rows_of(st), "rows"), _hidden(st), _positions(st), _mask(st), _spec(st), _kv(st), _hybrid(st),
+              _decode(st)])
     return M('<section class="step" id="step-{}" data-step="{}"><h2>{}</h2>{}</section>').format(
         st.step, st.step, _step_title(st), body)
 

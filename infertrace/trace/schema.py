@@ -447,12 +447,60 @@ def _consistent(d: dict[str, Any]) -> None:
                 raise Bad(f"{p}.batch[{j}].rows", f"packed rows must lie in 0..N-1 (N = {n})")
         _mask_consistent(st, p)
         _kv_consistent(st, p)
+        _hybrid_consistent(st, p, d["config"].get("n_layer"))
         h = st.get("hidden")
         if h is not None and len(h["rows"]) > max(n, 0):
             raise Bad(f"{p}.hidden.rows", f"{len(h['rows'])} rows for N = {n} tokens")
     store = d.get("store") or {}
     if (store.get("keep", "summary") == "summary") and store.get("tensors"):
         raise Bad("store.tensors", "a keep summary trace lists tensors")
+
+
+def _hybrid_consistent(st: dict[str, Any], p: str, n_layer: int | None) -> None:
+    """The hybrid section agrees with itself and with its step (as :mod:`infertrace.capture.hybrid_rec`
+    writes it): the layer map partitions the layers, positions cover the step's N tokens, every
+    slot index lies below ``n_slots``, listed layers are of the right kind."""
+    h = st.get("hybrid")
+    if h is None:
+        return
+    q = f"{p}.hybrid"
+    lm = h["layer_map"]
+    types = lm["types"]
+    if n_layer is not None and len(types) != n_layer:
+        raise Bad(f"{q}.layer_map.types", f"has {len(types)} layers but config.n_layer = {n_layer}")
+    lin = [i for i, t in enumerate(types) if t == "GDN"]
+    full = [i for i, t in enumerate(types) if t == "attn"]
+    if lm["linear_attention"] != lin or lm["full_attention"] != full:
+        raise Bad(f"{q}.layer_map", "linear_attention / full_attention must list the GDN / attn entries of types")
+    lin_s, full_s = set(lin), set(full)
+    if full and h["layer"] not in full_s:
+        raise Bad(f"{q}.layer", f"{h['layer']} is not a full-attention layer")
+    pos = h.get("positions")
+    if pos is not None:
+        N = st["N"]
+        if pos["position_ids_shape"] != [3, 1, N] or any(len(r) != min(N, 16) for r in pos["position_ids"]):
+            raise Bad(f"{q}.positions", f"position_ids must be [3, 1, N = {N}] (first 16 listed per axis)")
+        if pos["inp_pos_len"] != N * pos["n_pos_per_embd"] or pos["rope_dim"] > pos["head_dim"]:
+            raise Bad(f"{q}.positions", "inp_pos_len must be N × n_pos_per_embd and rope_dim <= head_dim")
+        if pos["consumers"] != full or pos["ignored_by"] != lin:
+            raise Bad(f"{q}.positions", "consumers / ignored_by must be the full-attention / GDN layers")
+    pr = h.get("projection")
+    if pr is not None and pr["layer"] not in full_s:
+        raise Bad(f"{q}.projection.layer", f"{pr['layer']} is not a full-attention layer")
+    sd = h.get("state")
+    if sd is None:
+        return
+    ns, qs = sd["n_slots"], f"{q}.state"
+    if sd["n_layers"] != len(lin):
+        raise Bad(f"{qs}.n_layers", f"{sd['n_layers']} but the layer map lists {len(lin)} GDN layers")
+    if sd["state_indices"] and len(sd["state_indices"]) != len(st["batch"]):
+        raise Bad(f"{qs}.state_indices", f"{len(sd['state_indices'])} indices for {len(st['batch'])} batch entries")
+    slots = [r["slot"] for r in sd["per_seq"]]
+    if any(x >= ns for x in sd["state_indices"] + sd["free"] + slots) or sd["rs_z"] >= ns or len(set(slots)) != len(slots):
+        raise Bad(qs, f"slot indices must be distinct per sequence and lie in 0..n_slots-1 (n_slots = {ns})")
+    if any(lr["layer"] not in lin_s for r in sd["per_seq"] for lr in r["layers"]) or \
+            ("gdn_layer" in sd and sd["gdn_layer"] not in lin_s):
+        raise Bad(qs, "state rows must name GDN layers")
 
 
 def spec_positions(r: dict[str, Any], q: str = "") -> list[int]:

@@ -58,8 +58,10 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The text part of a Qwen3.5 ``config.json``: ``text_config`` merged over the top level
     (the multimodal ``qwen3_5`` layout), or the dict itself (``qwen3_5_text``)."""
     tc = cfg.get("text_config")
-    if not isinstance(tc, dict):
+    if tc is None:
         return cfg
+    if not isinstance(tc, dict):
+        raise InfertraceError(f"config.json text_config must be an object, got {type(tc).__name__}; fix the model's config")
     out = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
     out.update(tc)
     out["architectures"] = cfg.get("architectures") or ["Qwen3_5ForCausalLM"]
@@ -74,7 +76,7 @@ def _layer_types_from_interval(n_layer: int, interval: int) -> tuple[str, ...]:
 def _check_gdn(kw: dict[str, Any]) -> None:
     nk, nv = kw["ssm_n_k_heads"], kw["ssm_n_v_heads"]
     for k in ("ssm_conv_kernel", "ssm_n_k_heads", "ssm_n_v_heads", "ssm_k_head_dim", "ssm_v_head_dim"):
-        if not isinstance(kw[k], int) or not 1 <= kw[k] <= (1 << 20):
+        if isinstance(kw[k], bool) or not isinstance(kw[k], int) or not 1 <= kw[k] <= (1 << 20):
             raise InfertraceError(f"Qwen3.5 linear-attention setting {k} = {kw[k]!r} must be an integer in 1..{1 << 20}")
     if nv % nk:
         raise InfertraceError(f"linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}; the config is inconsistent")
@@ -88,6 +90,10 @@ def _ranges(types: tuple[str, ...], want: str) -> str:
 
 def _ledger_hybrid(led: Ledger, kw: dict[str, Any], src: str) -> None:
     types = kw["layer_types"]
+    if FULL not in types:
+        raise InfertraceError(f"every one of the {len(types)} layers is linear_attention (GDN); a Qwen3.5 model without a "
+                              "full-attention layer is not supported (the trace follows the KV of one); check layer_types / "
+                              "full_attention_interval")
     n_lin = sum(t == LINEAR for t in types)
     led.honour("(family) layer map", f"{n_lin} GDN + {len(types) - n_lin} full-attention",
                f"GDN layers {_ranges(types, LINEAR)}; full attention {_ranges(types, FULL)}")
@@ -105,8 +111,8 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
     partial = cfg.pop("partial_rotary_factor", None)  # HF_FOREIGN would refuse it; honoured here
     kw = hf_common(cfg, led, "qwen35")
     rp, rkey = hf_rope_params(cfg, "full_attention")
-    if partial is None:
-        partial = rp.get("partial_rotary_factor", 0.25)
+    # HF ``convert_rope_params_to_dict``: the top-level value (default 0.25) is only a default for rope_parameters'
+    partial = rp.get("partial_rotary_factor", 0.25 if partial is None else partial)
     if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < float(partial) <= 1:
         raise InfertraceError(f"config.json partial_rotary_factor must be a number in (0, 1], got {partial!r}")
     rope_dim = int(kw["head_dim"] * float(partial))
@@ -178,17 +184,29 @@ def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, A
     kw, f = gguf_common({k: v for k, v in meta.items() if k != f"{arch}.rope.dimension_count"}, arch, led)
     led.seen.discard(f.key("rope.dimension_count"))
     led.rows = [r for r in led.rows if r[0] != f.key("rope.dimension_count")]
-    rope_dim = int(rope_dim_raw) if rope_dim_raw is not None else kw["head_dim"] // 4
+    if rope_dim_raw is None:  # llama.cpp would then rotate every dim (n_rot = head dim); Qwen3.5 rotates a quarter
+        raise InfertraceError(f"GGUF lacks {arch}.rope.dimension_count (llama.cpp's converter always writes it; without it "
+                              "llama.cpp rotates the whole head, Qwen3.5 a quarter of it); the file is incomplete")
+    if isinstance(rope_dim_raw, bool) or not isinstance(rope_dim_raw, int):
+        raise InfertraceError(f"GGUF {arch}.rope.dimension_count must be an integer, got {type(rope_dim_raw).__name__}")
+    rope_dim = rope_dim_raw
     if rope_dim % 2 or not 2 <= rope_dim <= kw["head_dim"]:
         raise InfertraceError(f"GGUF {arch}.rope.dimension_count {rope_dim} must be even and <= head dim {kw['head_dim']}")
     led.honour(f.key("rope.dimension_count"), rope_dim, f"RoPE rotates dims 0..{rope_dim - 1} of {kw['head_dim']} per head")
     kw["rope_dim"] = rope_dim
     sec = meta.get(f"{arch}.rope.dimension_sections")
-    sec = [int(x) for x in sec] if isinstance(sec, (list, tuple)) else [11, 11, 10, 0]
+    if sec is None:
+        sec = [11, 11, 10, 0]
+    elif not (isinstance(sec, (list, tuple)) and len(sec) <= 4
+              and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= 4096 for x in sec)):
+        raise InfertraceError(f"GGUF {arch}.rope.dimension_sections must be up to 4 small integers; the file is broken")
+    sec = list(sec)
     led.honour(f.key("rope.dimension_sections"), sec, "M-RoPE sections (ggml_rope_multi); text positions equal on all axes")
     n = kw["n_layer"]
     rec = meta.get(f"{arch}.attention.recurrent_layers")
-    if isinstance(rec, (list, tuple)) and len(rec) >= n:
+    if rec is not None and not (isinstance(rec, (list, tuple)) and len(rec) == n):
+        raise InfertraceError(f"GGUF {arch}.attention.recurrent_layers must list {n} flags (one per block); the file is broken")
+    if rec is not None:
         types = tuple(LINEAR if rec[i] else FULL for i in range(n))
         led.honour(f.key("attention.recurrent_layers"), f"{sum(bool(x) for x in rec[:n])} recurrent of {n}")
     else:
