@@ -49,7 +49,7 @@ class RecurrentState:
     def __init__(self, layers: Sequence[int], conv_dim: int, kernel: int, n_v_heads: int, k_head_dim: int, v_head_dim: int,
                  n_slots: int, convention: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         if n_slots < 1:
-            raise InfertraceError("the recurrent state needs at least one slot; raise --n-seq-max")
+            raise InfertraceError("the recurrent state needs at least one slot; raise EngineOptions.n_seq_max (the CLI uses 64; a running batch never needs more)")
         self.layers = list(layers)
         self.convention = convention
         self.n_slots = n_slots
@@ -74,7 +74,7 @@ class RecurrentState:
 
     def _acquire(self, seq_id: int) -> int:
         if not self.free:
-            raise InfertraceError(f"no free recurrent-state slot for seq {seq_id} ({self.n_slots} slots); raise --n-seq-max")
+            raise InfertraceError(f"no free recurrent-state slot for seq {seq_id} ({self.n_slots} slots); raise EngineOptions.n_seq_max (the CLI uses 64; a running batch never needs more)")
         slot = self.free.pop(0)  # lowest free first
         self.owner[seq_id] = slot
         return slot
