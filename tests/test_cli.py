@@ -216,6 +216,17 @@ def test_bad_model_files(bad_files, name, expect, command):
     assert expect in _one_error_line(invoke(*args))
 
 
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_unknown_model_name_lists_the_registered_names(tmp_path, monkeypatch, command):
+    from infertrace.model.registry import MODEL_NAMES
+
+    monkeypatch.chdir(tmp_path)  # "gemma3" is neither a registered name nor a path here
+    args = ["run", "--model", "gemma3", "--prompt", "hi"] if command == "run" else ["inspect", "gemma3"]
+    line = _one_error_line(invoke(*args))
+    assert "model not found: gemma3" in line and "registered name (smollm2-135m, gemma3-270m)" in line, line
+    assert all(n in line for n in MODEL_NAMES)
+
+
 @pytest.mark.parametrize("args, expect", [
     (["--ctx-size", "8", "--prompt", "one two three four five six seven eight nine ten"], "context holds 8"),
     (["--prompt", "hi", "--layer", "99"], "--layer 99 out of range"),

@@ -80,3 +80,23 @@ def test_another_cell_placement_is_structural(tmp_path: Path) -> None:
     st["kv"]["per_request"][1]["cells"] = "5..6"
     res, _ = cross_engine_diff(b, a)
     assert not res.equal and res.first.variable == "kv" and res.first.step == 1
+
+
+def test_summary_line_is_truthful_across_engines(tmp_path: Path) -> None:
+    """The last line must not claim floats 'within atol 0' after a 0.5 logits gap, and must say
+    which trace kept tensors."""
+    from infertrace.trace.diff import format_diff
+
+    a = json.loads((GOLDEN / "trace.json").read_text())
+    b = _as_llamacpp(a)
+    out = CliRunner().invoke(app, ["diff", str(_save(tmp_path, "lc", b)), str(GOLDEN)])
+    assert out.exit_code == 0, out.output
+    last = out.output.strip().splitlines()[-1]
+    assert "within atol" not in last and "no structural difference" in last, last
+    assert "summarised above" in last and "tensors not compared across engines (neither trace kept them)" in last
+    b["store"] = dict(b.get("store", {}), keep="tensors")  # A (llama.cpp) kept tensors, B did not
+    res, _ = cross_engine_diff(b, a)
+    line = format_diff(res, b, a, "A", "B")[-1]
+    assert "A kept them, B did not" in line and "neither" not in line, line
+    res, _ = cross_engine_diff(a, b)
+    assert "B kept them, A did not" in format_diff(res, a, b, "A", "B")[-1]

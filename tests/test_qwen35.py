@@ -223,6 +223,18 @@ def test_diff_backends_passes_on_the_hybrid_model_with_several_requests(tiny):
     assert d["identical"] and len(d["requests"]) == 3
     kv = [s["checks"]["kv"]["detail"] for s in d["steps"] if not s["idle"]]
     assert all("GDN conv+recurrent state of" in t for t in kv)
+    for be in ("cells", "paged"):  # K/V storage: the 2 attention layers of 4, GDN state on the other 2
+        st = d["storage"][be]
+        assert st["layers"] == 2 and st["kv_layers"] == [1, 3] and st["n_layer"] == 4 and st["state"]["layers"] == [0, 2]
+    sm = d["summary"]["state"]
+    worst = max(s["checks"]["kv"]["state_max_abs"]["conv"] for s in d["steps"] if not s["idle"])
+    assert sm["conv"] == worst and 0 <= sm["recurrent"] <= 1e-4
+    r = CliRunner().invoke(app, ["diff-backends", "--model", str(tiny["dir"]), "-p", "hello world", "-p", "abc", "-n", "3"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.stdout.replace("│", " ").split())
+    assert "× 2 KV layers of 4 (layers 1,3)" in out and "× 4 layers" not in out, out
+    assert "GDN conv [" in out and "(layers 0,2)" in out
+    assert "GDN state (every GDN layer, every request, every step): conv max |Δ|" in out and "recurrent max |Δ|" in out
 
 
 def test_llama_cpp_runs_the_tiny_qwen35_gguf_and_agrees(tiny):

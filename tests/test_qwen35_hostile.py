@@ -188,3 +188,25 @@ def test_partial_rotary_factor_in_rope_parameters_wins_over_the_top_level(q35_di
     with deadline(60):
         res = runner.invoke(app, ["inspect", str(_with(q35_dir, tmp_path, _set(partial_rotary_factor=0.5)))])
     assert res.exit_code == 0 and "RoPE rotates dims 0..3 of each head of 16" in res.output, res.output
+
+
+def test_make_qwen35_checkpoint_has_a_name_and_empty_names_are_hidden(tmp_path):
+    """The synthesized config names the model; a checkpoint without a name shows no empty ``''``."""
+    import json
+
+    from infertrace.model.synth import write_qwen35_08b
+
+    d = write_qwen35_08b(tmp_path / "m", **SMALL)
+    r = CliRunner().invoke(app, ["inspect", str(d)])
+    assert r.exit_code == 0, r.output
+    assert "'Qwen3.5-0.8B-shaped (random weights)'" in r.stdout and "''" not in r.stdout
+    r = CliRunner().invoke(app, ["run", "--model", str(d), "-p", "hi", "-n", "1"])
+    assert r.exit_code == 0, r.output
+    assert "'Qwen3.5-0.8B-shaped (random weights)'" in r.stdout and "''" not in r.stdout
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["_name_or_path"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    for args in (["inspect", str(d)], ["run", "--model", str(d), "-p", "hi", "-n", "1"]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, r.output
+        assert "''" not in r.stdout, r.stdout

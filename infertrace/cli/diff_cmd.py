@@ -42,6 +42,8 @@ def diff(
         res, cross = cross_engine_diff(ma, mb, tuple(ignore or ()))
     else:
         res = diff_traces(ma, mb, atol, rtol, ta, tb, ignore=ignore or ())
+        if not tensors:
+            res.tensors_note = "tensors not compared (--no-tensors)"
     if cross is not None and not as_json:
         from infertrace.present.render_llamacpp import cross_engine_lines
 

@@ -137,7 +137,7 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
     """Print the facts of :func:`inspect_facts`."""
     c = f["config"]
     fmt = f"GGUF v{f['format_version']}" if f["format"] == "gguf" else "HF directory (safetensors)"
-    console.print(Panel(_kv_table([("architecture", Text(visible(c["arch"]), style="cyan")), ("name", repr(f["name"])),
+    console.print(Panel(_kv_table([("architecture", Text(visible(c["arch"]), style="cyan")), ("name", repr(f["name"]) if f["name"] else Text("(not set in the file)", style="dim")),
                                    ("format", fmt), ("path", f["path"])]),
                         title=Text(visible(f["file"]), style="bold"), title_align="left", box=box.ROUNDED))
     cfg_rows = []

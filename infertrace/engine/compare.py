@@ -172,18 +172,22 @@ def compare_step(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], a
     detail = f"{len(a['kv'])} seq(s) × {n_layer} layers, max |Δ| {worst:.3g}"
     sa, sb = a.get("state") or {}, b.get("state") or {}
     if sa or sb:  # hybrid: fixed-size GDN state (conv + recurrent) must agree like K/V does
-        sworst = 0.0
+        sworst, cworst, rworst = 0.0, 0.0, 0.0
         if set(sa) != set(sb):
             why.append(f"requests holding GDN state differ: {na} {sorted(sa)} vs {nb} {sorted(sb)}")
         for sid in sorted(set(sa) & set(sb)):
-            d = max(float((sa[sid][0].float() - sb[sid][0].float()).abs().max()),
-                    float((sa[sid][1].float() - sb[sid][1].float()).abs().max()))
-            sworst = max(sworst, d)
+            dc = float((sa[sid][0].float() - sb[sid][0].float()).abs().max())  # conv state [n_gdn, conv_dim, K-1]
+            dr = float((sa[sid][1].float() - sb[sid][1].float()).abs().max())  # recurrent state [n_gdn, Hv, dk, dv]
+            d = max(dc, dr)
+            sworst, cworst, rworst = max(sworst, d), max(cworst, dc), max(rworst, dr)
             if d > atol:
                 why.append(f"seq {sid}: GDN state max |Δ| = {d:.3g}")
         worst = max(worst, sworst)
         detail += f"; GDN conv+recurrent state of {len(sa)} seq(s), max |Δ| {sworst:.3g}"
+        state_abs = {"conv": cworst, "recurrent": rworst}
     checks["kv"] = {"ok": not why, "max_abs": worst, "detail": detail if not why else "; ".join(why)}
+    if sa or sb:
+        checks["kv"]["state_max_abs"] = state_abs  # GDN state alone: conv and recurrent max |Δ|
     # tokens
     ok = a["tokens"] == b["tokens"]
     checks["tokens"] = {"ok": ok, "detail": "" if ok else f"{na} {a['tokens']} vs {nb} {b['tokens']}"}
@@ -271,12 +275,21 @@ def diff_backends(loaded: Any, prompts: list[Any], opts: EngineOptions, atol: fl
 
 
 def _storage(e: Engine) -> dict[str, Any]:
+    """Storage facts: ``layers`` counts the layers holding K/V (hybrid models: the attention layers only,
+    named in ``kv_layers``); ``state`` (hybrid only) the GDN conv and recurrent state per layer."""
     kv, cfg = e.kv, e.model.cfg
+    kv_layers = list(getattr(kv, "kv_layers", range(cfg.n_layer)))
     if kv.kind == "cells":
-        return {"kind": "cells", "shape": [kv.size, cfg.n_head_kv, cfg.head_dim], "tensors": "k_l, v_l per layer",
-                "layers": cfg.n_layer, "mask": "explicit kq_mask ne = [n_kv, n_tokens_pad, 1, n_stream], 0 / -inf"}
-    return {"kind": "paged", "shape": [kv.num_blocks, 2, cfg.n_head_kv, kv.B, cfg.head_dim], "tensors": "pool per layer",
-            "layers": cfg.n_layer, "mask": "no dense tensor: mask_type causal + seq_lens, kv_lens, cu_seqlens, block tables"}
+        out = {"kind": "cells", "shape": [kv.size, cfg.n_head_kv, cfg.head_dim], "tensors": "k_l, v_l per layer",
+               "mask": "explicit kq_mask ne = [n_kv, n_tokens_pad, 1, n_stream], 0 / -inf"}
+    else:
+        out = {"kind": "paged", "shape": [kv.num_blocks, 2, cfg.n_head_kv, kv.B, cfg.head_dim], "tensors": "pool per layer",
+               "mask": "no dense tensor: mask_type causal + seq_lens, kv_lens, cu_seqlens, block tables"}
+    out.update(layers=len(kv_layers), n_layer=cfg.n_layer, kv_layers=kv_layers)
+    st = getattr(kv, "state", None)
+    if st is not None:
+        out["state"] = {"layers": list(st.layers), "conv": [st.n_slots, *st.conv_shape], "recurrent": [st.n_slots, *st.rec_shape]}
+    return out
 
 
 def _summary(steps: list[dict[str, Any]], mismatches: list[dict[str, Any]]) -> dict[str, Any]:
@@ -286,6 +299,9 @@ def _summary(steps: list[dict[str, Any]], mismatches: list[dict[str, Any]]) -> d
         out[var] = {"compared": len(cs), "mismatched_steps": sorted({m["step"] for m in mismatches if m["variable"] == var})}
         if var in ("kv", "logits"):
             out[var]["max_abs"] = max((c["max_abs"] for c in cs), default=0.0)
+    sts = [c["state_max_abs"] for c in (s["checks"].get("kv", {}) for s in steps) if "state_max_abs" in c]
+    if sts:  # hybrid: the GDN state compared beside K/V
+        out["state"] = {k: max(x[k] for x in sts) for k in ("conv", "recurrent")}
     out["queries"] = sum(sum(b["T"] for b in s["batch"]) for s in steps if "mask" in s["checks"])
     out["logits_rows"] = sum(s["checks"]["logits"]["rows"] for s in steps if "logits" in s["checks"])
     return out

@@ -30,13 +30,15 @@ import torch
 from infertrace.attention.reference import attention_with_kq_mask
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec, ranges_text
+from infertrace.trace.schema import N_KV_PAD_MAX
 
 #: query rows of kq_mask are padded to a multiple of this (llama.cpp once padded to
 #: ``GGML_KQ_MASK_PAD`` = 64; the llama.cpp measured by ``run --engine llama.cpp`` does not pad).
 KQ_MASK_PAD = 1
 #: ``n_kv`` is padded to a multiple of this (llama.cpp ``llama_kv_cache::get_n_kv``: ``max(n_pad, 256)``,
-#: "so that the graph remains constant across batches and can be reused"), capped at the cache size.
-N_PAD = 256
+#: "so that the graph remains constant across batches and can be reused"), capped at the cache size;
+#: one constant with the trace checks and the ``dump-kv`` text (torch-free, in the trace layer).
+N_PAD = N_KV_PAD_MAX
 
 
 class CellsKV:

@@ -42,6 +42,7 @@ CONFIG_08B = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
     "torch_dtype": "bfloat16", RANDOM_KEY: RANDOM_NOTE,
+    "_name_or_path": "Qwen3.5-0.8B-shaped (random weights)",  # the model name runs and inspect show
 }
 
 

@@ -127,8 +127,8 @@ def render_header(console: Console, trace: RunTrace) -> None:
     lines = [
         ("model", Text.assemble(Text(str(m.get("file", "?")), style="cyan"),
                                      f"  ({human_bytes(int(m.get('size', 0)))}, {m.get('source', '?')}"
-                                     f", header sha256 {m.get('metadata_sha256', '?')})  ",
-                                     Text(repr(m.get("name", "")), style="dim"))),
+                                     f", header sha256 {m.get('metadata_sha256', '?')})",
+                                     Text(f"  {m['name']!r}" if m.get("name") else "", style="dim"))),  # no name: nothing
         ("config", f"{c['arch']} · {c['n_layer']} layers · H={c['n_embd']} · heads {c['n_head']} "
                        f"(kv {c['n_head_kv']}, GQA ×{c['n_head'] // max(1, c['n_head_kv'])}) · head_dim {c['head_dim']} · "
                        f"ffn {c['n_ff']} · vocab {c['vocab_size']} · n_ctx_train {c['n_ctx_train']}"),

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from infertrace.present.render import DIM, _facts, piece_text
+from infertrace.ranges import ranges_text
 
 OK, BAD = "green", "bold red"
 _CONV = {"cells": "llama.cpp", "paged": "TensorRT-LLM/vLLM"}
@@ -52,7 +53,17 @@ _PHYS = {"cells": _cells_phys, "paged": _paged_phys}
 
 
 def _storage_text(s: dict[str, Any]) -> str:
-    return f"{s['tensors']} {s['shape']} × {s['layers']} layers · {s['mask']}"
+    n_layer = s.get("n_layer", s["layers"])
+    if s["layers"] == n_layer:
+        return f"{s['tensors']} {s['shape']} × {s['layers']} layers · {s['mask']}"
+    return (f"{s['tensors']} {s['shape']} × {s['layers']} KV layers of {n_layer} (layers "
+            f"{ranges_text(s.get('kv_layers', []))}) · {s['mask']}")
+
+
+def _state_text(s: dict[str, Any]) -> str:
+    st = s["state"]
+    return (f"GDN conv {st['conv']} + recurrent {st['recurrent']} per layer × {len(st['layers'])} layers "
+            f"(layers {ranges_text(st['layers'])}), compared with K/V")
 
 
 def _requests_facts(reqs: list[dict[str, Any]]) -> list[tuple[str, Text]]:
@@ -71,6 +82,8 @@ def render_backends_diff(console: Console, rep: dict[str, Any]) -> None:
     head = [(f"{na} ({_CONV.get(na, '?')})", _storage_text(rep["storage"][na])),
             (f"{nb} ({_CONV.get(nb, '?')})", _storage_text(rep["storage"][nb])),
             ("tolerance", f"atol {rep['atol']:g} on logits and K/V ({rep['dtype']}); positions, masks, tokens exact")]
+    if "state" in rep["storage"][na]:  # hybrid: the recurrent state beside K/V
+        head.insert(2, ("state", _state_text(rep["storage"][na])))
     console.print(Panel(_facts(head + _requests_facts(rep["requests"])), title=Text.assemble(("diff-backends", "bold"), f" · {na} vs {nb}, lockstep"),
                         title_align="left", box=box.ROUNDED))
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1),
@@ -94,6 +107,13 @@ def render_backends_diff(console: Console, rep: dict[str, Any]) -> None:
     _verdict_backends(console, rep)
 
 
+def _state_line(console: Console, sm: dict[str, Any], style: str) -> None:
+    """Hybrid models: the GDN state comparison (conv and recurrent max |Δ|) beside the K/V one."""
+    if "state" in sm:
+        console.print(Text(f"GDN state (every GDN layer, every request, every step): conv max |Δ| {sm['state']['conv']:.2g}, "
+                           f"recurrent max |Δ| {sm['state']['recurrent']:.2g}", style=style))
+
+
 def _verdict_backends(console: Console, rep: dict[str, Any]) -> None:
     sm = rep["summary"]
     if rep["identical"]:
@@ -102,7 +122,9 @@ def _verdict_backends(console: Console, rep: dict[str, Any]) -> None:
             f"{sm['queries']} queries — same schedule, positions and visible keys; K/V max |Δ| {sm['kv']['max_abs']:.2g} "
             f"(all layers, every request, every step); sampled tokens equal; logits max |Δ| {sm['logits']['max_abs']:.2g} "
             f"over {sm['logits_rows']} rows (atol {rep['atol']:g}). The physical columns differ by design.", style="bold green"))
+        _state_line(console, sm, "bold green")
         return
+    _state_line(console, sm, "")
     console.print(Text(f"LOGICAL MISMATCH ({len(rep['mismatches'])}):", style=BAD))
     for m in rep["mismatches"][:20]:
         console.print(Text(f"  step {m['step']} · {m['variable']}: {m['detail']}", style="red"))

@@ -18,6 +18,7 @@ from rich.text import Text
 
 from infertrace.ranges import ranges_text
 from infertrace.present.render import DIM, _facts, _table, floats, human_bytes
+from infertrace.trace.schema import N_KV_PAD_MAX
 
 _ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -73,7 +74,8 @@ def _cells_view(d: dict[str, Any]) -> list[RenderableType]:
     parts: list[RenderableType] = [_facts([
         ("cells", f"size {ph['size']} · used {ph['used']} · head {ph.get('head_before', ph['head'])} → "
                   f"{ph.get('head_after', ph['head'])} · n = used_max_p1 {lay['used_max_p1']} · n_kv {ph['n_kv']} "
-                  "(cells the graph reads: used_max_p1 padded to 32)"),
+                  f"(cells the graph reads: used_max_p1 padded to a multiple of {N_KV_PAD_MAX}, at least "
+                  f"{N_KV_PAD_MAX}, at most size)"),
     ])]
     t = _table("cells", "seq_id", "pos", "")
     for s in lay["stretches"]:

@@ -6,45 +6,73 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
+
+from infertrace.safe_text import visible
 
 
-def render_llamacpp_diff(con: Console, rep: dict[str, Any]) -> None:
-    """Print the report; every value from the run is escaped for rich markup."""
+def _t(*parts: Any) -> Text:
+    """A line from plain strings and ``(text, style)`` pairs: styles are Rich styles, never markup
+    (the console does not interpret markup, see :class:`infertrace.safe_text.SafeConsole`)."""
+    t = Text()
+    for p in parts:
+        if isinstance(p, tuple):
+            t.append(p[0], style=p[1])
+        else:
+            t.append(p)
+    return t
+
+
+def llamacpp_diff_lines(rep: dict[str, Any]) -> tuple[list[Text], Table, list[Text]]:
+    """The report as styled lines before and after the float table; every value from the run is
+    made terminal-safe with :func:`infertrace.safe_text.visible` (no markup anywhere)."""
     st = rep["structural"]
     ok = not st["mismatches"]
-    con.print(f"[bold]cells backend vs llama.cpp[/bold] (teacher-forced, same ubatches, layer {rep['layer']})")
-    con.print(f"structure: {st['checked']} exact checks (inp_pos, n_kv, kq_mask ne and cells, out_ids, ownership, head): "
-              + ("[green]all equal[/green]" if ok else f"[red]{len(st['mismatches'])} differ[/red]"))
-    con.print(f"cell placement: {escape(st['placement'])}")
+    head = [_t(("cells backend vs llama.cpp", "bold"), f" (teacher-forced, same ubatches, layer {visible(rep['layer'])})"),
+            _t(f"structure: {st['checked']} exact checks (inp_pos, n_kv, kq_mask ne and cells, out_ids, ownership, head): ",
+               ("all equal", "green") if ok else (f"{len(st['mismatches'])} differ", "red")),
+            _t(f"cell placement: {visible(st['placement'])}")]
     md = st.get("mask_dtype", {})
-    con.print(f"kq_mask dtype: ours {escape(', '.join(md.get('ours', [])))}, llama.cpp {escape(', '.join(md.get('llama.cpp', [])))}"
-              " (F16 when llama.cpp uses flash attention; values are 0 / -inf either way)")
+    head.append(_t(f"kq_mask dtype: ours {visible(', '.join(md.get('ours', [])))}, llama.cpp "
+                   f"{visible(', '.join(md.get('llama.cpp', [])))}"
+                   " (F16 when llama.cpp uses flash attention; values are 0 / -inf either way)"))
     for m in st["mismatches"][:10]:
-        con.print(f"  [red]step {m['step']} {escape(m['variable'])}[/red]: {escape(m['detail'])}")
+        head.append(_t("  ", (f"step {m['step']} {visible(m['variable'])}", "red"), f": {visible(m['detail'])}"))
     nt, fl = rep["next_token"], rep["floor"]
     t = Table(title="float agreement (ours float32 = base)", show_lines=False)
     for c in ("", "llama.cpp", "noise floor", "tolerance"):
-        t.add_column(escape(c))
+        t.add_column(c)
     for v in ("hidden", "k", "v", "logits"):
         t.add_row(f"max |Δ| {v}", f"{rep['max_abs'][v]:.4g}", f"{fl['max_abs'][v]:.4g}", f"{fl['factor'] * fl['max_abs'][v]:.4g}")
     for k, name in (("kl_mean", "KL mean"), ("kl_p99", "KL p99"), ("kl_max", "KL max")):
         t.add_row(name, f"{nt[k]:.3g}", f"{fl['next_token'][k]:.3g}", "")
     t.add_row("same top token", f"{nt['same_top']}/{nt['rows']} ({nt['same_top_rate']:.1%})",
               f"{fl['next_token']['same_top']}/{fl['next_token']['rows']}", "")
-    con.print(t)
-    con.print(f"noise floor: {escape(fl['how'])}")
+    tail = [_t(f"noise floor: {visible(fl['how'])}")]
     fe = rep["first_exceeding"]
-    con.print("first step over the floor: " + ("[green]none[/green]" if fe is None else
-              f"[red]step {fe['step']} layer {escape(str(fe['layer']))} {escape(fe['variable'])}: {fe['value']:.4g} > tolerance {fe['tolerance']:.4g}[/red]"))
-    con.print(f"near tie: {escape(rep['near_tie_rule'])}")
+    tail.append(_t("first step over the floor: ", ("none", "green") if fe is None else
+                   (f"step {fe['step']} layer {visible(fe['layer'])} {visible(fe['variable'])}: {fe['value']:.4g} > "
+                    f"tolerance {fe['tolerance']:.4g}", "red")))
+    tail.append(_t(f"near tie: {visible(rep['near_tie_rule'])}"))
     for d in nt["disagreements"]:
-        con.print(f"  step {d['step']} seq {d['seq_id']} pos {d['pos']}: ours {d['base_top']} (rank {d['rank_of_base_top_in_new']} in "
-                  f"llama.cpp), llama.cpp {d['new_top']} (rank {d['rank_of_new_top_in_base']} in ours), gaps "
-                  f"{d['logp_gap_base']} / {d['logp_gap_new']} nats: " + ("near tie" if d["near_tie"] else "[red]not a near tie[/red]"))
-    con.print("[green]identical in structure, within the noise floor[/green]" if rep["identical"] else
-              f"[red]{len(rep['mismatches'])} mismatch(es)[/red]")
+        tail.append(_t(f"  step {d['step']} seq {d['seq_id']} pos {d['pos']}: ours {d['base_top']} (rank "
+                       f"{d['rank_of_base_top_in_new']} in llama.cpp), llama.cpp {d['new_top']} (rank "
+                       f"{d['rank_of_new_top_in_base']} in ours), gaps {d['logp_gap_base']} / {d['logp_gap_new']} nats: ",
+                       "near tie" if d["near_tie"] else ("not a near tie", "red")))
+    tail.append(_t(("identical in structure, within the noise floor", "green") if rep["identical"] else
+                   (f"{len(rep['mismatches'])} mismatch(es)", "red")))
+    return head, t, tail
+
+
+def render_llamacpp_diff(con: Console, rep: dict[str, Any]) -> None:
+    """Print the report built by :func:`llamacpp_diff_lines` (styled Text, never markup)."""
+    head, table, tail = llamacpp_diff_lines(rep)
+    for line in head:
+        con.print(line)
+    con.print(table)
+    for line in tail:
+        con.print(line)
 
 
 def _plain(x: Any) -> str:

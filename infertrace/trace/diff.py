@@ -53,6 +53,7 @@ class DiffResult:
     rtol: float
     tensors_compared: int = 0
     tensors_note: str = ""
+    cross_engine: bool = False  # structure projections of two engines' traces (floats summarised, not held to atol/rtol)
     differences: list[Divergence] = field(default_factory=list)  # the first few
 
     @property
@@ -218,7 +219,8 @@ def diff_traces(a: dict[str, Any], b: dict[str, Any], atol: float = DEFAULT_ATOL
         res.tensors_compared = len(common)
         res.tensors_note = f"{len(common)} tensors compared" + (f" ({only} kept by only one trace, skipped)" if only else "")
     elif tensors_a is not None or tensors_b is not None:
-        res.tensors_note = "tensors not compared: only one trace kept them (the other was saved with --keep summary)"
+        res.tensors_note = ("tensors not compared: only " + ("A" if tensors_a is not None else "B") + " kept them ("
+                            + ("B" if tensors_a is not None else "A") + " was saved with --keep summary)")
     else:
         res.tensors_note = "tensors not compared: neither trace kept them"
 
@@ -282,6 +284,9 @@ def _row_text(step: dict[str, Any] | None, seq_id: int | None) -> str:
 def format_diff(res: DiffResult, a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_b: str = "B") -> list[str]:
     """Readable lines: the first divergence (where, A vs B, context), counts, tolerances."""
     tol = f"atol {res.atol:g}, rtol {res.rtol:g}"
+    if res.first is None and res.cross_engine:
+        return [f"no structural difference between {name_a} and {name_b} (structure compared exactly; floats differ "
+                f"between engines and are summarised above, not held to --atol/--rtol; {res.tensors_note})"]
     if res.first is None:
         return [f"no difference between {name_a} and {name_b} (floats within {tol}; {res.tensors_note})"]
     d = res.first

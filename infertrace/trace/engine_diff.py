@@ -128,6 +128,11 @@ def cross_engine_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, .
     """Structure of ``a`` and ``b`` exactly (a :class:`DiffResult` over the projections, tolerance 0)
     plus the float summary and representation notes."""
     res = diff_traces(structure(a), structure(b), 0.0, 0.0, ignore=ignore)
+    res.cross_engine = True
+    kept = [m.get("store", {}).get("keep") == "tensors" for m in (a, b)]
+    res.tensors_note = "tensors not compared across engines (" + (
+        "both traces kept them" if all(kept) else "A kept them, B did not" if kept[0] else
+        "B kept them, A did not" if kept[1] else "neither trace kept them") + ")"
     info = {"engines": [a.get("engine", "infertrace"), b.get("engine", "infertrace")], "floats": floats(a, b),
             "dtypes": {"a": _dtypes(a), "b": _dtypes(b)}}
     return res, info

@@ -44,7 +44,8 @@ LIMITS = {
     "MAX_RANGE_ITEMS": 1 << 24,    # integers one range text such as "0..3,7" may stand for
 }
 L = LIMITS
-#: the largest cache padding of n_kv (llama.cpp pads used_max_p1 to 32, or 256 with flash attention)
+#: the cache padding of n_kv: llama.cpp ``get_n_kv`` pads used_max_p1 to a multiple of 256, at least 256, at most
+#: the cache size (older llama.cpp padded to 32 without flash attention, which this bound also admits)
 N_KV_PAD_MAX = 256
 _NUM_ABS = 1e300  # ints stored where a float is expected must convert to a finite float
 
@@ -573,7 +574,7 @@ def _kv_consistent(st: dict[str, Any], p: str) -> None:
             if c["cell"] >= size:
                 raise Bad(f"{p}.kv.physical.cells", f"cell {c['cell']} outside the cache of size {size}")
             used_max_p1 = max(used_max_p1, c["cell"] + 1)
-        pad = max(N_KV_PAD_MAX, -(-used_max_p1 // 32) * 32)
+        pad = max(N_KV_PAD_MAX, -(-used_max_p1 // N_KV_PAD_MAX) * N_KV_PAD_MAX)
         if ph["n_kv"] > pad:  # llama.cpp: n_kv = used_max_p1 padded (get_padding), never more
             raise Bad(f"{p}.kv.physical.n_kv", f"{ph['n_kv']} but the cells used end at {used_max_p1} (padded: {pad})")
         return
