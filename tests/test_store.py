@@ -101,6 +101,10 @@ def test_round_trip_and_lazy_tensors(smol, tmp_path):
     # a summary save: manifest only, and an older tensors file is removed
     save_trace(trace, tmp_path)
     assert load_tensors(tmp_path) is None and not (tmp_path / "tensors.safetensors").exists()
+    # run --save runs/first with no runs/ yet: the missing parents are created, the trace loads back
+    nested = tmp_path / "runs" / "deeper" / "first"
+    save_trace(trace, nested)
+    assert [s.to_dict() for s in load_trace(nested).steps] == [s.to_dict() for s in trace.steps]
 
 
 def test_tensor_capture_keeps_records_and_evidence_layer(smol):

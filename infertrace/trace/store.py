@@ -89,8 +89,8 @@ def save_trace(trace: RunTrace, directory: str | Path, tensors: TensorFile | Non
 
     Args:
         trace: the run (live or loaded).
-        directory: must not exist, or be an empty directory, or (``replace``) hold only the
-            files of a saved trace (they are replaced as a whole).
+        directory: must not exist (missing parent directories are created), or be an empty
+            directory, or (``replace``) hold only the files of a saved trace (replaced as a whole).
         tensors: the serialised tensors (:func:`infertrace.capture.tensors.encode_tensors` of the
             ``{name: torch.Tensor}`` that :func:`infertrace.runner.run_requests` fills); None =
             ``keep summary`` (manifest only).
@@ -113,6 +113,7 @@ def save_trace(trace: RunTrace, directory: str | Path, tensors: TensorFile | Non
     shown = visible(str(d))
     tmp: Path | None = None
     try:
+        d.parent.mkdir(parents=True, exist_ok=True)  # run --save runs/first with no runs/ yet
         tmp = fresh_dir_beside(d)
         written: dict[str, int] = {}
         index = {}
