@@ -48,15 +48,9 @@ CONFIG_08B = {
 
 def _byte_tokens() -> list[str]:
     """GPT-2 byte-to-unicode table (the byte-level pre-tokenizer's alphabet), token i = byte i."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
+    from infertrace.model.tokenizer import _BYTE_ENCODER  # the table the tokenizer decodes with
+
+    return [_BYTE_ENCODER[b] for b in range(256)]
 
 
 def write_tokenizer(d: Path, vocab: int) -> None:
