@@ -131,6 +131,18 @@ GEMMA_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm", 
                "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+def add_tiny_tokenizer(wr, vocab: int) -> None:
+    """The tiny byte-level BPE (256 bytes, one merge, two specials) into a gguf-py GGUFWriter."""
+    wr.add_vocab_size(vocab)
+    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_pre("default")
+    wr.add_token_list(TOKENS)
+    wr.add_token_types([1] * 257 + [3, 3])
+    wr.add_token_merges(["h e"])
+    wr.add_eos_token_id(VOCAB - 1)
+    wr.add_add_bos_token(False)
+
+
 def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch: str | None = None,
                kv: dict | None = None, extra_tensors: dict | None = None) -> Path:
     """Write the same weights as a GGUF of the family's llama.cpp arch (F32 tensors, ggml names).
@@ -167,14 +179,7 @@ def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch
             wr.add_float32(key, v)
         else:
             wr.add_string(key, str(v))
-    wr.add_vocab_size(s["vocab"])
-    wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("default")
-    wr.add_token_list(TOKENS)
-    wr.add_token_types([1] * 257 + [3, 3])
-    wr.add_token_merges(["h e"])
-    wr.add_eos_token_id(VOCAB - 1)
-    wr.add_add_bos_token(False)
+    add_tiny_tokenizer(wr, s["vocab"])
     names = GEMMA_NAMES if fam == "gemma3" else GGUF_NAMES
     permute = arch == "llama"
     for k, t in w.items():

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from tests.tiny import TOKENS, VOCAB, write_hf
+from tests.tiny import VOCAB, add_tiny_tokenizer, write_hf
 
 SHAPE = dict(n_layer=4, H=32, n_head=4, n_kv=2, head_dim=16, ff=48, vocab=VOCAB, nk=2, nv=4, dk=8, dv=8, conv=4,
              interval=2, partial=0.25, tie=False)
@@ -128,14 +128,7 @@ def write_gguf(path: Path, w: dict, s: dict, extra_kv: dict | None = None) -> Pa
     wr.add_full_attention_interval(s["interval"])
     for k, v in (extra_kv or {}).items():
         wr.add_uint32(f"qwen35.{k}", v)
-    wr.add_vocab_size(s["vocab"])
-    wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("default")
-    wr.add_token_list(TOKENS)
-    wr.add_token_types([1] * 257 + [3, 3])
-    wr.add_token_merges(["h e"])
-    wr.add_eos_token_id(VOCAB - 1)
-    wr.add_add_bos_token(False)
+    add_tiny_tokenizer(wr, s["vocab"])
     qk = 2 * nk * dk
     for k, t in w.items():
         if k == "model.embed_tokens.weight":
