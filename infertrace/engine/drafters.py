@@ -79,6 +79,17 @@ class NgramDrafter:
         return out  # the longest match's followers first, then shorter suffixes' (a tree's other branches)
 
     def draft(self, engine: Any, reqs: list[Any], parents: Sequence[int]) -> dict[int, Draft]:
+        """Prompt-lookup drafts for every request (llama.cpp ``common_ngram`` lookup, vLLM ``NgramProposer``).
+
+        Args:
+            engine: the target engine (unused: n-gram drafting reads only the token history).
+            reqs: running requests; their ``cache_ids`` are the context searched.
+            parents: the static tree, parent index per draft node (-1 = the pending token).
+
+        Returns:
+            ``{seq_id: (tokens, probs)}``: one token id per node (None where no earlier match
+            proposes one; its subtree is dropped) and ``probs`` all None (a point-mass draft, q = 1).
+        """
         rk = ranks(parents)
         nsib = [sum(1 for q in parents if q == p) for p in parents]
         res: dict[int, Draft] = {}
@@ -99,7 +110,7 @@ class NgramDrafter:
         return res
 
     def release(self, seq_id: int) -> None:
-        pass
+        """Nothing to free: n-gram drafting keeps no per-sequence state."""
 
 
 def layer_skip(model: Any, k: int) -> Any:
@@ -141,6 +152,7 @@ class DraftModelDrafter:
         self.forwards = 0
 
     def release(self, seq_id: int) -> None:
+        """Free ``seq_id``'s cells in the draft model's own cache (llama.cpp ``seq_rm(seq, -1, -1)``)."""
         if seq_id in self.cached:
             self.kv.release(seq_id)
             del self.cached[seq_id]
@@ -181,6 +193,21 @@ class DraftModelDrafter:
         return int(torch.multinomial(q, 1, generator=g)), q
 
     def draft(self, engine: Any, reqs: list[Any], parents: Sequence[int]) -> dict[int, Draft]:
+        """Draft-model proposals (llama.cpp ``common_speculative_gen_draft``, vLLM ``DraftModelProposer``).
+
+        The draft's cache is first brought in step with each request's accepted tokens
+        (``seq_rm`` of its stale tail, then the missing tokens evaluated); a chain then runs one
+        batched draft forward per depth, a tree walks its nodes.
+
+        Args:
+            engine: the target engine (its sampler order and sampling parameters are used).
+            reqs: running requests.
+            parents: parent index per draft node (-1 = the pending token).
+
+        Returns:
+            ``{seq_id: (tokens, probs)}``: a token id per node and, when sampling, the draft's
+            distribution ``q`` (float32 ``[V]``) it was drawn from (None for greedy: rank-th argmax).
+        """
         order = engine.sampler_order
         rk = ranks(parents)
         chain = list(parents) == list(range(-1, len(parents) - 1))
