@@ -25,36 +25,18 @@ from rich.table import Table
 from rich.text import Text
 
 from infertrace.ranges import ranges_text
-from infertrace.safe_text import has_unsafe, visible
 from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
+from infertrace.present.text import piece_text  # noqa: F401 - used here and re-exported
 from infertrace.present.render_serving import serving_mark, serving_view
 from infertrace.present.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_output_text,
                                             spec_tokens_text, with_extra)
 
-_VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
 KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"
 #: what an idle step (nothing scheduled, N = 0) shows
 IDLE_TEXT = "nothing scheduled (waiting for arrivals)"
 
 
 # ----------------------------------------------------------------------------- small formatters
-
-
-def piece_text(piece: str | None) -> str:
-    """Quoted, visible form of a token piece: ``' Paris'``, ``'⏎⏎'``; control bytes as ``\\xNN``
-    (C1 and bidi controls too, as :func:`infertrace.safe_text.visible`)."""
-    if piece is None:
-        return "-"
-    out = []
-    for ch in piece:
-        if ch in _VISIBLE:
-            out.append(_VISIBLE[ch])
-        elif has_unsafe(ch):  # C0, DEL, C1, bidi controls: visible escapes (safe_text.visible)
-            out.append(visible(ch))
-        else:
-            out.append(ch)
-    body = "".join(out)
-    return f'"{body}"' if "'" in body and '"' not in body else f"'{body}'"
 
 
 def short(items: Sequence[str], head: int = 3, tail: int = 1, sep: str = " ") -> str:
