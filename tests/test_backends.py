@@ -131,11 +131,11 @@ def test_diff_backends_text_names_step_and_variable(monkeypatch):
 
 def test_diff_backends_idle_steps_tiny(tmp_path):
     """Lockstep on a tiny random model with an arrival gap: idle steps are compared too."""
-    from infertrace.engine.compare import diff_backends
+    from infertrace.compare.backends import diff_backends
     from infertrace.engine.engine import EngineOptions
     from infertrace.engine.sampler import SamplingParams
     from infertrace.model.llama import LlamaModel
-    from infertrace.model.weights import load_checkpoint
+    from infertrace.loading.weights import load_checkpoint
     from infertrace.runner import Loaded, PromptSpec
     from tests.tiny import make_weights, write_gguf
 

@@ -8,7 +8,7 @@ from infertrace.engine.engine import EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
 from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.loading.weights import load_checkpoint
 from infertrace.runner import Loaded, PromptSpec, run_requests
 from tests.tiny import make_weights, write_gguf
 

@@ -31,7 +31,7 @@ THREE = ["The capital of France is", "def add(a, b):", "Once upon a time, in a s
 
 @pytest.fixture(scope="module")
 def one(smol, llama_cpp):
-    from infertrace.engine.llamacpp_compare import compare_with_llamacpp
+    from infertrace.compare.llamacpp import compare_with_llamacpp
 
     specs = [PromptSpec("The capital of France is", SamplingParams(max_new_tokens=32, ignore_eos=True))]
     return _dump("one", compare_with_llamacpp(smol, specs, EngineOptions(), layer=0))
@@ -39,7 +39,7 @@ def one(smol, llama_cpp):
 
 @pytest.fixture(scope="module")
 def three(smol, llama_cpp):
-    from infertrace.engine.llamacpp_compare import compare_with_llamacpp
+    from infertrace.compare.llamacpp import compare_with_llamacpp
 
     p = SamplingParams(max_new_tokens=32, ignore_eos=True)
     specs = [PromptSpec(t, p, a) for t, a in zip(THREE, (0, 1, 3))]
@@ -92,7 +92,7 @@ def test_floats_within_measured_floor(case, request) -> None:
 
 @pytest.fixture(scope="module")
 def worked(smol, llama_cpp):
-    from infertrace.engine.llamacpp_engine import run_requests_llamacpp
+    from infertrace.runtimes.llamacpp.engine import run_requests_llamacpp
 
     specs = [PromptSpec("The capital of", SamplingParams(max_new_tokens=3))]
     return run_requests_llamacpp(smol, specs, EngineOptions(), layer=0)

@@ -6,12 +6,12 @@ diff-backends still agrees."""
 import pytest
 import torch
 
-from infertrace.engine.compare import diff_backends
+from infertrace.compare.backends import diff_backends
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.kv.prefix_cache import block_hash
 from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.loading.weights import load_checkpoint
 from infertrace.runner import Loaded, PromptSpec
 from tests.tiny import make_weights, write_gguf
 

@@ -13,7 +13,7 @@ from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.model.decoder import DecoderModel
 from infertrace.model.gdn import delta_rule_chunked, delta_rule_recurrent
-from infertrace.model.weights import load_checkpoint
+from infertrace.loading.weights import load_checkpoint
 from tests.tiny_qwen35 import hf_model, make_weights, write_gguf, write_hf_dir
 
 pytest.importorskip("transformers")

@@ -224,7 +224,7 @@ def test_gguf_and_safetensors_copies_give_same_logits(smol, hf_smol, tmp_path):
     """HF transformers dequantises the same GGUF and saves it as safetensors (HF half-split Q/K
     order); our loader reads both copies; the logits agree."""
     from infertrace.model.llama import LlamaModel
-    from infertrace.model.weights import load_checkpoint
+    from infertrace.loading.weights import load_checkpoint
 
     import json
 

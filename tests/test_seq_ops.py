@@ -13,7 +13,7 @@ from infertrace.kv.cells import CellsKV
 from infertrace.kv.prefix_cache import SharedPagedKV
 from infertrace.kv.seq_ops import cells_defrag, cells_seq_add, cells_seq_cp, cells_seq_keep, seq_cp, seq_rm, shift_out
 from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.loading.weights import load_checkpoint
 from tests.tiny import make_weights, write_gguf
 
 

@@ -16,7 +16,7 @@ from infertrace.engine.speculative import Speculator
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.loading.weights import load_checkpoint
 from tests.tiny import make_weights, write_gguf
 
 TOPK = 3

@@ -77,7 +77,7 @@ def load_with_progress(model: Optional[Path], dtype: str, device: str, progress:
     Raises:
         InfertraceError: as :func:`load_model`; ``threads`` < 1.
     """
-    from infertrace.model.registry import resolve_model
+    from infertrace.loading.registry import resolve_model
     from infertrace.runner import load_model
     from infertrace.threads import apply_threads, choose_threads
 
@@ -166,7 +166,7 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
     Raises:
         InfertraceError: unreadable file, or a malformed line (message names the line number).
     """
-    from infertrace.model.limits import MAX_PROMPTS_FILE_BYTES
+    from infertrace.loading.limits import MAX_PROMPTS_FILE_BYTES
 
     try:
         with open(path, "rb") as fh:  # a pipe (--prompts <(cmd)) is fine; /dev/zero or a huge file stops at the limit

@@ -2,8 +2,8 @@
 engine and an external reference), logical variables compared, physical layouts side by side.
 
 Thin: validate options (as ``run``), load the model, call
-:func:`infertrace.engine.compare.diff_backends` or
-:func:`infertrace.engine.against.compare_with_reference`, print (rich or ``--json``).
+:func:`infertrace.compare.backends.diff_backends` or
+:func:`infertrace.compare.hf.compare_with_reference`, print (rich or ``--json``).
 Exit codes: 0 logically identical, 1 a logical mismatch (CI can rely on it), 2 bad input.
 """
 
@@ -93,17 +93,17 @@ def diff_backends(
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task("comparing" + (f" with {against}" if against else " cells and paged in lockstep"), total=None)
         if against is None:
-            from infertrace.engine.compare import diff_backends as run_diff
+            from infertrace.compare.backends import diff_backends as run_diff
 
             rep = run_diff(loaded, specs, opts, atol=atol)
         elif against == "llama.cpp":
-            from infertrace.engine.llamacpp_compare import compare_with_llamacpp
+            from infertrace.compare.llamacpp import compare_with_llamacpp
 
             if backend != "cells" or dtype.lower() not in ("float32", "fp32"):
                 raise InfertraceError("--against llama.cpp compares the cells backend in float32 (the base side); drop --backend/--dtype")
             rep = compare_with_llamacpp(loaded, specs, opts, layer=layer)
         else:
-            from infertrace.engine.against import compare_with_reference
+            from infertrace.compare.hf import compare_with_reference
 
             rep = compare_with_reference(loaded, specs, opts, against, atol=atol)
     if as_json:

@@ -143,7 +143,7 @@ def run(
     check_min("--threads", threads, 1)
     engine = check_choice("--engine", engine, ENGINES)
     if engine == "llama.cpp":
-        from infertrace.engine.llamacpp_capture import import_llama_cpp
+        from infertrace.runtimes.llamacpp.capture import import_llama_cpp
 
         import_llama_cpp()  # fail before loading anything
         if backend.strip().lower() != "cells":
@@ -182,7 +182,7 @@ def run(
         tensor_layers = (parse_layers(layers, loaded.config.n_layer) or [layer]) if keep_tensors else None
         tensors: Optional[dict] = {} if keep_tensors else None
         if engine == "llama.cpp":
-            from infertrace.engine.llamacpp_engine import run_requests_llamacpp
+            from infertrace.runtimes.llamacpp.engine import run_requests_llamacpp
 
             if tensor_layers is not None and tensor_layers != [layer]:
                 raise InfertraceError(f"--engine llama.cpp captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")

@@ -192,11 +192,11 @@ class ModelConfig:
     def validate(self) -> "ModelConfig":
         """Check types, bounds and shape consistency; raise :class:`InfertraceError` on a broken config.
 
-        Integers must be ints within :mod:`infertrace.model.limits` (no bools), floats finite,
-        RoPE scaling factors finite and > 0 (see also :mod:`infertrace.model.hparams_check`,
+        Integers must be ints within :mod:`infertrace.loading.limits` (no bools), floats finite,
+        RoPE scaling factors finite and > 0 (see also :mod:`infertrace.loading.hparams_check`,
         which checks the raw file values before conversion).
         """
-        from infertrace.model.hparams_check import check_config_bounds
+        from infertrace.loading.hparams_check import check_config_bounds
 
         check_config_bounds(self)
         for name, val in (("block_count", self.n_layer), ("embedding_length", self.n_embd), ("feed_forward_length", self.n_ff),

@@ -73,7 +73,7 @@ class DecoderModel:
 
     Args:
         config: the frozen :class:`ModelConfig` (its family features decide the optional steps).
-        weights: engine-named tensors from :func:`infertrace.model.weights.load_checkpoint`
+        weights: engine-named tensors from :func:`infertrace.loading.weights.load_checkpoint`
             (Q/K in half-split order; Gemma norms already ``1 + w``).
         device: torch device for compute.
 

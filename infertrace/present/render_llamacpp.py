@@ -1,4 +1,4 @@
-"""Text of ``diff-backends --against llama.cpp`` (:func:`infertrace.engine.llamacpp_compare.compare_with_llamacpp`):
+"""Text of ``diff-backends --against llama.cpp`` (:func:`infertrace.compare.llamacpp.compare_with_llamacpp`):
 the exact structural checks, then the float agreement against the measured noise floor."""
 
 from __future__ import annotations

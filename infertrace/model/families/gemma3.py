@@ -9,7 +9,7 @@ i.e. every 6th layer global; ``rope_freq_base_train_swa = 10000``; attention sca
 
 Gemma RMSNorm multiplies by ``(1 + w)``. llama.cpp's converter stores ``w + 1`` in the GGUF
 (HF's GGUF loader subtracts 1 again), so GGUF norm weights are used as they are and HF
-checkpoints get ``+1`` folded in at load (see :mod:`infertrace.model.weights`).
+checkpoints get ``+1`` folded in at load (see :mod:`infertrace.loading.weights`).
 """
 
 from __future__ import annotations

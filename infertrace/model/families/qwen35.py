@@ -164,7 +164,7 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
                     ("vision_start_token_id", "vision input"), ("vision_end_token_id", "vision input")):
         if k in cfg:
             led.na(k, cfg[k], note)
-    from infertrace.model.synth import RANDOM_KEY, RANDOM_NOTE
+    from infertrace.loading.synth import RANDOM_KEY, RANDOM_NOTE
 
     if cfg.get(RANDOM_KEY):
         led.na(RANDOM_KEY, "yes", RANDOM_NOTE)

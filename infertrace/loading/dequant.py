@@ -36,7 +36,7 @@ def dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
 
     Args:
         data: the tensor's data as gguf-py's ``GGUFReader`` exposes it (and
-            :meth:`infertrace.model.gguf_meta.GGUFHeader.tensor_data` rebuilds it): for a quantised
+            :meth:`infertrace.loading.gguf_meta.GGUFHeader.tensor_data` rebuilds it): for a quantised
             type ``uint8 [..., bytes_per_row]`` (rows of blocks, ggml ``ne`` reversed); for F32/F16
             the values.
         qtype: a ``gguf.GGMLQuantizationType``.

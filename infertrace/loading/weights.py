@@ -16,9 +16,9 @@ import numpy as np
 
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig, config_from_gguf_fields, config_from_hf
-from infertrace.model.gguf_check import check_gguf_header, check_gguf_tokenizer_fields
-from infertrace.model.hparams_check import check_hf_config, check_layer_count, check_gguf_hparams
-from infertrace.model.limits import MAX_JSON_BYTES, read_json_file, require_regular_file
+from infertrace.loading.gguf_check import check_gguf_header, check_gguf_tokenizer_fields
+from infertrace.loading.hparams_check import check_hf_config, check_layer_count, check_gguf_hparams
+from infertrace.loading.limits import MAX_JSON_BYTES, read_json_file, require_regular_file
 from infertrace.model.families import expected_tensors, family_for_hf, hf_to_engine_name
 from infertrace.model.families.base import REFUSED
 
@@ -50,7 +50,7 @@ class Checkpoint:
     Attributes:
         config: the frozen :class:`ModelConfig`.
         weights: ``{engine name: tensor [out, in] or [n]}`` in ``dtype``.
-        tokenizer: :class:`infertrace.model.tokenizer.Tokenizer`.
+        tokenizer: :class:`infertrace.tokenizer.vocab.Tokenizer`.
         path: the file or directory loaded.
         tensors: per-tensor facts for display.
         metadata: scalar header fields (GGUF key/values or config.json), for display.
@@ -89,7 +89,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, progress
         dtype = torch.float32
     p = Path(path)
     if not p.exists():
-        from infertrace.model.registry import MODEL_NAMES
+        from infertrace.loading.registry import MODEL_NAMES
 
         raise InfertraceError(f"model not found: {p}; pass --model with a .gguf file, an HF model directory or a "
                               f"registered name ({', '.join(MODEL_NAMES)})")
@@ -147,12 +147,12 @@ def _read_checked_gguf(p: Path):
 
 
 def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_only: bool = False) -> Checkpoint:
-    from infertrace.model.gguf_meta import load_header
+    from infertrace.loading.gguf_meta import load_header
 
     if not header_only:
         import torch
         from gguf import GGMLQuantizationType
-        from infertrace.model.dequant import dequantize
+        from infertrace.loading.dequant import dequantize
         from infertrace.model.rope import unpermute_from_norm
     # the header (metadata + tensor table) from the cache when the file is unchanged, else from
     # gguf.GGUFReader (then cached); tensor data is memory-mapped at the offsets gguf-py computed
@@ -190,7 +190,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
         raise_refusals(cfg, p.name)
     _check_weights(cfg, metas, p.name)
 
-    from infertrace.model.tokenizer import Tokenizer
+    from infertrace.tokenizer.vocab import Tokenizer
 
     try:  # values checked by check_gguf_tokenizer_fields (on a cache hit: the same header bytes passed it)
         tokenizer = Tokenizer.from_gguf(header.values)
@@ -436,7 +436,7 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
         fix_hf_weights(cfg, w)  # as llama.cpp's converter: ssm_a = -exp(A_log), conv1d squeezed, norms 1 + w
     _check_weights(cfg, w, d.name)
     w = {} if header_only else {k: v.to(dtype) for k, v in w.items()}
-    from infertrace.model.tokenizer import Tokenizer
+    from infertrace.tokenizer.vocab import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_hf_dir(d)
@@ -447,7 +447,7 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     if cfg.family == "gemma3":
         notes.append("Gemma RMSNorm (1 + w): +1 folded into every *norm weight at load (llama.cpp's converter does the same)")
     if cfg.family == "qwen35" and raw.get("infertrace_random_weights"):
-        from infertrace.model.synth import RANDOM_NOTE
+        from infertrace.loading.synth import RANDOM_NOTE
 
         notes.append(RANDOM_NOTE)
     if cfg.family == "qwen35":

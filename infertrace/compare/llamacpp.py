@@ -5,7 +5,7 @@ numeric divergence cannot cascade).
 Three runs of the same requests:
 
 1. ours, ``cells``, float32 (the reference side);
-2. llama.cpp through :mod:`infertrace.engine.llamacpp_engine` (same ubatches, forced tokens);
+2. llama.cpp through :mod:`infertrace.runtimes.llamacpp.engine` (same ubatches, forced tokens);
 3. ours again in a lower precision (``bfloat16`` by default), forced to the same tokens: the
    **noise floor**. Its spread from run 1 (max |Δ| per variable over all steps) is the spread our
    own engine shows under a precision change of the order of llama.cpp's (8-bit quantised
@@ -18,7 +18,7 @@ the columns are mapped through each cell's (pos, seq_ids) and the report says so
 against our logits rows, the cells each sequence owns after the step (and llama.cpp's
 ``llama_memory_seq_pos_min/max``), and the cache head. Floats: max |Δ| of the embedding output,
 layer ``layer``'s K and V as written and the logits; the next-token metrics of
-:mod:`infertrace.engine.kl_metrics`.
+:mod:`infertrace.compare.metrics`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.engine.kl_metrics import NEAR_TIE_GAP, NEAR_TIE_TOPK, compare_rows
+from infertrace.compare.metrics import NEAR_TIE_GAP, NEAR_TIE_TOPK, compare_rows
 from infertrace.engine.sampler import SampleResult
 from infertrace.errors import InfertraceError
 
@@ -272,7 +272,7 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
     Raises:
         InfertraceError: llama-cpp-python missing, non-GGUF model, engine errors.
     """
-    from infertrace.engine.llamacpp_engine import run_llamacpp
+    from infertrace.runtimes.llamacpp.engine import run_llamacpp
     from infertrace.runner import load_model
 
     o = replace(opts, backend="cells", attention="torch")

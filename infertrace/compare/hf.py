@@ -1,6 +1,6 @@
 """``diff-backends --against hf``: our engine (one backend, continuous batching) against HF transformers
 recomputing each request alone with its own cache. (``--against llama.cpp`` is
-:mod:`infertrace.engine.llamacpp_compare`: llama.cpp on the same schedule, its graph inputs captured.)
+:mod:`infertrace.compare.llamacpp`: llama.cpp on the same schedule, its graph inputs captured.)
 
 Our run records, per step, the logits row of every request that samples (its context length
 ``L = C + T`` at that step). The reference is fed the same token sequence (prompt + our

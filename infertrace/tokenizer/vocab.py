@@ -190,7 +190,7 @@ def _gguf_value(reader: "gguf.GGUFReader", key: str) -> Any:
     String arrays are decoded leniently (invalid UTF-8 -> U+FFFD) so a bad token cannot make
     the whole file unreadable.
     """
-    if isinstance(reader, dict):  # already decoded by this function (infertrace.model.gguf_meta's cache)
+    if isinstance(reader, dict):  # already decoded by this function (infertrace.loading.gguf_meta's cache)
         return reader.get(key)
     field = reader.fields.get(key)
     if field is None:
@@ -354,7 +354,7 @@ class Tokenizer:
 
         Args:
             reader: an open ``gguf.GGUFReader``, or the ``tokenizer.*`` values it decodes to
-                (:attr:`infertrace.model.gguf_meta.GGUFHeader.values`, e.g. from the cache).
+                (:attr:`infertrace.loading.gguf_meta.GGUFHeader.values`, e.g. from the cache).
 
         Returns:
             Tokenizer
@@ -590,7 +590,7 @@ class Tokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise InfertraceError(f"no tokenizer.json in {path}; an HF model directory needs one")
-        from infertrace.model.limits import MAX_TOKENIZER_JSON_BYTES, MAX_VOCAB
+        from infertrace.loading.limits import MAX_TOKENIZER_JSON_BYTES, MAX_VOCAB
 
         if tj.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
             raise InfertraceError(f"{tj} is {tj.stat().st_size} bytes, over the limit of {MAX_TOKENIZER_JSON_BYTES}")
@@ -670,7 +670,7 @@ class Tokenizer:
         chat_template = None
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            from infertrace.model.limits import MAX_TEMPLATE_FILE_BYTES
+            from infertrace.loading.limits import MAX_TEMPLATE_FILE_BYTES
 
             if jinja_file.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
                 raise InfertraceError(f"{jinja_file} is over the limit of {MAX_TEMPLATE_FILE_BYTES} bytes")
@@ -846,7 +846,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's jinja chat template, as HF ``apply_chat_template(tokenize=False)``.
 
-        Uses :func:`infertrace.model.chat_env.chat_environment` (HF's sandboxed environment:
+        Uses :func:`infertrace.tokenizer.chat_env.chat_environment` (HF's sandboxed environment:
         ``{% generation %}`` tag, ``loopcontrols``, ``raise_exception``, ``strftime_now``,
         ``dict``, ``namespace``, a ``tojson`` filter that does not HTML-escape); variables ``messages``, ``add_generation_prompt``,
         ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``, ``tools`` (None),
@@ -860,7 +860,7 @@ class Tokenizer:
             raise InfertraceError("this model has no chat template (tokenizer.chat_template); pass a raw prompt instead")
         import jinja2
 
-        from infertrace.model.chat_env import chat_environment
+        from infertrace.tokenizer.chat_env import chat_environment
 
         if self._compiled_template is None:
             env = chat_environment()  # HF's: {% generation %}, loopcontrols, dict, namespace, tojson ...
