@@ -95,6 +95,9 @@ def run(
     top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = SamplingParams.top_p,
     min_p: Annotated[float, typer.Option("--min-p", help="0 = off.")] = SamplingParams.min_p,
     repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="1 = off.")] = SamplingParams.repetition_penalty,
+    penalty_last_n: o.PenaltyLastN = None,
+    frequency_penalty: o.FrequencyPenalty = SamplingParams.frequency_penalty,
+    presence_penalty: o.PresencePenalty = SamplingParams.presence_penalty,
     seed: Annotated[int, typer.Option("--seed", help="Seed of each request's sampler.")] = SamplingParams.seed,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating after an end-of-generation token.")] = False,
     show: Annotated[Optional[list[str]], typer.Option("--show", help="Variables to record and show, comma-separated: hidden,positions,mask,kv,decode (default all).")] = None,
@@ -165,7 +168,8 @@ def run(
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
         attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
-        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
+        penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
     opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
     if engine == "llama.cpp" and opts.speculative:
         raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")

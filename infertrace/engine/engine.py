@@ -15,7 +15,7 @@ import torch
 
 from infertrace.engine.options import EngineOptions  # noqa: F401 - torch-free home; re-exported
 from infertrace.engine.request import Request
-from infertrace.engine.sampler import SampleResult, SamplingParams, default_order, sample
+from infertrace.engine.sampler import SampleResult, SamplingParams, check_penalties, default_order, penalty_window, sample
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.engine.serving import Serving
 from infertrace.errors import InfertraceError
@@ -203,6 +203,8 @@ class Engine:
             InfertraceError: empty prompt, or prompt longer than the context.
         """
         params = (params or SamplingParams()).validate()
+        params = replace(params, penalty_last_n=penalty_window(params, self.sampler_order))  # recorded as run
+        check_penalties(params, self.sampler_order)
         if not prompt_ids:
             raise InfertraceError("the prompt is empty after tokenization; pass some text with --prompt")
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)

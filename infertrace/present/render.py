@@ -490,6 +490,12 @@ def _sampler_text(s: dict[str, Any]) -> str:
             desc += " · order hf (temperature, then top-k/top-p/min-p)"
     if s.get("repetition_penalty", 1.0) != 1.0:
         desc += f" · repetition_penalty {s['repetition_penalty']:g}"
+    for k in ("frequency_penalty", "presence_penalty"):
+        if s.get(k, 0.0) != 0.0:
+            desc += f" · {k} {s[k]:g}"
+    if "penalty_last_n" in s:  # recorded only when a penalty is on
+        n = s["penalty_last_n"]
+        desc += f" · penalty window {'whole context' if n == -1 else 'off' if n == 0 else f'last {n} tokens'}"
     return desc + f" · max_new_tokens {s['max_new_tokens']}" + (" · ignore_eos" if s.get("ignore_eos") else "")
 
 

@@ -236,7 +236,8 @@ SHAPE = List(DIM, 8)
 S = Str()
 F = Num()
 SAMPLER = Obj({}, {"temperature": F, "top_k": Int(0, L["MAX_ID"]), "top_p": F, "min_p": F, "repetition_penalty": F,
-                   "seed": Int(0, 2 ** 64), "max_new_tokens": Int(0, L["MAX_CTX"]), "ignore_eos": Bool()}, extra=True)
+                   "seed": Int(0, 2 ** 64), "max_new_tokens": Int(0, L["MAX_CTX"]), "ignore_eos": Bool(),
+                   "penalty_last_n": Int(-1, 1 << 24, null=True), "frequency_penalty": F, "presence_penalty": F}, extra=True)
 
 # serving mechanisms (engine/serving.py): prefix-cache lookups, context shifts, evictions, KV audit
 OPT_RANGE = Range(null=True)
