@@ -120,6 +120,7 @@ def run(
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)] = None,
     engine: Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine) or llama.cpp (llama.cpp itself via llama-cpp-python, GGUF only; its inp_pos, kq_mask, cells, K/V and logits are recorded).")] = "infertrace",
     teacher_force: Annotated[Optional[Path], typer.Option("--teacher-force", help="With --engine llama.cpp: feed the tokens a saved trace (run --save DIR) generated instead of sampling, so the two traces compare step for step.")] = None,
+    llamacpp_flash_attn: o.LlamacppFlashAttn = None,
     sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --engine llama.cpp: llama.cpp; paged: hf.")] = None,
     prefix_cache: Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")] = "off",
     context_shift: Annotated[bool, typer.Option("--context-shift", help="When a request fills --ctx-size, drop cached tokens after --n-keep and continue (llama.cpp server), instead of stopping with ctx_full.")] = False,
@@ -158,6 +159,12 @@ def run(
                                   "--context-shift and --audit-kv (they are this engine's serving mechanisms)")
     elif teacher_force is not None:
         raise InfertraceError("--teacher-force needs --engine llama.cpp")
+    elif llamacpp_flash_attn is not None:
+        raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --engine llama.cpp")
+    if llamacpp_flash_attn is not None:
+        from infertrace.engine.llamacpp_capture import check_flash_attn
+
+        llamacpp_flash_attn = check_flash_attn(llamacpp_flash_attn)
     forced = forced_tokens(teacher_force) if teacher_force is not None else None
     from infertrace.cli.run_options import build_run_inputs, print_run_cost  # shares run's checks with dump-kv, diff-backends
     from infertrace.runner import run_requests  # the engine (torch) loads only when a run starts
@@ -192,7 +199,7 @@ def run(
                 raise InfertraceError(f"--engine llama.cpp captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
             trace = run_requests_llamacpp(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                           options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
-                                          forced=forced)
+                                          forced=forced, flash_attn=llamacpp_flash_attn or "auto")
         else:
             trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                  options_for_record={"dtype": dtype, "device": device}, tensors=tensors,

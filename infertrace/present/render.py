@@ -149,7 +149,9 @@ def render_header(console: Console, trace: RunTrace) -> None:
     if getattr(trace, "engine", "infertrace") == "llama.cpp":
         lc = o.get("llama_cpp", {}) if isinstance(o.get("llama_cpp"), dict) else {}
         conv = (f"computed by llama.cpp itself (llama-cpp-python {lc.get('version', '?')}, n_ctx {lc.get('n_ctx', '?')}"
-                f"{', teacher-forced' if lc.get('teacher_forced') else ''}): every variable read from its graph")
+                f"{', teacher-forced' if lc.get('teacher_forced') else ''}, flash attention "
+                f"{lc.get('flash_attn') or 'not recorded'}, K/V cache {lc.get('type_k', '?')}/{lc.get('type_v', '?')}, "
+                f"n_ubatch {lc.get('n_ubatch', '?')}, threads {lc.get('n_threads', '?')}): every variable read from its graph")
     lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))
