@@ -189,6 +189,7 @@ class LlamaCppContext:
             "n_threads_batch": int(L.llama_n_threads_batch(self.ctx)), "kv_unified": bool(cp.kv_unified),
             "offload_kqv": bool(cp.offload_kqv), "op_offload": bool(cp.op_offload), "swa_full": bool(cp.swa_full),
             "n_gpu_layers": int(mp.n_gpu_layers), "gpu_offload": bool(L.llama_supports_gpu_offload()),
+            "use_extra_bufts": bool(mp.use_extra_bufts),
             "system_info": L.llama_print_system_info().decode("utf-8", "replace").strip()[:1000],
         }
 
@@ -199,7 +200,8 @@ class LlamaCppContext:
             ``{"flash_attn": "on" | "off" | None (no decode yet), "flash_attn_type": "auto" | "on" |
             "off" (asked), "type_k"/"type_v": cache ggml types, "n_ctx", "n_batch", "n_ubatch",
             "n_seq_max", "n_threads", "n_threads_batch", "kv_unified", "offload_kqv", "op_offload",
-            "swa_full", "n_gpu_layers", "gpu_offload": bool (a GPU backend is built in),
+            "swa_full", "n_gpu_layers", "gpu_offload": bool (a GPU backend is built in), "use_extra_bufts":
+            bool (CPU weight repacking: other matmul kernels),
             "system_info": llama_print_system_info (the CPU features ggml-cpu computes with)}``.
         """
         used = self.flash_attn_used

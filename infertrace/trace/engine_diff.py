@@ -128,7 +128,7 @@ def floats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 #: change its numbers (:meth:`infertrace.engine.llamacpp_capture.LlamaCppContext.settings`)
 LLAMACPP_SETTINGS = ("version", "flash_attn", "flash_attn_type", "type_k", "type_v", "n_ctx", "n_batch", "n_ubatch",
                      "n_seq_max", "n_threads", "n_threads_batch", "kv_unified", "offload_kqv", "op_offload", "swa_full",
-                     "n_gpu_layers", "gpu_offload", "system_info")
+                     "n_gpu_layers", "gpu_offload", "use_extra_bufts", "system_info")
 
 
 def llamacpp_settings(m: dict[str, Any]) -> dict[str, Any] | None:

@@ -391,7 +391,7 @@ LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "
                      "n_ubatch": Int(0, 2 * L["MAX_CTX"]), "n_seq_max": Int(0, L["MAX_SEQ_ID"] + 1),
                      "n_threads": N_THREADS, "n_threads_batch": N_THREADS, "kv_unified": Bool(), "offload_kqv": Bool(),
                      "op_offload": Bool(), "swa_full": Bool(), "n_gpu_layers": Int(-(2 ** 31), 2 ** 31 - 1),
-                     "gpu_offload": Bool(), "system_info": Str(max_len=4096), "teacher_forced": Bool()}, extra=True)
+                     "gpu_offload": Bool(), "use_extra_bufts": Bool(), "system_info": Str(max_len=4096), "teacher_forced": Bool()}, extra=True)
 OPTIONS = Obj({}, {"backend": Str(choices=("cells", "paged")), "attention": S, "device": S, "dtype": S, "layer": DIM,
                    "show": List(S, 64), "engine": ENGINE, "llama_cpp": LLAMA_CPP}, extra=True)
 MODEL = Obj({}, {"file": S, "name": Str(null=True), "size": Int(0, 1 << 62), "source": S, "metadata_sha256": Str(null=True)},
