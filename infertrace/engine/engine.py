@@ -200,7 +200,11 @@ class Engine:
         """Queue a request. seq_ids are assigned 0, 1, 2 ... in call order.
 
         Raises:
-            InfertraceError: empty prompt, or prompt longer than the context.
+            InfertraceError: empty prompt, prompt longer than the context, or a penalty the
+                sampler order lacks (:func:`~infertrace.engine.options.check_penalties`).
+
+        The request's ``penalty_last_n`` is resolved here (the order's default when unset), so the
+        trace records the window it ran with.
         """
         params = (params or SamplingParams()).validate()
         params = replace(params, penalty_last_n=penalty_window(params, self.sampler_order))  # recorded as run
