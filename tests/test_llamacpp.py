@@ -269,7 +269,7 @@ def test_flash_attn_cli_recorded_and_named_by_diff(tmp_path: Path, llama_cpp) ->
     assert "flash attention off" in show
     res = r.invoke(app, ["run", "--prompt", "hi", "-n", "1", "--llamacpp-flash-attn", "on"])
     assert res.exit_code == 2 and "needs --engine llama.cpp" in res.output
-    res = r.invoke(app, [*args, "--llamacpp-flash-attn", "maybe"])
+    res = r.invoke(app, ["run", "--engine", "llama.cpp", "--prompt", "hi", "-n", "1", "--llamacpp-flash-attn", "maybe"])
     assert res.exit_code == 2 and "--llamacpp-flash-attn must be one of auto, on, off" in res.output
 
 
@@ -282,4 +282,4 @@ def test_diff_backends_floor_follows_flash_attn(llama_cpp) -> None:
     rep = json.loads(res.output)
     assert rep["llama_cpp"]["flash_attn"] == "off" and "flash attention off" in rep["floor"]["how"]
     assert rep["structural"]["mismatches"] == [] and rep["identical"]
-    assert rep["structural"]["mask_dtype"]["llama.cpp"] == ["float32"]
+    assert rep["structural"]["mask_dtype"]["llama.cpp"] == ["f32"]  # the F32 kq_mask of the path without flash attention
