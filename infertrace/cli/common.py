@@ -33,7 +33,8 @@ DEVICES = ("cpu", "cuda")
 PROMPT_KEYS: dict[str, tuple[type, ...]] = {
     "prompt": (str,), "arrival": (int,), "max_new_tokens": (int,), "temperature": (int, float), "top_k": (int,),
     "top_p": (int, float), "min_p": (int, float), "repetition_penalty": (int, float), "seed": (int,),
-    "chat": (bool,), "ignore_eos": (bool,),
+    "chat": (bool,), "ignore_eos": (bool,), "penalty_last_n": (int,), "frequency_penalty": (int, float),
+    "presence_penalty": (int, float),
 }
 
 

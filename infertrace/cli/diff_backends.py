@@ -62,6 +62,7 @@ def diff_backends(
     n_keep: o.NKeep = 0,
     n_discard: o.NDiscard = 0,
     audit_kv: o.AuditKv = False,
+    llamacpp_flash_attn: o.LlamacppFlashAttn = None,
 ) -> None:
     """Prints the report; ``typer.Exit(1)`` after it when anything logical differs."""
     if against is not None:
@@ -71,6 +72,12 @@ def diff_backends(
     if atol is not None and not atol >= 0:
         raise InfertraceError(f"--atol must be >= 0 (got {atol})")
     check_min("--threads", threads, 1)
+    if llamacpp_flash_attn is not None:
+        if against != "llama.cpp":
+            raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --against llama.cpp")
+        from infertrace.runtimes.llamacpp.capture import check_flash_attn
+
+        llamacpp_flash_attn = check_flash_attn(llamacpp_flash_attn)
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -101,7 +108,7 @@ def diff_backends(
 
             if backend != "cells" or dtype.lower() not in ("float32", "fp32"):
                 raise InfertraceError("--against llama.cpp compares the cells backend in float32 (the base side); drop --backend/--dtype")
-            rep = compare_with_llamacpp(loaded, specs, opts, layer=layer)
+            rep = compare_with_llamacpp(loaded, specs, opts, layer=layer, flash_attn=llamacpp_flash_attn or "auto")
         else:
             from infertrace.compare.hf import compare_with_reference
 

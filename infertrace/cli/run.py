@@ -95,6 +95,9 @@ def run(
     top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = SamplingParams.top_p,
     min_p: Annotated[float, typer.Option("--min-p", help="0 = off.")] = SamplingParams.min_p,
     repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="1 = off.")] = SamplingParams.repetition_penalty,
+    penalty_last_n: o.PenaltyLastN = None,
+    frequency_penalty: o.FrequencyPenalty = SamplingParams.frequency_penalty,
+    presence_penalty: o.PresencePenalty = SamplingParams.presence_penalty,
     seed: Annotated[int, typer.Option("--seed", help="Seed of each request's sampler.")] = SamplingParams.seed,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating after an end-of-generation token.")] = False,
     show: Annotated[Optional[list[str]], typer.Option("--show", help="Variables to record and show, comma-separated: hidden,positions,mask,kv,decode (default all).")] = None,
@@ -117,6 +120,7 @@ def run(
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)] = None,
     engine: Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine) or llama.cpp (llama.cpp itself via llama-cpp-python, GGUF only; its inp_pos, kq_mask, cells, K/V and logits are recorded).")] = "infertrace",
     teacher_force: Annotated[Optional[Path], typer.Option("--teacher-force", help="With --engine llama.cpp: feed the tokens a saved trace (run --save DIR) generated instead of sampling, so the two traces compare step for step.")] = None,
+    llamacpp_flash_attn: o.LlamacppFlashAttn = None,
     sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --engine llama.cpp: llama.cpp; paged: hf.")] = None,
     prefix_cache: Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")] = "off",
     context_shift: Annotated[bool, typer.Option("--context-shift", help="When a request fills --ctx-size, drop cached tokens after --n-keep and continue (llama.cpp server), instead of stopping with ctx_full.")] = False,
@@ -155,6 +159,12 @@ def run(
                                   "--context-shift and --audit-kv (they are this engine's serving mechanisms)")
     elif teacher_force is not None:
         raise InfertraceError("--teacher-force needs --engine llama.cpp")
+    elif llamacpp_flash_attn is not None:
+        raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --engine llama.cpp")
+    if llamacpp_flash_attn is not None:
+        from infertrace.runtimes.llamacpp.capture import check_flash_attn
+
+        llamacpp_flash_attn = check_flash_attn(llamacpp_flash_attn)
     forced = forced_tokens(teacher_force) if teacher_force is not None else None
     from infertrace.cli.run_options import build_run_inputs, print_run_cost  # shares run's checks with dump-kv, diff-backends
     from infertrace.runner import run_requests  # the engine (torch) loads only when a run starts
@@ -165,7 +175,8 @@ def run(
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
         attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
-        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
+        penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
     opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
     if engine == "llama.cpp" and opts.speculative:
         raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
@@ -188,7 +199,7 @@ def run(
                 raise InfertraceError(f"--engine llama.cpp captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
             trace = run_requests_llamacpp(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                           options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
-                                          forced=forced)
+                                          forced=forced, flash_attn=llamacpp_flash_attn or "auto")
         else:
             trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                  options_for_record={"dtype": dtype, "device": device}, tensors=tensors,

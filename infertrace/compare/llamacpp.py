@@ -72,6 +72,116 @@ class F16CacheKV:
         super().write(layer, k.half().to(k.dtype), v.half().to(v.dtype), inp)  # type: ignore[misc]
 
 
+#: ggml-cpu's flash attention takes its tiled F32 path from this many queries in a ubatch on
+#: (``GGML_FA_TILE_Q``, ``ggml-cpu/common.h``); below it the one-row kernel with an F16 accumulator
+FA_TILE_Q = 64
+#: a single query over at least this many cells is split across threads (``use_split_kv_path``)
+FA_SPLIT_KV_MIN = 512
+
+
+def _fa_rows(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, lo: int,
+             hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml-cpu ``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` over cells ``lo..hi-1`` for every
+    query row and head at once: online softmax, F16 output accumulator (``ggml_vec_scale_f16`` /
+    ``ggml_vec_mad_f16`` round it to F16 after every cell), masked cells skipped.
+
+    Args: ``qh`` ``[nh, N, hd]`` (F16 values), ``k``/``v`` ``[n_kv, nh, hd]`` (heads already repeated
+    for GQA), ``mask`` ``[N, n_kv]`` (0 / -inf).
+    Returns: ``(M [nh, N], S [nh, N], VKQ [nh, N, hd])`` float32, VKQ not yet divided by S.
+    """
+    nh, N, hd = qh.shape
+    M = torch.full((nh, N), float("-inf"))  # [nh, N]
+    S = torch.zeros(nh, N)  # [nh, N]
+    acc = torch.zeros(nh, N, hd)  # [nh, N, hd] F16 values
+    for c in range(lo, hi):
+        act = mask[:, c] != float("-inf")  # [N]
+        if not bool(act.any()):
+            continue
+        s = (qh * k[c][:, None, :]).sum(-1) * scale + torch.where(act, mask[:, c], 0.0)  # [nh, N]
+        new = (s > M) & act  # [nh, N]
+        ms = torch.where(new, torch.exp(M - s), torch.ones_like(s))  # [nh, N]
+        vs = torch.where(new, torch.ones_like(s), torch.exp(s - M))  # [nh, N]
+        scaled = torch.where(new[..., None], (acc * ms[..., None]).half().float(), acc)  # [nh, N, hd]
+        upd = (scaled + v[c][:, None, :] * vs[..., None]).half().float()  # [nh, N, hd]
+        acc = torch.where(act[None, :, None], upd, acc)
+        S = torch.where(act[None, :], S * ms + vs, S)
+        M = torch.where(new, s, M)
+    return M, S, acc
+
+
+def ggml_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                       flash_attn: bool, n_threads: int = 1) -> torch.Tensor:
+    """llama.cpp's CPU attention numerics for one ubatch (the K/V cache already F16-rounded).
+
+    * ``flash_attn`` off (``build_attn_mha``: ``kq = mul_mat(k, q)``, ``soft_max_ext``,
+      ``kqv = mul_mat(v, kq)``): Q rounded to F16 for the F16 K dot products, the softmax output
+      rounded to F16 for the F16 V product, F32 accumulation.
+    * on, ``N >= 64`` queries (``ggml_compute_forward_flash_attn_ext_tiled``): F32 Q, K/V widened to
+      F32, F32 accumulators: the float32 reference.
+    * on, fewer queries (``..._f16_one_chunk``, :func:`_fa_rows`): Q rounded to F16, F16 output
+      accumulator; a single query over >= 512 cells is split into ``n_threads`` chunks of cells,
+      merged in F32 (``ggml_flash_attn_ext_reduce_partials``).
+
+    Args:
+        q: ``[N, n_head, hd]`` float32; k, v: ``[n_kv, n_kv_heads, hd]``; mask ``[N, n_kv]`` 0 / -inf.
+        scale: softmax scale; n_threads: llama.cpp's threads (the split-KV chunks).
+
+    Returns:
+        ``[N, n_head, hd]`` float32.
+    """
+    from infertrace.attention.reference import attention_with_kq_mask
+
+    N, nh, hd = q.shape
+    n_kv = k.shape[0]
+    if not flash_attn:
+        qh = q.half().float()  # [N, nh, hd] src1 of mul_mat(k F16, q) converted to F16
+        group = nh // k.shape[1]
+        qg = qh.view(N, k.shape[1], group, hd).permute(1, 2, 0, 3)  # [nkv, g, N, hd]
+        sc = torch.einsum("hgnd,khd->hgnk", qg, k.float()) * scale + mask  # [nkv, g, N, n_kv]
+        p = torch.softmax(sc, dim=-1).half().float()  # [nkv, g, N, n_kv] kq converted to F16 for mul_mat(v, kq)
+        o = torch.einsum("hgnk,khd->hgnd", p, v.float())  # [nkv, g, N, hd]
+        return o.permute(2, 0, 1, 3).reshape(N, nh, hd)
+    if N >= FA_TILE_Q:
+        return attention_with_kq_mask(q.float(), k.float(), v.float(), mask, scale)
+    group = nh // k.shape[1]
+    kk = k.float().repeat_interleave(group, dim=1)  # [n_kv, nh, hd]
+    vv = v.float().repeat_interleave(group, dim=1)  # [n_kv, nh, hd]
+    qh = q.half().float().permute(1, 0, 2)  # [nh, N, hd]
+    if N == 1 and n_kv >= FA_SPLIT_KV_MIN and n_threads > 1:
+        size = -(-n_kv // n_threads)
+        Mf, Sf = torch.full((nh, N), float("-inf")), torch.zeros(nh, N)
+        acc = torch.zeros(nh, N, hd)
+        for lo in range(0, n_kv, size):
+            Mc, Sc, Vc = _fa_rows(qh, kk, vv, mask, scale, lo, min(lo + size, n_kv))
+            use = Sc != 0  # [nh, N]
+            Mn = torch.maximum(Mf, Mc)
+            so = torch.where(use, torch.exp(Mf - Mn), torch.ones_like(Mf))
+            sn = torch.where(use, torch.exp(Mc - Mn), torch.zeros_like(Mc))
+            acc = acc * so[..., None] + Vc * sn[..., None]
+            Sf = Sf * so + Sc * sn
+            Mf = torch.where(use, Mn, Mf)
+        M, S = Mf, Sf
+    else:
+        M, S, acc = _fa_rows(qh, kk, vv, mask, scale, 0, n_kv)
+    out = acc * torch.where(S == 0, torch.zeros_like(S), 1.0 / S)[..., None]  # [nh, N, hd] V /= S
+    return out.permute(1, 0, 2).contiguous()  # [N, nh, hd]
+
+
+class GgmlAttentionKV:
+    """Mixin for :class:`~infertrace.kv.cells.CellsKV`: attention with llama.cpp's CPU numerics
+    (:func:`ggml_cpu_attention`); ``flash_attn`` / ``n_threads`` are set on the class."""
+
+    flash_attn = True
+    n_threads = 1
+
+    def attend(self, layer: int, q: torch.Tensor, inp: Any, scale: float) -> torch.Tensor:  # type: ignore[override]
+        n_kv, N = inp.extra["n_kv"], q.shape[0]
+        name = "kq_mask_swa" if self.windows[layer] else "kq_mask"  # type: ignore[attr-defined]
+        mask = inp.extra[name][0, 0, :N].to(q.device).float()  # [N, n_kv]
+        k, v = self.k[layer][:n_kv], self.v[layer][:n_kv]  # type: ignore[attr-defined]
+        return ggml_cpu_attention(q.float(), k, v, mask, scale, self.flash_attn, self.n_threads).to(q.dtype)
+
+
 class StepTap:
     """Tracer keeping, per step, everything the comparison needs (full tensors, not summaries)."""
 
@@ -148,17 +258,20 @@ def _run_ours(model: Any, tok: Any, prompts: list[Any], opts: EngineOptions, lay
 
 
 def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: int,
-                  forced: dict[int, list[int]]) -> StepTap:
+                  forced: dict[int, list[int]], flash_attn: bool = True, n_threads: int = 1) -> StepTap:
     """Our engine, float32, with llama.cpp's CPU numerics emulated (see :func:`quantize_q8_blocks`,
-    :class:`F16CacheKV`), forced to ``forced``."""
+    :class:`F16CacheKV`, and :func:`ggml_cpu_attention` with the flash-attention setting llama.cpp
+    ran with), forced to ``forced``."""
     from unittest import mock
 
     from infertrace.kv.cells import CellsKV
     from infertrace.model import decoder as llama_mod  # the forward (and its F) lives in decoder.py
     from infertrace.runner import encode_prompt
 
-    class _KV(F16CacheKV, CellsKV):
+    class _KV(GgmlAttentionKV, F16CacheKV, CellsKV):
         pass
+
+    _KV.flash_attn, _KV.n_threads = flash_attn, n_threads
 
     tap = StepTap(layer)
     eng = ForcedEngine(loaded.model, loaded.tokenizer, opts, tap, forced=forced)
@@ -260,8 +373,10 @@ def float_spread(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[
 
 
 def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: int = 0,
-                          floor_dtype: str = "llama.cpp-numerics") -> dict[str, Any]:
-    """The three runs of the module docstring and their comparison.
+                          floor_dtype: str = "llama.cpp-numerics", flash_attn: str = "auto") -> dict[str, Any]:
+    """The three runs of the module docstring and their comparison. ``flash_attn``: llama.cpp's
+    ``flash_attn_type`` (``auto`` | ``on`` | ``off``); the emulated floor follows what ran, and the
+    report names llama.cpp's context settings (``"llama_cpp"``, :meth:`LlamaCppContext.settings`).
 
     Returns:
         ``{"against": "llama.cpp", "structural": structural_diff(...), "next_token": compare_rows(...),
@@ -284,13 +399,17 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
     eng, ours = _run_ours(loaded.model, loaded.tokenizer, prompts, o, layer, None)
     forced = {sid: list(r.output_ids) for sid, r in eng.requests.items()}
     ltap = StepTap(layer)
-    leng, notes = run_llamacpp(loaded, prompts, o, ltap, layer, forced)
+    leng, notes = run_llamacpp(loaded, prompts, o, ltap, layer, forced, flash_attn=flash_attn)
+    settings = leng.lctx.settings()
     leng.close()
+    fa_on = settings["flash_attn"] == "on"
     if floor_dtype == "llama.cpp-numerics":
-        floor = _run_emulated(loaded, prompts, o, layer, forced)
+        floor = _run_emulated(loaded, prompts, o, layer, forced, flash_attn=fa_on, n_threads=settings["n_threads"])
+        att = ("flash attention on as llama.cpp ran it (Q and the output accumulator in F16 below 64 queries)" if fa_on else
+               "flash attention off as llama.cpp ran it (Q and the softmax output rounded to F16)")
         how = ("ours float32 vs ours with llama.cpp's numerics emulated (matmul inputs quantised to 8-bit blocks of 32 "
-               "as ggml-cpu's Q8_0/Q8_1 vec_dot, K/V rounded to F16 as the cache) on the same forced tokens: max |Δ| per "
-               f"variable over all steps; tolerance = {FLOOR_FACTOR:g} x floor")
+               f"as ggml-cpu's Q8_0/Q8_1 vec_dot, K/V rounded to F16 as the cache, attention with {att}) on the same "
+               f"forced tokens: max |Δ| per variable over all steps; tolerance = {FLOOR_FACTOR:g} x floor")
     else:
         low = load_model(loaded.ckpt.path, dtype=floor_dtype)
         _, floor = _run_ours(low.model, low.tokenizer, prompts, o, layer, forced)
@@ -345,7 +464,8 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
                          "detail": f"seq {d['seq_id']} pos {d['pos']}: top token ours {d['base_top']} vs llama.cpp "
                                    f"{d['new_top']} is not a near tie (ranks {d['rank_of_new_top_in_base']}, "
                                    f"{d['rank_of_base_top_in_new']}; gaps {d['logp_gap_base']}, {d['logp_gap_new']} nats)"})
-    return {"against": "llama.cpp", "backend": "cells", "layer": layer, "structural": struct, "next_token": nt,
+    return {"against": "llama.cpp", "backend": "cells", "layer": layer, "llama_cpp": settings, "structural": struct,
+            "next_token": nt,
             "max_abs": lmax, "per_step": spread,
             "floor": {"dtype": floor_dtype, "max_abs": fmax, "next_token": nt_floor, "how": how, "factor": FLOOR_FACTOR},
             "near_tie_rule": f"the other side's choice is in both top-{NEAR_TIE_TOPK} and within {NEAR_TIE_GAP} nats of the top log-probability in both",

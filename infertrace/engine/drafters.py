@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from infertrace.engine.sampler import apply_repetition_penalty, kept_set
+from infertrace.engine.sampler import apply_penalties, kept_set
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
@@ -45,7 +45,7 @@ def ranks(parents: Sequence[int]) -> list[int]:
 def target_probs(logits: torch.Tensor, params: Any, seen: Sequence[int], order: str) -> torch.Tensor:
     """The sampler's final distribution over the whole vocabulary: ``[V]`` float32 (zeros outside
     the kept set; case S3 decides top-p membership). Greedy: one-hot at the first max."""
-    x = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)  # [V]
+    x = apply_penalties(logits.float(), seen, params, order)  # [V]
     out = torch.zeros(x.numel(), dtype=torch.float32)  # [V]
     if params.greedy:
         out[int(torch.argmax(x))] = 1.0
@@ -186,7 +186,7 @@ class DraftModelDrafter:
 
     def _pick(self, logits: torch.Tensor, r: Any, seen: list[int], rank: int, order: str) -> tuple[int, torch.Tensor | None]:
         if r.params.greedy:
-            x = apply_repetition_penalty(logits.float(), seen, r.params.repetition_penalty)  # [V]
+            x = apply_penalties(logits.float(), seen, r.params, order)  # [V]
             return int(torch.sort(x, descending=True, stable=True).indices[rank]), None
         q = target_probs(logits, r.params, seen, order)  # [V] the draft's sampling distribution
         g = self.gens.setdefault(r.seq_id, torch.Generator().manual_seed((r.params.seed + 0x5EED) % 2**63))

@@ -15,7 +15,7 @@ import torch
 
 from infertrace.engine.options import EngineOptions  # noqa: F401 - torch-free home; re-exported
 from infertrace.engine.request import Request
-from infertrace.engine.sampler import SampleResult, SamplingParams, default_order, sample
+from infertrace.engine.sampler import SampleResult, SamplingParams, check_penalties, default_order, penalty_window, sample
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.engine.serving import Serving
 from infertrace.errors import InfertraceError
@@ -200,9 +200,15 @@ class Engine:
         """Queue a request. seq_ids are assigned 0, 1, 2 ... in call order.
 
         Raises:
-            InfertraceError: empty prompt, or prompt longer than the context.
+            InfertraceError: empty prompt, prompt longer than the context, or a penalty the
+                sampler order lacks (:func:`~infertrace.engine.options.check_penalties`).
+
+        The request's ``penalty_last_n`` is resolved here (the order's default when unset), so the
+        trace records the window it ran with.
         """
         params = (params or SamplingParams()).validate()
+        params = replace(params, penalty_last_n=penalty_window(params, self.sampler_order))  # recorded as run
+        check_penalties(params, self.sampler_order)
         if not prompt_ids:
             raise InfertraceError("the prompt is empty after tokenization; pass some text with --prompt")
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)

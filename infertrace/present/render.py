@@ -131,7 +131,9 @@ def render_header(console: Console, trace: RunTrace) -> None:
     if getattr(trace, "engine", "infertrace") == "llama.cpp":
         lc = o.get("llama_cpp", {}) if isinstance(o.get("llama_cpp"), dict) else {}
         conv = (f"computed by llama.cpp itself (llama-cpp-python {lc.get('version', '?')}, n_ctx {lc.get('n_ctx', '?')}"
-                f"{', teacher-forced' if lc.get('teacher_forced') else ''}): every variable read from its graph")
+                f"{', teacher-forced' if lc.get('teacher_forced') else ''}, flash attention "
+                f"{lc.get('flash_attn') or 'not recorded'}, K/V cache {lc.get('type_k', '?')}/{lc.get('type_v', '?')}, "
+                f"n_ubatch {lc.get('n_ubatch', '?')}, threads {lc.get('n_threads', '?')}): every variable read from its graph")
     lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))
@@ -472,6 +474,12 @@ def _sampler_text(s: dict[str, Any]) -> str:
             desc += " · order hf (temperature, then top-k/top-p/min-p)"
     if s.get("repetition_penalty", 1.0) != 1.0:
         desc += f" · repetition_penalty {s['repetition_penalty']:g}"
+    for k in ("frequency_penalty", "presence_penalty"):
+        if s.get(k, 0.0) != 0.0:
+            desc += f" · {k} {s[k]:g}"
+    if "penalty_last_n" in s:  # recorded only when a penalty is on
+        n = s["penalty_last_n"]
+        desc += f" · penalty window {'whole context' if n == -1 else 'off' if n == 0 else f'last {n} tokens'}"
     return desc + f" · max_new_tokens {s['max_new_tokens']}" + (" · ignore_eos" if s.get("ignore_eos") else "")
 
 

@@ -236,7 +236,8 @@ SHAPE = List(DIM, 8)
 S = Str()
 F = Num()
 SAMPLER = Obj({}, {"temperature": F, "top_k": Int(0, L["MAX_ID"]), "top_p": F, "min_p": F, "repetition_penalty": F,
-                   "seed": Int(0, 2 ** 64), "max_new_tokens": Int(0, L["MAX_CTX"]), "ignore_eos": Bool()}, extra=True)
+                   "seed": Int(0, 2 ** 64), "max_new_tokens": Int(0, L["MAX_CTX"]), "ignore_eos": Bool(),
+                   "penalty_last_n": Int(-1, 1 << 24, null=True), "frequency_penalty": F, "presence_penalty": F}, extra=True)
 
 # serving mechanisms (engine/serving.py): prefix-cache lookups, context shifts, evictions, KV audit
 OPT_RANGE = Range(null=True)
@@ -382,8 +383,17 @@ ENGINE = Obj({}, {"backend": Str(choices=("cells", "paged")), "ctx_size": Int(1,
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], null=True, limit="MAX_TOKENS_PER_BLOCK"),
                   "max_batch_tokens": Int(1, L["MAX_CTX"], null=True), "prefill_chunk": Int(1, L["MAX_CTX"], null=True),
                   "n_seq_max": Int(0, L["MAX_SEQ_ID"], null=True), "attention": S}, extra=True)
+#: ``run --engine llama.cpp``: the llama.cpp context settings that change its numbers (runtimes/llamacpp/capture.py)
+N_THREADS = Int(0, 1 << 16)
+LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "off")),
+                     "flash_attn_type": Str(choices=("auto", "on", "off")), "type_k": Str(max_len=32),
+                     "type_v": Str(max_len=32), "n_ctx": Int(0, 2 * L["MAX_CTX"]), "n_batch": Int(0, 2 * L["MAX_CTX"]),
+                     "n_ubatch": Int(0, 2 * L["MAX_CTX"]), "n_seq_max": Int(0, L["MAX_SEQ_ID"] + 1),
+                     "n_threads": N_THREADS, "n_threads_batch": N_THREADS, "kv_unified": Bool(), "offload_kqv": Bool(),
+                     "op_offload": Bool(), "swa_full": Bool(), "n_gpu_layers": Int(-(2 ** 31), 2 ** 31 - 1),
+                     "gpu_offload": Bool(), "use_extra_bufts": Bool(), "system_info": Str(max_len=4096), "teacher_forced": Bool()}, extra=True)
 OPTIONS = Obj({}, {"backend": Str(choices=("cells", "paged")), "attention": S, "device": S, "dtype": S, "layer": DIM,
-                   "show": List(S, 64), "engine": ENGINE}, extra=True)
+                   "show": List(S, 64), "engine": ENGINE, "llama_cpp": LLAMA_CPP}, extra=True)
 MODEL = Obj({}, {"file": S, "name": Str(null=True), "size": Int(0, 1 << 62), "source": S, "metadata_sha256": Str(null=True)},
             extra=True)
 CONFIG = Obj({}, {"arch": S, "name": Str(null=True), "source": S, "n_layer": DIM, "n_embd": DIM, "n_head": DIM,

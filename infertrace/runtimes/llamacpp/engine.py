@@ -224,17 +224,19 @@ class LlamaCppEngine(Engine):
         forced: teacher forcing, ``{seq_id: [token, ...]}``: the i-th sampled token of a request
             is replaced by ``forced[seq_id][i]`` (llama.cpp's own choice is kept in ``top``).
         n_seq_max: sequences llama.cpp must hold (the number of requests).
+        flash_attn: ``auto`` | ``on`` | ``off`` (``--llamacpp-flash-attn``; see :class:`LlamaCppContext`).
 
     Raises:
         InfertraceError: llama-cpp-python missing, non-GGUF model, ``--backend paged``.
     """
 
     def __init__(self, loaded: Any, opts: EngineOptions, tracer: Any, layer: int = 0,
-                 forced: dict[int, list[int]] | None = None, n_seq_max: int = 1, n_threads: int = 2):
+                 forced: dict[int, list[int]] | None = None, n_seq_max: int = 1, n_threads: int = 2,
+                 flash_attn: str = "auto"):
         if opts.backend != "cells":
             raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
         n_batch = max(1, min(opts.max_batch_tokens, opts.ctx_size))
-        self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads)
+        self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads, flash_attn)
         self.lmodel = LlamaCppModel(loaded.model, self.lctx)
         super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)
         self.kv = self.scheduler.kv = LlamaCppKV(loaded.config, self.lctx, opts.n_seq_max, layer)
@@ -256,15 +258,16 @@ class LlamaCppEngine(Engine):
 
 def run_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, recorder: Any, layer: int = 0,
                  forced: dict[int, list[int]] | None = None, on_step: Callable[[Any], None] | None = None,
-                 keep_captures: bool = False) -> tuple[LlamaCppEngine, list[str]]:
-    """Run ``prompts`` through llama.cpp with our scheduler; returns the finished engine and notes.
+                 keep_captures: bool = False, flash_attn: str = "auto") -> tuple[LlamaCppEngine, list[str]]:
+    """Run ``prompts`` through llama.cpp with our scheduler; returns the finished engine and notes
+    (``flash_attn``: ``auto`` | ``on`` | ``off``, llama.cpp's ``flash_attn_type``).
 
     Raises:
         InfertraceError: as :class:`LlamaCppEngine`, or a llama_decode failure.
     """
     from infertrace.runner import encode_prompt
 
-    eng = LlamaCppEngine(loaded, opts, recorder, layer, forced, n_seq_max=max(1, len(prompts)))
+    eng = LlamaCppEngine(loaded, opts, recorder, layer, forced, n_seq_max=max(1, len(prompts)), flash_attn=flash_attn)
     eng.lmodel.keep_captures = keep_captures
     for s in prompts:
         eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
@@ -275,8 +278,11 @@ def run_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, recorder:
             for st in steps[emitted:]:
                 on_step(st)
             emitted = len(steps)
+    st = eng.lctx.settings()
     notes = [f"engine llama.cpp (llama-cpp-python {_version()}): n_ctx {eng.lctx.n_ctx}, n_ubatch = n_batch "
-             f"{min(opts.max_batch_tokens, opts.ctx_size)}, kv_unified, one llama_batch per step"]
+             f"{min(opts.max_batch_tokens, opts.ctx_size)}, kv_unified, one llama_batch per step",
+             f"llama.cpp flash attention {st['flash_attn'] or '?'} (asked {st['flash_attn_type']}), K/V cache "
+             f"{st['type_k']}/{st['type_v']}, {st['n_threads']} threads: these change its numbers"]
     if eng.lctx.n_ctx != opts.ctx_size:
         notes.append(f"llama.cpp pads n_ctx to a multiple of 256: {opts.ctx_size} -> {eng.lctx.n_ctx} cells")
     notes += eng.kv.notes
@@ -296,7 +302,7 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
                           show: tuple[str, ...] | None = None, on_step: Callable[[Any], None] | None = None,
                           options_for_record: dict[str, Any] | None = None,
                           tensors: dict[str, torch.Tensor] | None = None,
-                          forced: dict[int, list[int]] | None = None) -> Any:
+                          forced: dict[int, list[int]] | None = None, flash_attn: str = "auto") -> Any:
     """:func:`infertrace.runner.run_requests` with llama.cpp computing: the same records, with
     ``engine = "llama.cpp"`` in the header.
 
@@ -304,6 +310,7 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         loaded: the GGUF model (our tokenizer and config; llama.cpp loads the same file).
         tensors: as ``run_requests`` (layer ``layer`` only: K/V cache, Q/K/V, hidden, top-k logits).
         forced: teacher forcing (see :class:`LlamaCppEngine`).
+        flash_attn: ``auto`` | ``on`` | ``off`` (``--llamacpp-flash-attn``); what ran is in the header.
 
     Raises:
         InfertraceError: bad layer, llama-cpp-python missing, non-GGUF model, decode failure.
@@ -319,7 +326,7 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
     show = tuple(show or VARIABLES)
     rec = Recorder(loaded.tokenizer, cfg, layer=layer, show=show, layers=[layer], tensors=tensors)
-    eng, notes = run_llamacpp(loaded, prompts, opts, rec, layer, forced, on_step)
+    eng, notes = run_llamacpp(loaded, prompts, opts, rec, layer, forced, on_step, flash_attn=flash_attn)
     try:
         tok = loaded.tokenizer
         reqs = [{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
@@ -327,8 +334,7 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
                  "num_preemptions": r.num_preemptions, "params": r.params.to_dict()} for r in eng.requests.values()]
         options = {"backend": "cells", "attention": "llama.cpp", **(options_for_record or {}), "engine": asdict(opts),
                    "layer": layer, "show": list(show), "sampler_order": eng.sampler_order,
-                   "llama_cpp": {"version": _version(), "n_ctx": eng.lctx.n_ctx, "n_ubatch": eng.lctx.n_batch,
-                                 "kv_unified": True, "teacher_forced": bool(forced)}}
+                   "llama_cpp": {"version": _version(), **eng.lctx.settings(), "teacher_forced": bool(forced)}}
         return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
                         notes=list(loaded.ckpt.notes) + notes, steps=list(rec.steps), requests=reqs, engine=ENGINE)
     finally:
