@@ -432,8 +432,8 @@ class _Checker:
                     # a shared prefix block (vLLM prefix caching): same table index, joined through a hit
                     h = self.hits.get(sid)
                     shared = h.get("shared_blocks") if isinstance(h, dict) else None
-                    joined = (sid in self.prev_blocks.get(b, set()) and self.prev_kv_step == s - 1) or \
-                        (isinstance(shared, list) and b in shared)
+                    joined = (isinstance(shared, list) and b in shared) or (  # unknown without the previous step's tables
+                        sid in self.prev_blocks.get(b, set()) if self.prev_kv_step == s - 1 else True)
                     if phys.get("prefix_cache") is not True or where[b] != i or not joined:
                         self.fail(s, sid, "kv", "one owner per block",
                                   f"block {b} is in the tables of seq {owner[b]} and {sid}"
