@@ -124,3 +124,11 @@ def test_speculative_drafts_never_propose_padded_rows(padded, tmp_path):
          "--num-spec-tokens", "3", "--save", str(spec))
     a, b = _trace(plain)["requests"][0]["output_ids"], _trace(spec)["requests"][0]["output_ids"]
     assert a == b and max(a) < VOCAB
+
+
+def test_against_hf_compares_the_tokenizer_rows(padded):
+    """``diff-backends --against hf``: HF's own argmax is the padded row 263; compared over the 259 real
+    rows (ours are -inf past them) the logits agree and the greedy tokens are equal (exit 0)."""
+    pytest.importorskip("transformers")
+    out = _run("diff-backends", "-m", str(padded[0]), "-p", PROMPT, "-n", "3", "--ignore-eos", "--against", "hf")
+    assert "logically identical to hf" in out and "greedy tokens equal" in out
