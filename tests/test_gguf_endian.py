@@ -89,3 +89,27 @@ def test_big_endian_type_without_a_defined_layout_is_refused_in_one_line(tmp_pat
     assert r.exit_code == 2
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and "Q4_1 in a big-endian GGUF" in lines[0] and "version" not in lines[0], r.output
+
+
+def test_big_endian_k_quants_from_llama_cpp_quantize_load_with_equal_logits(tmp_path, monkeypatch):
+    """Q4_K and Q6_K (llama.cpp's own ``llama_model_quantize``, Q4_K_M), converted to big-endian by
+    gguf-py: the blocks' fp16 d / dmin swapped back, equal logits."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import ctypes
+
+    monkeypatch.setenv("INFERTRACE_NO_CACHE", "1")
+    w, s = make_weights(seed=7, H=256, n_head=4, n_kv=2, head_dim=64, ff=256)  # K-quant rows: multiples of 256
+    f32 = write_gguf(tmp_path / "f32.gguf", w, s)
+    le = tmp_path / "q4km.gguf"
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(le).encode(), ctypes.byref(p)) == 0
+    assert {"Q4_K", "Q6_K"} <= {t.tensor_type.name for t in gguf.GGUFReader(str(le)).tensors}
+    be = tmp_path / "be.gguf"
+    shutil.copyfile(le, be)
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_convert_endian", str(be), "big"], input="YES\n",
+                   text=True, check=True, capture_output=True)
+    assert gguf.GGUFReader(str(be)).byte_order == "S"
+    a, b = _logits(le), _logits(be)
+    assert torch.equal(a, b)
+    assert float((a - _logits(f32)).abs().max()) > 0  # quantised: not the F32 weights (the swap is exercised)
