@@ -132,3 +132,15 @@ def test_against_hf_compares_the_tokenizer_rows(padded):
     pytest.importorskip("transformers")
     out = _run("diff-backends", "-m", str(padded[0]), "-p", PROMPT, "-n", "3", "--ignore-eos", "--against", "hf")
     assert "logically identical to hf" in out and "greedy tokens equal" in out
+
+
+def test_tokenizer_larger_than_the_embedding_refuses_such_a_prompt(tmp_path):
+    """The other way round (256 embedding rows, 259 tokens): a prompt with token 256 (the merge "he")
+    has no embedding row: one line, exit 2, instead of an IndexError; prompts inside the rows run."""
+    w, s = make_weights(vocab=256, tie=True, seed=3)
+    m = str(write_hf(tmp_path / "hf", w, s))
+    r = CliRunner().invoke(app, ["run", "-m", m, "-p", "hehe", "-n", "1"])
+    assert r.exit_code == 2 and r.output.strip() == (
+        "error: prompt token id 256 is outside the model's embedding rows 0..255 (its tokenizer has 259 tokens); "
+        "use the tokenizer the model was trained with"), r.output
+    _run("run", "-m", m, "-p", "abc", "-n", "1")

@@ -231,11 +231,17 @@ class Engine:
         """Queue a request. seq_ids are assigned 0, 1, 2 ... in call order.
 
         Raises:
-            InfertraceError: empty prompt, or prompt longer than the context.
+            InfertraceError: empty prompt, a token id outside the model's embedding rows, or prompt longer
+                than the context.
         """
         params = (params or SamplingParams()).validate()
         if not prompt_ids:
             raise InfertraceError("the prompt is empty after tokenization; pass some text with --prompt")
+        rows = int(self.model.cfg.vocab_size)
+        if max(prompt_ids) >= rows or min(prompt_ids) < 0:  # a tokenizer larger than the embedding (vLLM: "out of vocabulary")
+            bad = max(prompt_ids) if max(prompt_ids) >= rows else min(prompt_ids)
+            raise InfertraceError(f"prompt token id {bad} is outside the model's embedding rows 0..{rows - 1} (its tokenizer has "
+                                  f"{getattr(self.tok, 'vocab_size', '?')} tokens); use the tokenizer the model was trained with")
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)
         if len(prompt_ids) >= limit and self.kv.capacity_tokens < self.opts.ctx_size:  # case P5: name the pool
             raise InfertraceError(
