@@ -234,3 +234,19 @@ def test_readme_samples_pass_check(tmp_path, smol_path):
         assert out.startswith("ok: ") and "no violation" in out, (cmd, out)
         ran.append(cmd)
     assert sum("--prefix-cache" in c for c in ran) >= 2 and any("--context-shift" in c for c in ran)
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_preemption_with_prefix_cache_passes_and_outputs_equal_no_cache(gguf, tmp_path, backend):
+    """Three requests sharing "Hello world" in a pool too small for all: seq 2 is preempted, and an
+    admission that does not fit is undone. With the undo retaining the attachment (main), the cells
+    trace showed seq 2 in cells 0..10 at step 11 with no hit recorded; the undo now frees them. Greedy
+    outputs equal a run without the prefix cache."""
+    args = ("-p", "Hello world, this is", "-p", "Hello world, this was", "-p", "Hello world", "--arrival", "0",
+            "--arrival", "1", "--arrival", "2", "-n", "12", "--backend", backend, "--tokens-per-block", "4",
+            "--num-blocks", "12", "--ctx-size", "48")
+    m = _save(gguf, tmp_path / "pc", *args, "--prefix-cache", "on")
+    assert any(s.get("preempted") for s in m["steps"])
+    assert _run("check", str(tmp_path / "pc")).startswith("ok: ")
+    ref = _save(gguf, tmp_path / "plain", *args)
+    assert [r["output_ids"] for r in m["requests"]] == [r["output_ids"] for r in ref["requests"]]
