@@ -422,11 +422,12 @@ class _Checker:
             sid = int(k) if str(k).isdigit() else -1
             if sid in self.finished:
                 self.fail(s, sid, "kv", "freed when finished", "a finished request still has a block table")
-            for b in d.get("blocks") or ():
-                if isinstance(b, dict):
-                    refs[b.get("block")] = b.get("ref")
+            for b in d.get("blocks") if isinstance(d.get("blocks"), list) else ():
+                if isinstance(b, dict) and _int(b.get("block")):
+                    refs[b["block"]] = b.get("ref")
             for i, b in enumerate(d["block_table"]):
                 self.n_checks += 1
+                self.need(_int(b), s, sid, "kv", "a block table entry is not an int")
                 tables.setdefault(b, set()).add(sid)
                 if b in owner:
                     # a shared prefix block (vLLM prefix caching): same table index, joined through a hit
