@@ -171,6 +171,12 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     options = {"backend": opts.backend, "attention": eng.attn_impl, **(options_for_record or {}),
                "engine": engine_opts, "layer": getattr(rec, "layer", layer), "show": list(show)}
     extra_notes = []
+    pv = eng.padded_vocab
+    if pv:  # case T3: lm head rows past the tokenizer (engine.padded_vocab says why they are masked)
+        options["padded_vocab"] = pv
+        extra_notes.append(f"padded vocabulary: the lm head has {pv['rows']} rows, the tokenizer {pv['tokens']} tokens; "
+                           f"rows {pv['masked']} masked out of sampling (-inf logits; as vLLM, ids past the tokenizer "
+                           "are never sampled, drafted or accepted)")
     if trace and getattr(rec, "layer", layer) != layer:
         extra_notes.append(f"layer {layer} is a Gated DeltaNet layer (no K/V, no RoPE): evidence from layer {rec.layer}, "
                            "the first full-attention layer")

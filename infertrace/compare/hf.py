@@ -134,7 +134,9 @@ def compare_with_reference(loaded: Any, prompts: list[Any], opts: EngineOptions,
     Returns:
         ``{"against", "backend", "atol", "rows": [{"step", "seq_id", "pos", "phase", "max_abs", "ours", "ref",
         "sampled", "ok"}], "requests": [{"seq_id", "greedy_ours", "greedy_ref", "tokens_equal", "max_abs"}],
-        "mismatches": [{"step", "variable", "detail"}], "identical": bool}``.
+        "mismatches": [{"step", "variable", "detail"}], "identical": bool, "padded_vocab": dict | None}``; with a
+        padded vocabulary (``Engine.padded_vocab``) logits and argmax over the tokenizer's rows only (ours
+        are -inf past them).
 
     Raises:
         InfertraceError: unknown ``against``, reference package missing, engine errors.
@@ -155,11 +157,13 @@ def compare_with_reference(loaded: Any, prompts: list[Any], opts: EngineOptions,
         ids = r.all_ids[:-1] if r.output_ids else r.all_ids  # the last sampled token is never fed back
         ref_logits[sid] = ref(ids, len(r.prompt_ids))  # [len(ids), V]
     rows, mismatches, per_req = [], [], {}
+    n = eng.n_sample_rows  # padded vocabulary: compared (and argmax taken) over the tokenizer's rows only
     for row in cap.rows:
         sid, L = row["seq_id"], row["L"]
-        theirs = ref_logits[sid][L - 1]  # [V]
-        d = float((row["logits"] - theirs).abs().max())
-        ours_arg, ref_arg = int(row["logits"].argmax()), int(theirs.argmax())
+        theirs = ref_logits[sid][L - 1][:n]  # [V] (or [n_tokens])
+        ours = row["logits"][:n]
+        d = float((ours - theirs).abs().max())
+        ours_arg, ref_arg = int(ours.argmax()), int(theirs.argmax())
         ok = d <= atol and ours_arg == ref_arg
         rows.append({"step": row["step"], "seq_id": sid, "pos": L - 1, "phase": row["phase"], "max_abs": d,
                      "ours": ours_arg, "ref": ref_arg, "sampled": row["sampled"], "ok": ok})
@@ -180,5 +184,5 @@ def compare_with_reference(loaded: Any, prompts: list[Any], opts: EngineOptions,
         pr["text"] = loaded.tokenizer.decode(eng.requests[sid].output_ids)
         reqs.append(pr)
     return {"against": against, "backend": opts.backend, "atol": atol, "rows": rows, "requests": reqs,
-            "mismatches": mismatches, "identical": not mismatches,
+            "mismatches": mismatches, "identical": not mismatches, "padded_vocab": eng.padded_vocab,
             "max_abs": max((r["max_abs"] for r in rows), default=0.0)}

@@ -134,15 +134,18 @@ class DraftModelDrafter:
         draft: a :class:`~infertrace.model.decoder.DecoderModel` sharing the target's vocabulary.
         target: the target model (vocabulary check).
         size: cells of the draft cache; n_seq_max: sequences.
+        n_sample_rows: the tokenizer's size when the vocabulary is padded (the draft's logits past it
+            are masked as the target's: :func:`~infertrace.engine.engine.mask_padded_rows`), else None.
     """
 
     name = "draft"
 
-    def __init__(self, draft: Any, target: Any, size: int, n_seq_max: int):
+    def __init__(self, draft: Any, target: Any, size: int, n_seq_max: int, n_sample_rows: int | None = None):
         if draft.cfg.vocab_size != target.cfg.vocab_size:
             raise InfertraceError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) differs from the target's "
                                   f"({target.cfg.vocab_size}); use a draft model with the target's tokenizer")
         self.model = draft
+        self.n_sample_rows = n_sample_rows
         cfg = draft.cfg
         n_layer = len(draft.layers)
         self.kv = CellsKV(n_layer, cfg.n_head_kv, cfg.head_dim, size, n_seq_max, draft.dtype, draft.device,
@@ -164,8 +167,11 @@ class DraftModelDrafter:
             r += c.T
             rows.append(r - 1)
         self.forwards += 1
-        return self.model.forward(torch.tensor(ids, dtype=torch.int64), inp, self.kv,
-                                  torch.tensor(rows, dtype=torch.int64))  # [len(chunks), V]
+        from infertrace.engine.engine import mask_padded_rows
+
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.int64), inp, self.kv,
+                                    torch.tensor(rows, dtype=torch.int64))  # [len(chunks), V]
+        return mask_padded_rows(logits, self.n_sample_rows)  # padded rows never drafted
 
     def _sync(self, reqs: list[Any]) -> torch.Tensor:
         """Bring each request's draft cache to its ``cache_ids`` (``seq_rm`` of what diverged, then one

@@ -29,6 +29,34 @@ from infertrace.model.decoder import NULL_TRACER, DecoderModel
 MAX_IDLE_RECORDED = 64
 
 
+def padded_vocab(model: DecoderModel, tokenizer: Any) -> dict[str, Any] | None:
+    """A padded vocabulary: the lm head has more rows (``cfg.vocab_size``) than the tokenizer has
+    tokens (e.g. HF ``vocab_size`` rounded up for GPU tiles). Returns ``{"rows", "tokens", "policy",
+    "masked"}`` (policy ``masked``: the rows past the tokenizer are set to -inf before sampling), or
+    None when the sizes agree (or the tokenizer's size is unknown).
+
+    The padded rows are untrained and have no text: an id sampled there cannot be detokenized (HF
+    decodes it to '', llama.cpp has no such token) and would be fed back as an untrained embedding.
+    vLLM keeps sampling within the vocabulary it can detokenize (vllm PR 24483: mask logits at ids
+    >= min(model vocab, tokenizer vocab)); structured-output backends mask the padded columns the same
+    way. So here, too: masked out of sampling, for every sampler order, speculative verify and draft."""
+    n_tok = getattr(tokenizer, "vocab_size", None)
+    rows = int(model.cfg.vocab_size)
+    if not isinstance(n_tok, int) or n_tok <= 0 or rows <= n_tok:
+        return None
+    return {"rows": rows, "tokens": n_tok, "policy": "masked", "masked": f"{n_tok}..{rows - 1}"}
+
+
+def mask_padded_rows(logits: torch.Tensor, n_tokens: int | None) -> torch.Tensor:
+    """``logits`` (``[M, V]`` float) with columns ``n_tokens..V-1`` set to -inf, a new tensor (the
+    same one when ``n_tokens`` is None): the padded rows of :func:`padded_vocab` can never be
+    sampled, drafted or accepted."""
+    if n_tokens is None or logits.shape[-1] <= n_tokens:
+        return logits
+    pad = torch.arange(logits.shape[-1], device=logits.device) >= n_tokens  # [V] bool
+    return logits.masked_fill(pad, float("-inf"))  # [M, V]
+
+
 @dataclass
 class StepContext:
     """What the engine hands ``tracer.end_step`` after each step (typed; read by attribute).
@@ -163,6 +191,9 @@ class Engine:
         self.step_no = 0
         self.eog = set(getattr(tokenizer, "eog_ids", ()) or ())
         self.sampler_order = self.opts.sampler_order or default_order("infertrace", self.opts.backend)
+        #: the lm head has rows past the tokenizer (padded vocabulary): they are masked out of sampling
+        self.padded_vocab = padded_vocab(model, tokenizer)
+        self.n_sample_rows = self.padded_vocab["tokens"] if self.padded_vocab else None
         self.serving = Serving(self)  # prefix cache, context shift, KV audit (engine/serving.py)
         if self.serving.prefix_on:
             self.scheduler.on_admit = self.serving.on_admit
@@ -200,8 +231,9 @@ class Engine:
         """Queue a request. seq_ids are assigned 0, 1, 2 ... in call order.
 
         Raises:
-            InfertraceError: empty prompt, prompt longer than the context, or a penalty the
-                sampler order lacks (:func:`~infertrace.engine.options.check_penalties`).
+            InfertraceError: empty prompt, a token id outside the model's embedding rows, prompt longer
+                than the context, or a penalty the sampler order lacks
+                (:func:`~infertrace.engine.options.check_penalties`).
 
         The request's ``penalty_last_n`` is resolved here (the order's default when unset), so the
         trace records the window it ran with.
@@ -211,6 +243,11 @@ class Engine:
         check_penalties(params, self.sampler_order)
         if not prompt_ids:
             raise InfertraceError("the prompt is empty after tokenization; pass some text with --prompt")
+        rows = int(self.model.cfg.vocab_size)
+        if max(prompt_ids) >= rows or min(prompt_ids) < 0:  # a tokenizer larger than the embedding (vLLM: "out of vocabulary")
+            bad = max(prompt_ids) if max(prompt_ids) >= rows else min(prompt_ids)
+            raise InfertraceError(f"prompt token id {bad} is outside the model's embedding rows 0..{rows - 1} (its tokenizer has "
+                                  f"{getattr(self.tok, 'vocab_size', '?')} tokens); use the tokenizer the model was trained with")
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)
         if len(prompt_ids) >= limit and self.kv.capacity_tokens < self.opts.ctx_size:  # case P5: name the pool
             raise InfertraceError(
@@ -275,6 +312,7 @@ class Engine:
                 f"the model produced NaN/inf logits at step {self.step_no}; its weights or hyper-parameters "
                 "(rope theta, rms epsilon) are broken - check the file with infertrace inspect"
             )
+        logits = mask_padded_rows(logits, self.n_sample_rows)  # [M, V]: where logits become samples (plain, verify)
         samples, finished, j = {}, {}, 0
         spec_rec: dict[str, Any] | None = {} if self.spec is not None else None
         row0 = 0

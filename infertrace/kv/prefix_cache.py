@@ -293,6 +293,11 @@ class CachingCellsKV(CellsKV):
         self.retained[seq_id] = None
         self.retained.move_to_end(seq_id)
 
+    def forget(self, seq_id: int) -> None:
+        """Free ``seq_id``'s cells without retaining them (an admission undone: its prefix attachment
+        through ``seq_cp`` is taken back, so nothing is cached under it that the trace never showed)."""
+        self._drop(seq_id)
+
     def _drop(self, seq_id: int) -> None:
         super().release(seq_id)
         self.retained.pop(seq_id, None)

@@ -16,7 +16,7 @@ import numpy as np
 
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig, config_from_gguf_fields, config_from_hf
-from infertrace.loading.gguf_check import check_gguf_header, check_gguf_tokenizer_fields
+from infertrace.loading.gguf_check import check_gguf_header, check_gguf_tokenizer_fields, gguf_byte_order, gguf_file_byte_order
 from infertrace.loading.hparams_check import check_hf_config, check_layer_count, check_gguf_hparams
 from infertrace.loading.limits import MAX_JSON_BYTES, read_json_file, require_regular_file
 from infertrace.model.families import expected_tensors, family_for_hf, hf_to_engine_name
@@ -122,7 +122,7 @@ def read_gguf(p: Path):
         raise InfertraceError(
             f"{p.name} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or an HF model directory"
         )
-    if version not in (2, 3):
+    if gguf_byte_order(version) is None:  # 2 or 3, in either byte order (a big-endian file reads as 0x0300_0000)
         raise InfertraceError(f"{p.name} is GGUF version {version}, which is not supported (versions 2 and 3); convert it with a current llama.cpp")
     check_gguf_header(p)  # counts, lengths, offsets vs the file size, before gguf-py trusts them
     try:
@@ -152,7 +152,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     if not header_only:
         import torch
         from gguf import GGMLQuantizationType
-        from infertrace.loading.dequant import dequantize
+        from infertrace.loading.dequant import blocks_to_little_endian, dequantize
         from infertrace.model.rope import unpermute_from_norm
     # the header (metadata + tensor table) from the cache when the file is unchanged, else from
     # gguf.GGUFReader (then cached); tensor data is memory-mapped at the offsets gguf-py computed
@@ -164,8 +164,8 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:  # hostile metadata
         raise InfertraceError(f"cannot read GGUF {p.name}: invalid metadata ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120] if str(e) else '?'}); the file is broken") from None
-    if header.from_cache:
-        check_gguf_header(p)
+    facts = check_gguf_header(p) if header.from_cache else None
+    big_endian = (facts.byte_order if facts is not None else gguf_file_byte_order(p)) == ">"
     meta: dict[str, Any] = dict(header.display)
     names = {t.name for t in header.tensors}
     meta_tokens = list(range(header.n_tokens))
@@ -209,7 +209,10 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
         data = header.tensor_data(t, mm)
         try:
             if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                arr = np.asarray(data, dtype=np.float32)
+                arr = np.asarray(data, dtype=np.float32)  # a big-endian file: gguf-py's view is '>f4' / '>f2'
+            elif big_endian:
+                with np.errstate(all="ignore"):
+                    arr = dequantize(blocks_to_little_endian(data, qtype, t.name, p.name), qtype)
             else:
                 with np.errstate(all="ignore"):  # broken scales give inf/nan; the engine reports non-finite logits
                     arr = dequantize(data, qtype)  # gguf-py's values, a fresh float32 array
@@ -253,6 +256,10 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
                      "V heads in tiled order; norms and ssm_a used as stored, V heads put back in HF's grouped order"
                      if cfg.ssm_n_k_heads != cfg.ssm_n_v_heads else
                      "Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm) and ssm_a = -exp(A_log); used as stored")
+    if big_endian:  # case G2
+        notes.append("GGUF in big-endian byte order (written for a big-endian host): header read big-endian, tensor values "
+                     "and quantised blocks' fp16 scales byte-swapped at load (the layouts of gguf-py's GGUFReader and "
+                     "gguf_convert_endian.py)")
     if cfg.rope_theta_is_default:
         notes.append(f"llama.rope.freq_base absent: using default theta {cfg.rope_theta:g}")
     if cfg.tie_embeddings:

@@ -26,6 +26,7 @@ through a ctypes mirror of its layout in ``ggml/include/ggml.h``).
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,12 @@ class LlamaCppContext:
         mp = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(p).encode(), mp)
         if not self.model:
+            from infertrace.loading.gguf_check import gguf_file_byte_order
+
+            if gguf_file_byte_order(p) == ">" and sys.byteorder == "little":  # case G2: gguf.cpp reads host order only
+                raise InfertraceError(f"llama.cpp cannot load {p.name}: it is a big-endian GGUF and llama.cpp reads only its "
+                                      "host's (little-endian) byte order; convert it (gguf-py gguf_convert_endian.py FILE "
+                                      "little) or run without --engine llama.cpp")
             raise InfertraceError(f"llama.cpp cannot load {p.name}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
