@@ -131,8 +131,9 @@ GEMMA_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm", 
                "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def add_tiny_tokenizer(wr, vocab: int) -> None:
-    """The tiny byte-level BPE (256 bytes, one merge, two specials) into a gguf-py GGUFWriter."""
+def add_tiny_tokenizer(wr, vocab: int, add_bos: bool = False) -> None:
+    """The tiny byte-level BPE (256 bytes, one merge, two specials) into a gguf-py GGUFWriter
+    (``add_bos``: ``add_bos_token`` true with BOS = ``<|endoftext|>``, id ``VOCAB - 2``)."""
     wr.add_vocab_size(vocab)
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre("default")
@@ -140,16 +141,19 @@ def add_tiny_tokenizer(wr, vocab: int) -> None:
     wr.add_token_types([1] * 257 + [3, 3])
     wr.add_token_merges(["h e"])
     wr.add_eos_token_id(VOCAB - 1)
-    wr.add_add_bos_token(False)
+    if add_bos:
+        wr.add_bos_token_id(VOCAB - 2)
+    wr.add_add_bos_token(add_bos)
 
 
 def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch: str | None = None,
-               kv: dict | None = None, extra_tensors: dict | None = None) -> Path:
+               kv: dict | None = None, extra_tensors: dict | None = None, add_bos: bool = False) -> Path:
     """Write the same weights as a GGUF of the family's llama.cpp arch (F32 tensors, ggml names).
 
     ``llama`` (also Mistral): Q/K rows and biases permuted for adjacent-pair RoPE; ``gemma3``: every
     norm stored as ``w + 1`` (convert_hf_to_gguf ``Gemma3Model``). ``kv`` adds ``{arch}.KEY`` values
-    (str/int/float/bool by type); ``extra_tensors`` adds raw ggml-named tensors.
+    (str/int/float/bool by type); ``extra_tensors`` adds raw ggml-named tensors; ``add_bos``: the
+    tokenizer adds BOS (:func:`add_tiny_tokenizer`).
     """
     fam = s.get("family", "llama")
     arch = arch or {"mistral": "llama"}.get(fam, fam)
@@ -179,7 +183,7 @@ def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch
             wr.add_float32(key, v)
         else:
             wr.add_string(key, str(v))
-    add_tiny_tokenizer(wr, s["vocab"])
+    add_tiny_tokenizer(wr, s["vocab"], add_bos)
     names = GEMMA_NAMES if fam == "gemma3" else GGUF_NAMES
     permute = arch == "llama"
     for k, t in w.items():

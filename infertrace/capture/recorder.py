@@ -69,7 +69,11 @@ class Recorder:
         self.n_first = n_first
         self.top_k = top_k
         self.mask_rows, self.mask_cols = mask_rows, mask_cols
-        self.inv_freq = inv_freq_table(config)
+        # the recorded layer's own RoPE (a windowed Gemma 3 layer rotates with base 10000, not the global 1e6)
+        swa = bool(config.layer_window(layer)) and config.rope_theta_swa is not None
+        self.inv_freq = inv_freq_table(config, swa=swa)
+        self.rope_theta = config.rope_theta_swa if swa else config.rope_theta
+        self.rope_scaled = not swa or config.rope_scaling_swa
         self.steps: list[StepTrace] = []
         self._taps: dict[str, dict[str, Any]] = {}
         self._spec_acc: dict[int, list[int]] = {}  # accepted nodes of this step's verify chunks, by seq_id
@@ -257,8 +261,9 @@ class Recorder:
         sc = cfg.rope_scaling
         return PositionsRec(
             inp_pos=pos, position_ids=pos, pairing="neox", pairing_in_file=cfg.rope_pairing_in_file,
-            theta=cfg.rope_theta, theta_is_default=cfg.rope_theta_is_default, rope_dim=cfg.rope_dim, head_dim=cfg.head_dim,
-            scaling={"type": sc.type, "factor": sc.factor, "freq_factors": "rope_freqs.weight" if cfg.rope_freq_factors else None},
+            theta=self.rope_theta, theta_is_default=cfg.rope_theta_is_default, rope_dim=cfg.rope_dim, head_dim=cfg.head_dim,
+            scaling=({"type": sc.type, "factor": sc.factor, "freq_factors": "rope_freqs.weight" if cfg.rope_freq_factors else None}
+                     if self.rope_scaled else {"type": "none", "factor": 1.0, "freq_factors": None}),
             inv_freq_first=[_r(float(x), 9) for x in self.inv_freq[:npair]], cos_sin=cs, evidence=ev,
         )
 

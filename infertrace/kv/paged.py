@@ -44,6 +44,7 @@ class PagedKV:
                  device: str | torch.device = "cpu", attn_impl: str = "torch", windows: Sequence[int] | None = None):
         if num_blocks < 1 or tokens_per_block < 1:
             raise InfertraceError("--num-blocks and --tokens-per-block must be >= 1")
+        self.n_layer = n_layer
         self.B = tokens_per_block
         self.num_blocks = num_blocks
         self.capacity_tokens = num_blocks * tokens_per_block

@@ -9,20 +9,22 @@ sequence by sharing its full blocks with reference counts and copying the partia
 
 Positions follow llama.cpp: ``p0 < 0`` means 0, ``p1 < 0`` means "to the end". The K-shift is
 applied eagerly (llama.cpp applies it at the next ``update``): RoPE is a rotation, so
-``R(p + d) k = R(d) R(p) k`` and the cached (already rotated) K is rotated once more by ``d``.
+``R(p + d) k = R(d) R(p) k`` and the cached (already rotated) K is rotated once more by ``d``, in
+each layer with that layer's own RoPE (:func:`~infertrace.model.rope.layer_ropes`: Gemma 3's windowed
+layers rotate with base 10000, its global layers with 1e6; llama.cpp ``build_rope_shift`` per layer).
 V is never touched. Functions take the backend object and mutate it; every function returns a
 small JSON-ready dict describing what it did (the engine puts it in the step trace).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ranges_text
-from infertrace.model.rope import apply_rope_neox, cos_sin
+from infertrace.model.rope import LayerRope, apply_rope_neox, cos_sin
 
 _END = 1 << 62
 
@@ -37,13 +39,32 @@ def rotate_k(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> to
     Args:
         k: ``[M, n_kv_heads, head_dim]`` cached K (already rotated at their old positions).
         delta: ``[M]`` int64 shift per row (llama.cpp ``k_shift`` input of ``build_graph_shift``).
-        inv_freq: ``[rope_dim/2]`` float64 (the model's :func:`~infertrace.model.rope.inv_freq_table`).
+        inv_freq: ``[rope_dim/2]`` the layer's frequencies (:attr:`~infertrace.model.rope.LayerRope.inv_freq`).
+            No cos/sin factor: the cached K already carries YaRN's ``mscale`` from its first rotation.
 
     Returns:
         ``[M, n_kv_heads, head_dim]`` K rotated as if computed at ``old_pos + delta``, dtype of ``k``.
     """
     cos, sin = cos_sin(delta.to(k.device), inv_freq.to(k.device), torch.float32)  # [M, rope_dim/2] each
     return apply_rope_neox(k.float(), cos, sin).to(k.dtype)  # [M, n_kv_heads, head_dim]
+
+
+def _shift_tables(kv: Any, ropes: Sequence[LayerRope | None]) -> list[torch.Tensor]:
+    """``inv_freq`` of each physical KV layer of ``kv`` from the model's per-layer RoPE.
+
+    Raises:
+        InfertraceError: ``ropes`` is not one entry per layer (a single table for every layer is the
+            bug this guards against), or a KV layer has no RoPE.
+    """
+    if isinstance(ropes, torch.Tensor) or len(ropes) != kv.n_layer:
+        raise InfertraceError(f"a K-shift needs one RoPE per layer ({kv.n_layer}; model.rope.layer_ropes(cfg)), "
+                              f"got {'one table' if isinstance(ropes, torch.Tensor) else len(ropes)}")
+    out = []
+    for il, r in enumerate(ropes):
+        if r is None:
+            raise InfertraceError(f"K-shift: layer {il} has no RoPE")
+        out.append(r.inv_freq)
+    return out
 
 
 # ----------------------------------------------------------------------------- cells (llama.cpp)
@@ -72,15 +93,17 @@ def cells_seq_rm(kv: Any, seq_id: int, p0: int = -1, p1: int = -1) -> dict[str, 
             "pos": ranges_text(removed), "cells": ranges_text(idx.tolist()), "freed": ranges_text(freed.tolist())}
 
 
-def cells_seq_add(kv: Any, seq_id: int, p0: int, p1: int, delta: int, inv_freq: torch.Tensor) -> dict[str, Any]:
+def cells_seq_add(kv: Any, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
     """Add ``delta`` to the position of ``seq_id``'s cells with ``p0 <= pos < p1`` and re-rotate
-    their K in every layer (K-shift). A cell whose position becomes negative is removed.
+    their K in every layer with that layer's RoPE (``ropes``, one per layer: K-shift). A cell whose
+    position becomes negative is removed.
 
     Note (as llama.cpp): a cell shared with other sequences moves for all of them.
     Mirrors ``llama_kv_cache::seq_add`` + ``build_graph_shift``.
     Returns ``{"op", "seq_id", "range", "delta", "cells", "from", "to", "removed"}``.
     """
     a, b = _range(p0, p1)
+    tables = _shift_tables(kv, ropes)
     if delta == 0:
         return {"op": "seq_add", "seq_id": seq_id, "delta": 0, "cells": "-"}
     idx = ((kv.pos >= a) & (kv.pos < b) & (kv.pos >= 0) & kv.seq[:, seq_id]).nonzero().flatten()  # [M]
@@ -90,7 +113,7 @@ def cells_seq_add(kv: Any, seq_id: int, p0: int, p1: int, delta: int, inv_freq: 
     keep = idx[new >= 0]
     d = torch.full((keep.numel(),), delta, dtype=torch.int64)  # [M']
     for layer in range(kv.n_layer):
-        kv.k[layer][keep] = rotate_k(kv.k[layer][keep], d, inv_freq)  # [M', n_kv_heads, hd]
+        kv.k[layer][keep] = rotate_k(kv.k[layer][keep], d, tables[layer])  # [M', n_kv_heads, hd]
     kv.pos[keep] = new[new >= 0]
     kv.seq[gone] = False
     kv.pos[gone] = -1
@@ -204,14 +227,16 @@ def _free_blocks(kv: Any, blocks: list[int]) -> None:
         kv.free.sort()
 
 
-def paged_shift_out(kv: Any, seq_id: int, p0: int, p1: int, inv_freq: torch.Tensor) -> dict[str, Any]:
+def paged_shift_out(kv: Any, seq_id: int, p0: int, p1: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
     """Drop positions ``p0 <= p < p1`` of ``seq_id`` and close the gap: the K/V of ``p1..L-1`` move
-    to ``p0..`` and their K is re-rotated by ``-(p1 - p0)`` (K-shift), then the tail is freed.
+    to ``p0..`` and their K is re-rotated by ``-(p1 - p0)`` with each layer's RoPE (``ropes``, one
+    per layer: K-shift), then the tail is freed.
     This is llama.cpp's ``seq_rm`` + ``seq_add`` pair (server context shift) in block-table form.
     Blocks shared with another sequence are never written: they are replaced by private copies first.
 
     Returns ``{"op": "shift_out", "seq_id", "removed", "from", "to", "delta", "freed_blocks"}``.
     """
+    tables = _shift_tables(kv, ropes)
     L = kv.lens.get(seq_id, 0)
     p1 = min(p1, L)
     n = p1 - p0
@@ -222,7 +247,7 @@ def paged_shift_out(kv: Any, seq_id: int, p0: int, p1: int, inv_freq: torch.Tens
     src = torch.tensor([kv.slot(seq_id, p) for p in range(p1, L)], dtype=torch.int64)  # [M]
     dst = torch.tensor([kv.slot(seq_id, p) for p in range(p0, L - n)], dtype=torch.int64)  # [M]
     d = torch.full((src.numel(),), -n, dtype=torch.int64)  # [M]
-    for pool in kv.pool:
+    for pool, inv_freq in zip(kv.pool, tables):
         sb, so, db, do = src // kv.B, src % kv.B, dst // kv.B, dst % kv.B
         k = pool[sb, 0, :, so, :].clone()  # [M, n_kv_heads, hd]
         v = pool[sb, 1, :, so, :].clone()  # [M, n_kv_heads, hd]
@@ -291,8 +316,9 @@ def seq_keep(kv: Any, seq_id: int) -> dict[str, Any]:
     return {"op": "seq_keep", "seq_id": seq_id, "released": others}
 
 
-def shift_out(kv: Any, seq_id: int, p0: int, p1: int, inv_freq: torch.Tensor) -> dict[str, Any]:
-    """Drop ``p0..p1-1`` and shift ``p1..`` down by ``p1 - p0`` (K re-rotated): llama.cpp server's
+def shift_out(kv: Any, seq_id: int, p0: int, p1: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
+    """Drop ``p0..p1-1`` and shift ``p1..`` down by ``p1 - p0`` (K re-rotated with each layer's RoPE,
+    ``ropes`` = :func:`~infertrace.model.rope.layer_ropes`): llama.cpp server's
     context shift ``seq_rm(seq, n_keep, n_keep + n_discard)`` + ``seq_add(seq, n_keep + n_discard,
     n_past, -n_discard)``, on either backend. Returns the list of operation dicts done.
 
@@ -303,6 +329,6 @@ def shift_out(kv: Any, seq_id: int, p0: int, p1: int, inv_freq: torch.Tensor) ->
     if kv.kind == "cells":
         return {"op": "shift_out", "seq_id": seq_id, "steps": [cells_make_private(kv, seq_id, p1),
                                                               cells_seq_rm(kv, seq_id, p0, p1),
-                                                              cells_seq_add(kv, seq_id, p1, -1, -(p1 - p0), inv_freq)],
+                                                              cells_seq_add(kv, seq_id, p1, -1, -(p1 - p0), ropes)],
                 "removed": ranges_text(range(p0, p1)), "delta": -(p1 - p0)}
-    return paged_shift_out(kv, seq_id, p0, p1, inv_freq)
+    return paged_shift_out(kv, seq_id, p0, p1, ropes)
