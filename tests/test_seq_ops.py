@@ -128,7 +128,7 @@ def test_cells_seq_cp_shares_cells_and_seq_keep_frees():
     assert op["cells"] == "0..2" and op["pos"] == "0..2"
     assert kv.seq_len(1) == 3 and kv.used == 5  # shared, no new cell
     inp = kv.prepare([ChunkSpec(1, 3, 1)])  # seq 1 continues at pos 3 in a new cell
-    keep = (inp.extra["kq_mask"][0, 0, 0, :6] == 0).int().tolist()
+    keep = (inp.kq_mask[0, 0, 0, :6] == 0).int().tolist()
     assert keep == [1, 1, 1, 0, 0, 1]  # sees the shared cells 0..2 and its own cell 5, not seq 0's 3..4
     seq_rm(kv, 0)
     assert kv.used == 4 and kv.cells_of(1) == [(0, 0), (1, 1), (2, 2), (5, 3)]  # shared cells survive

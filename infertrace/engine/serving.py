@@ -67,13 +67,12 @@ class Serving:
         """Record the step's token ids and provenance; run the audit when asked."""
         kv = self.eng.kv
         row = 0
-        slots = inp.extra.get("slot_mapping") if inp is not None else None
         for c in batch.chunks:
             req = c.req
             if self.prefix_on and not req.shifts:
                 kv.note_tokens(req.seq_id, c.C, c.token_ids, req.cache_ids[: c.C + c.T])
-            sl = slots[row : row + c.T].tolist() if slots is not None else ()
-            self.prov.on_write(req.seq_id, c.C, c.T, c.phase, c.need_logits, sl, getattr(kv, "B", 0))
+            blocks = kv.written_blocks(inp, row, c.T) if inp is not None else ()
+            self.prov.on_write(req.seq_id, c.C, c.T, c.phase, c.need_logits, blocks)
             row += c.T
         if self.audit_on:
             self.audit = self.run_audit()
@@ -93,10 +92,7 @@ class Serving:
         if batch is not None:
             scheduled = {c.req.seq_id for c in batch.chunks}
             self.hits = {k: v for k, v in self.hits.items() if k in scheduled}
-        kv = self.eng.kv
-        events = list(getattr(kv, "events", []))
-        if events:
-            kv.events.clear()
+        events = self.eng.kv.take_events()
         rec = {"prefix": {str(k): v for k, v in self.hits.items()}, "evictions": events,
                "ops_before_step": self.pending_ops, "audit": self.audit}
         self.hits, self.pending_ops, self.audit = {}, [], None
@@ -138,9 +134,7 @@ class Serving:
             raise InfertraceError(f"context shift impossible for request {req.seq_id}: --n-keep {o.n_keep} keeps the whole "
                                   f"context of {n_past} tokens; lower --n-keep")
         kv = self.eng.kv
-        if kv.kind == "cells" and hasattr(kv, "tainted"):
-            kv.tainted.add(req.seq_id)
-        op = shift_out(kv, req.seq_id, n_keep, n_keep + n_discard, self.ropes)
+        op = shift_out(kv, req.seq_id, n_keep, n_keep + n_discard, self.ropes)  # raises where the memory cannot
         req.shifts.append((n_keep, n_discard))
         req.num_computed -= n_discard
         self.prov.on_shift(req.seq_id, n_keep, n_discard)
@@ -165,6 +159,5 @@ class Serving:
         del req.output_ids[keep - n_prompt + 1 :]
         req.num_computed = keep
         self.prov.on_rewind(req.seq_id, keep)
-        if self.prefix_on and hasattr(self.eng.kv, "tokens"):
-            self.eng.kv.tokens[req.seq_id] = req.cache_ids[:keep]
+        self.eng.kv.note_rewind(req.seq_id, req.cache_ids[:keep])
         return op

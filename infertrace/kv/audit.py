@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from infertrace.kv.base import ChunkSpec
+from infertrace.kv.base import ChunkSpec, Memory
 
 
 class Provenance:
@@ -39,10 +39,10 @@ class Provenance:
         self.chunks[seq_id] = 0
         self.shifted.discard(seq_id)
 
-    def on_write(self, seq_id: int, C: int, T: int, phase: str, last: bool, slots: Sequence[int] = (),
-                 B: int = 0) -> None:
+    def on_write(self, seq_id: int, C: int, T: int, phase: str, last: bool, blocks: Sequence[int] = ()) -> None:
         """Tokens ``C..C+T-1`` were computed this step (``phase`` prefill or decode; ``last``: the chunk
-        ends the prompt, so a first chunk that is also the last is the whole ``prefill``)."""
+        ends the prompt, so a first chunk that is also the last is the whole ``prefill``); ``blocks``:
+        the paged blocks they were written to (``Memory.written_blocks``)."""
         if phase == "decode":
             label = "decode"
         else:
@@ -52,8 +52,8 @@ class Provenance:
         if seq_id in self.shifted:
             label = f"{label}, after a shift"
         self.labels[seq_id] = self.labels.get(seq_id, [])[:C] + [label] * T
-        for s in slots:
-            self.block_writer[int(s) // B] = seq_id
+        for b in blocks:
+            self.block_writer[int(b)] = seq_id
 
     def on_shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
         """Context shift: ``n_keep..n_keep+n_discard-1`` dropped, the rest moved by ``-n_discard``."""
@@ -130,7 +130,7 @@ def layer0_k(model: Any, token_ids: Sequence[int], positions: Sequence[int]) -> 
     return apply_rope_neox(k, cos, sin)  # [L, nkv, hd]
 
 
-def audit_kv(model: Any, kv: Any, seqs: dict[int, Sequence[int]], prov: Provenance) -> dict[str, Any]:
+def audit_kv(model: Any, kv: Memory, seqs: dict[int, Sequence[int]], prov: Provenance) -> dict[str, Any]:
     """Recompute every cached sequence and compare with the cache.
 
     Args:

@@ -12,8 +12,11 @@ applied eagerly (llama.cpp applies it at the next ``update``): RoPE is a rotatio
 ``R(p + d) k = R(d) R(p) k`` and the cached (already rotated) K is rotated once more by ``d``, in
 each layer with that layer's own RoPE (:func:`~infertrace.model.rope.layer_ropes`: Gemma 3's windowed
 layers rotate with base 10000, its global layers with 1e6; llama.cpp ``build_rope_shift`` per layer).
-V is never touched. Functions take the backend object and mutate it; every function returns a
-small JSON-ready dict describing what it did (the engine puts it in the step trace).
+V is never touched. The ``cells_*`` / ``paged_*`` functions are the algorithms each memory kind's
+methods run (``CellsKV.seq_rm`` ... :class:`~infertrace.kv.base.Memory`); each takes the memory and
+mutates it and returns a small JSON-ready dict describing what it did (the engine puts it in the step
+trace). The unprefixed functions (``seq_rm(kv, ...)``) call the memory's method and raise where it
+answers "cannot".
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import ranges_text
+from infertrace.kv.base import MemOp, Memory, ranges_text
 from infertrace.model.rope import LayerRope, apply_rope_neox, cos_sin
 
 _END = 1 << 62
@@ -207,24 +210,16 @@ def paged_seq_rm(kv: Any, seq_id: int, p0: int = -1, p1: int = -1) -> dict[str, 
         tab = list(kv.tables.get(seq_id, []))
         kv.release(seq_id)
         return {"op": "seq_rm", "seq_id": seq_id, "range": "[0, end)", "pos": ranges_text(range(L)), "freed_blocks": tab}
-    if a % kv.B and hasattr(kv, "make_private"):
+    if a % kv.B:
         kv.make_private(seq_id, a // kv.B)  # the kept partial block will be rewritten: copy-on-write / unhash
     keep_blocks = -(-a // kv.B)
     tab = kv.tables[seq_id]
     dropped = tab[keep_blocks:]
     kv.tables[seq_id] = tab[:keep_blocks]
     kv.lens[seq_id] = a
-    _free_blocks(kv, dropped)
+    kv.free_blocks(dropped)  # reference counted when the pool shares blocks (kv/prefix_cache.py)
     return {"op": "seq_rm", "seq_id": seq_id, "range": f"[{a}, end)", "pos": ranges_text(range(a, L)),
             "freed_blocks": dropped}
-
-
-def _free_blocks(kv: Any, blocks: list[int]) -> None:
-    if hasattr(kv, "free_blocks"):
-        kv.free_blocks(blocks)  # reference-counted pool (kv/prefix_cache.py)
-    else:
-        kv.free.extend(blocks)
-        kv.free.sort()
 
 
 def paged_shift_out(kv: Any, seq_id: int, p0: int, p1: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
@@ -242,8 +237,7 @@ def paged_shift_out(kv: Any, seq_id: int, p0: int, p1: int, ropes: Sequence[Laye
     n = p1 - p0
     if n <= 0:
         return {"op": "shift_out", "seq_id": seq_id, "removed": "-", "delta": 0, "freed_blocks": []}
-    if hasattr(kv, "make_private"):
-        kv.make_private(seq_id, p0 // kv.B)  # copy-on-write of shared blocks that will be rewritten
+    kv.make_private(seq_id, p0 // kv.B)  # copy-on-write of shared blocks that will be rewritten
     src = torch.tensor([kv.slot(seq_id, p) for p in range(p1, L)], dtype=torch.int64)  # [M]
     dst = torch.tensor([kv.slot(seq_id, p) for p in range(p0, L - n)], dtype=torch.int64)  # [M]
     d = torch.full((src.numel(),), -n, dtype=torch.int64)  # [M]
@@ -259,76 +253,99 @@ def paged_shift_out(kv: Any, seq_id: int, p0: int, p1: int, ropes: Sequence[Laye
             "freed_blocks": rm["freed_blocks"]}
 
 
-# ----------------------------------------------------------------------------- one entry point per operation
+def paged_seq_cp(kv: Any, src: int, dst: int, p0: int = -1, p1: int = -1) -> dict[str, Any]:
+    """Fork ``dst`` from ``src``'s prefix ``0..p1-1`` (shared full blocks reference counted, the partial
+    last block copied: vLLM / TensorRT-LLM fork).
 
-
-def _recurrent(kv: Any, op: str, seq_id: int, p0: int, p1: int) -> Any:
-    """The recurrent state of a hybrid memory (None otherwise). A range that cuts into a sequence is
-    refused there, as llama.cpp's ``llama_memory_recurrent::seq_rm`` refuses it: a GDN state is one
-    summary of all the sequence's tokens and cannot drop some of them (TensorRT-LLM keeps per-step
-    intermediate states for speculative rewind; not implemented here)."""
-    st = getattr(kv, "state", None)
-    if st is None or not hasattr(st, "seq_cp"):
-        return None
-    whole = p0 <= 0 and p1 < 0
-    if not whole and p0 < kv.seq_len(seq_id):
-        raise InfertraceError(f"{op} of positions {max(p0, 0)}..{'end' if p1 < 0 else p1 - 1} of seq {seq_id} on a hybrid "
-                              "model: its recurrent (GDN) state cannot drop or copy part of a sequence (llama.cpp's "
-                              "memory_recurrent refuses it too)")
-    return st if whole else None
-
-
-def seq_rm(kv: Any, seq_id: int, p0: int = -1, p1: int = -1) -> dict[str, Any]:
-    """``llama_memory_seq_rm`` on either backend (paged: tail only; hybrid: whole sequences only)."""
-    st = _recurrent(kv, "seq_rm", seq_id, p0, p1)
-    out = cells_seq_rm(kv, seq_id, p0, p1) if kv.kind == "cells" else paged_seq_rm(kv, seq_id, p0, p1)
-    if st is not None:
-        st.release(seq_id)
-    return out
-
-
-def seq_cp(kv: Any, src: int, dst: int, p0: int = -1, p1: int = -1) -> dict[str, Any]:
-    """``llama_memory_seq_cp`` (cells) / fork (paged: a prefix ``0..p1-1`` only, shared blocks
-    reference counted, partial last block copied); hybrid: whole sequences, the state copied too."""
-    st = _recurrent(kv, "seq_cp", src, p0, p1)
-    if st is not None:
-        st.seq_cp(src, dst)
-    if kv.kind == "cells":
-        return cells_seq_cp(kv, src, dst, p0, p1)
+    Raises:
+        InfertraceError: ``p0 > 0`` (a block table can only share a prefix).
+    """
     if p0 > 0:
         raise InfertraceError("paged seq_cp copies a prefix: p0 must be 0 (or -1)")
     L = kv.lens.get(src, 0)
-    n = L if p1 < 0 else min(p1, L)
-    return kv.fork(src, dst, n)
+    return kv.fork(src, dst, L if p1 < 0 else min(p1, L))
 
 
-def seq_keep(kv: Any, seq_id: int) -> dict[str, Any]:
-    """``llama_memory_seq_keep``: everything but ``seq_id`` is released."""
-    st = getattr(kv, "state", None)
-    if st is not None and hasattr(st, "owner"):
-        for s in [s for s in st.owner if s != seq_id]:
-            st.release(s)
-    if kv.kind == "cells":
-        return cells_seq_keep(kv, seq_id)
+def paged_seq_keep(kv: Any, seq_id: int) -> dict[str, Any]:
+    """Release every sequence but ``seq_id``."""
     others = [s for s in list(kv.tables) if s != seq_id]
     for s in others:
         kv.release(s)
     return {"op": "seq_keep", "seq_id": seq_id, "released": others}
 
 
-def shift_out(kv: Any, seq_id: int, p0: int, p1: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
-    """Drop ``p0..p1-1`` and shift ``p1..`` down by ``p1 - p0`` (K re-rotated with each layer's RoPE,
-    ``ropes`` = :func:`~infertrace.model.rope.layer_ropes`): llama.cpp server's
-    context shift ``seq_rm(seq, n_keep, n_keep + n_discard)`` + ``seq_add(seq, n_keep + n_discard,
-    n_past, -n_discard)``, on either backend. Returns the list of operation dicts done.
+def cells_seq_div(kv: Any, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
+    """Divide the positions of ``seq_id``'s cells with ``p0 <= pos < p1`` by ``d`` (integer division)
+    and re-rotate their K by ``new - old`` in every layer with that layer's RoPE. Mirrors
+    ``llama_kv_cache::seq_div`` (self-extend / group attention) + the K-shift.
 
     Raises:
-        InfertraceError: a hybrid model (its recurrent state cannot forget tokens).
+        InfertraceError: ``d < 1``.
     """
-    _recurrent(kv, "shift_out", seq_id, p0, p1)
-    if kv.kind == "cells":
-        return {"op": "shift_out", "seq_id": seq_id, "steps": [cells_make_private(kv, seq_id, p1),
-                                                              cells_seq_rm(kv, seq_id, p0, p1),
-                                                              cells_seq_add(kv, seq_id, p1, -1, -(p1 - p0), ropes)],
-                "removed": ranges_text(range(p0, p1)), "delta": -(p1 - p0)}
-    return paged_shift_out(kv, seq_id, p0, p1, ropes)
+    if d < 1:
+        raise InfertraceError(f"seq_div by {d}: the divisor must be >= 1")
+    a, b = _range(p0, p1)
+    tables = _shift_tables(kv, ropes)
+    idx = ((kv.pos >= a) & (kv.pos < b) & (kv.pos >= 0) & kv.seq[:, seq_id]).nonzero().flatten()  # [M]
+    old = kv.pos[idx].clone()  # [M]
+    new = old // d  # [M]
+    if d > 1 and idx.numel():
+        for layer in range(kv.n_layer):
+            kv.k[layer][idx] = rotate_k(kv.k[layer][idx], new - old, tables[layer])  # [M, n_kv_heads, hd]
+        kv.pos[idx] = new
+    return {"op": "seq_div", "seq_id": seq_id, "range": f"[{a}, {'end' if b == _END else b})", "d": d,
+            "cells": ranges_text(idx.tolist()), "from": ranges_text(old.tolist()), "to": ranges_text(new.tolist())}
+
+
+def cells_shift_out(kv: Any, seq_id: int, p0: int, p1: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
+    """Context shift on cells: copy-on-write of the cells shared with other sequences, ``seq_rm(p0, p1)``,
+    ``seq_add(p1, end, -(p1 - p0))`` (llama.cpp server's pair)."""
+    _shift_tables(kv, ropes)
+    return {"op": "shift_out", "seq_id": seq_id, "steps": [cells_make_private(kv, seq_id, p1),
+                                                          cells_seq_rm(kv, seq_id, p0, p1),
+                                                          cells_seq_add(kv, seq_id, p1, -1, -(p1 - p0), ropes)],
+            "removed": ranges_text(range(p0, p1)), "delta": -(p1 - p0)}
+
+
+# ----------------------------------------------------------------------------- entry points that raise on "cannot"
+
+
+def _done(op: MemOp) -> MemOp:
+    if not op:
+        raise InfertraceError(op["refused"])
+    return op
+
+
+def seq_rm(kv: Memory, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
+    """``kv.seq_rm`` (``llama_memory_seq_rm``; paged: tail only; hybrid: whole sequences only).
+
+    Raises:
+        InfertraceError: the memory cannot remove that range (its one-line reason).
+    """
+    return _done(kv.seq_rm(seq_id, p0, p1))
+
+
+def seq_cp(kv: Memory, src: int, dst: int, p0: int = -1, p1: int = -1) -> MemOp:
+    """``kv.seq_cp`` (cells: shared cells; paged: fork of a prefix; hybrid: whole sequences, state copied).
+
+    Raises:
+        InfertraceError: the memory cannot copy that range.
+    """
+    return _done(kv.seq_cp(src, dst, p0, p1))
+
+
+def seq_keep(kv: Memory, seq_id: int) -> MemOp:
+    """``kv.seq_keep`` (``llama_memory_seq_keep``): everything but ``seq_id`` is released."""
+    return _done(kv.seq_keep(seq_id))
+
+
+def shift_out(kv: Memory, seq_id: int, p0: int, p1: int, ropes: Sequence[LayerRope | None]) -> MemOp:
+    """``kv.shift_out``: drop ``p0..p1-1`` and shift ``p1..`` down by ``p1 - p0`` (K re-rotated with each
+    layer's RoPE, ``ropes`` = :func:`~infertrace.model.rope.layer_ropes`): llama.cpp server's context
+    shift ``seq_rm(seq, n_keep, n_keep + n_discard)`` + ``seq_add(seq, n_keep + n_discard, n_past,
+    -n_discard)``.
+
+    Raises:
+        InfertraceError: the memory cannot (a hybrid model: its recurrent state cannot forget tokens).
+    """
+    return _done(kv.shift_out(seq_id, p0, p1, ropes))

@@ -3,7 +3,7 @@
 Two sources build the same dict with :func:`build_dump` (so one renderer,
 :func:`infertrace.present.render_kv.render_kv_dump`, prints both):
 
-* a live run: :func:`infertrace.kv.dump.dump_kv_at_step` steps an engine up to and including
+* a live run: :func:`infertrace.runner.dump_kv_at_step` steps an engine up to and including
   step N and describes the backend at the end of that step (before requests finishing at N are
   freed, the same moment :class:`~infertrace.trace.records.KVRec` ``physical`` is taken);
 * a saved trace: :func:`dump_from_step` rebuilds it from one :class:`StepTrace` (no K/V
