@@ -109,12 +109,11 @@ def test_context_shift_keeps_the_bos(tiny_bos, backend, n_keep, removed, moved, 
     """Case C1 (llama.cpp server: n_keep += add_bos, n_discard = (n_past - n_keep) / 2): prompt "abcde" ->
     [BOS, 97..101], ctx 12, 10 new tokens. The shift fires at n_past 11; --n-keep 0 keeps the BOS cell
     (n_keep 1, n_discard 5: drop 1..5), --n-keep 2 keeps 3 (n_discard 4: drop 3..6)."""
-    bos = tiny_bos.tokenizer.bos_id if hasattr(tiny_bos.tokenizer, "bos_id") else None
     spec = PromptSpec("abcde", SamplingParams(max_new_tokens=10, ignore_eos=True))
     tr = run_requests(tiny_bos, [spec], EngineOptions(backend=backend, ctx_size=12, tokens_per_block=4, context_shift=True,
                                                       n_keep=n_keep, audit_kv=True), show=("positions", "kv"))
     assert tr.requests[0]["prompt_ids"][1:] == [97, 98, 99, 100, 101]
-    assert tr.requests[0]["prompt_ids"][0] == 257 and (bos is None or bos == 257)  # <|endoftext|>, VOCAB - 2
+    assert tr.requests[0]["prompt_ids"][0] == tiny_bos.tokenizer.bos_id == 257  # <|endoftext|>, VOCAB - 2
     shifts = [r.shift for st in tr.steps for r in st.batch if r.shift]
     s = shifts[0]
     assert (s["n_past"], s["n_keep"], s["removed"], s["moved"]) == (11, kept, removed, moved)
