@@ -191,3 +191,74 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     th = current()
     out.runtime = {"threads": th.n, "threads_reason": th.reason}
     return out
+
+
+# ----------------------------------------------------------------------------- dump-kv: run to step N
+
+
+class StepProbe:
+    """A tracer that records nothing but calls ``fn(ctx)`` at the end of step ``target``
+    (after sampling, before finished requests are freed) and keeps the result."""
+
+    enabled = True
+    layers: frozenset[int] = frozenset()
+
+    def __init__(self, target: int, fn: Any):
+        self.target, self.fn, self.result = target, fn, None
+
+    def tap(self, name: str, **tensors: Any) -> None:
+        """Tap points are ignored (the tracer protocol of :class:`~infertrace.capture.recorder.Recorder`)."""
+        return None
+
+    def begin_step(self) -> None:
+        """Nothing to prepare."""
+        return None
+
+    def end_step(self, ctx: Any) -> None:
+        """Keep ``fn(ctx)`` when ``ctx.step`` is the target step."""
+        if ctx.step == self.target:
+            self.result = self.fn(ctx)
+
+
+def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer: int | None = None,
+                    head: int | None = None, positions: Sequence[int] | None = None, full: bool = False) -> dict[str, Any]:
+    """Run ``prompts`` up to and including ``step`` and return the cache right after it.
+
+    Args:
+        loaded: from :func:`infertrace.runner.load_model`.
+        prompts: :class:`~infertrace.runner.PromptSpec` list (seq_ids in list order).
+        opts: :class:`~infertrace.engine.engine.EngineOptions` (backend, sizes, batching) as ``run`` uses them.
+        step: step number (0-based, idle steps count).
+        layer, head: with either given, K/V values of that layer and kv head (defaults 0) are added.
+        positions: logical positions for the values (None = all cached).
+        full: all head_dim values instead of the first 4.
+
+    Returns:
+        the dict of :func:`infertrace.trace.kv_dump.build_dump` (:func:`infertrace.kv.dump.describe_live`).
+
+    Raises:
+        InfertraceError: step out of range (``step 12 out of range: the run has steps 0..7``),
+            layer/head out of range, positions not cached, or any run error.
+    """
+    from infertrace.kv.dump import describe_live
+
+    cfg = loaded.config
+    if layer is not None and not 0 <= layer < cfg.n_layer:
+        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
+    if head is not None and not 0 <= head < cfg.n_head_kv:
+        raise InfertraceError(f"--head {head} out of range: the cache holds kv heads 0..{cfg.n_head_kv - 1} "
+                              f"(n_head_kv = {cfg.n_head_kv}; query heads share them, GQA)")
+    if step < 0:
+        raise InfertraceError(f"step {step} out of range: steps are numbered from 0")
+    if not prompts:
+        raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
+    probe = StepProbe(step, lambda ctx: describe_live(ctx, layer, head, positions, full))
+    eng = Engine(loaded.model, loaded.tokenizer, opts, probe)
+    for s in prompts:
+        eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
+    while eng.step_no <= step and eng.step() is not None:
+        pass
+    if probe.result is None:
+        raise InfertraceError(f"step {step} out of range: the run has steps 0..{eng.step_no - 1}")
+    probe.result["attention"] = eng.attn_impl
+    return probe.result

@@ -91,7 +91,7 @@ def _break_mask(monkeypatch, kind: str):
 
     def prepare(self, chunks):
         inp = orig(self, chunks)
-        m, idx = inp.extra["kq_mask"], inp.extra["cell_idx"]
+        m, idx = inp.kq_mask, inp.cell_idx
         if kind == "future" and chunks[0].T > 1:
             m[0, 0, 0, int(idx[1])] = 0.0  # query at pos C sees pos C+1 of its own seq
         if kind == "foreign" and len(chunks) > 1:

@@ -131,8 +131,9 @@ GEMMA_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm", 
                "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def add_tiny_tokenizer(wr, vocab: int) -> None:
-    """The tiny byte-level BPE (256 bytes, one merge, two specials) into a gguf-py GGUFWriter."""
+def add_tiny_tokenizer(wr, vocab: int, add_bos: bool = False) -> None:
+    """The tiny byte-level BPE (256 bytes, one merge, two specials) into a gguf-py GGUFWriter
+    (``add_bos``: ``add_bos_token`` true with BOS = ``<|endoftext|>``, id ``VOCAB - 2``)."""
     wr.add_vocab_size(vocab)
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre("default")
@@ -140,11 +141,14 @@ def add_tiny_tokenizer(wr, vocab: int) -> None:
     wr.add_token_types([1] * 257 + [3, 3])
     wr.add_token_merges(["h e"])
     wr.add_eos_token_id(VOCAB - 1)
-    wr.add_add_bos_token(False)
+    if add_bos:
+        wr.add_bos_token_id(VOCAB - 2)
+    wr.add_add_bos_token(add_bos)
 
 
 def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch: str | None = None,
-               kv: dict | None = None, extra_tensors: dict | None = None, endianess=None, quant=None) -> Path:
+               kv: dict | None = None, extra_tensors: dict | None = None, endianess=None, quant=None,
+               add_bos: bool = False) -> Path:
     """Write the same weights as a GGUF of the family's llama.cpp arch (F32 tensors, ggml names).
 
     ``llama`` (also Mistral): Q/K rows and biases permuted for adjacent-pair RoPE; ``gemma3``: every
@@ -153,6 +157,7 @@ def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch
     (``gguf.GGUFEndian.BIG``) writes a big-endian file (gguf-py swaps header and tensor data);
     ``quant(ggml_name, float32 array)`` may return ``(raw uint8 blocks, GGMLQuantizationType)`` to store
     a tensor quantised (``gguf.quants.quantize``), None to keep it F32.
+    ``add_bos``: the tokenizer adds BOS (:func:`add_tiny_tokenizer`).
     """
     fam = s.get("family", "llama")
     arch = arch or {"mistral": "llama"}.get(fam, fam)
@@ -182,7 +187,7 @@ def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch
             wr.add_float32(key, v)
         else:
             wr.add_string(key, str(v))
-    add_tiny_tokenizer(wr, s["vocab"])
+    add_tiny_tokenizer(wr, s["vocab"], add_bos)
     names = GEMMA_NAMES if fam == "gemma3" else GGUF_NAMES
     permute = arch == "llama"
     for k, t in w.items():

@@ -21,9 +21,12 @@ Mirrors TensorRT-LLM ``_torch/pyexecutor/model_engine.py`` (mRoPE position ids),
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from infertrace.kv.base import Memory
 
 #: tokens whose positions are listed (the rest are counted)
 MAX_POS = 16
@@ -40,7 +43,7 @@ def _shape(t: torch.Tensor) -> dict[str, Any]:
     return {"shape": [int(x) for x in t.shape], "dtype": _dt(t)}
 
 
-def hybrid_record(cfg: Any, inp: Any, kv: Any, taps: dict[str, dict[str, Any]], layer: int, reason: str) -> dict[str, Any]:
+def hybrid_record(cfg: Any, inp: Any, kv: Memory, taps: dict[str, dict[str, Any]], layer: int, reason: str) -> dict[str, Any]:
     """JSON-ready hybrid section of one step (see the module docstring).
 
     Args:
@@ -76,7 +79,7 @@ def hybrid_record(cfg: Any, inp: Any, kv: Any, taps: dict[str, dict[str, Any]], 
                              "heads": [cfg.n_head, cfg.n_head_kv, cfg.head_dim]}
         if o is not None:
             rec["projection"].update(attn_out=_shape(o["o"]), gated=_shape(o["gated"]), o_proj=_shape(o["out"]))
-    st = getattr(kv, "state", None)
+    st = kv.recurrent_state()
     if st is not None:
         g = taps.get("gdn")
         rec["state"] = state_summary(st, inp is not None)
@@ -87,24 +90,5 @@ def hybrid_record(cfg: Any, inp: Any, kv: Any, taps: dict[str, dict[str, Any]], 
 
 
 def state_summary(st: Any, active: bool = True) -> dict[str, Any]:
-    """JSON-ready view of a :class:`~infertrace.kv.recurrent.RecurrentState`: convention, slots, shapes,
-    dtype, bytes per request, ``state_indices`` / ``rs_z`` of the last step (when ``active``) and, per
-    request holding a slot, the L2 norm and sum (checksum) of the conv and recurrent state of the
-    first two and the last GDN layer."""
-    per = []
-    shown = st.layers[:2] + ([st.layers[-1]] if len(st.layers) > 2 else [])
-    for sid, slot in sorted(st.owner.items()):
-        rows = []
-        for il in shown:
-            c, r = st.conv[il][slot].float(), st.rec[il][slot].float()
-            rows.append({"layer": il, "conv_norm": round(float(c.norm()), 6), "conv_sum": round(float(c.sum()), 6),
-                         "rec_norm": round(float(r.norm()), 6), "rec_sum": round(float(r.sum()), 6)})
-        per.append({"seq_id": sid, "slot": slot, "layers": rows})
-    any_rec = next(iter(st.rec.values()), None)
-    size = st.conv_shape[0] * st.conv_shape[1] + st.rec_shape[0] * st.rec_shape[1] * st.rec_shape[2]
-    return {"convention": st.convention, "n_slots": st.n_slots, "n_layers": len(st.layers),
-            "conv_shape": list(st.conv_shape), "rec_shape": list(st.rec_shape),
-            "dtype": _dt(any_rec) if any_rec is not None else "",
-            "state_indices": list(st.last_indices) if active else [], "rs_z": st.rs_z if active else -1,
-            "free": list(st.free)[:64], "per_seq": per,
-            "bytes_per_seq": int(len(st.layers) * size * (any_rec.element_size() if any_rec is not None else 4))}
+    """JSON-ready view of a :class:`~infertrace.kv.recurrent.RecurrentState` (its ``describe_state``)."""
+    return st.describe_state(active)

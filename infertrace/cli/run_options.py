@@ -101,8 +101,10 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     check_min("--n-discard", n_discard, 0)
     if (n_keep or n_discard) and not context_shift:
         raise InfertraceError("--n-keep / --n-discard set how a context shift works: add --context-shift")
-    if n_keep >= ctx_size - 1 and context_shift:
-        raise InfertraceError(f"--n-keep {n_keep} leaves nothing to shift in --ctx-size {ctx_size}; lower --n-keep")
+    if context_shift and n_keep > ctx_size - 4:  # llama.cpp's server clamps n_keep (+ BOS) to n_ctx - 4
+        raise InfertraceError(f"--n-keep {n_keep} leaves nothing to shift in --ctx-size {ctx_size} (a context shift keeps at "
+                              f"most n_ctx - 4 = {max(ctx_size - 4, 0)} tokens, BOS included, as llama.cpp's server); "
+                              "lower --n-keep or raise --ctx-size")
     if attention == "triton":  # fail before the model loads, with the engine's own messages
         import torch
 

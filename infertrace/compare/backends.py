@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.kv.base import ranges_text
+from infertrace.kv.base import Memory, ranges_text
 
 #: default tolerance on logits and K/V: float32 vs reduced precision
 ATOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
@@ -70,12 +70,11 @@ class StepCapture:
                 logits[c.req.seq_id] = ctx["logits"][j]  # [V]
                 j += 1
         holders = sorted(sid for sid, r in ctx["requests"].items() if r.num_computed > 0 and r.status == "running")
-        n_layer = len(kv.k) if kv.kind == "cells" else len(kv.pool)
         kvs = {}
         for sid in holders:
-            ks, vs = zip(*(kv.read(layer, sid) for layer in getattr(kv, "kv_layers", range(n_layer))))
+            ks, vs = zip(*(kv.read(layer, sid) for layer in kv.kv_layers))
             kvs[sid] = (torch.stack(ks), torch.stack(vs))  # [n_layer, L, n_kv_heads, hd] each
-        st = getattr(kv, "state", None)  # hybrid: GDN conv + recurrent state of each holder, compared with K/V
+        st = kv.recurrent_state()  # hybrid: GDN conv + recurrent state of each holder, compared with K/V
         states = {sid: (torch.stack([st.state_of(il, sid)[0] for il in st.layers]),  # [n_gdn, conv_dim, K-1]
                         torch.stack([st.state_of(il, sid)[1] for il in st.layers]))  # [n_gdn, Hv, dk, dv]
                   for sid in holders if st is not None and st.slot_of(sid) is not None}
@@ -84,32 +83,10 @@ class StepCapture:
         self.last = cap
 
 
-def physical_summary(kv: Any, inp: Any) -> dict[str, Any]:
-    """JSON-ready physical side of one step: where the step's K/V went and what attention got."""
-    chunks = inp.chunks if inp is not None else []
-    if kv.kind == "cells":
-        idx = inp.extra["cell_idx"].tolist() if inp is not None else []
-        per, r = {}, 0
-        for c in chunks:
-            per[str(c.seq_id)] = ranges_text(idx[r:r + c.T])
-            r += c.T
-        d = {"storage": [kv.size, *kv.k[0].shape[1:]], "used": kv.used, "head": kv.head, "cells": per}
-        if inp is not None:
-            d.update(kq_mask_ne=[inp.extra["n_kv"], inp.extra["n_tokens_pad"], 1, 1], n_kv=inp.extra["n_kv"],
-                     head_before=inp.extra["head_before"])
-        return d
-    sm = inp.extra["slot_mapping"].tolist() if inp is not None else []
-    per, r = {}, 0
-    for c in chunks:
-        per[str(c.seq_id)] = ranges_text(sm[r:r + c.T])
-        r += c.T
-    d = {"storage": list(kv.pool[0].shape), "used_blocks": kv.num_blocks - len(kv.free), "slots": per,
-         "block_tables": {str(s): list(t) for s, t in sorted(kv.tables.items())}}
-    if inp is not None:
-        e = inp.extra
-        d.update(seq_lens=e["seq_lens"].tolist(), kv_lens=e["kv_lens"].tolist(), cu_seqlens=e["cu_seqlens"].tolist(),
-                 num_contexts=e["num_contexts"], mask_type=e["mask_type"])
-    return d
+def physical_summary(kv: Memory, inp: Any) -> dict[str, Any]:
+    """JSON-ready physical side of one step: where the step's K/V went and what attention got
+    (the memory's ``step_summary``)."""
+    return kv.step_summary(inp)
 
 
 def _mask_text(m: torch.Tensor, C: int, row: int) -> str:
@@ -278,15 +255,10 @@ def _storage(e: Engine) -> dict[str, Any]:
     """Storage facts: ``layers`` counts the layers holding K/V (hybrid models: the attention layers only,
     named in ``kv_layers``); ``state`` (hybrid only) the GDN conv and recurrent state per layer."""
     kv, cfg = e.kv, e.model.cfg
-    kv_layers = list(getattr(kv, "kv_layers", range(cfg.n_layer)))
-    if kv.kind == "cells":
-        out = {"kind": "cells", "shape": [kv.size, cfg.n_head_kv, cfg.head_dim], "tensors": "k_l, v_l per layer",
-               "mask": "explicit kq_mask ne = [n_kv, n_tokens_pad, 1, n_stream], 0 / -inf"}
-    else:
-        out = {"kind": "paged", "shape": [kv.num_blocks, 2, cfg.n_head_kv, kv.B, cfg.head_dim], "tensors": "pool per layer",
-               "mask": "no dense tensor: mask_type causal + seq_lens, kv_lens, cu_seqlens, block tables"}
-    out.update(layers=len(kv_layers), n_layer=cfg.n_layer, kv_layers=kv_layers)
-    st = getattr(kv, "state", None)
+    mem = kv.describe()
+    out = {"kind": mem["kind"], "shape": mem["physical_shape"], "tensors": mem["tensors"], "mask": mem["mask"]}
+    out.update(layers=len(mem["kv_layers"]), n_layer=cfg.n_layer, kv_layers=mem["kv_layers"])
+    st = kv.recurrent_state()
     if st is not None:
         out["state"] = {"layers": list(st.layers), "conv": [st.n_slots, *st.conv_shape], "recurrent": [st.n_slots, *st.rec_shape]}
     return out

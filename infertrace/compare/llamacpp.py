@@ -209,8 +209,8 @@ class StepTap:
             self.steps.append({"step": ctx["step"], "idle": True})
             return
         e, N = inp.extra, inp.n_tokens
-        n_kv = int(e["n_kv"])
-        mask = e["kq_mask"]  # [n_stream, 1, rows, n_kv]
+        n_kv = int(inp.n_kv)
+        mask = inp.kq_mask  # [n_stream, 1, rows, n_kv]
         own = {}
         for sid in sorted(ctx["requests"]):
             cells = kv.cells_of(sid)
@@ -220,12 +220,12 @@ class StepTap:
             "step": ctx["step"], "idle": False,
             "chunks": [(c.seq_id, c.C, c.T) for c in inp.chunks],
             "positions": inp.positions.tolist(), "n_kv": n_kv,
-            "ne": list(e.get("kq_mask_ne") or [n_kv, int(e["n_tokens_pad"]), 1, 1]),
+            "ne": list(e.get("kq_mask_ne") or [n_kv, int(inp.n_tokens_pad), 1, 1]),
             "mask_dtype": e.get("kq_mask_dtype") or str(mask.dtype).replace("torch.", ""),
             "mask": mask[0, 0, :N, :n_kv].float().clone(),  # [N, n_kv]
-            "cell_idx": e["cell_idx"].tolist(), "cell_pos": e["cell_pos"].tolist(),
-            "cell_seq": [frozenset(r.nonzero().flatten().tolist()) for r in e["cell_seq"]],
-            "head": (e["head_before"], e["head_after"]), "logits_rows": list(ctx["logits_rows"]),
+            "cell_idx": inp.cell_idx.tolist(), "cell_pos": inp.cell_pos.tolist(),
+            "cell_seq": [frozenset(r.nonzero().flatten().tolist()) for r in inp.cell_seq],
+            "head": (inp.head_before, inp.head_after), "logits_rows": list(ctx["logits_rows"]),
             "out_ids": e.get("out_ids"), "memory_seq_pos": e.get("memory_seq_pos"), "own": own,
             "logits": ctx["logits"].float().clone(), **self._t,
         })

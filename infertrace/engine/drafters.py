@@ -26,7 +26,6 @@ from infertrace.engine.sampler import apply_penalties, kept_set
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
-from infertrace.kv.seq_ops import cells_seq_rm
 
 #: one drafted tree: per node (static numbering) a token or None, and per node q ``[V]`` or None
 Draft = tuple[list[int | None], list[torch.Tensor | None]]
@@ -184,7 +183,7 @@ class DraftModelDrafter:
             while n < min(len(have), len(want) - 1) and have[n] == want[n]:
                 n += 1
             if n < len(have):
-                cells_seq_rm(self.kv, r.seq_id, n, -1)
+                self.kv.seq_rm(r.seq_id, n, -1)
             chunks.append(ChunkSpec(r.seq_id, n, len(want) - n))
             ids += want[n:]
             self.cached[r.seq_id] = want
@@ -259,7 +258,7 @@ class DraftModelDrafter:
                         a = parents[a]
                     path = path[::-1]
                     node_logits[p] = self._forward([ChunkSpec(r.seq_id, base, len(path))], path)[0]
-                    cells_seq_rm(self.kv, r.seq_id, base, -1)
+                    self.kv.seq_rm(r.seq_id, base, -1)
                 seen = list(r.all_ids) + [toks[a] for a in _path(parents, p)]
                 toks.append(self._pick(node_logits[p], r, seen, rk[j], order)[0])
             res[r.seq_id] = (toks, [None] * len(toks))

@@ -19,7 +19,7 @@ from infertrace.engine.sampler import SampleResult, SamplingParams, check_penalt
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.engine.serving import Serving
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import AttnInputs, ChunkSpec
+from infertrace.kv.base import AttnInputs, ChunkSpec, Memory
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
 from infertrace.model.decoder import NULL_TRACER, DecoderModel
@@ -81,7 +81,7 @@ class StepContext:
     step: int
     batch: ScheduledBatch
     inp: AttnInputs | None
-    kv: Any
+    kv: Memory
     attention: str
     logits: torch.Tensor | None
     logits_rows: list[int]
@@ -249,10 +249,12 @@ class Engine:
             raise InfertraceError(f"prompt token id {bad} is outside the model's embedding rows 0..{rows - 1} (its tokenizer has "
                                   f"{getattr(self.tok, 'vocab_size', '?')} tokens); use the tokenizer the model was trained with")
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)
+        mem = self.kv.describe()
         if len(prompt_ids) >= limit and self.kv.capacity_tokens < self.opts.ctx_size:  # case P5: name the pool
+            B = max(1, mem["block_size"])
             raise InfertraceError(
-                f"prompt has {len(prompt_ids)} tokens but the KV pool holds {limit} ({self.kv.capacity_tokens // max(1, getattr(self.kv, 'B', 1))} "
-                f"blocks × {getattr(self.kv, 'B', 1)} tokens; the prompt plus one generated token must fit); raise --num-blocks"
+                f"prompt has {len(prompt_ids)} tokens but the KV pool holds {limit} ({self.kv.capacity_tokens // B} "
+                f"blocks × {B} tokens; the prompt plus one generated token must fit); raise --num-blocks"
             )
         if len(prompt_ids) >= limit:
             raise InfertraceError(
@@ -260,8 +262,8 @@ class Engine:
                 "generated token must fit); shorten the prompt or raise --ctx-size"
             )
         seq_id = len(self.requests)
-        if self.kv.kind == "cells" and seq_id >= self.opts.n_seq_max:
-            raise InfertraceError(f"too many requests for the cells backend (n_seq_max = {self.opts.n_seq_max})")
+        if mem["n_seq_max"] is not None and seq_id >= mem["n_seq_max"]:
+            raise InfertraceError(f"too many requests for the {mem['kind']} backend (n_seq_max = {mem['n_seq_max']})")
         r = Request(seq_id, list(prompt_ids), params, arrival_step, prompt_text)
         self.requests[seq_id] = r
         self.scheduler.add(r)
@@ -375,8 +377,7 @@ class Engine:
                 finished[req.seq_id] = reason
                 break
         samples[req.seq_id] = out[len(emitted) - 1]
-        cells = inp.extra["cell_idx"][row : row + c.T] if "cell_idx" in inp.extra else None
-        rewind = self.spec.rewind(self, c, accepted, cells)  # also when finishing: the trace shows the rewound cache
+        rewind = self.spec.rewind(self, c, accepted, inp, row)  # also when finishing: the trace shows the rewound cache
         counts = self.spec.note(req.seq_id, c, accepted, len(emitted))
         spec_rec[req.seq_id] = {**counts, "C": c.C, "tokens": list(c.token_ids), "parents": list(c.parents),
                                 "positions": [c.C + d for d in c.depths()], "accepted_nodes": accepted,

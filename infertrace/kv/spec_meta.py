@@ -14,11 +14,12 @@ offsets are ``0..K``. llama.cpp has no such metadata: its verify mask is rows of
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from infertrace.kv.base import ChunkSpec
+if TYPE_CHECKING:  # kv/base.py imports this module (the verify record of the paged inputs)
+    from infertrace.kv.base import ChunkSpec
 
 
 def pack_mask(rows: torch.Tensor) -> torch.Tensor:

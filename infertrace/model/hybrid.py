@@ -4,7 +4,7 @@ One decoder skeleton (:mod:`infertrace.model.decoder`) calls :func:`qwen35_forwa
 the embedding, final norm and lm head stay there. Per layer (HF ``Qwen3_5DecoderLayer``, llama.cpp
 ``llama_model_qwen35::graph``): ``x + mixer(norm(x))`` then ``x + ffn(norm(x))``, where the mixer
 is either GDN (:mod:`infertrace.model.gdn`; state in ``kv.state``, slots from
-``attn.extra["state_indices"]``) or gated attention (``q_proj -> [Q | gate]`` per head, QK-norm,
+``attn.state_indices``) or gated attention (``q_proj -> [Q | gate]`` per head, QK-norm,
 partial RoPE, KV cache attention, ``* sigmoid(gate)``, ``o_proj``). GDN layers ignore positions.
 
 Tap points (for layers in ``tracer.layers``): ``rope`` as every family; ``attn_proj`` (full-attention
@@ -77,7 +77,7 @@ def gdn_mixer(model: Any, il: int, L: dict[str, Any], h: torch.Tensor, attn: Any
     o = torch.empty(N, nv, dv, dtype=h.dtype, device=h.device)  # [N, Hv, dv]
     r = 0
     taps = []
-    for c, slot in zip(attn.chunks, attn.extra["state_indices"]):
+    for c, slot in zip(attn.chunks, attn.state_indices):
         conv_s, rec_s = st.conv[il][slot], st.rec[il][slot]
         o_c, new_conv, new_rec, t = gdn_sequence(qkv[r:r + c.T], g[r:r + c.T], beta[r:r + c.T], L["conv"], conv_s, rec_s,
                                                 nk, nv, dk, dv)  # [T, Hv, dv]

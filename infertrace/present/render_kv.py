@@ -1,4 +1,4 @@
-"""Rich rendering of a ``dump-kv`` dict (:mod:`infertrace.engine.dump_kv`): the cache right after one step.
+"""Rich rendering of a ``dump-kv`` dict (:mod:`infertrace.kv.dump`): the cache right after one step.
 
 A pure function of the dict (live run or saved trace render the same way). ``cells``: header
 like llama.cpp's ``find_slot`` debug print (``n``/used/head/size), one line per stretch of
@@ -160,7 +160,7 @@ def _block_note(b: dict[str, Any]) -> str:
 
 
 def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
-    """Print a dump dict (from :func:`infertrace.engine.dump_kv.dump_kv_at_step` or
+    """Print a dump dict (from :func:`infertrace.runner.dump_kv_at_step` or
     :func:`infertrace.trace.kv_dump.dump_from_step`) as one panel: storage and step facts, the
     window line, the cells map and stretches (as llama.cpp's ``LLAMA_KV_CACHE_DEBUG`` print) or
     the pool, free list and block tables (TensorRT-LLM ``KVCacheManager``), then K/V values when

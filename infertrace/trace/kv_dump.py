@@ -3,7 +3,7 @@
 Two sources build the same dict with :func:`build_dump` (so one renderer,
 :func:`infertrace.present.render_kv.render_kv_dump`, prints both):
 
-* a live run: :func:`infertrace.engine.dump_kv.dump_kv_at_step` steps an engine up to and including
+* a live run: :func:`infertrace.runner.dump_kv_at_step` steps an engine up to and including
   step N and describes the backend at the end of that step (before requests finishing at N are
   freed, the same moment :class:`~infertrace.trace.records.KVRec` ``physical`` is taken);
 * a saved trace: :func:`dump_from_step` rebuilds it from one :class:`StepTrace` (no K/V
@@ -114,7 +114,7 @@ def build_dump(*, step: int, backend: str, physical: dict[str, Any], physical_sh
         writes: where the step's K/V went, per request ``{seq_id, pos: [..], cells: [..]}``
             (cells) or ``{seq_id, pos, slots}`` (paged).
         finished: requests that finished at this step (freed right after it).
-        values: K/V values (see :func:`infertrace.engine.dump_kv.read_values`) or None.
+        values: K/V values (see :func:`infertrace.kv.dump.read_values`) or None.
     """
     d: dict[str, Any] = {"step": step, "backend": backend, "source": source, "idle": not batch, "dtype": dtype,
                          "n_layer": n_layer, "physical_shape": list(physical_shape), "batch": batch, "writes": writes,

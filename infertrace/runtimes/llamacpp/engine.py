@@ -36,7 +36,7 @@ from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import AttnInputs, ChunkSpec
+from infertrace.kv.base import AttnInputs, CellsInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
 
 ENGINE = "llama.cpp"
@@ -75,8 +75,10 @@ class LlamaCppKV(CellsKV):
             self._check_seq(c.seq_id)
             positions += list(range(c.C, c.C + c.T))
             seq_ids += [c.seq_id] * c.T
-        return AttnInputs(list(chunks), torch.tensor(positions, dtype=torch.int64), torch.tensor(seq_ids, dtype=torch.int64),
-                          self.kind, {})
+        none = torch.zeros(0, dtype=torch.int64)  # filled from llama.cpp's graph inputs by after_decode
+        return CellsInputs(list(chunks), torch.tensor(positions, dtype=torch.int64), torch.tensor(seq_ids, dtype=torch.int64),
+                           self.kind, cell_idx=none, n_kv=0, kq_mask=torch.zeros(1, 1, 0, 0), n_tokens_pad=0,
+                           head_before=self.head, head_after=self.head, cell_pos=none, cell_seq=none)
 
     def after_decode(self, inp: AttnInputs, cap: Captured, step: int) -> None:
         """Apply llama.cpp's placement and fill ``inp`` with its tensors (see the module table).
@@ -100,10 +102,11 @@ class LlamaCppKV(CellsKV):
         m = t["attn_inp_kq_mask"].reshape(ne[3], ne[2], ne[1], ne[0])  # [n_stream, 1, n_tokens, n_kv]
         mask = torch.from_numpy(m.copy())
         inp.positions = pos
-        inp.extra.update({
-            "cell_idx": idx, "n_kv": self._n_kv, "kq_mask": mask, "n_tokens_pad": int(ne[1]), "kq_mask_ne": list(ne),
-            "kq_mask_dtype": cap.dtype["attn_inp_kq_mask"], "head_before": head_before, "head_after": self.head,
-            "cell_pos": self.pos[: self._n_kv].clone(), "cell_seq": self.seq[: self._n_kv].clone(),
+        inp.cell_idx, inp.n_kv, inp.kq_mask, inp.n_tokens_pad = idx, self._n_kv, mask, int(ne[1])
+        inp.head_before, inp.head_after = head_before, self.head
+        inp.cell_pos, inp.cell_seq = self.pos[: self._n_kv].clone(), self.seq[: self._n_kv].clone()
+        inp.extra.update({  # what only a captured llama.cpp step has
+            "kq_mask_ne": list(ne), "kq_mask_dtype": cap.dtype["attn_inp_kq_mask"],
             "out_ids": t["out_ids"].reshape(-1).astype(int).tolist() if "out_ids" in t else None,
             "inp_tokens": t["inp_tokens"].reshape(-1).astype(int).tolist() if "inp_tokens" in t else None,
         })
