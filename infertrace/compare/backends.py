@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
+from infertrace.engine.drive import encode_requests, submit
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.kv.base import ranges_text
+from infertrace.ranges import ranges_text
 
 #: default tolerance on logits and K/V: float32 vs reduced precision
 ATOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
@@ -229,8 +230,6 @@ def diff_backends(loaded: Any, prompts: list[Any], opts: EngineOptions, atol: fl
     Raises:
         InfertraceError: as the engine does (prompt too long, cache too small, ...).
     """
-    from infertrace.runner import encode_prompt
-
     dtype = str(loaded.model.dtype).replace("torch.", "")
     atol = ATOL.get(dtype, 1e-4) if atol is None else atol
     engines, caps = [], []
@@ -239,8 +238,7 @@ def diff_backends(loaded: Any, prompts: list[Any], opts: EngineOptions, atol: fl
                     sampler_order=opts.sampler_order or "hf")  # one order for both: the caches are compared
         cap = StepCapture()
         e = Engine(loaded.model, loaded.tokenizer, o, cap)
-        for s in prompts:
-            e.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
+        submit(e, encode_requests(loaded.tokenizer, prompts))
         engines.append(e)
         caps.append(cap)
     steps, mismatches = [], []

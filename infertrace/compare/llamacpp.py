@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from infertrace.engine.drive import drive, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.compare.metrics import NEAR_TIE_GAP, NEAR_TIE_TOPK, compare_rows
 from infertrace.engine.sampler import SampleResult
@@ -247,13 +248,9 @@ class ForcedEngine(Engine):
 
 def _run_ours(model: Any, tok: Any, prompts: list[Any], opts: EngineOptions, layer: int,
               forced: dict[int, list[int]] | None) -> tuple[Engine, StepTap]:
-    from infertrace.runner import encode_prompt
-
     tap = StepTap(layer)
     eng = ForcedEngine(model, tok, opts, tap, forced=forced or {})
-    for s in prompts:
-        eng.add_request(encode_prompt(tok, s), s.params, s.arrival_step, s.text)
-    eng.run()
+    drive(eng, encode_requests(tok, prompts))
     return eng, tap
 
 
@@ -266,7 +263,6 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
 
     from infertrace.kv.cells import CellsKV
     from infertrace.model import decoder as llama_mod  # the forward (and its F) lives in decoder.py
-    from infertrace.runner import encode_prompt
 
     class _KV(GgmlAttentionKV, F16CacheKV, CellsKV):
         pass
@@ -277,10 +273,8 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
     eng = ForcedEngine(loaded.model, loaded.tokenizer, opts, tap, forced=forced)
     cfg, m = loaded.model.cfg, loaded.model
     eng.kv = eng.scheduler.kv = _KV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, m.dtype, m.device)
-    for s in prompts:
-        eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
     with mock.patch.object(llama_mod, "F", _Q8Functional()):
-        eng.run()
+        drive(eng, encode_requests(loaded.tokenizer, prompts))
     return tap
 
 

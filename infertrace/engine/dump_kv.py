@@ -169,7 +169,7 @@ def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer
 
     Args:
         loaded: from :func:`infertrace.runner.load_model`.
-        prompts: :class:`~infertrace.runner.PromptSpec` list (seq_ids in list order).
+        prompts: :class:`~infertrace.engine.drive.PromptSpec` list (seq_ids in list order).
         opts: :class:`~infertrace.engine.engine.EngineOptions` (backend, sizes, batching) as ``run`` uses them.
         step: step number (0-based, idle steps count).
         layer, head: with either given, K/V values of that layer and kv head (defaults 0) are added.
@@ -183,8 +183,8 @@ def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer
         InfertraceError: step out of range (``step 12 out of range: the run has steps 0..7``),
             layer/head out of range, positions not cached, or any run error.
     """
+    from infertrace.engine.drive import drive, encode_requests
     from infertrace.engine.engine import Engine  # the engine imports the backends: import it here, not at module level
-    from infertrace.runner import encode_prompt
 
     cfg = loaded.config
     if layer is not None and not 0 <= layer < cfg.n_layer:
@@ -198,10 +198,7 @@ def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer
         raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
     probe = StepProbe(step, lambda ctx: describe_live(ctx, layer, head, positions, full))
     eng = Engine(loaded.model, loaded.tokenizer, opts, probe)
-    for s in prompts:
-        eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
-    while eng.step_no <= step and eng.step() is not None:
-        pass
+    drive(eng, encode_requests(loaded.tokenizer, prompts), last_step=step, max_steps=None)
     if probe.result is None:
         raise InfertraceError(f"step {step} out of range: the run has steps 0..{eng.step_no - 1}")
     probe.result["attention"] = eng.attn_impl
