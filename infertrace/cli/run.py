@@ -206,7 +206,7 @@ def run(
                                  tensor_layers=tensor_layers)
     if save is not None:
         from infertrace.capture.tensors import encode_tensors
-        from infertrace.present.render import human_bytes
+        from infertrace.fmt import human_bytes
 
         sizes = save_trace(trace, save, encode_tensors(tensors or {}, tensor_layers or ()), replace=force)  # atomic; a racing --save loses with exit 2
         typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
