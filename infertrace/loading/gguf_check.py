@@ -184,9 +184,23 @@ def check_gguf_header(path: str | Path) -> GGUFHeaderFacts:
 
 
 def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    """Walk a GGUF header (``gguf_init_from_file_impl`` order: fixed header, key/value pairs,
+    tensor infos, then the data section's layout) and return its facts.
 
+    Raises:
+        _Broken: the first thing wrong, as one sentence.
+    """
     w = _Walker(buf, size)
+    facts = _walk_fixed_header(w, buf, size)
+    _walk_kv_pairs(w, facts)
+    _walk_tensor_infos(w, size, facts)
+    facts.data_offset = -(-w.pos // facts.alignment) * facts.alignment
+    _check_data_layout(facts, size)
+    return facts
+
+
+def _walk_fixed_header(w: _Walker, buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
+    """Magic, version and the two counts, bounded (and plausible for the bytes left)."""
     magic, version, n_tensors, n_kv = _HEADER.unpack_from(buf, 0)
     w.pos = _HEADER.size
     if magic != b"GGUF":
@@ -201,9 +215,14 @@ def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
     if n_kv * 13 + n_tensors * 24 > w.left():
         raise _Broken(f"the header claims {n_kv} key/value pairs and {n_tensors} tensors, which cannot fit in the "
                       f"{w.left()} bytes left")
-    facts = GGUFHeaderFacts(version, n_tensors, n_kv, GGUF_DEFAULT_ALIGNMENT, 0, size)
+    return GGUFHeaderFacts(version, n_tensors, n_kv, GGUF_DEFAULT_ALIGNMENT, 0, size)
+
+
+def _walk_kv_pairs(w: _Walker, facts: GGUFHeaderFacts) -> None:
+    """Every key/value pair: UTF-8 keys, none twice, values skipped by type; ``general.alignment``
+    read (a UINT32 power of two) into ``facts.alignment``; the keys into ``facts.keys``."""
     seen: set[str] = set()
-    for i in range(n_kv):
+    for i in range(facts.n_kv):
         raw = w.string(f"key #{i}", MAX_GGUF_KEY_BYTES)
         try:
             key = raw.decode("utf-8")
@@ -223,8 +242,16 @@ def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
             continue
         w.value(vtype, f"value of {key!r}")
     facts.keys = list(seen)
+
+
+def _walk_tensor_infos(w: _Walker, size: int, facts: GGUFHeaderFacts) -> None:
+    """Every tensor info (name, dims, ggml type, offset), appended to ``facts.tensors`` with its
+    byte size: UTF-8 names, none twice, at most :data:`MAX_GGUF_DIMS` dims of at least 1, a
+    known type whose block divides ``ne[0]``, and no tensor larger than the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     names: set[str] = set()
-    for i in range(n_tensors):
+    for i in range(facts.n_tensors):
         raw = w.string(f"name of tensor #{i}", MAX_GGUF_TENSOR_NAME_BYTES)
         try:
             name = raw.decode("utf-8")
@@ -255,19 +282,21 @@ def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
         if n_bytes > size:  # also bounds the element count before anything reshapes it
             raise _Broken(f"tensor {name!r} of shape {list(dims)} ({qtype.name}) needs {n_bytes} bytes, more than the whole file ({size} bytes)")
         facts.tensors.append(GGUFTensorEntry(name, dims, gtype, offset, n_bytes))
-    data_offset = -(-w.pos // facts.alignment) * facts.alignment
-    facts.data_offset = data_offset
+
+
+def _check_data_layout(facts: GGUFHeaderFacts, size: int) -> None:
+    """Tensor data in the data section (from ``facts.data_offset``): offsets aligned, inside the
+    file, no two tensors overlapping."""
     end_prev, prev = 0, None
     for t in sorted(facts.tensors, key=lambda t: t.offset):
         if t.offset % facts.alignment:
             raise _Broken(f"tensor {t.name!r} has offset {t.offset}, not a multiple of the alignment {facts.alignment}")
-        end = data_offset + t.offset + t.n_bytes
+        end = facts.data_offset + t.offset + t.n_bytes
         if end > size:
             raise _Broken(f"tensor {t.name!r} ends at byte {end}, past the end of the file ({size} bytes)")
         if t.offset < end_prev:
             raise _Broken(f"tensor {t.name!r} (offset {t.offset}) overlaps tensor {prev!r} (ends at offset {end_prev})")
         end_prev, prev = t.offset + t.n_bytes, t.name
-    return facts
 
 
 #: tokenizer keys and the GGUF value types they may hold (``[ARRAY, item]`` for arrays).
