@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
+from infertrace.engine.drive import PromptSpec, drive, encode_prompt, encode_requests  # noqa: F401 - re-exported
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
 from infertrace.model.decoder import NULL_TRACER, DecoderModel
 from infertrace.loading.weights import Checkpoint, Progress, default_model_path, load_checkpoint
@@ -31,17 +31,6 @@ SPEC_DEFAULTS = {"speculative": None, "num_spec_tokens": 3, "spec_tree": None, "
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass
-class PromptSpec:
-    """One request to run: text (or ids), its arrival step and sampling settings."""
-
-    text: str
-    params: SamplingParams = field(default_factory=SamplingParams)
-    arrival_step: int = 0
-    chat: bool = False
-    ids: list[int] | None = None
 
 
 @dataclass
@@ -94,22 +83,6 @@ def model_identity(ckpt: Checkpoint) -> dict[str, Any]:
             "name": ckpt.config.name, "source": ckpt.config.source}
 
 
-def encode_prompt(tok: Any, spec: PromptSpec) -> list[int]:
-    """Token ids of a prompt (rendering the chat template first when ``spec.chat``)."""
-    if spec.ids is not None:
-        return list(spec.ids)
-    text = spec.text
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InfertraceError("the prompt is not valid text (it holds unpaired surrogates / undecodable bytes); pass UTF-8 text") from None
-    if spec.chat:
-        if not getattr(tok, "chat_template", None):
-            raise InfertraceError("--chat given but the model has no chat template (tokenizer.chat_template)")
-        text = tok.apply_chat_template([{"role": "user", "content": spec.text}], add_generation_prompt=True)
-    return tok.encode(text)
-
-
 def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions | None = None, trace: bool = True,
                  layer: int = 0, show: tuple[str, ...] = VARIABLES, on_step: Callable[[Any], None] | None = None,
                  options_for_record: dict[str, Any] | None = None, tensors: dict[str, torch.Tensor] | None = None,
@@ -146,16 +119,17 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     tok = loaded.tokenizer
     rec = Recorder(tok, cfg, layer=layer, show=tuple(show), layers=tensor_layers, tensors=tensors) if trace else NULL_TRACER
     eng = Engine(loaded.model, tok, opts, rec)
-    for s in prompts:
-        eng.add_request(encode_prompt(tok, s), s.params, s.arrival_step, s.text)
     emitted = 0
-    while eng.step() is not None:
-        if on_step is not None and trace:
-            for st in rec.steps[emitted:]:
-                on_step(st)
-            emitted = len(rec.steps)
+
+    def emit(_batch: Any) -> None:  # hand each new StepTrace to on_step as it is made
+        nonlocal emitted
+        for st in rec.steps[emitted:]:
+            on_step(st)  # type: ignore[misc]
+        emitted = len(rec.steps)
+
+    done = drive(eng, encode_requests(tok, prompts), emit if on_step is not None and trace else None, max_steps=None)
     reqs = []
-    for r in eng.requests.values():
+    for r in done:
         reqs.append({"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                      "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
                      "num_preemptions": r.num_preemptions, "params": r.params.to_dict()})
@@ -226,7 +200,7 @@ def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer
 
     Args:
         loaded: from :func:`infertrace.runner.load_model`.
-        prompts: :class:`~infertrace.runner.PromptSpec` list (seq_ids in list order).
+        prompts: :class:`~infertrace.engine.drive.PromptSpec` list (seq_ids in list order).
         opts: :class:`~infertrace.engine.engine.EngineOptions` (backend, sizes, batching) as ``run`` uses them.
         step: step number (0-based, idle steps count).
         layer, head: with either given, K/V values of that layer and kv head (defaults 0) are added.
@@ -254,10 +228,7 @@ def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer
         raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
     probe = StepProbe(step, lambda ctx: describe_live(ctx, layer, head, positions, full))
     eng = Engine(loaded.model, loaded.tokenizer, opts, probe)
-    for s in prompts:
-        eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
-    while eng.step_no <= step and eng.step() is not None:
-        pass
+    drive(eng, encode_requests(loaded.tokenizer, prompts), last_step=step, max_steps=None)
     if probe.result is None:
         raise InfertraceError(f"step {step} out of range: the run has steps 0..{eng.step_no - 1}")
     probe.result["attention"] = eng.attn_impl

@@ -22,7 +22,7 @@ LAYERS = {
     "infertrace.present": ("infertrace.present", "infertrace.trace"),
 }
 #: torch-free shared modules any layer may use
-SHARED = ("infertrace.errors", "infertrace.ranges", "infertrace.safe_io", "infertrace.safe_text")
+SHARED = ("infertrace.errors", "infertrace.fmt", "infertrace.ranges", "infertrace.safe_io", "infertrace.safe_text")
 #: third-party modules that load torch or a model runtime
 FORBIDDEN = ("torch", "triton", "transformers", "accelerate", "llama_cpp", "safetensors.torch")
 

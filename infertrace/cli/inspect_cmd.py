@@ -21,7 +21,8 @@ from rich.text import Text
 from infertrace.cli.common import progress_display, stdout_console
 from infertrace.ranges import ranges_text
 from infertrace.safe_text import visible, json_text
-from infertrace.present.render import human_bytes, piece_text
+from infertrace.fmt import human_bytes
+from infertrace.present.render import piece_text
 
 if TYPE_CHECKING:
     from infertrace.loading.weights import Checkpoint, TensorInfo

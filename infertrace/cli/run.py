@@ -145,6 +145,46 @@ def run(
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
     check_min("--threads", threads, 1)
+    engine, llamacpp_flash_attn = check_engine_options(engine, backend, device, dtype, prefix_cache, context_shift,
+                                                       audit_kv, teacher_force, llamacpp_flash_attn)
+    forced = forced_tokens(teacher_force) if teacher_force is not None else None
+    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
+
+    specs, opts = build_run_inputs(
+        prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
+        tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
+        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
+        penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+    opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
+    if engine == "llama.cpp" and opts.speculative:
+        raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
+
+    trace, tensors, tensor_layers = execute_run(engine, model, dtype, device, threads, specs, opts, layer, layers,
+                                                keep_tensors, show_vars, forced, llamacpp_flash_attn, quiet=as_json)
+    if save is not None:
+        save_run(trace, save, tensors, tensor_layers, force)
+    print_run(trace, show_vars, step_filter, steps, as_json)
+
+
+# ----------------------------------------------------------------------------- the command's parts
+
+
+def check_engine_options(engine: str, backend: str, device: str, dtype: str, prefix_cache: str, context_shift: bool,
+                         audit_kv: bool, teacher_force: Optional[Path],
+                         llamacpp_flash_attn: Optional[str]) -> tuple[str, Optional[str]]:
+    """Validate ``--engine`` and the options that only go with one engine, before the model loads.
+
+    Returns:
+        ``(engine, llamacpp_flash_attn)`` normalised.
+
+    Raises:
+        InfertraceError: unknown engine, llama-cpp-python missing, an option the chosen engine
+            cannot honour (``--backend paged``, ``--device``/``--dtype``, serving mechanisms with
+            llama.cpp; ``--teacher-force``/``--llamacpp-flash-attn`` without it).
+    """
     engine = check_choice("--engine", engine, ENGINES)
     if engine == "llama.cpp":
         from infertrace.runtimes.llamacpp.capture import import_llama_cpp
@@ -165,24 +205,26 @@ def run(
         from infertrace.runtimes.llamacpp.capture import check_flash_attn
 
         llamacpp_flash_attn = check_flash_attn(llamacpp_flash_attn)
-    forced = forced_tokens(teacher_force) if teacher_force is not None else None
-    from infertrace.cli.run_options import build_run_inputs, print_run_cost  # shares run's checks with dump-kv, diff-backends
+    return engine, llamacpp_flash_attn
+
+
+def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, threads: Optional[int], specs: list[Any],
+                opts: EngineOptions, layer: int, layers: Optional[str], keep_tensors: bool, show_vars: tuple[str, ...],
+                forced: Optional[dict[int, list[int]]], llamacpp_flash_attn: Optional[str],
+                quiet: bool) -> tuple[Any, Optional[dict], Optional[list[int]]]:
+    """Load the model and run the requests on ``engine``, progress on stderr (none when ``quiet``).
+
+    Returns:
+        ``(trace, tensors, tensor_layers)``: the :class:`~infertrace.trace.records.RunTrace`, the kept
+        tensors by name (None unless ``keep_tensors``) and the layers they belong to.
+
+    Raises:
+        InfertraceError: load failures, ``--layers`` out of range, any run error.
+    """
+    from infertrace.cli.run_options import print_run_cost
     from infertrace.runner import run_requests  # the engine (torch) loads only when a run starts
 
-    specs, opts = build_run_inputs(
-        prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-        seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
-        tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
-        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
-        penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
-    opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
-    if engine == "llama.cpp" and opts.speculative:
-        raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
-
-    # -- load and run (progress on stderr only)
-    with progress_display(enabled=not as_json) as progress:
+    with progress_display(enabled=not quiet) as progress:
         loaded = load_with_progress(model, dtype, device, progress, threads)
         print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
@@ -204,13 +246,29 @@ def run(
             trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                  options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
                                  tensor_layers=tensor_layers)
-    if save is not None:
-        from infertrace.capture.tensors import encode_tensors
-        from infertrace.present.render import human_bytes
+    return trace, tensors, tensor_layers
 
-        sizes = save_trace(trace, save, encode_tensors(tensors or {}, tensor_layers or ()), replace=force)  # atomic; a racing --save loses with exit 2
-        typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
 
+def save_run(trace: Any, save: Path, tensors: Optional[dict], tensor_layers: Optional[list[int]], force: bool) -> None:
+    """Write ``trace`` (and the kept tensors) to ``save`` atomically and say so on stderr.
+
+    Raises:
+        InfertraceError: the directory cannot be written (a racing ``--save`` loses with exit 2).
+    """
+    from infertrace.capture.tensors import encode_tensors
+    from infertrace.fmt import human_bytes
+
+    sizes = save_trace(trace, save, encode_tensors(tensors or {}, tensor_layers or ()), replace=force)  # atomic; a racing --save loses with exit 2
+    typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
+
+
+def print_run(trace: Any, show_vars: tuple[str, ...], step_filter: Any, steps: Optional[str], as_json: bool) -> None:
+    """Print ``trace``: JSON on stdout, or the table and the panels of the steps ``step_filter`` keeps
+    (plus the hybrid appendix tables for a Gated DeltaNet model).
+
+    Raises:
+        InfertraceError: ``--steps`` selects no step of the run.
+    """
     wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]
     if wanted == [] and not as_json:
         last = trace.steps[-1].step if trace.steps else -1

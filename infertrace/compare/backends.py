@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
+from infertrace.engine.drive import encode_requests, submit
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.kv.base import Memory, ranges_text
+from infertrace.kv.base import Memory
+from infertrace.ranges import ranges_text
 
 #: default tolerance on logits and K/V: float32 vs reduced precision
 ATOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
@@ -112,10 +114,18 @@ def compare_step(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], a
            "checks": checks, "physical": {na: a["physical"], nb: b["physical"]}}
     if not same_sched or a["idle"]:
         return out
-    # positions
     ok = a["positions"] == b["positions"]
     checks["positions"] = {"ok": ok, "detail": "" if ok else f"{na} {a['positions']} vs {nb} {b['positions']}"}
-    # mask: visible-key sets per query
+    checks["mask"] = _check_mask(a, b, na, nb)
+    checks["kv"] = _check_kv(a, b, na, nb, atol)
+    ok = a["tokens"] == b["tokens"]
+    checks["tokens"] = {"ok": ok, "detail": "" if ok else f"{na} {a['tokens']} vs {nb} {b['tokens']}"}
+    checks["logits"] = _check_logits(a, b, atol)
+    return out
+
+
+def _check_mask(a: dict[str, Any], b: dict[str, Any], na: str, nb: str) -> dict[str, Any]:
+    """The visible-key sets of every query (``[T, n_keys]`` bool per chunk) agree."""
     bad = []
     for (sid, _, C, T), ma, mb in zip(a["chunks"], a["masks"], b["masks"]):
         if ma.shape == mb.shape and torch.equal(ma, mb):
@@ -125,9 +135,13 @@ def compare_step(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], a
             if ta != tb:
                 bad.append(f"seq {sid} query pos {C + i}: {na} sees {ta}, {nb} sees {tb}")
     n_q = sum(T for *_, T in a["chunks"])
-    checks["mask"] = {"ok": not bad, "detail": f"{n_q} queries, same visible keys" if not bad else
-                      "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")}
-    # K/V of every layer for every request holding cache
+    return {"ok": not bad, "detail": f"{n_q} queries, same visible keys" if not bad else
+            "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")}
+
+
+def _check_kv(a: dict[str, Any], b: dict[str, Any], na: str, nb: str, atol: float) -> dict[str, Any]:
+    """K/V of every layer for every request holding cache (``[n_layer, L, n_kv_heads, hd]``), max |Δ|
+    within ``atol``; on a hybrid model the GDN state too (:func:`_check_state`)."""
     worst, why = 0.0, []
     if set(a["kv"]) != set(b["kv"]):
         why.append(f"requests holding cache differ: {na} {sorted(a['kv'])} vs {nb} {sorted(b['kv'])}")
@@ -148,27 +162,36 @@ def compare_step(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], a
     n_layer = next(iter(a["kv"].values()))[0].shape[0] if a["kv"] else 0
     detail = f"{len(a['kv'])} seq(s) × {n_layer} layers, max |Δ| {worst:.3g}"
     sa, sb = a.get("state") or {}, b.get("state") or {}
+    state_abs = None
     if sa or sb:  # hybrid: fixed-size GDN state (conv + recurrent) must agree like K/V does
-        sworst, cworst, rworst = 0.0, 0.0, 0.0
-        if set(sa) != set(sb):
-            why.append(f"requests holding GDN state differ: {na} {sorted(sa)} vs {nb} {sorted(sb)}")
-        for sid in sorted(set(sa) & set(sb)):
-            dc = float((sa[sid][0].float() - sb[sid][0].float()).abs().max())  # conv state [n_gdn, conv_dim, K-1]
-            dr = float((sa[sid][1].float() - sb[sid][1].float()).abs().max())  # recurrent state [n_gdn, Hv, dk, dv]
-            d = max(dc, dr)
-            sworst, cworst, rworst = max(sworst, d), max(cworst, dc), max(rworst, dr)
-            if d > atol:
-                why.append(f"seq {sid}: GDN state max |Δ| = {d:.3g}")
+        sworst, state_abs = _check_state(sa, sb, na, nb, atol, why)
         worst = max(worst, sworst)
         detail += f"; GDN conv+recurrent state of {len(sa)} seq(s), max |Δ| {sworst:.3g}"
-        state_abs = {"conv": cworst, "recurrent": rworst}
-    checks["kv"] = {"ok": not why, "max_abs": worst, "detail": detail if not why else "; ".join(why)}
-    if sa or sb:
-        checks["kv"]["state_max_abs"] = state_abs  # GDN state alone: conv and recurrent max |Δ|
-    # tokens
-    ok = a["tokens"] == b["tokens"]
-    checks["tokens"] = {"ok": ok, "detail": "" if ok else f"{na} {a['tokens']} vs {nb} {b['tokens']}"}
-    # logits
+    out = {"ok": not why, "max_abs": worst, "detail": detail if not why else "; ".join(why)}
+    if state_abs is not None:
+        out["state_max_abs"] = state_abs  # GDN state alone: conv and recurrent max |Δ|
+    return out
+
+
+def _check_state(sa: dict[int, Any], sb: dict[int, Any], na: str, nb: str, atol: float,
+                 why: list[str]) -> tuple[float, dict[str, float]]:
+    """GDN conv state ``[n_gdn, conv_dim, K-1]`` and recurrent state ``[n_gdn, Hv, dk, dv]`` per
+    sequence; appends what differs to ``why``. Returns ``(max |Δ|, {"conv", "recurrent"} max |Δ|)``."""
+    sworst, cworst, rworst = 0.0, 0.0, 0.0
+    if set(sa) != set(sb):
+        why.append(f"requests holding GDN state differ: {na} {sorted(sa)} vs {nb} {sorted(sb)}")
+    for sid in sorted(set(sa) & set(sb)):
+        dc = float((sa[sid][0].float() - sb[sid][0].float()).abs().max())  # conv state [n_gdn, conv_dim, K-1]
+        dr = float((sa[sid][1].float() - sb[sid][1].float()).abs().max())  # recurrent state [n_gdn, Hv, dk, dv]
+        d = max(dc, dr)
+        sworst, cworst, rworst = max(sworst, d), max(cworst, dc), max(rworst, dr)
+        if d > atol:
+            why.append(f"seq {sid}: GDN state max |Δ| = {d:.3g}")
+    return sworst, {"conv": cworst, "recurrent": rworst}
+
+
+def _check_logits(a: dict[str, Any], b: dict[str, Any], atol: float) -> dict[str, Any]:
+    """The logits rows used for sampling (``[V]`` per sampling request), max |Δ| within ``atol``."""
     worst, why = 0.0, []
     for sid in sorted(set(a["logits"]) | set(b["logits"])):
         if sid not in a["logits"] or sid not in b["logits"]:
@@ -178,9 +201,8 @@ def compare_step(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], a
         worst = max(worst, d)
         if d > atol:
             why.append(f"seq {sid}: max |Δlogits| = {d:.3g}")
-    checks["logits"] = {"ok": not why, "max_abs": worst, "rows": len(a["logits"]),
-                        "detail": f"{len(a['logits'])} row(s), max |Δ| {worst:.3g}" if not why else "; ".join(why)}
-    return out
+    return {"ok": not why, "max_abs": worst, "rows": len(a["logits"]),
+            "detail": f"{len(a['logits'])} row(s), max |Δ| {worst:.3g}" if not why else "; ".join(why)}
 
 
 def _chunks_text(chunks: list[tuple]) -> str:
@@ -206,8 +228,6 @@ def diff_backends(loaded: Any, prompts: list[Any], opts: EngineOptions, atol: fl
     Raises:
         InfertraceError: as the engine does (prompt too long, cache too small, ...).
     """
-    from infertrace.runner import encode_prompt
-
     dtype = str(loaded.model.dtype).replace("torch.", "")
     atol = ATOL.get(dtype, 1e-4) if atol is None else atol
     engines, caps = [], []
@@ -216,8 +236,7 @@ def diff_backends(loaded: Any, prompts: list[Any], opts: EngineOptions, atol: fl
                     sampler_order=opts.sampler_order or "hf")  # one order for both: the caches are compared
         cap = StepCapture()
         e = Engine(loaded.model, loaded.tokenizer, o, cap)
-        for s in prompts:
-            e.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
+        submit(e, encode_requests(loaded.tokenizer, prompts))
         engines.append(e)
         caps.append(cap)
     steps, mismatches = [], []

@@ -141,16 +141,14 @@ def compare_with_reference(loaded: Any, prompts: list[Any], opts: EngineOptions,
     Raises:
         InfertraceError: unknown ``against``, reference package missing, engine errors.
     """
-    from infertrace.runner import encode_prompt
+    from infertrace.engine.drive import drive, encode_requests
 
     if against not in AGAINST:
         raise InfertraceError(f"--against must be one of {', '.join(AGAINST)} (got {against!r})")
     atol = ATOL[against] if atol is None else atol
     cap = LogitsCapture()
     eng = Engine(loaded.model, loaded.tokenizer, opts, cap)
-    for s in prompts:
-        eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
-    eng.run()
+    drive(eng, encode_requests(loaded.tokenizer, prompts))
     ref = hf_reference(loaded.ckpt.path)
     ref_logits = {}
     for sid, r in sorted(eng.requests.items()):

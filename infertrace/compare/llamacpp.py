@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from infertrace.engine.drive import drive, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.compare.metrics import NEAR_TIE_GAP, NEAR_TIE_TOPK, compare_rows
 from infertrace.engine.sampler import SampleResult
@@ -247,13 +248,9 @@ class ForcedEngine(Engine):
 
 def _run_ours(model: Any, tok: Any, prompts: list[Any], opts: EngineOptions, layer: int,
               forced: dict[int, list[int]] | None) -> tuple[Engine, StepTap]:
-    from infertrace.runner import encode_prompt
-
     tap = StepTap(layer)
     eng = ForcedEngine(model, tok, opts, tap, forced=forced or {})
-    for s in prompts:
-        eng.add_request(encode_prompt(tok, s), s.params, s.arrival_step, s.text)
-    eng.run()
+    drive(eng, encode_requests(tok, prompts))
     return eng, tap
 
 
@@ -266,7 +263,6 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
 
     from infertrace.kv.cells import CellsKV
     from infertrace.model import decoder as llama_mod  # the forward (and its F) lives in decoder.py
-    from infertrace.runner import encode_prompt
 
     class _KV(GgmlAttentionKV, F16CacheKV, CellsKV):
         pass
@@ -277,10 +273,8 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
     eng = ForcedEngine(loaded.model, loaded.tokenizer, opts, tap, forced=forced)
     cfg, m = loaded.model.cfg, loaded.model
     eng.kv = eng.scheduler.kv = _KV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, m.dtype, m.device)
-    for s in prompts:
-        eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
     with mock.patch.object(llama_mod, "F", _Q8Functional()):
-        eng.run()
+        drive(eng, encode_requests(loaded.tokenizer, prompts))
     return tap
 
 
@@ -388,7 +382,6 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         InfertraceError: llama-cpp-python missing, non-GGUF model, engine errors.
     """
     from infertrace.runtimes.llamacpp.engine import run_llamacpp
-    from infertrace.runner import load_model
 
     o = replace(opts, backend="cells", attention="torch")
     if getattr(loaded.config, "is_hybrid", False):
@@ -402,6 +395,36 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
     leng, notes = run_llamacpp(loaded, prompts, o, ltap, layer, forced, flash_attn=flash_attn)
     settings = leng.lctx.settings()
     leng.close()
+    floor, how = _noise_floor(loaded, prompts, o, layer, forced, floor_dtype, settings)
+
+    struct = structural_diff(ours.steps, ltap.steps)
+    spread, floor_spread = float_spread(ours.steps, ltap.steps), float_spread(ours.steps, floor.steps)
+    fmax = {v: max((d.get(v, 0.0) for d in floor_spread), default=0.0) for v in FLOAT_VARS}
+    lmax = {v: max((d.get(v, 0.0) for d in spread), default=0.0) for v in FLOAT_VARS}
+    first = _first_exceeding(spread, fmax, layer)
+
+    base, labels = _logit_rows(ours.steps)
+    lrows, _ = _logit_rows(ltap.steps)
+    frows, _ = _logit_rows(floor.steps)
+    nt = compare_rows(base, lrows, labels)
+    nt_floor = compare_rows(base, frows, labels)
+    nt_floor.pop("disagreements")
+    reqs = [{"seq_id": sid, "prompt": r.prompt_text, "tokens": list(r.output_ids),
+             "text": loaded.tokenizer.decode(r.output_ids)} for sid, r in sorted(eng.requests.items())]
+    mism = _mismatches(struct, first, nt)
+    return {"against": "llama.cpp", "backend": "cells", "layer": layer, "llama_cpp": settings, "structural": struct,
+            "next_token": nt,
+            "max_abs": lmax, "per_step": spread,
+            "floor": {"dtype": floor_dtype, "max_abs": fmax, "next_token": nt_floor, "how": how, "factor": FLOOR_FACTOR},
+            "near_tie_rule": f"the other side's choice is in both top-{NEAR_TIE_TOPK} and within {NEAR_TIE_GAP} nats of the top log-probability in both",
+            "first_exceeding": first, "requests": reqs, "notes": notes, "mismatches": mism, "identical": not mism}
+
+
+def _noise_floor(loaded: Any, prompts: list[Any], o: EngineOptions, layer: int, forced: dict[int, list[int]],
+                 floor_dtype: str, settings: dict[str, Any]) -> tuple[StepTap, str]:
+    """Run 3 of the module docstring: ours forced to ``forced``, with llama.cpp's numerics emulated
+    (``floor_dtype = "llama.cpp-numerics"``, its flash-attention setting and threads from ``settings``)
+    or in ``floor_dtype``. Returns its steps and the sentence saying how the floor was measured."""
     fa_on = settings["flash_attn"] == "on"
     if floor_dtype == "llama.cpp-numerics":
         floor = _run_emulated(loaded, prompts, o, layer, forced, flash_attn=fa_on, n_threads=settings["n_threads"])
@@ -410,49 +433,47 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         how = ("ours float32 vs ours with llama.cpp's numerics emulated (matmul inputs quantised to 8-bit blocks of 32 "
                f"as ggml-cpu's Q8_0/Q8_1 vec_dot, K/V rounded to F16 as the cache, attention with {att}) on the same "
                f"forced tokens: max |Δ| per variable over all steps; tolerance = {FLOOR_FACTOR:g} x floor")
-    else:
-        low = load_model(loaded.ckpt.path, dtype=floor_dtype)
-        _, floor = _run_ours(low.model, low.tokenizer, prompts, o, layer, forced)
-        how = (f"ours float32 vs ours {floor_dtype} on the same forced tokens: max |Δ| per variable over all steps; "
-               f"tolerance = {FLOOR_FACTOR:g} x floor")
+        return floor, how
+    from infertrace.runner import load_model
 
-    struct = structural_diff(ours.steps, ltap.steps)
-    spread, floor_spread = float_spread(ours.steps, ltap.steps), float_spread(ours.steps, floor.steps)
-    fmax = {v: max((d.get(v, 0.0) for d in floor_spread), default=0.0) for v in FLOAT_VARS}
-    lmax = {v: max((d.get(v, 0.0) for d in spread), default=0.0) for v in FLOAT_VARS}
-    first = None
+    low = load_model(loaded.ckpt.path, dtype=floor_dtype)
+    _, floor = _run_ours(low.model, low.tokenizer, prompts, o, layer, forced)
+    how = (f"ours float32 vs ours {floor_dtype} on the same forced tokens: max |Δ| per variable over all steps; "
+           f"tolerance = {FLOOR_FACTOR:g} x floor")
+    return floor, how
+
+
+def _first_exceeding(spread: list[dict[str, Any]], fmax: dict[str, float], layer: int) -> dict[str, Any] | None:
+    """The first step and variable, in the order the forward pass produces them, whose max |Δ| from
+    llama.cpp exceeds :data:`FLOOR_FACTOR` x the floor; None when none does."""
     order = ("hidden", "k", "v", "logits")  # the order the forward pass produces them
     for d in spread:
         for v in order:
             if d.get(v, 0.0) > FLOOR_FACTOR * fmax[v]:
-                first = {"step": d["step"], "layer": layer if v in ("k", "v") else (-1 if v == "hidden" else "output"),
-                         "variable": v, "value": d[v], "floor": fmax[v], "tolerance": FLOOR_FACTOR * fmax[v]}
-                break
-        if first:
-            break
+                return {"step": d["step"], "layer": layer if v in ("k", "v") else (-1 if v == "hidden" else "output"),
+                        "variable": v, "value": d[v], "floor": fmax[v], "tolerance": FLOOR_FACTOR * fmax[v]}
+    return None
 
-    def rows(steps: list[dict[str, Any]]) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-        out, lab = [], []
-        for st in steps:
-            if st["idle"] or not st["logits_rows"]:
-                continue
-            out.append(st["logits"])
-            r2s = {}
-            r = 0
-            for sid, C, T in st["chunks"]:
-                r2s[r + T - 1] = (sid, C + T - 1)
-                r += T
-            lab += [{"step": st["step"], "seq_id": r2s[r][0], "pos": r2s[r][1]} for r in st["logits_rows"]]
-        return (torch.cat(out) if out else torch.zeros(0, 1)), lab
 
-    base, labels = rows(ours.steps)
-    lrows, _ = rows(ltap.steps)
-    frows, _ = rows(floor.steps)
-    nt = compare_rows(base, lrows, labels)
-    nt_floor = compare_rows(base, frows, labels)
-    nt_floor.pop("disagreements")
-    reqs = [{"seq_id": sid, "prompt": r.prompt_text, "tokens": list(r.output_ids),
-             "text": loaded.tokenizer.decode(r.output_ids)} for sid, r in sorted(eng.requests.items())]
+def _logit_rows(steps: list[dict[str, Any]]) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """Every logits row of a :class:`StepTap` step list, ``[M, V]``, with its ``{step, seq_id, pos}``."""
+    out, lab = [], []
+    for st in steps:
+        if st["idle"] or not st["logits_rows"]:
+            continue
+        out.append(st["logits"])
+        r2s = {}
+        r = 0
+        for sid, C, T in st["chunks"]:
+            r2s[r + T - 1] = (sid, C + T - 1)
+            r += T
+        lab += [{"step": st["step"], "seq_id": r2s[r][0], "pos": r2s[r][1]} for r in st["logits_rows"]]
+    return (torch.cat(out) if out else torch.zeros(0, 1)), lab
+
+
+def _mismatches(struct: dict[str, Any], first: dict[str, Any] | None, nt: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's mismatches: structural ones, the first float beyond the floor, and every next-token
+    disagreement that is not a near tie."""
     mism = list(struct["mismatches"])
     if first is not None:
         mism.append({"step": first["step"], "variable": first["variable"],
@@ -464,9 +485,4 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
                          "detail": f"seq {d['seq_id']} pos {d['pos']}: top token ours {d['base_top']} vs llama.cpp "
                                    f"{d['new_top']} is not a near tie (ranks {d['rank_of_new_top_in_base']}, "
                                    f"{d['rank_of_base_top_in_new']}; gaps {d['logp_gap_base']}, {d['logp_gap_new']} nats)"})
-    return {"against": "llama.cpp", "backend": "cells", "layer": layer, "llama_cpp": settings, "structural": struct,
-            "next_token": nt,
-            "max_abs": lmax, "per_step": spread,
-            "floor": {"dtype": floor_dtype, "max_abs": fmax, "next_token": nt_floor, "how": how, "factor": FLOOR_FACTOR},
-            "near_tie_rule": f"the other side's choice is in both top-{NEAR_TIE_TOPK} and within {NEAR_TIE_GAP} nats of the top log-probability in both",
-            "first_exceeding": first, "requests": reqs, "notes": notes, "mismatches": mism, "identical": not mism}
+    return mism

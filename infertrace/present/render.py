@@ -24,6 +24,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from infertrace.fmt import human_bytes  # noqa: F401 - also imported from here by older code
 from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
 from infertrace.present.text import piece_text  # noqa: F401 - used here and re-exported
@@ -66,14 +67,6 @@ def int_list(xs: Sequence[int], head: int = 6, tail: int = 2) -> str:
 
 def floats(xs: Iterable[float], nd: int = 4) -> str:
     return "[" + ", ".join(f"{x:+.{nd}f}" for x in xs) + "]"
-
-
-def human_bytes(n: int, nd: int = 1) -> str:
-    """``98362432`` -> ``"98.4 MB"`` (decimal units)."""
-    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= k:
-            return f"{n / k:.{nd}f} {unit}"
-    return f"{n} B"
 
 
 def _kv(label: str, value: str | Text, style: str = "bold") -> Table:

@@ -17,7 +17,8 @@ from rich.panel import Panel
 from rich.text import Text
 
 from infertrace.ranges import ranges_text
-from infertrace.present.render import DIM, _facts, _table, floats, human_bytes
+from infertrace.fmt import human_bytes
+from infertrace.present.render import DIM, _facts, _table, floats
 from infertrace.trace.schema import N_KV_PAD_MAX
 
 _ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -39,10 +39,10 @@ Every field is validated before use: a malformed trace is a violation of "schema
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from infertrace.ranges import parse_ranges  # the range grammar lives in ranges.py (still importable from here)
 from infertrace.trace.schema import Bad, spec_positions
 
 
@@ -64,26 +64,6 @@ class Violation:
 class _Bad(Exception):
     def __init__(self, v: Violation):
         self.v = v
-
-
-def parse_ranges(text: Any) -> list[int]:
-    """``"0..2,5"`` -> ``[0, 1, 2, 5]``; ``"-"`` -> ``[]``. ValueError on anything else (bounded:
-    at most 1_000_000 values)."""
-    if not isinstance(text, str):
-        raise ValueError(f"expected range text, got {type(text).__name__}")
-    if text == "-":
-        return []
-    out: list[int] = []
-    for part in text.split(","):
-        m = re.fullmatch(r"(\d+)(?:\.\.(\d+))?", part.strip())
-        if not m:
-            raise ValueError(f"bad range {part!r}")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) else lo
-        if hi < lo or hi - lo > 1_000_000 or len(out) > 1_000_000:
-            raise ValueError(f"bad range {part!r}")
-        out.extend(range(lo, hi + 1))
-    return out
 
 
 def _int(x: Any) -> bool:

@@ -27,6 +27,8 @@ import re
 from typing import Any, Callable
 
 from infertrace.errors import InfertraceError
+from infertrace.fmt import clip
+from infertrace.ranges import range_count as _range_count
 from infertrace.safe_text import visible
 
 #: bounds on what a trace may ask a consumer to loop over or allocate (name -> value)
@@ -59,10 +61,12 @@ class Bad(Exception):
 
 
 def _short(v: Any) -> str:
+    """An offending value for a schema message: containers by type name, huge integers by their
+    digit count, else ``repr`` :func:`~infertrace.fmt.clip`-ped to 40 characters, escaped."""
     if isinstance(v, (dict, list)):
         return type(v).__name__
     s = repr(v) if not isinstance(v, int) or abs(v) < 10 ** 30 else f"an integer of {len(str(abs(v)))} digits"
-    return visible(s if len(s) <= 40 else s[:37] + "…")
+    return visible(clip(s, 40))
 
 
 # ----------------------------------------------------------------------------- primitive specs
@@ -194,27 +198,14 @@ def Any_(v: Any, p: str, depth: int = 0) -> None:
         raise Bad(p, f"unexpected value {_short(v)}")
 
 
-_RANGE_RE = re.compile(r"-|(?:0|[1-9][0-9]{0,8})(?:\.\.(?:0|[1-9][0-9]{0,8}))?(?:,(?:0|[1-9][0-9]{0,8})(?:\.\.(?:0|[1-9][0-9]{0,8}))?)*")
-
-
 def range_count(text: str) -> int:
-    """How many integers a range text (``"0..2,5"``, ``"-"``) stands for; -1 when malformed."""
-    if len(text) > L["MAX_STR"] or not _RANGE_RE.fullmatch(text):
-        return -1
-    if text == "-":
-        return 0
-    n = 0
-    for part in text.split(","):
-        a, _, b = part.partition("..")
-        lo, hi = int(a), int(b or a)
-        if hi < lo or hi >= L["MAX_CTX"]:
-            return -1
-        n += hi - lo + 1
-    return n
+    """How many integers a range text (``"0..2,5"``, ``"-"``) stands for; -1 when malformed
+    (:func:`infertrace.ranges.range_count` with values below MAX_CTX, at most MAX_STR characters)."""
+    return _range_count(text, L["MAX_CTX"], L["MAX_STR"])
 
 
 def Range(null: bool = False) -> Spec:
-    """A range text as :func:`infertrace.kv.base.ranges_text` writes it, values below MAX_CTX."""
+    """A range text as :func:`infertrace.ranges.ranges_text` writes it, values below MAX_CTX."""
     def check(v: Any, p: str) -> None:
         if v is None and null:
             return

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from infertrace.errors import InfertraceError
+from infertrace.fmt import short
 from infertrace.model.config import DEFAULT_ROPE_THETA, RopeScaling
 
 HONOURED, NOT_APPLICABLE, REFUSED = "honoured", "not applicable", "refused"
@@ -68,8 +69,7 @@ LLAMA_LAYER_NAMES = {
 
 
 def _short(v: Any) -> str:
-    s = repr(v) if isinstance(v, str) else str(v)
-    return s if len(s) <= 60 else s[:57] + "..."
+    return short(v, 60, tail="...")
 
 
 @dataclass

@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from infertrace.engine.drive import drive, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
@@ -268,19 +269,19 @@ def run_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, recorder:
     Raises:
         InfertraceError: as :class:`LlamaCppEngine`, or a llama_decode failure.
     """
-    from infertrace.runner import encode_prompt
-
     eng = LlamaCppEngine(loaded, opts, recorder, layer, forced, n_seq_max=max(1, len(prompts)), flash_attn=flash_attn)
     eng.lmodel.keep_captures = keep_captures
-    for s in prompts:
-        eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
     emitted = 0
-    while eng.step() is not None:
+
+    def emit(_batch: Any) -> None:  # hand each new StepTrace of the recorder to on_step as it is made
+        nonlocal emitted
         steps = getattr(recorder, "steps", None)
-        if on_step is not None and steps is not None:
+        if steps is not None:
             for st in steps[emitted:]:
-                on_step(st)
+                on_step(st)  # type: ignore[misc]
             emitted = len(steps)
+
+    drive(eng, encode_requests(loaded.tokenizer, prompts), emit if on_step is not None else None, max_steps=None)
     st = eng.lctx.settings()
     notes = [f"engine llama.cpp (llama-cpp-python {_version()}): n_ctx {eng.lctx.n_ctx}, n_ubatch = n_batch "
              f"{min(opts.max_batch_tokens, opts.ctx_size)}, kv_unified, one llama_batch per step",
