@@ -244,7 +244,11 @@ class Memory(Protocol):
         """Attention output ``[N, n_head, head_dim]`` for queries ``q`` of model layer ``layer``."""
 
     def release(self, seq_id: int) -> None:
-        """Free everything ``seq_id`` owns (``seq_rm(seq_id, -1, -1)``)."""
+        """Free everything ``seq_id`` owns (``seq_rm(seq_id, -1, -1)``); a prefix-caching memory may
+        keep it for reuse."""
+
+    def forget(self, seq_id: int) -> None:
+        """Free everything ``seq_id`` owns and keep nothing for reuse (an admission undone)."""
 
     # --- sequence operations (llama_memory_i) -----------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
@@ -348,6 +352,10 @@ class MemoryDefaults:
     events, no ``seq_div``."""
 
     kind: str
+
+    def forget(self, seq_id: int) -> None:
+        """Nothing is kept for reuse by this kind: the same as :meth:`release`."""
+        self.release(seq_id)  # type: ignore[attr-defined]
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[Any]) -> MemOp:
         return MemOp.refused("seq_div", f"seq_div is not supported by the {self.kind} memory")

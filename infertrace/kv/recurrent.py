@@ -256,6 +256,10 @@ class HybridKV(MemoryDefaults):
         self.attn.release(seq_id)
         self.state.release(seq_id)
 
+    def forget(self, seq_id: int) -> None:
+        self.attn.forget(seq_id)
+        self.state.release(seq_id)
+
     # --- sequence operations: recurrent part first (it may refuse), then the attention part ---------------
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
         if not self.state.seq_rm(seq_id, p0, p1, self.attn.seq_len(seq_id)):
