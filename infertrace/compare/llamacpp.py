@@ -434,7 +434,7 @@ def _noise_floor(loaded: Any, prompts: list[Any], o: EngineOptions, layer: int, 
                f"as ggml-cpu's Q8_0/Q8_1 vec_dot, K/V rounded to F16 as the cache, attention with {att}) on the same "
                f"forced tokens: max |Δ| per variable over all steps; tolerance = {FLOOR_FACTOR:g} x floor")
         return floor, how
-    from infertrace.runner import load_model
+    from infertrace.loading.model import load_model
 
     low = load_model(loaded.ckpt.path, dtype=floor_dtype)
     _, floor = _run_ours(low.model, low.tokenizer, prompts, o, layer, forced)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from infertrace.engine.sampler import apply_penalties, kept_set
+from infertrace.engine.sampler import apply_penalties, kept_set, mask_padded_rows
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
@@ -134,7 +134,7 @@ class DraftModelDrafter:
         target: the target model (vocabulary check).
         size: cells of the draft cache; n_seq_max: sequences.
         n_sample_rows: the tokenizer's size when the vocabulary is padded (the draft's logits past it
-            are masked as the target's: :func:`~infertrace.engine.engine.mask_padded_rows`), else None.
+            are masked as the target's: :func:`~infertrace.engine.sampler.mask_padded_rows`), else None.
     """
 
     name = "draft"
@@ -166,7 +166,6 @@ class DraftModelDrafter:
             r += c.T
             rows.append(r - 1)
         self.forwards += 1
-        from infertrace.engine.engine import mask_padded_rows
 
         logits = self.model.forward(torch.tensor(ids, dtype=torch.int64), inp, self.kv,
                                     torch.tensor(rows, dtype=torch.int64))  # [len(chunks), V]

@@ -8,18 +8,20 @@ sample, update requests) and llama.cpp server ``update_slots`` -> ``llama_decode
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from infertrace.engine.options import EngineOptions  # noqa: F401 - torch-free home; re-exported
 from infertrace.engine.request import Request
-from infertrace.engine.sampler import SampleResult, SamplingParams, check_penalties, default_order, penalty_window, sample
+from infertrace.engine.sampler import (SampleResult, SamplingParams, check_penalties, default_order,  # noqa: F401
+                                       mask_padded_rows, penalty_window, sample)
+from infertrace.engine.step import StepContext  # noqa: F401 - re-exported (engine/step.py)
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.engine.serving import Serving
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import AttnInputs, ChunkSpec, Memory
+from infertrace.kv.base import AttnInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
 from infertrace.model.decoder import NULL_TRACER, DecoderModel
@@ -45,62 +47,6 @@ def padded_vocab(model: DecoderModel, tokenizer: Any) -> dict[str, Any] | None:
     if not isinstance(n_tok, int) or n_tok <= 0 or rows <= n_tok:
         return None
     return {"rows": rows, "tokens": n_tok, "policy": "masked", "masked": f"{n_tok}..{rows - 1}"}
-
-
-def mask_padded_rows(logits: torch.Tensor, n_tokens: int | None) -> torch.Tensor:
-    """``logits`` (``[M, V]`` float) with columns ``n_tokens..V-1`` set to -inf, a new tensor (the
-    same one when ``n_tokens`` is None): the padded rows of :func:`padded_vocab` can never be
-    sampled, drafted or accepted."""
-    if n_tokens is None or logits.shape[-1] <= n_tokens:
-        return logits
-    pad = torch.arange(logits.shape[-1], device=logits.device) >= n_tokens  # [V] bool
-    return logits.masked_fill(pad, float("-inf"))  # [M, V]
-
-
-@dataclass
-class StepContext:
-    """What the engine hands ``tracer.end_step`` after each step (typed; read by attribute).
-
-    Attributes:
-        step: step number. batch: the :class:`ScheduledBatch` (chunks in packed order).
-        inp: the step's :class:`AttnInputs`; None for an idle step (nothing scheduled).
-        kv: the KV backend (state after the step's writes). attention: attention impl name.
-        logits: ``[M, V]`` float, rows ``logits_rows`` of the packed batch (None when idle).
-        samples: ``{seq_id: SampleResult}``. finished: ``{seq_id: stop reason}``.
-        requests: every request the engine holds, by seq_id. time_ms: wall time of the step.
-        sampler_order: ``hf`` or ``llama.cpp`` (the run's order; shown only for sampled rows).
-        serving: the step's serving record (prefix lookups, context shifts, evictions, audit;
-        engine/serving.py) or None.
-        spec: speculative decoding: ``{"requests": {seq_id: verify record}, "drafted", "accepted",
-        "acceptance_rate"}`` or None.
-
-    ``ctx["step"]`` and ``ctx.get("time_ms")`` still work, for tracers written against the
-    dict this replaced.
-    """
-
-    step: int
-    batch: ScheduledBatch
-    inp: AttnInputs | None
-    kv: Memory
-    attention: str
-    logits: torch.Tensor | None
-    logits_rows: list[int]
-    samples: dict[int, SampleResult]
-    finished: dict[int, str]
-    requests: dict[int, Request]
-    time_ms: float = 0.0
-    sampler_order: str | None = None
-    serving: dict[str, Any] | None = None
-    spec: dict[str, Any] | None = None  # speculative verify record of the step (engine/speculative.py)
-
-    def __getitem__(self, key: str) -> Any:
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(key) from None
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
 
 
 def make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):

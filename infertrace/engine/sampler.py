@@ -167,3 +167,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, seen: Iterable[int], ge
     tok = int(ids[j])
     top = [(int(ids[r]), float(raw[ids[r]]), float(p[r])) for r in range(min(n_top, ids.numel()))]
     return SampleResult(tok, top)
+
+
+def mask_padded_rows(logits: torch.Tensor, n_tokens: int | None) -> torch.Tensor:
+    """``logits`` (``[M, V]`` float) with columns ``n_tokens..V-1`` set to -inf, a new tensor (the
+    same one when ``n_tokens`` is None): the padded rows of :func:`padded_vocab` can never be
+    sampled, drafted or accepted."""
+    if n_tokens is None or logits.shape[-1] <= n_tokens:
+        return logits
+    pad = torch.arange(logits.shape[-1], device=logits.device) >= n_tokens  # [V] bool
+    return logits.masked_fill(pad, float("-inf"))  # [M, V]

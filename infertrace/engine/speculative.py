@@ -110,7 +110,7 @@ class Speculator:
             if o.draft_layers:
                 dm = layer_skip(engine.model, o.draft_layers)
             else:
-                from infertrace.runner import load_model
+                from infertrace.loading.model import load_model
 
                 dm = load_model(o.draft_model, device=str(engine.model.device)).model
             size = engine.kv.capacity_tokens + o.n_seq_max * (len(self.parents) + 1)

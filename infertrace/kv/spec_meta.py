@@ -14,12 +14,11 @@ offsets are ``0..K``. llama.cpp has no such metadata: its verify mask is rows of
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 
-if TYPE_CHECKING:  # kv/base.py imports this module (the verify record of the paged inputs)
-    from infertrace.kv.base import ChunkSpec
+from infertrace.kv.chunk import ChunkSpec
 
 
 def pack_mask(rows: torch.Tensor) -> torch.Tensor:

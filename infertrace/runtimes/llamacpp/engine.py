@@ -221,7 +221,7 @@ class LlamaCppEngine(Engine):
     """:class:`Engine` whose forward pass and cache are llama.cpp's.
 
     Args:
-        loaded: :class:`~infertrace.runner.Loaded` (tokenizer, config; the GGUF path).
+        loaded: :class:`~infertrace.loading.model.Loaded` (tokenizer, config; the GGUF path).
         opts: engine options (backend must be ``cells``: llama.cpp's convention).
         tracer: recorder or null tracer.
         layer: the layer whose Q/K/V and cache are captured.
@@ -319,7 +319,7 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
     Raises:
         InfertraceError: bad layer, llama-cpp-python missing, non-GGUF model, decode failure.
     """
-    from infertrace.runner import model_identity
+    from infertrace.loading.model import model_identity
     from infertrace.capture.recorder import VARIABLES, Recorder
     from infertrace.trace.records import RunTrace
 
