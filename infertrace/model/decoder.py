@@ -20,7 +20,7 @@ import torch
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig
 from infertrace.model.families import family_of
-from infertrace.model.layers import ACTIVATIONS, Block, Step, build_block, norm_of
+from infertrace.model.layers import ACTIVATIONS, Block, Step, build_block, norm_of, on_device
 from infertrace.model.ops import TORCH_OPS, Ops
 from infertrace.model.rope import cos_sin, inv_freq_f32, rope_attention_factor
 from infertrace.model.taps import EMBED, NULL_TRACER, Tracer, layer_taps
@@ -41,7 +41,8 @@ class DecoderModel:
 
     Attributes:
         layers: one :class:`~infertrace.model.layers.Block` per layer (a layer-skip draft keeps a prefix).
-        tok_embd ``[V, H]``, output ``[V, H]`` (tied: the same tensor), output_norm ``[H]``.
+        tok_embd ``[V, H]``, output ``[V, H]`` (tied: the same tensor), output_norm ``[H]``; the
+        embedding table and the head may be weight objects (:class:`~infertrace.model.ops.LinearWeight`).
 
     Raises:
         InfertraceError: the config has a ``refused`` setting, an unknown activation or lacks a tensor
@@ -58,9 +59,9 @@ class DecoderModel:
         self.device = dev = torch.device(device)
         self.ops = ops
         w = weights
-        self.dtype = w["token_embd"].dtype
-        self.tok_embd = w["token_embd"].to(dev)  # [V, H]
-        self.output = w.get("output", w["token_embd"]).to(dev)  # [V, H] (tied when absent)
+        self.dtype = w["output_norm"].dtype  # the compute dtype (every float tensor of a checkpoint has it)
+        self.tok_embd = on_device(w["token_embd"], dev)  # [V, H]
+        self.output = on_device(w.get("output", w["token_embd"]), dev)  # [V, H] (tied when absent)
         self.output_norm = w["output_norm"].to(dev)  # [H]
         self.norm = norm_of(config)
         names = family_of(config).block_names
@@ -112,7 +113,7 @@ class DecoderModel:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[N, H]`` of ``ids`` ``[N]`` (x ``embed_scale`` in the model dtype: Gemma's sqrt(H))."""
-        x = self.tok_embd[ids]  # [N, H]
+        x = self.ops.embed(self.tok_embd, ids)  # [N, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale  # [N, H]
         return x

@@ -251,6 +251,11 @@ class Block:
 # ----------------------------------------------------------------------------- building from a checkpoint
 
 
+def on_device(w: Weight, dev: torch.device) -> Weight:
+    """A float tensor moved to ``dev``; a weight object (:class:`~infertrace.model.ops.LinearWeight`) as it is."""
+    return w.to(dev) if isinstance(w, torch.Tensor) else w
+
+
 class _Slots:
     """Reads block ``il``'s tensors by slot name (:mod:`infertrace.model.layout`) onto ``dev``."""
 
@@ -264,7 +269,7 @@ class _Slots:
         return self.w[n]
 
     def __call__(self, slot: str) -> Any:
-        return self.raw(slot).to(self.dev)
+        return on_device(self.raw(slot), self.dev)
 
     def opt(self, slot: str, on: bool) -> Any:
         return self(slot) if on else None
@@ -273,7 +278,7 @@ class _Slots:
 def build_attention(cfg: ModelConfig, t: _Slots, ops: Ops) -> Attention:
     """:class:`Attention` of one layer (Q/K/V fused through ``ops.cat_rows``)."""
     return Attention(
-        wqkv=ops.cat_rows([t.raw("attn_q"), t.raw("attn_k"), t.raw("attn_v")]).to(t.dev),  # [q_rows+2*nkv*hd, H]
+        wqkv=on_device(ops.cat_rows([t.raw("attn_q"), t.raw("attn_k"), t.raw("attn_v")]), t.dev),  # [q_rows+2*nkv*hd, H]
         wo=t("attn_output"),  # [H, nh*hd]
         bqkv=(torch.cat([t.raw("attn_q.bias"), t.raw("attn_k.bias"), t.raw("attn_v.bias")]).to(t.dev)
               if cfg.attn_bias else None),  # [q_rows+2*nkv*hd]
@@ -289,7 +294,7 @@ def build_gdn(cfg: ModelConfig, t: _Slots, ops: Ops) -> GatedDeltaNet:
     return GatedDeltaNet(
         w_qkv=t("attn_qkv"),  # [conv_dim, H]
         w_z=t("attn_gate"),  # [Hv*dv, H]
-        w_ba=ops.cat_rows([t.raw("ssm_beta"), t.raw("ssm_alpha")]).to(t.dev),  # [2*Hv, H]
+        w_ba=on_device(ops.cat_rows([t.raw("ssm_beta"), t.raw("ssm_alpha")]), t.dev),  # [2*Hv, H]
         conv=t("ssm_conv1d"),  # [conv_dim, K]
         A=t("ssm_a"),  # [Hv] = -exp(A_log)
         dt_bias=t("ssm_dt.bias"),  # [Hv]
@@ -310,7 +315,7 @@ def build_block(cfg: ModelConfig, w: Mapping[str, Any], il: int, names: Mapping[
     t = _Slots(w, il, names, dev)
     mixer: Mixer = build_gdn(cfg, t, ops) if cfg.is_linear(il) else build_attention(cfg, t, ops)
     ffn = GLU(
-        w_gate_up=ops.cat_rows([t.raw("ffn_gate"), t.raw("ffn_up")]).to(dev),  # [2*ff, H]
+        w_gate_up=on_device(ops.cat_rows([t.raw("ffn_gate"), t.raw("ffn_up")]), dev),  # [2*ff, H]
         w_down=t("ffn_down"),  # [H, ff]
         b_gate_up=torch.cat([t.raw("ffn_gate.bias"), t.raw("ffn_up.bias")]).to(dev) if cfg.mlp_bias else None,  # [2*ff]
         b_down=t.opt("ffn_down.bias", cfg.mlp_bias),  # [H]

@@ -1,14 +1,15 @@
 """The decoder's replaceable numerics: every linear layer of the forward pass goes through one object.
 
 :class:`Ops` is what a :class:`~infertrace.model.decoder.DecoderModel` calls for each projection
-(Q/K/V, output, gate/up, down, the GDN projections, the lm head). Replace it to change numerics
+(Q/K/V, output, gate/up, down, the GDN projections, the lm head) and for the embedding lookup. Replace it to change numerics
 without patching modules: the llama.cpp CPU-numerics emulation quantises each matmul's activations
 (:mod:`infertrace.engine.llamacpp_compare`); weights that stay quantised bring their own kernel.
 
 The weight of a linear layer is either a ``torch.Tensor`` ``[out, in]`` (``F.linear``, as HF's
-``nn.Linear``) or any object implementing :class:`LinearWeight` - ``w.linear(x, bias)`` computes
-``x @ W^T (+ bias)`` with whatever kernel the object carries (llama.cpp: ``ggml_mul_mat`` dispatches on
-the weight's ``ggml_type`` in the same way).
+``nn.Linear``) or any object implementing :class:`LinearWeight`: called as ``w(x, bias)`` it computes
+``x @ W^T (+ bias)`` with whatever kernel it carries (llama.cpp: ``ggml_mul_mat`` dispatches on the
+weight's ``ggml_type`` in the same way). Such an object is used where it is: the decoder moves only
+float tensors to its device.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 @runtime_checkable
 class LinearWeight(Protocol):
-    """A weight that computes its own matmul (e.g. blocks of a quantised GGUF tensor).
+    """A weight that computes its own matmul (e.g. the blocks of a quantised GGUF tensor).
 
     Attributes:
         shape: ``(out, in)``, as the float tensor it stands for.
@@ -29,12 +30,13 @@ class LinearWeight(Protocol):
 
     shape: tuple[int, ...]
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]`` in ``x``'s dtype (``+ bias [out]`` when given)."""
         ...
 
-    def to(self, device: torch.device) -> "LinearWeight":
-        """The weight on ``device`` (self when already there)."""
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` ``[N]`` as float ``[N, in]`` in the compute dtype (needed only for an embedding
+        table, llama.cpp ``ggml_get_rows``)."""
         ...
 
 
@@ -44,9 +46,9 @@ Weight = Any
 
 class RowStack:
     """Weights stacked along the output dimension without copying them into one tensor: the
-    fused Q/K/V or gate/up of weights that are not plain tensors (each part keeps its kernel).
+    fused Q/K/V or gate/up of weights that are not all plain tensors (each part keeps its kernel).
 
-    ``linear`` runs each part and concatenates the outputs: ``[..., sum(out_i)]``.
+    Called as ``w(x, bias)``: runs each part and concatenates the outputs, ``[..., sum(out_i)]``.
     """
 
     def __init__(self, parts: Sequence[Weight]):
@@ -54,13 +56,10 @@ class RowStack:
         self.rows = tuple(int(p.shape[0]) for p in self.parts)
         self.shape = (sum(self.rows), int(self.parts[0].shape[1]))
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         bs = bias.split(self.rows) if bias is not None else (None,) * len(self.parts)
-        outs = [F.linear(x, p, b) if isinstance(p, torch.Tensor) else p.linear(x, b) for p, b in zip(self.parts, bs)]
+        outs = [F.linear(x, p, b) if isinstance(p, torch.Tensor) else p(x, b) for p, b in zip(self.parts, bs)]
         return torch.cat(outs, dim=-1)  # [..., sum(out_i)]
-
-    def to(self, device: torch.device) -> "RowStack":
-        return RowStack([p.to(device) for p in self.parts])
 
 
 class Ops:
@@ -79,11 +78,18 @@ class Ops:
         """
         if isinstance(w, torch.Tensor):
             return F.linear(x, w, b)
-        return w.linear(x, b)
+        return w(x, b)
+
+    def embed(self, table: Weight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` ``[N]`` of the embedding table ``[V, H]`` -> ``[N, H]`` (llama.cpp ``ggml_get_rows``)."""
+        if isinstance(table, torch.Tensor):
+            return table[ids]
+        return table.rows(ids)
 
     def cat_rows(self, parts: Sequence[Weight]) -> Weight:
-        """Stack projection weights along ``out`` (one matmul for Q/K/V, one for gate/up):
-        ``torch.cat`` for float tensors, a :class:`RowStack` for anything else."""
+        """Stack projection weights along ``out`` at load (one matmul for Q/K/V, one for gate/up, the
+        GDN beta/alpha): ``torch.cat`` for float tensors, a :class:`RowStack` for anything else (override
+        to fuse a weight type's own blocks instead)."""
         if all(isinstance(p, torch.Tensor) for p in parts):
             return torch.cat(list(parts))  # [sum(out_i), in]
         return RowStack(parts)
