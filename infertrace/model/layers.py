@@ -125,10 +125,9 @@ class Attention:
         q_r = apply_rope_neox(q, cos, sin)  # [N, nh, hd] (the first rope_dim dims rotated)
         k_r = apply_rope_neox(k, cos, sin)  # [N, nkv, hd]
         if tp:
-            tp(QKV, qkv)
-            if gate is not None:
-                tp(GATE, gate)
-            tp(Q, q), tp(K, k), tp(V, v), tp(Q_ROT, q_r), tp(K_ROT, k_r)
+            for name, t in ((QKV, qkv), (GATE, gate), (Q, q), (K, k), (V, v), (Q_ROT, q_r), (K_ROT, k_r)):
+                if t is not None:  # no gate: the stage does not exist, the tap does not fire
+                    tp(name, t)
         s.kv.write(il, k_r, v, s.attn)
         o = s.kv.attend(il, q_r, s.attn, s.scale).reshape(N, nh * hd)  # [N, nh*hd]
         if tp:
@@ -178,7 +177,8 @@ class GatedDeltaNet:
             slots.append((c.seq_id, slot))
             r += c.T
         if tp:
-            tp(QKV, qkv), tp(GATE, z), tp(Z, o)
+            for name, t in ((QKV, qkv), (GATE, z), (Z, o)):
+                tp(name, t)
             tp(SSM_STATE, slots=slots, conv=[st.conv[il][sl] for _, sl in slots], rec=[st.rec[il][sl] for _, sl in slots],
                g=g, beta=beta)
         y = gated_rms_norm(o, z, self.ssm_norm, cfg.rms_eps)  # [N, Hv, dv]
