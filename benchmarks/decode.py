@@ -29,7 +29,7 @@ import torch
 
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
-from infertrace.model.decoder import NULL_TRACER
+from infertrace.model.taps import NULL_TRACER
 from infertrace.loading.registry import resolve_model
 from infertrace.runner import load_model
 from infertrace.threads import choose_threads

@@ -16,7 +16,7 @@ from infertrace.engine.drive import PromptSpec, drive, encode_prompt, encode_req
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.errors import InfertraceError
 from infertrace.loading.model import DTYPES, Loaded, load_model, model_identity, parse_dtype  # noqa: F401 - re-exported
-from infertrace.model.decoder import NULL_TRACER
+from infertrace.model.taps import NULL_TRACER
 from infertrace.trace.records import RunTrace
 from infertrace.capture.recorder import VARIABLES, Recorder
 

@@ -17,7 +17,7 @@ if "INFERTRACE_THREADS" not in os.environ:
 
 @pytest.fixture(scope="session")
 def smol_path():
-    from infertrace.loading.weights import default_model_path
+    from infertrace.loading.registry import default_model_path
 
     return default_model_path()
 

@@ -134,14 +134,14 @@ def test_diff_backends_idle_steps_tiny(tmp_path):
     from infertrace.compare.backends import diff_backends
     from infertrace.engine.engine import EngineOptions
     from infertrace.engine.sampler import SamplingParams
-    from infertrace.model.llama import LlamaModel
+    from infertrace.model.decoder import DecoderModel
     from infertrace.loading.weights import load_checkpoint
     from infertrace.runner import Loaded, PromptSpec
     from tests.tiny import make_weights, write_gguf
 
     w, s = make_weights(seed=3)
     ck = load_checkpoint(write_gguf(tmp_path / "t.gguf", w, s))
-    loaded = Loaded(ck, LlamaModel(ck.config, ck.weights))
+    loaded = Loaded(ck, DecoderModel(ck.config, ck.weights))
     p = SamplingParams(max_new_tokens=3, ignore_eos=True)
     specs = [PromptSpec("", p, 0, ids=[72, 101, 108, 108, 111]), PromptSpec("", p, 6, ids=[33, 34, 35])]
     rep = diff_backends(loaded, specs, EngineOptions(tokens_per_block=2, prefill_chunk=2))

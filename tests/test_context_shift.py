@@ -7,7 +7,7 @@ import pytest
 from infertrace.engine.engine import EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.model.llama import LlamaModel
+from infertrace.model.decoder import DecoderModel
 from infertrace.loading.weights import load_checkpoint
 from infertrace.runner import Loaded, PromptSpec, run_requests
 from tests.tiny import make_weights, write_gguf
@@ -19,7 +19,7 @@ PROMPT = [72, 101, 108, 108, 111, 33, 34, 35, 100, 101]  # 10 tokens
 def tiny(tmp_path_factory):
     w, s = make_weights(seed=3)
     ck = load_checkpoint(write_gguf(tmp_path_factory.mktemp("tiny") / "m.gguf", w, s))
-    return Loaded(ck, LlamaModel(ck.config, ck.weights))
+    return Loaded(ck, DecoderModel(ck.config, ck.weights))
 
 
 def _run(tiny, backend, **opts):

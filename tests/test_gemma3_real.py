@@ -94,7 +94,7 @@ def test_the_window_bites_on_the_long_prompt(gemma, hf_runs):
     """Full attention on every layer would give other logits: the window is not decoration."""
     ids, _, ref = hf_runs[2]
     m = gemma.model
-    saved = [L["window"] for L in m.layers]
+    saved = [L.mixer.window for L in m.layers]
     kv = make_kv(m, EngineOptions(ctx_size=1024), "torch")
     kv.windows = [0] * len(saved)
     kv.n_swa = 0

@@ -188,7 +188,7 @@ def test_prefix_cache_off_with_reason_context_shift_and_speculative_refused(tiny
 def test_hf_config_settings_are_honoured_or_refused(tiny, tmp_path):
     import json
 
-    from infertrace.model.config import config_from_hf
+    from infertrace.model.families import config_from_hf
     from tests.tiny_qwen35 import hf_config
 
     cfg = hf_config(tiny["s"])

@@ -12,7 +12,7 @@ from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.prefix_cache import SharedPagedKV
 from infertrace.kv.seq_ops import cells_defrag, cells_seq_add, cells_seq_cp, cells_seq_keep, seq_cp, seq_rm, shift_out
-from infertrace.model.llama import LlamaModel
+from infertrace.model.decoder import DecoderModel
 from infertrace.model.rope import layer_ropes
 from infertrace.loading.weights import load_checkpoint
 from tests.tiny import make_weights, write_gguf
@@ -22,7 +22,7 @@ from tests.tiny import make_weights, write_gguf
 def tiny(tmp_path_factory):
     w, s = make_weights(seed=7)
     ck = load_checkpoint(write_gguf(tmp_path_factory.mktemp("tiny") / "m.gguf", w, s))
-    return ck, LlamaModel(ck.config, ck.weights)
+    return ck, DecoderModel(ck.config, ck.weights)
 
 
 TOKS = [72, 101, 108, 108, 111, 33, 34, 35, 100, 101, 102, 103]
@@ -78,6 +78,7 @@ class LogitsProbe:
 
     enabled = True
     layers: frozenset = frozenset()
+    taps: frozenset = frozenset()
 
     def __init__(self):
         self.logits = []

@@ -13,7 +13,7 @@ from infertrace.engine.speculative import parse_tree
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.spec_meta import pack_mask, spec_metadata, unpack_mask
-from infertrace.model.llama import LlamaModel
+from infertrace.model.decoder import DecoderModel
 from infertrace.loading.weights import load_checkpoint
 from tests.tiny import make_weights, write_gguf
 
@@ -22,7 +22,7 @@ from tests.tiny import make_weights, write_gguf
 def tiny(tmp_path_factory):
     w, s = make_weights(seed=5, n_layer=3)
     ck = load_checkpoint(write_gguf(tmp_path_factory.mktemp("spec") / "m.gguf", w, s))
-    return ck, LlamaModel(ck.config, ck.weights)
+    return ck, DecoderModel(ck.config, ck.weights)
 
 
 #: the first prompt repeats itself, so prompt lookup finds drafts; the others are plain

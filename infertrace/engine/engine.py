@@ -24,7 +24,8 @@ from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
-from infertrace.model.decoder import NULL_TRACER, DecoderModel
+from infertrace.model.decoder import DecoderModel
+from infertrace.model.taps import NULL_TRACER
 
 
 #: idle steps (waiting for an arrival) recorded one by one; a longer wait is skipped in one jump.

@@ -108,7 +108,7 @@ def layer0_k(model: Any, token_ids: Sequence[int], positions: Sequence[int]) -> 
         InfertraceError: layer 0 has no K (a Gated DeltaNet layer of a hybrid model).
     """
     from infertrace.errors import InfertraceError
-    from infertrace.model.llama import rms_norm
+    from infertrace.model.layers import rms_norm
     from infertrace.model.rope import apply_rope_neox, layer_ropes
 
     cfg, L0 = model.cfg, model.layers[0]
@@ -117,14 +117,17 @@ def layer0_k(model: Any, token_ids: Sequence[int], positions: Sequence[int]) -> 
         raise InfertraceError("layer 0 is a Gated DeltaNet layer: it has no K to check a K-shift against")
     nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=model.device)  # [L]
-    x = model.tok_embd[ids]  # [L, H]
-    if model.embed_scale is not None:
-        x = x * model.embed_scale  # [L, H] Gemma: x sqrt(H)
-    h = rms_norm(x, L0["attn_norm"], cfg.rms_eps)  # [L, H]
-    bk = L0["bqkv"][nh * hd : (nh + nkv) * hd] if L0["bqkv"] is not None else None  # [nkv*hd]
-    k = torch.nn.functional.linear(h, L0["wqkv"][nh * hd : (nh + nkv) * hd], bk).view(-1, nkv, hd)  # [L, nkv, hd]
-    if L0["k_norm"] is not None:
-        k = rms_norm(k, L0["k_norm"], cfg.rms_eps)  # [L, nkv, hd]
+    x = model.embed(ids)  # [L, H] (x the family's embedding scale, as the decoder embeds)
+    h = rms_norm(x, L0.attn_norm, cfg.rms_eps)  # [L, H]
+    A = L0.mixer
+    k0 = nh * (2 if A.gated else 1) * hd  # first K row of the fused projection ([Q (| gate) | K | V])
+    if isinstance(A.wqkv, torch.Tensor):
+        bk = A.bqkv[k0 : k0 + nkv * hd] if A.bqkv is not None else None  # [nkv*hd]
+        k = torch.nn.functional.linear(h, A.wqkv[k0 : k0 + nkv * hd], bk).view(-1, nkv, hd)  # [L, nkv, hd]
+    else:  # a weight object (quantised): the whole projection through the model's linear op, K rows taken
+        k = model.ops.linear(h, A.wqkv, A.bqkv)[:, k0 : k0 + nkv * hd].reshape(-1, nkv, hd)  # [L, nkv, hd]
+    if A.k_norm is not None:
+        k = rms_norm(k, A.k_norm, cfg.rms_eps)  # [L, nkv, hd]
     pos = torch.tensor(list(positions), dtype=torch.int64, device=model.device)  # [L]
     cos, sin = rope.cos_sin(pos, model.dtype)  # [L, rope_dim/2] each
     return apply_rope_neox(k, cos, sin)  # [L, nkv, hd]

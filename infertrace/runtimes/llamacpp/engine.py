@@ -39,6 +39,7 @@ from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, CellsInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
+from infertrace.model.taps import EMBED, K, K_ROT, Q, Q_ROT, V
 
 ENGINE = "llama.cpp"
 
@@ -172,7 +173,7 @@ class LlamaCppKV(CellsKV):
 
 
 class LlamaCppModel:
-    """Stands in for :class:`~infertrace.model.llama.LlamaModel` in the engine loop: ``forward``
+    """Stands in for :class:`~infertrace.model.decoder.DecoderModel` in the engine loop: ``forward``
     decodes the step with llama.cpp and returns its logits rows."""
 
     def __init__(self, base: Any, lctx: LlamaCppContext):
@@ -204,7 +205,7 @@ class LlamaCppModel:
     def _taps(self, cap: Captured, N: int, tracer: Any) -> None:
         cfg, t, il = self.cfg, cap.tensors, self.lctx.layer
         if "embd" in t:
-            tracer.tap("embed", hidden=torch.from_numpy(t["embd"].reshape(N, -1).astype(np.float32)))  # [N, H]
+            tracer.tap(EMBED, value=torch.from_numpy(t["embd"].reshape(N, -1).astype(np.float32)))  # [N, H]
         names = (f"Qcur-{il}", f"Kcur-{il}", f"Vcur-{il}")
         if all(n in t for n in names):
             nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -212,9 +213,11 @@ class LlamaCppModel:
             def qk(a: np.ndarray, heads: int) -> torch.Tensor:
                 return torch.from_numpy(norm_to_neox(a.reshape(N, heads, hd).astype(np.float32)))  # [N, heads, hd]
 
-            tracer.tap("rope", layer=il, q=qk(cap.first[names[0]], nh), q_rot=qk(t[names[0]], nh),
-                       k=qk(cap.first[names[1]], nkv), k_rot=qk(t[names[1]], nkv),
-                       v=torch.from_numpy(t[names[2]].reshape(N, nkv, hd).astype(np.float32)))
+            got = {Q: qk(cap.first[names[0]], nh), Q_ROT: qk(t[names[0]], nh), K: qk(cap.first[names[1]], nkv),
+                   K_ROT: qk(t[names[1]], nkv), V: torch.from_numpy(t[names[2]].reshape(N, nkv, hd).astype(np.float32))}
+            for name, value in got.items():  # the block taps llama.cpp's graph lets us read (Qcur/Kcur/Vcur)
+                if il in tracer.layers and name in tracer.taps:
+                    tracer.tap(name, layer=il, value=value)
 
 
 class LlamaCppEngine(Engine):
