@@ -100,7 +100,7 @@ def test_k_shift_evidence_catches_a_missing_rerotation(tiny, backend, monkeypatc
 def tiny_bos(tmp_path_factory):
     w, s = make_weights(seed=3)
     ck = load_checkpoint(write_gguf(tmp_path_factory.mktemp("bos") / "m.gguf", w, s, add_bos=True))
-    return Loaded(ck, LlamaModel(ck.config, ck.weights))
+    return Loaded(ck, DecoderModel(ck.config, ck.weights))
 
 
 @pytest.mark.parametrize("backend", ["cells", "paged"])
@@ -143,7 +143,7 @@ def yarn(tmp_path_factory):
     d = write_hf(tmp_path_factory.mktemp("yarn") / "hf", w, s,
                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
     ck = load_checkpoint(d)
-    return Loaded(ck, LlamaModel(ck.config, ck.weights))
+    return Loaded(ck, DecoderModel(ck.config, ck.weights))
 
 
 @pytest.mark.parametrize("backend", ["cells", "paged"])
@@ -173,7 +173,7 @@ def test_context_shift_on_families_with_their_own_k_path(tmp_path, family, backe
     w, s = make_weights(family=family, n_layer=6 if family == "gemma3" else 2, seed=5)
     kv = {"attention.sliding_window": 4, "final_logit_softcapping": 3.0} if family == "gemma3" else None
     ck = load_checkpoint(write_gguf(tmp_path / "m.gguf", w, s, kv=kv))
-    loaded = Loaded(ck, LlamaModel(ck.config, ck.weights))
+    loaded = Loaded(ck, DecoderModel(ck.config, ck.weights))
     tr = _shift_run(loaded, backend, audit_kv=True)
     shifts = [r.shift for st in tr.steps for r in st.batch if r.shift]
     assert len(tr.requests[0]["output_ids"]) == 14 and shifts
@@ -193,6 +193,6 @@ def test_layer0_k_equals_the_decoders_layer0(tmp_path, family):
     w, s = make_weights(family=family, n_layer=6 if family == "gemma3" else 2, seed=9)
     kv = {"attention.sliding_window": 4} if family == "gemma3" else None
     ck = load_checkpoint(write_gguf(tmp_path / "m.gguf", w, s, kv=kv))
-    m = LlamaModel(ck.config, ck.weights)
+    m = DecoderModel(ck.config, ck.weights)
     fk, _ = recompute_kv(m, PROMPT)
     assert (layer0_k(m, PROMPT, range(len(PROMPT))) - fk[0]).abs().max() <= 1e-6

@@ -16,7 +16,7 @@ from infertrace.kv.cells import CellsKV
 from infertrace.kv.paged import PagedKV
 from infertrace.kv.recurrent import HybridKV, RecurrentState
 from infertrace.kv.seq_ops import seq_rm
-from infertrace.model.llama import LlamaModel
+from infertrace.model.decoder import DecoderModel
 from infertrace.model.rope import layer_ropes
 from infertrace.loading.weights import load_checkpoint
 from tests.test_layering import imports_of
@@ -90,7 +90,7 @@ def test_cells_seq_div_rerotates_k_to_the_divided_positions(tmp_path):
 
     w, s = make_weights(seed=4)
     ck = load_checkpoint(write_gguf(tmp_path / "m.gguf", w, s))
-    m = LlamaModel(ck.config, ck.weights)
+    m = DecoderModel(ck.config, ck.weights)
     ids = [72, 101, 108, 108, 111, 33, 34, 35]
     kv = CellsKV(m.cfg.n_layer, m.cfg.n_head_kv, m.cfg.head_dim, 32, 2)
     inp = kv.prepare([ChunkSpec(0, 0, 8)])

@@ -209,7 +209,7 @@ def gemma(tmp_path_factory):
     path = write_gguf(tmp_path_factory.mktemp("gemma") / "g.gguf", w, s,
                       kv={"attention.sliding_window": 4, "final_logit_softcapping": 3.0})
     ck = load_checkpoint(path)
-    return ck, LlamaModel(ck.config, ck.weights)
+    return ck, DecoderModel(ck.config, ck.weights)
 
 
 @pytest.mark.parametrize("backend", ["cells", "paged"])
