@@ -150,6 +150,12 @@ def render_header(console: Console, trace: RunTrace) -> None:
         lc = o.get("llama_cpp", {}) if isinstance(o.get("llama_cpp"), dict) else {}
         conv = (f"computed by llama.cpp itself (llama-cpp-python {lc.get('version', '?')}, n_ctx {lc.get('n_ctx', '?')}"
                 f"{', teacher-forced' if lc.get('teacher_forced') else ''}): every variable read from its graph")
+    elif getattr(trace, "engine", "infertrace") == "vllm":
+        vl = o.get("vllm", {}) if isinstance(o.get("vllm"), dict) else {}
+        conv = (f"computed and scheduled by vLLM itself ({vl.get('version', '?')}, {str(vl.get('backend', '?')).rsplit('.', 1)[-1]} "
+                f"ISA {vl.get('isa', '?')}, block {vl.get('block_size', '?')}, {vl.get('num_blocks', '?')} blocks, null block 0, "
+                f"dtype {vl.get('dtype', '?')}, TP {vl.get('tensor_parallel_size', 1)}): scheduler output, block tables, "
+                "slot mapping, K/V and logits read from its objects")
     lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))

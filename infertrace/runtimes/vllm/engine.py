@@ -452,6 +452,8 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
         "logits_indices": logits_idx, "logits_shape": list(rec["logits"].shape),
         "sampled_token_ids": rec["sampled"].tolist(), "kv_readback": readback,
     }
+    for sid in acc_nodes:  # a verify step keeps C + accepted + 1 tokens (vLLM's num_computed_tokens)
+        kv.rewind(sid, reqs[sid].num_computed)
     tracer.end_step(StepContext(step=step, batch=batch, inp=inp, kv=kv, attention="vllm", logits=lg,
                                 logits_rows=used_rows, samples=samples, finished=finished, requests=reqs,
                                 sampler_order="hf", serving=serving, spec=spec_ctx))
@@ -460,8 +462,6 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
     for sid in finished:
         reqs[sid].status = FINISHED
         reqs[sid].stop_reason = finished[sid]
-    for sid, nodes in acc_nodes.items():
-        kv.rewind(sid, reqs[sid].num_computed)
     return {"step": step, "idle": False, "rec": rec, "chunks": [(c.req.seq_id, c.C, c.T) for c in chunks],
             "logits": lg, "logits_rows": used_rows, "vllm": vsec}
 
