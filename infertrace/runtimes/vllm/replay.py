@@ -51,7 +51,11 @@ def load_plan(directory: Path) -> dict[str, Any]:
     """
     from infertrace.trace.store import read_manifest
 
-    m = read_manifest(directory)
+    return plan_from_manifest(read_manifest(directory), str(directory))
+
+
+def plan_from_manifest(m: dict[str, Any], directory: str = "the trace") -> dict[str, Any]:
+    """:func:`load_plan` on an already validated manifest dict (``RunTrace.to_dict()`` of a vLLM run)."""
     if m.get("engine") != "vllm":
         raise InfertraceError(f"--replay {directory}: not a run --engine vllm trace (engine {m.get('engine', 'infertrace')!r})")
     vl = m["options"].get("vllm") if isinstance(m["options"].get("vllm"), dict) else {}
