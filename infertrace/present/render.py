@@ -433,6 +433,19 @@ def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableT
             Text("no dense mask tensor reaches attention: the kernel derives causality from the lengths and reads only "
                  "each request's own block-table row", style="green"),
         ]
+        vl = st.vllm.get("attn_metadata") if isinstance(getattr(st, "vllm", None), dict) else None
+        if isinstance(vl, dict):  # run --engine vllm: the metadata as vLLM built it, in its own names
+            sc = st.vllm.get("scheduler") or {}
+
+            def cut(x: Any) -> str:  # validated ints and lists of ints
+                t = str(x)
+                return t if len(t) <= 120 else t[:117] + "…"
+
+            parts.append(_kv(f"vLLM {vl.get('class', '')}",
+                             f"query_start_loc {cut(vl.get('query_start_loc'))} · seq_lens {cut(vl.get('seq_lens'))} "
+                             f"(kv length) · block_table {cut(vl.get('block_table'))} (0 = null block) · slot_mapping "
+                             f"{cut(vl.get('slot_mapping'))} · logits_indices {cut(st.vllm.get('logits_indices'))} · "
+                             f"free blocks {cut(sc.get('free_blocks'))}"))
         for v, lg in zip(m.visible, m.logical):
             if len(lg) <= 8 and lg and len(lg[0]) <= 24:
                 g = Text(f"seq {v['seq_id']} materialised for display [T={len(lg)}, kv_len={len(lg[0])}]:\n", style=DIM)
