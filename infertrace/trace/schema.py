@@ -379,6 +379,7 @@ VLLM_STEP = Obj({"scheduler": Obj({"scheduled": List(Obj({"seq_id": SEQ, "num_sc
                                                          {"spec_tokens": List(U, 4096)})),
                                    "free_blocks": Int(0, L["MAX_BLOCKS"], null=True)},
                                   {"new": List(Obj({"seq_id": SEQ, "num_computed_tokens": Int(0, L["MAX_CTX"])})),
+                                   "resumed": List(Obj({"seq_id": SEQ, "num_computed_tokens": Int(0, L["MAX_CTX"])})),
                                    "new_block_ids": Map(List(BLK)), "preempted": List(SEQ),
                                    "finished_before_step": List(SEQ),
                                    "total_num_scheduled_tokens": Int(0, L["MAX_LIST"])}),
@@ -390,7 +391,9 @@ VLLM_STEP = Obj({"scheduler": Obj({"scheduled": List(Obj({"seq_id": SEQ, "num_sc
                                        "causal": Bool(null=True), "num_decode_tokens": Int(0, L["MAX_LIST"])})},
                 {"logits_indices": List(Int(0, L["MAX_LIST"])), "logits_shape": SHAPE,
                  "sampled_token_ids": List(List(Int(-1, L["MAX_ID"]), 4096)),
-                 "kv_readback": Obj({"k_max_abs": F, "v_max_abs": F}, null=True)}, null=True)
+                 "kv_readback": Obj({"k_max_abs": F, "v_max_abs": F}, null=True),
+                 "tp_ranks": List(Obj({"tp_rank": DIM, "kv_heads_held": Int(0, L["MAX_DIM"], null=True),
+                                       "metadata_equals_rank0": Bool()}), 4096)}, null=True)
 STEP = Obj({"step": Int(0, L["MAX_STEPS"], limit="MAX_STEPS"), "backend": Str(choices=("cells", "paged")), "attention": S,
             "N": Int(0, L["MAX_LIST"]), "batch": List(REQ_STEP)},
            {"hidden": HIDDEN, "positions": POSITIONS, "mask": MASK, "kv": KV, "decode": DECODE,

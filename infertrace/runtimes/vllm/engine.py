@@ -110,8 +110,10 @@ class _Shim:
         self.cfg = cfg
 
 
-def _env() -> None:
+def _env(tp: int = 1) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core, scheduler and model runner in this process
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # one core per rank unless the user bound them
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_SPACE_GIB)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of our hook functions (TP workers)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -165,7 +167,7 @@ class VllmRun:
     """
 
     def __init__(self, hf_dir: Any, opts: EngineOptions, dtype: str = "float32", layer: int = 0, tp: int = 1):
-        _env()
+        _env(tp)
         vllm = import_vllm()
         self.opts, self.layer, self.dtype, self.tp = opts, layer, dtype, tp
         self.kw = engine_args(opts, dtype, tp)
@@ -241,7 +243,7 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
     run.runs += 1
     tag = f"r{run.runs}"
     by_id = {f"{tag}s{r.seq_id}": r for r in requests}
-    kv = VllmKV(tracer.cfg, run.num_blocks, run.block_size, run.layer, run.ranks[0]["num_kv_heads"] * run.tp)
+    kv = VllmKV(tracer.cfg, run.num_blocks, run.block_size, run.layer, tracer.cfg.n_head_kv)
     future = sorted(requests, key=lambda r: (r.arrival_step, r.seq_id))
     raw_steps: list[dict[str, Any]] = []
     live: set[int] = set()
@@ -267,7 +269,7 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
         outputs = run.eng.step()
         recs = run.llm.collective_rpc(run.capture.take)
         so, free = run.outs[-1] if len(run.outs) > n_out else (None, None)
-        rec = recs[0][-1] if recs and recs[0] else None
+        rec = _merge_ranks([r[-1] for r in recs if r]) if recs and recs[0] else None
         finished = {}
         for o in outputs:
             r = by_id.get(o.request_id)
@@ -309,6 +311,11 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
     rec["req_ids"] = [_ours(x) for x in rec["req_ids"]]
     spec_tokens = {_ours(k): list(v) for k, v in (so.scheduled_spec_decode_tokens or {}).items()} if so is not None else {}
     new = {_ours(r.req_id): int(r.num_computed_tokens) for r in (so.scheduled_new_reqs if so is not None else [])}
+    # a preempted request coming back: with prefix caching its own full blocks are still hashed, so it can
+    # resume with num_computed_tokens > 0 (a prefix hit on itself) instead of recomputing from 0
+    cached = so.scheduled_cached_reqs if so is not None else None
+    resumed = ({_ours(rid): int(c) for rid, c in zip(cached.req_ids, cached.num_computed_tokens)
+                if rid in (getattr(cached, "resumed_req_ids", None) or ())} if cached is not None else {})
     preempted = sorted(by_id[_ours(x)].seq_id for x in (so.preempted_req_ids or ()) if _ours(x) in by_id) if so is not None else []
     for sid in preempted:
         kv.release(sid)
@@ -429,7 +436,7 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
     serving = None
     hits = {str(by_id[r].seq_id): {"hit": c, "prompt_len": len(by_id[r].prompt_ids),
                                    "shared_blocks": [int(b) for b in rec["block_table"][rec["req_ids"].index(r), : c // B]]}
-            for r, c in new.items() if c > 0 and r in by_id}
+            for r, c in {**new, **resumed}.items() if c > 0 and r in by_id}
     if hits:
         serving = {"prefix": hits}
     vsec = {
@@ -438,6 +445,7 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
                                     for c, rid in zip(chunks, rec["req_ids"])],
                       "new": [{"seq_id": by_id[r].seq_id, "num_computed_tokens": c} for r, c in new.items() if r in by_id],
                       "new_block_ids": _new_blocks(so, by_id),
+                      "resumed": [{"seq_id": by_id[r].seq_id, "num_computed_tokens": c} for r, c in resumed.items() if r in by_id],
                       "preempted": preempted,
                       "finished_before_step": sorted(by_id[_ours(x)].seq_id for x in (so.finished_req_ids if so is not None else ())
                                                      if _ours(x) in by_id),
@@ -452,6 +460,8 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
         "logits_indices": logits_idx, "logits_shape": list(rec["logits"].shape),
         "sampled_token_ids": rec["sampled"].tolist(), "kv_readback": readback,
     }
+    if rec.get("ranks"):
+        vsec["tp_ranks"] = rec["ranks"]
     for sid in acc_nodes:  # a verify step keeps C + accepted + 1 tokens (vLLM's num_computed_tokens)
         kv.rewind(sid, reqs[sid].num_computed)
     tracer.end_step(StepContext(step=step, batch=batch, inp=inp, kv=kv, attention="vllm", logits=lg,
@@ -464,6 +474,28 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
         reqs[sid].stop_reason = finished[sid]
     return {"step": step, "idle": False, "rec": rec, "chunks": [(c.req.seq_id, c.C, c.T) for c in chunks],
             "logits": lg, "logits_rows": used_rows, "vllm": vsec}
+
+
+#: per-rank tensors that hold a slice of the heads: [T, heads/tp, hd] (K/V) or [T, heads/tp * hd] (Q/K rope)
+_HEAD_SHARDED = ("k_written", "v_written", "k_cache", "v_cache", "q_pre", "q_rot", "k_pre", "k_rot")
+
+
+def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's record from every tensor-parallel rank -> one record: the metadata, ids, logits and
+    samples every rank shares are rank 0's; the head-sharded tensors are concatenated in rank order
+    (rank r holds heads ``[r * n / tp, (r + 1) * n / tp)``, vLLM's ``QKVParallelLinear`` split), and
+    ``ranks`` keeps per rank the heads it held and whether its metadata equalled rank 0's."""
+    rec = dict(per_rank[0])
+    if len(per_rank) == 1:
+        return rec
+    for k in _HEAD_SHARDED:
+        if all(r.get(k) is not None for r in per_rank):
+            rec[k] = np.concatenate([r[k] for r in per_rank], axis=1)
+    same = [all(np.array_equal(r[k], per_rank[0][k]) for k in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"))
+            for r in per_rank]
+    rec["ranks"] = [{"tp_rank": i, "kv_heads_held": int(r["k_written"].shape[1]) if r.get("k_written") is not None else None,
+                     "metadata_equals_rank0": bool(ok)} for i, (r, ok) in enumerate(zip(per_rank, same))]
+    return rec
 
 
 def _ours(rid: str) -> str:
@@ -491,7 +523,7 @@ def _taps(tracer: Any, rec: dict[str, Any], run: VllmRun) -> None:
     cfg = tracer.cfg
     if rec.get("hidden") is not None:
         tracer.tap("embed", hidden=torch.from_numpy(rec["hidden"]))  # [T, H]
-    if all(rec.get(k) is not None for k in ("q_pre", "q_rot", "k_pre", "k_rot", "v_written")) and run.tp == 1:
+    if all(rec.get(k) is not None for k in ("q_pre", "q_rot", "k_pre", "k_rot", "v_written")):
         T = rec["q_pre"].shape[0]
         hd = cfg.head_dim
 
@@ -528,6 +560,9 @@ def run_requests_vllm(loaded: Any, prompts: list[Any], opts: EngineOptions, laye
         raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
     if getattr(cfg, "is_hybrid", False) or cfg.windowed_layers:
         raise InfertraceError("--engine vllm records full-attention decoder models here (no hybrid / sliding-window layers)")
+    if tp > 1 and (cfg.n_head_kv % tp or cfg.n_head % tp):
+        raise InfertraceError(f"--tensor-parallel-size {tp}: the model's {cfg.n_head} heads / {cfg.n_head_kv} KV heads do not "
+                              f"divide by {tp} (vLLM would replicate KV heads; this capture records one shard per rank)")
     owned = run is None
     if run is None:
         from infertrace.runtimes.vllm.convert import hf_dir_for

@@ -183,7 +183,7 @@ class ReplayEngine(Engine):
             if r in sch.waiting:
                 sch.waiting.remove(r)
             r.status = RUNNING
-            if c["C"] and self.kv.seq_len(r.seq_id) == 0:  # a prefix hit at admission: shared blocks, nothing recomputed
+            if c["C"] and self.kv.seq_len(r.seq_id) == 0:  # a prefix hit at admission or resumption: shared blocks
                 self.kv.attach_prefix(r.seq_id, c["C"], c["table"])
                 prefix[str(r.seq_id)] = {"hit": c["C"], "prompt_len": len(r.prompt_ids),
                                          "shared_blocks": list(c["table"][: c["C"] // self.kv.B])}
