@@ -126,7 +126,7 @@ def _rows(trace: Any, full: list[Any]) -> tuple[torch.Tensor, list[dict[str, Any
 
 
 def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0, run: Any = None,
-                      floor: bool = True) -> dict[str, Any]:
+                      floor: bool = True, tp: int = 1) -> dict[str, Any]:
     """The three runs of the module docstring and their comparison.
 
     Args:
@@ -135,6 +135,8 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
             :class:`~infertrace.runtimes.vllm.engine.VllmRun` with the same options (tests share one);
         floor: run the float64 replay (False: structure and next-token agreement only, floats
             reported without a tolerance; ``first_exceeding`` is then None).
+        tp: vLLM's tensor-parallel size; our cache is then cut into the same per-rank head shards
+            (rank r: KV heads ``[r * n / tp, (r + 1) * n / tp)``) and ``per_rank`` gives max |Δ| of K/V per shard.
 
     Returns:
         ``{"against": "vllm", "structural": {"checked", "mismatches", "identical"}, "max_abs": {var},
@@ -157,7 +159,7 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
     if opts.num_blocks is None:
         o = replace(o, num_blocks=-(-opts.ctx_size // opts.tokens_per_block) + 1)
     vopts = replace(opts, backend="paged", num_blocks=o.num_blocks)
-    A = run_requests_vllm(loaded, prompts, vopts, layer=layer, run=run)
+    A = run_requests_vllm(loaded, prompts, vopts, layer=layer, run=run, tp=tp)
     ad = A.to_dict()
     validate_trace(ad, "the vLLM trace")
     plan = plan_from_manifest(ad)
@@ -202,6 +204,16 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
             mism.append({"step": d["step"], "variable": "decode",
                          "detail": f"seq {d['seq_id']} pos {d['pos']}: top token ours {d['base_top']} vs vLLM {d['new_top']} is not a near tie"})
     checked = sum(len(st.batch) for st in A.steps)
+    per_rank = []
+    nkv = loaded.config.n_head_kv
+    for r in range(tp if tp > 1 else 0):  # our K/V cut into vLLM's per-rank head shards
+        h = slice(r * nkv // tp, (r + 1) * nkv // tp)
+        d = {"tp_rank": r, "kv_heads": [h.start, h.stop - 1], "k": 0.0, "v": 0.0}
+        for x, y in zip(ours.full, vfull):
+            if x is not None and y is not None and "k" in x and "k" in y:
+                d["k"] = max(d["k"], float((x["k"][:, h] - y["k"][:, h]).abs().max()))
+                d["v"] = max(d["v"], float((x["v"][:, h] - y["v"][:, h]).abs().max()))
+        per_rank.append(d)
     return {"against": "vllm", "backend": "paged", "layer": layer,
             "structural": {"checked_requests_steps": checked, "differences": res.count, "mismatches": struct_mism,
                            "identical": res.equal,
@@ -213,6 +225,6 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
                              f"same replayed schedule and tokens: max |Δ| per variable over all steps; tolerance = {FLOOR_FACTOR:g} x floor",
                       "max_abs": fmax, "next_token": nt_floor, "factor": FLOOR_FACTOR},
             "near_tie_rule": f"the other side's choice is in both top-{NEAR_TIE_TOPK} and within {NEAR_TIE_GAP} nats of the top log-probability in both",
-            "first_exceeding": first, "vllm": A.options.get("vllm"),
+            "first_exceeding": first, "vllm": A.options.get("vllm"), "per_rank": per_rank,
             "requests": [{"seq_id": r["seq_id"], "tokens": r["output_ids"], "text": r["text"]} for r in A.requests],
             "traces": (A, B), "mismatches": mism, "identical": not mism}

@@ -585,6 +585,12 @@ def run_requests_vllm(loaded: Any, prompts: list[Any], opts: EngineOptions, laye
                  f"{run.num_blocks} blocks (block 0 is vLLM's null block)",
                  "vLLM computes a logits row for every scheduled request (also a partial prefill, whose sample it drops); "
                  "the trace's logits rows are the rows whose sample is kept, vLLM's rows are in step.vllm.logits_indices"]
+        if run.tp > 1:
+            per = cfg.n_head_kv // run.tp
+            notes.append(f"tensor parallel {run.tp} through vLLM's executor: " + "; ".join(
+                f"rank {r['tp_rank']} holds KV heads {r['tp_rank'] * per}..{(r['tp_rank'] + 1) * per - 1} "
+                f"({r['num_kv_heads']} of {cfg.n_head_kv}), {r['num_heads']} query heads, cache {r['cache_shape']}"
+                for r in run.ranks) + "; every rank builds the same metadata (step.vllm.tp_ranks), K/V are its heads' shard")
         trace = RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
                          notes=list(loaded.ckpt.notes) + notes, steps=list(rec.steps), requests=out_reqs, engine=ENGINE)
         trace._vllm_raw = raw  # type: ignore[attr-defined]  # for the comparison, never serialised
