@@ -441,7 +441,7 @@ def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableT
                 t = str(x)
                 return t if len(t) <= 120 else t[:117] + "…"
 
-            parts.append(_kv(f"vLLM {vl.get('class', '')}",
+            parts.append(_kv(f"vLLM {visible(vl.get('class', ''))}",
                              f"query_start_loc {cut(vl.get('query_start_loc'))} · seq_lens {cut(vl.get('seq_lens'))} "
                              f"(kv length) · block_table {cut(vl.get('block_table'))} (0 = null block) · slot_mapping "
                              f"{cut(vl.get('slot_mapping'))} · logits_indices {cut(st.vllm.get('logits_indices'))} · "
