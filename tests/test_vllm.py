@@ -221,6 +221,7 @@ def test_cli_saved_vllm_and_replayed_paged_traces_diff_clean(tmp_path: Path, vll
 
     r = cli("run", *args, "--engine", "vllm", "--save", str(a), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["engine"] == "vllm"  # --json: stdout holds the JSON only (vLLM logs go to stderr)
     m = json.loads((a / "trace.json").read_text())
     assert m["engine"] == "vllm" and m["options"]["vllm"]["block_size"] == 32 and m["options"]["vllm"]["null_block"] == 0
     r = cli("run", *args, "--backend", "paged", "--replay", str(a), "--save", str(b), "--json")

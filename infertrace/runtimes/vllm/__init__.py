@@ -22,6 +22,12 @@ def import_vllm() -> Any:
     Raises:
         InfertraceError: vLLM is not installed or does not import.
     """
+    import os
+
+    # vLLM configures its logger when first imported: keep stdout for our output (run --json) and
+    # only its warnings, on stderr
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as e:

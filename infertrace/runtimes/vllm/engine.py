@@ -116,7 +116,6 @@ def _env(tp: int = 1) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_SPACE_GIB)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of our hook functions (TP workers)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def engine_args(opts: EngineOptions, dtype: str, tp: int = 1) -> dict[str, Any]:
