@@ -65,8 +65,7 @@ class WorkerCapture:
             raise ValueError(f"no attention layer {layer} in {self.attn_names[:3]}...")
         self.attn = sfc[self.layer_name]
         model = model_runner.model
-        self.handles = [model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-                        model.register_forward_hook(self._post_forward)]
+        self.handles = [model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)]
         inner = getattr(model, "model", None)
         emb = getattr(inner, "embed_tokens", None)
         if emb is not None:
@@ -119,9 +118,6 @@ class WorkerCapture:
             "metadata_class": type(m).__name__,
         }
         self._rope_calls = 0
-
-    def _post_forward(self, module: Any, args: tuple, out: Any) -> None:
-        pass
 
     def _embed(self, module: Any, args: tuple, out: Any) -> None:
         if self.cur is not None and isinstance(out, torch.Tensor):

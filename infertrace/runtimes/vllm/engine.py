@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -321,7 +321,7 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
         r = next(r for r in by_id.values() if r.seq_id == sid)
         r.num_preemptions += 1
         r.num_computed = 0
-    chunks, specs, rows_used, samples = [], [], [], {}
+    chunks, specs, samples = [], [], {}
     logits_idx, row = [], 0
     sampled = rec["sampled"]
     acc_nodes: dict[int, list[int]] = {}

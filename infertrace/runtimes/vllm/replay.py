@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +34,7 @@ from infertrace.engine.request import FINISHED, RUNNING
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.engine.scheduler import ScheduledBatch, ScheduledChunk
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import AttnInputs, ChunkSpec, ranges_text
+from infertrace.kv.base import ChunkSpec, ranges_text
 from infertrace.kv.paged import PagedKV
 
 
