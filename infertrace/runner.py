@@ -29,7 +29,8 @@ SPEC_DEFAULTS = {"speculative": None, "num_spec_tokens": 3, "spec_tree": None, "
 def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions | None = None, trace: bool = True,
                  layer: int = 0, show: tuple[str, ...] = VARIABLES, on_step: Callable[[Any], None] | None = None,
                  options_for_record: dict[str, Any] | None = None, tensors: dict[str, torch.Tensor] | None = None,
-                 tensor_layers: Sequence[int] | None = None) -> RunTrace:
+                 tensor_layers: Sequence[int] | None = None,
+                 engine_factory: Callable[..., Engine] | None = None) -> RunTrace:
     """Run ``prompts`` through one engine and return the trace.
 
     Args:
@@ -43,6 +44,8 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
         tensors: when a dict is given (and ``trace``), each step's tensors are copied into it
             (see :meth:`Recorder._capture`; names like ``step3/layer0/q_pre_rope``).
         tensor_layers: layers whose tensors are kept (default: ``layer``).
+        engine_factory: builds the engine from ``(model, tokenizer, opts, tracer)`` instead of
+            :class:`Engine` (``--replay``: :class:`infertrace.runtimes.vllm.replay.ReplayEngine`).
 
     Raises:
         InfertraceError: bad layer, prompt too long, cache too small, ...
@@ -61,7 +64,7 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     opts = opts or EngineOptions()
     tok = loaded.tokenizer
     rec = Recorder(tok, cfg, layer=layer, show=tuple(show), layers=tensor_layers, tensors=tensors) if trace else NULL_TRACER
-    eng = Engine(loaded.model, tok, opts, rec)
+    eng = (engine_factory or Engine)(loaded.model, tok, opts, rec)
     emitted = 0
 
     def emit(_batch: Any) -> None:  # hand each new StepTrace to on_step as it is made

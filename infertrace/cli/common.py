@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from infertrace.runner import Loaded, PromptSpec
 
 BACKENDS = ("cells", "paged")
-ENGINES = ("infertrace", "llama.cpp")
+ENGINES = ("infertrace", "llama.cpp", "vllm")
 ATTENTION = ("torch", "triton", "auto")
 DEVICES = ("cpu", "cuda")
 

@@ -33,7 +33,7 @@ def diff_backends(
     prompts: o.Prompts = None,
     model: o.Model = None,
     arrival: o.Arrival = None,
-    against: Annotated[Optional[str], typer.Option("--against", help="Compare our engine (--backend) with hf (transformers) or llama.cpp (llama-cpp-python) instead of the other backend.")] = None,
+    against: Annotated[Optional[str], typer.Option("--against", help="Compare our engine (--backend) with hf (transformers), llama.cpp (llama-cpp-python) or vllm (vLLM itself; our paged backend replays its schedule and block ids) instead of the other backend.")] = None,
     atol: Annotated[Optional[float], typer.Option("--atol", help="Tolerance on logits and K/V (default 1e-4 for float32 backends; 1e-3 against hf). Against llama.cpp the tolerance is a measured noise floor instead (ours float32 vs ours bfloat16); --atol is refused there.")] = None,
     as_json: o.Json = False,
     max_new_tokens: o.MaxNewTokens = o.D.max_new_tokens,
@@ -74,6 +74,8 @@ def diff_backends(
         attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
     check_reference_installed(against)  # fail before loading anything
+    if against == "vllm" and (dtype.lower() not in ("float32", "fp32") or device != "cpu"):
+        raise InfertraceError("--against vllm compares float32 runs on the CPU; drop --dtype/--device")
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress, threads)
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
@@ -99,9 +101,9 @@ def check_against(against: Optional[str], atol: Optional[float], threads: Option
             measured floor), ``--threads`` < 1, ``--llamacpp-flash-attn`` without ``--against llama.cpp``.
     """
     if against is not None:
-        against = check_choice("--against", against, ("hf", "llama.cpp"))
-    if atol is not None and against == "llama.cpp":
-        raise InfertraceError("--atol does not apply to --against llama.cpp: its tolerance is a measured noise floor; drop --atol")
+        against = check_choice("--against", against, ("hf", "llama.cpp", "vllm"))
+    if atol is not None and against in ("llama.cpp", "vllm"):
+        raise InfertraceError(f"--atol does not apply to --against {against}: its tolerance is a measured noise floor; drop --atol")
     if atol is not None and not atol >= 0:
         raise InfertraceError(f"--atol must be >= 0 (got {atol})")
     check_min("--threads", threads, 1)
@@ -130,6 +132,10 @@ def check_reference_installed(against: Optional[str]) -> None:
             import llama_cpp  # noqa: F401
         except ImportError:
             raise InfertraceError("--against llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'") from None
+    elif against == "vllm":
+        from infertrace.runtimes.vllm import import_vllm
+
+        import_vllm()
 
 
 def compare(loaded: Any, specs: list[Any], opts: Any, against: Optional[str], atol: Optional[float], backend: str,
@@ -149,6 +155,12 @@ def compare(loaded: Any, specs: list[Any], opts: Any, against: Optional[str], at
         if backend != "cells" or dtype.lower() not in ("float32", "fp32"):
             raise InfertraceError("--against llama.cpp compares the cells backend in float32 (the base side); drop --backend/--dtype")
         return compare_with_llamacpp(loaded, specs, opts, layer=layer, flash_attn=llamacpp_flash_attn or "auto")
+    if against == "vllm":
+        from infertrace.runtimes.vllm.compare import compare_with_vllm
+
+        rep = compare_with_vllm(loaded, specs, opts, layer=layer)
+        rep.pop("traces", None)
+        return rep
     from infertrace.compare.hf import compare_with_reference
 
     return compare_with_reference(loaded, specs, opts, against, atol=atol)
@@ -165,5 +177,9 @@ def print_report(rep: dict[str, Any], against: Optional[str], as_json: bool) -> 
         from infertrace.present.render_llamacpp import render_llamacpp_diff
 
         render_llamacpp_diff(stdout_console(), rep)
+    elif against == "vllm":
+        from infertrace.present.render_vllm import render_vllm_diff
+
+        render_vllm_diff(stdout_console(), rep)
     else:
         (render_backends_diff if against is None else render_reference_diff)(stdout_console(), rep)

@@ -118,7 +118,7 @@ def run(
     layers: Annotated[Optional[str], typer.Option("--layers", help="With --save --keep tensors: layers whose tensors are kept, e.g. 0,5 or 0..3 or all (default: --layer).")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --save: replace the trace in a non-empty directory.")] = False,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)] = None,
-    engine: Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine) or llama.cpp (llama.cpp itself via llama-cpp-python, GGUF only; its inp_pos, kq_mask, cells, K/V and logits are recorded).")] = "infertrace",
+    engine: Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine), llama.cpp (llama.cpp itself via llama-cpp-python, GGUF only; its inp_pos, kq_mask, cells, K/V and logits are recorded) or vllm (vLLM itself, in-process, step by step; its scheduler output, block tables, slot mapping, K/V and logits are recorded).")] = "infertrace",
     teacher_force: Annotated[Optional[Path], typer.Option("--teacher-force", help="With --engine llama.cpp: feed the tokens a saved trace (run --save DIR) generated instead of sampling, so the two traces compare step for step.")] = None,
     llamacpp_flash_attn: o.LlamacppFlashAttn = None,
     sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --engine llama.cpp: llama.cpp; paged: hf.")] = None,
@@ -134,6 +134,8 @@ def run(
     draft_layers: o.DraftLayers = None,
     ngram_min: o.NgramMin = EngineOptions.ngram_min,
     ngram_max: o.NgramMax = EngineOptions.ngram_max,
+    tensor_parallel_size: o.TensorParallelSize = 1,
+    replay: Annotated[Optional[Path], typer.Option("--replay", help="With --backend paged: replay a saved run --engine vllm trace's schedule, block ids, drafts and sampled tokens into this engine, which derives everything else, so `diff` compares the two step for step.")] = None,
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
@@ -145,8 +147,9 @@ def run(
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
     check_min("--threads", threads, 1)
-    engine, llamacpp_flash_attn = check_engine_options(engine, backend, device, dtype, prefix_cache, context_shift,
-                                                       audit_kv, teacher_force, llamacpp_flash_attn)
+    engine, backend, llamacpp_flash_attn = check_engine_options(engine, backend, device, dtype, prefix_cache, context_shift,
+                                                                audit_kv, teacher_force, llamacpp_flash_attn,
+                                                                tensor_parallel_size, replay)
     forced = forced_tokens(teacher_force) if teacher_force is not None else None
     from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
 
@@ -161,9 +164,20 @@ def run(
     opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
     if engine == "llama.cpp" and opts.speculative:
         raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
+    if engine == "vllm" and opts.speculative not in (None, "ngram"):
+        raise InfertraceError("--engine vllm runs --speculative ngram here; drop --speculative draft")
+    factory = None
+    if replay is not None:  # the vLLM trace is read and checked before the model loads
+        from infertrace.runtimes.vllm.replay import replay_factory
+
+        factory = replay_factory(replay)
 
     trace, tensors, tensor_layers = execute_run(engine, model, dtype, device, threads, specs, opts, layer, layers,
-                                                keep_tensors, show_vars, forced, llamacpp_flash_attn, quiet=as_json)
+                                                keep_tensors, show_vars, forced, llamacpp_flash_attn, quiet=as_json,
+                                                tensor_parallel_size=tensor_parallel_size, factory=factory)
+    if replay is not None:
+        trace.notes.append(f"replayed the schedule, block ids, drafts and sampled tokens of the vLLM trace {visible(str(replay))}; "
+                           "positions, slot mapping, lengths, K/V and logits computed by this engine")
     if save is not None:
         save_run(trace, save, tensors, tensor_layers, force)
     print_run(trace, show_vars, step_filter, steps, as_json)
@@ -173,12 +187,12 @@ def run(
 
 
 def check_engine_options(engine: str, backend: str, device: str, dtype: str, prefix_cache: str, context_shift: bool,
-                         audit_kv: bool, teacher_force: Optional[Path],
-                         llamacpp_flash_attn: Optional[str]) -> tuple[str, Optional[str]]:
+                         audit_kv: bool, teacher_force: Optional[Path], llamacpp_flash_attn: Optional[str],
+                         tensor_parallel_size: int = 1, replay: Optional[Path] = None) -> tuple[str, str, Optional[str]]:
     """Validate ``--engine`` and the options that only go with one engine, before the model loads.
 
     Returns:
-        ``(engine, llamacpp_flash_attn)`` normalised.
+        ``(engine, backend, llamacpp_flash_attn)`` normalised (``--engine vllm`` runs the paged convention).
 
     Raises:
         InfertraceError: unknown engine, llama-cpp-python missing, an option the chosen engine
@@ -197,21 +211,32 @@ def check_engine_options(engine: str, backend: str, device: str, dtype: str, pre
         if prefix_cache.strip().lower() != "off" or context_shift or audit_kv:
             raise InfertraceError("--engine llama.cpp records llama.cpp's own cache as it is; drop --prefix-cache, "
                                   "--context-shift and --audit-kv (they are this engine's serving mechanisms)")
+    elif engine == "vllm":
+        from infertrace.runtimes.vllm.cli import check_vllm_options
+
+        backend = check_vllm_options(backend, device, dtype, context_shift, audit_kv, teacher_force, tensor_parallel_size)
     elif teacher_force is not None:
         raise InfertraceError("--teacher-force needs --engine llama.cpp")
     elif llamacpp_flash_attn is not None:
         raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --engine llama.cpp")
+    if engine == "vllm" and llamacpp_flash_attn is not None:
+        raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --engine llama.cpp")
+    if replay is not None and engine != "infertrace":
+        raise InfertraceError("--replay runs this engine's paged backend on a vLLM trace's schedule; drop --engine")
+    if engine != "vllm" and tensor_parallel_size != 1:
+        raise InfertraceError("--tensor-parallel-size needs --engine vllm (vLLM's own distributed executor)")
     if llamacpp_flash_attn is not None:
         from infertrace.runtimes.llamacpp.capture import check_flash_attn
 
         llamacpp_flash_attn = check_flash_attn(llamacpp_flash_attn)
-    return engine, llamacpp_flash_attn
+    return engine, backend, llamacpp_flash_attn
 
 
 def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, threads: Optional[int], specs: list[Any],
                 opts: EngineOptions, layer: int, layers: Optional[str], keep_tensors: bool, show_vars: tuple[str, ...],
                 forced: Optional[dict[int, list[int]]], llamacpp_flash_attn: Optional[str],
-                quiet: bool) -> tuple[Any, Optional[dict], Optional[list[int]]]:
+                quiet: bool, tensor_parallel_size: int = 1,
+                factory: Any = None) -> tuple[Any, Optional[dict], Optional[list[int]]]:
     """Load the model and run the requests on ``engine``, progress on stderr (none when ``quiet``).
 
     Returns:
@@ -242,10 +267,18 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
             trace = run_requests_llamacpp(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                           options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
                                           forced=forced, flash_attn=llamacpp_flash_attn or "auto")
+        elif engine == "vllm":
+            from infertrace.runtimes.vllm.engine import run_requests_vllm
+
+            if tensor_layers is not None and tensor_layers != [layer]:
+                raise InfertraceError(f"--engine vllm captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
+            trace = run_requests_vllm(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
+                                      options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
+                                      dtype=dtype, tp=tensor_parallel_size)
         else:
             trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                  options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
-                                 tensor_layers=tensor_layers)
+                                 tensor_layers=tensor_layers, engine_factory=factory)
     return trace, tensors, tensor_layers
 
 

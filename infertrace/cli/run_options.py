@@ -47,6 +47,7 @@ Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads f
 SamplerOrder = Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature, then top-k/top-p/min-p: HF, vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last: common_sampler). Default: the convention of the runtime mirrored (cells and --engine llama.cpp: llama.cpp; paged: hf).")]
 EngineName = Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine, --backend cells or paged) or llama.cpp (llama.cpp itself through llama-cpp-python; its graph inputs and cache are captured).")]
 LlamacppFlashAttn = Annotated[Optional[str], typer.Option("--llamacpp-flash-attn", help="With llama.cpp computing: its flash attention, auto (llama.cpp's default: on where supported), on or off. It changes llama.cpp's numbers; the trace header records what ran.", show_default=False)]
+TensorParallelSize = Annotated[int, typer.Option("--tensor-parallel-size", help="With --engine vllm: tensor-parallel ranks, through vLLM's own distributed executor (each rank holds n_kv_heads / N).")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
 # serving mechanisms (engine/serving.py)
 PrefixCache = Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")]

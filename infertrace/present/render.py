@@ -27,6 +27,7 @@ from rich.text import Text
 from infertrace.fmt import human_bytes  # noqa: F401 - also imported from here by older code
 from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
+from infertrace.safe_text import visible
 from infertrace.present.text import piece_text  # noqa: F401 - used here and re-exported
 from infertrace.present.render_serving import serving_mark, serving_view
 from infertrace.present.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_output_text,
@@ -127,6 +128,12 @@ def render_header(console: Console, trace: RunTrace) -> None:
                 f"{', teacher-forced' if lc.get('teacher_forced') else ''}, flash attention "
                 f"{lc.get('flash_attn') or 'not recorded'}, K/V cache {lc.get('type_k', '?')}/{lc.get('type_v', '?')}, "
                 f"n_ubatch {lc.get('n_ubatch', '?')}, threads {lc.get('n_threads', '?')}): every variable read from its graph")
+    elif getattr(trace, "engine", "infertrace") == "vllm":
+        vl = o.get("vllm", {}) if isinstance(o.get("vllm"), dict) else {}
+        conv = (f"computed and scheduled by vLLM itself ({vl.get('version', '?')}, {str(vl.get('backend', '?')).rsplit('.', 1)[-1]} "
+                f"ISA {vl.get('isa', '?')}, block {vl.get('block_size', '?')}, {vl.get('num_blocks', '?')} blocks, null block 0, "
+                f"dtype {vl.get('dtype', '?')}, TP {vl.get('tensor_parallel_size', 1)}): scheduler output, block tables, "
+                "slot mapping, K/V and logits read from its objects")
     lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))
@@ -404,6 +411,19 @@ def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableT
             Text("no dense mask tensor reaches attention: the kernel derives causality from the lengths and reads only "
                  "each request's own block-table row", style="green"),
         ]
+        vl = st.vllm.get("attn_metadata") if isinstance(getattr(st, "vllm", None), dict) else None
+        if isinstance(vl, dict):  # run --engine vllm: the metadata as vLLM built it, in its own names
+            sc = st.vllm.get("scheduler") or {}
+
+            def cut(x: Any) -> str:  # validated ints and lists of ints
+                t = str(x)
+                return t if len(t) <= 120 else t[:117] + "…"
+
+            parts.append(_kv(f"vLLM {visible(vl.get('class', ''))}",
+                             f"query_start_loc {cut(vl.get('query_start_loc'))} · seq_lens {cut(vl.get('seq_lens'))} "
+                             f"(kv length) · block_table {cut(vl.get('block_table'))} (0 = null block) · slot_mapping "
+                             f"{cut(vl.get('slot_mapping'))} · logits_indices {cut(st.vllm.get('logits_indices'))} · "
+                             f"free blocks {cut(sc.get('free_blocks'))}"))
         for v, lg in zip(m.visible, m.logical):
             if len(lg) <= 8 and lg and len(lg[0]) <= 24:
                 g = Text(f"seq {v['seq_id']} materialised for display [T={len(lg)}, kv_len={len(lg[0])}]:\n", style=DIM)

@@ -23,6 +23,10 @@ _POS = ("inp_pos", "position_ids", "pairing", "pairing_in_file", "rope_dim", "he
         "inv_freq_first", "cos_sin")
 _KQ = ("ne", "n_kv", "n_tokens", "rows", "cell_pos", "cell_seq")
 _BATCH_FLOATY = ("sampled", "sampled_piece")
+#: physical fields owned by a runtime's allocator policy, not by the convention: llama.cpp's memory-API
+#: ranges (checked by `check` / diff-backends), and the free pool of a paged cache (vLLM's free queue
+#: also counts freed blocks that keep their prefix hash; a --replay run places nothing itself)
+_POLICY = ("llama_memory_seq_pos", "free_blocks", "used_blocks", "free_list_head", "cached_blocks", "cached_free_blocks")
 
 
 def _pick(d: Any, keys: tuple[str, ...]) -> Any:
@@ -51,7 +55,7 @@ def structure(m: dict[str, Any]) -> dict[str, Any]:
         if isinstance(kv, dict):
             phys = kv.get("physical")
             if isinstance(phys, dict):  # llama.cpp's memory-API ranges: checked by `check`/diff-backends, not ours to hold
-                phys = {k: v for k, v in phys.items() if k != "llama_memory_seq_pos"}
+                phys = {k: v for k, v in phys.items() if k not in _POLICY}
             s["kv"] = {"backend": kv.get("backend"), "layers": kv.get("layers"), "per_request": kv.get("per_request"),
                        "physical": phys, "physical_shape": kv.get("physical_shape")}
         dc = st.get("decode")

@@ -152,10 +152,11 @@ class StepTrace:
     serving: dict[str, Any] | None = None  # prefix lookups, evictions, context shifts, KV audit (engine/serving.py)
     spec: dict[str, Any] | None = None  # speculative decoding: drafted, accepted, acceptance rate of the step
     hybrid: dict[str, Any] | None = None  # hybrid models: layer map, M-RoPE positions, GDN state (capture/hybrid_rec.py)
+    vllm: dict[str, Any] | None = None  # run --engine vllm: vLLM's scheduler output and attention metadata as built (runtimes/vllm)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("serving", "spec", "hybrid"):  # only when the mechanism was on (older traces compare equal)
+        for k in ("serving", "spec", "hybrid", "vllm"):  # only when the mechanism was on (older traces compare equal)
             if d.get(k) is None:
                 d.pop(k, None)
         for b in d["batch"]:
@@ -185,6 +186,7 @@ class StepTrace:
             serving=d.get("serving") if isinstance(d.get("serving"), dict) else None,
             spec=d.get("spec") if isinstance(d.get("spec"), dict) else None,
             hybrid=d.get("hybrid") if isinstance(d.get("hybrid"), dict) else None,
+            vllm=d.get("vllm") if isinstance(d.get("vllm"), dict) else None,
         )
 
 
@@ -199,7 +201,7 @@ class RunTrace:
     steps: list[StepTrace]
     requests: list[dict[str, Any]]  # seq_id, prompt, prompt_ids, output_ids, text, stop_reason
     schema_version: int = SCHEMA_VERSION
-    engine: str = "infertrace"  # who computed: "infertrace" (this engine) or "llama.cpp" (run --engine llama.cpp)
+    engine: str = "infertrace"  # who computed: "infertrace" (this engine), "llama.cpp" or "vllm" (run --engine ...)
     #: machine facts of the run, like ``time_ms``: in ``to_dict`` (``run --json``) but not in
     #: trace.json (timing.json holds them): ``{"threads": int, "threads_reason": str}`` or empty
     runtime: dict[str, Any] = field(default_factory=dict)

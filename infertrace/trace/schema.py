@@ -362,10 +362,35 @@ HYBRID = Obj({"layer_map": Obj({"linear_attention": List(DIM), "full_attention":
                                 {"layer": DIM, "conv_norm": F, "conv_sum": F, "rec_norm": F, "rec_sum": F}), 3)})),
                             "bytes_per_seq": Int(0, 1 << 50)},
                            {"gdn_layer": DIM, "qkv": TSHAPE})}, null=True)
+#: run --engine vllm (runtimes/vllm/engine.py): vLLM's scheduler output and attention metadata as vLLM built them
+#: (vLLM's names: seq_lens = kv length, query_start_loc = cu_seqlens; block 0 is its null block)
+SLOT = Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"])
+VLLM_STEP = Obj({"scheduler": Obj({"scheduled": List(Obj({"seq_id": SEQ, "num_scheduled_tokens": Int(0, L["MAX_CTX"]),
+                                                          "num_computed_tokens": Int(0, L["MAX_CTX"]),
+                                                          "phase": Str(choices=("prefill", "decode"))},
+                                                         {"spec_tokens": List(U, 4096)})),
+                                   "free_blocks": Int(0, L["MAX_BLOCKS"], null=True)},
+                                  {"new": List(Obj({"seq_id": SEQ, "num_computed_tokens": Int(0, L["MAX_CTX"])})),
+                                   "resumed": List(Obj({"seq_id": SEQ, "num_computed_tokens": Int(0, L["MAX_CTX"])})),
+                                   "new_block_ids": Map(List(BLK)), "preempted": List(SEQ),
+                                   "finished_before_step": List(SEQ),
+                                   "total_num_scheduled_tokens": Int(0, L["MAX_LIST"])}),
+                 "attn_metadata": Obj({"query_start_loc": List(Int(0, L["MAX_LIST"])), "seq_lens": List(Int(0, L["MAX_CTX"])),
+                                       "block_table": List(List(BLK)), "slot_mapping": List(SLOT),
+                                       "num_actual_tokens": Int(0, L["MAX_LIST"])},
+                                      {"class": Str(max_len=200), "block_table_width": Int(0, L["MAX_BLOCKS"]),
+                                       "max_query_len": Int(0, L["MAX_CTX"]), "max_seq_len": Int(0, L["MAX_CTX"]),
+                                       "causal": Bool(null=True), "num_decode_tokens": Int(0, L["MAX_LIST"])})},
+                {"logits_indices": List(Int(0, L["MAX_LIST"])), "logits_shape": SHAPE,
+                 "sampled_token_ids": List(List(Int(-1, L["MAX_ID"]), 4096)),
+                 "kv_readback": Obj({"k_max_abs": F, "v_max_abs": F}, null=True),
+                 "tp_ranks": List(Obj({"tp_rank": DIM, "kv_heads_held": Int(0, L["MAX_DIM"], null=True),
+                                       "metadata_equals_rank0": Bool()}), 4096)}, null=True)
 STEP = Obj({"step": Int(0, L["MAX_STEPS"], limit="MAX_STEPS"), "backend": Str(choices=("cells", "paged")), "attention": S,
             "N": Int(0, L["MAX_LIST"]), "batch": List(REQ_STEP)},
            {"hidden": HIDDEN, "positions": POSITIONS, "mask": MASK, "kv": KV, "decode": DECODE,
-            "preempted": List(SEQ), "admitted": List(SEQ), "time_ms": F, "serving": SERVING, "spec": SPEC_STEP, "hybrid": HYBRID})
+            "preempted": List(SEQ), "admitted": List(SEQ), "time_ms": F, "serving": SERVING, "spec": SPEC_STEP, "hybrid": HYBRID,
+            "vllm": VLLM_STEP})
 REQUEST = Obj({"seq_id": SEQ}, {"prompt": S, "prompt_ids": List(U), "output_ids": List(U), "text": S, "stop_reason": Str(null=True),
                                 "arrival_step": Int(0, L["MAX_STEPS"]), "num_preemptions": Int(0, L["MAX_STEPS"]),
                                 "params": SAMPLER}, extra=True)

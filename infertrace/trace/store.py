@@ -34,7 +34,7 @@ MANIFEST, TENSORS, TIMING = "trace.json", "tensors.safetensors", "timing.json"
 TRACE_FILES = frozenset({MANIFEST, TENSORS, TIMING, "report.html"})
 KEEP = ("summary", "tensors")
 #: who computed a trace (the manifest's ``engine``)
-ENGINES = ("infertrace", "llama.cpp")
+ENGINES = ("infertrace", "llama.cpp", "vllm")
 #: per-step fields that depend on the machine, not on the run; stored in timing.json
 TIMING_FIELDS = ("time_ms",)
 

@@ -1,0 +1,58 @@
+"""Text of ``diff-backends --against vllm`` (:func:`infertrace.runtimes.vllm.compare.compare_with_vllm`):
+the exact structural comparison, then the float agreement against the measured noise floor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from infertrace.present.render_llamacpp import _t
+from infertrace.safe_text import visible
+
+
+def vllm_diff_lines(rep: dict[str, Any]) -> tuple[list[Text], Table, list[Text]]:
+    """The report as styled lines before and after the float table (values made terminal-safe)."""
+    st = rep["structural"]
+    vl = rep.get("vllm") or {}
+    head = [_t(("paged backend vs vLLM", "bold"), f" (vLLM's schedule and block ids replayed, teacher-forced, layer {visible(rep['layer'])})"),
+            _t(f"vLLM: {visible(vl.get('version', '?'))}, {visible(str(vl.get('backend', '?')).rsplit('.', 1)[-1])} ISA "
+               f"{visible(vl.get('isa', '?'))}, block {visible(vl.get('block_size', '?'))}, {visible(vl.get('num_blocks', '?'))} blocks "
+               "(block 0 = null block)"),
+            _t(f"structure ({visible(st['compared'])}): ",
+               ("identical", "green") if st["identical"] else (f"{st['differences']} differing field(s)", "red"))]
+    for m in st["mismatches"][:10]:
+        head.append(_t("  ", (f"step {visible(m['step'])} {visible(m['variable'])}", "red"), f": {visible(m['detail'])}"))
+    nt, fl = rep["next_token"], rep["floor"]
+    t = Table(title="float agreement (ours float32 = base)", show_lines=False)
+    for c in ("", "vLLM", "noise floor", "tolerance"):
+        t.add_column(c)
+    for v in ("hidden", "k", "v", "logits"):
+        t.add_row(f"max |Δ| {v}", f"{rep['max_abs'][v]:.4g}", f"{fl['max_abs'][v]:.4g}", f"{fl['factor'] * fl['max_abs'][v]:.4g}")
+    for k, name in (("kl_mean", "KL mean"), ("kl_p99", "KL p99"), ("kl_max", "KL max")):
+        t.add_row(name, f"{nt[k]:.3g}", f"{fl['next_token'][k]:.3g}", "")
+    t.add_row("same top token", f"{nt['same_top']}/{nt['rows']} ({nt['same_top_rate']:.1%})",
+              f"{fl['next_token']['same_top']}/{fl['next_token']['rows']}", "")
+    tail = [_t(f"noise floor: {visible(fl['how'])}")]
+    fe = rep["first_exceeding"]
+    tail.append(_t("first step over the floor: ", ("none", "green") if fe is None else
+                   (f"step {fe['step']} {visible(fe['variable'])}: {fe['value']:.4g} > tolerance {fe['tolerance']:.4g}", "red")))
+    tail.append(_t(f"near tie: {visible(rep['near_tie_rule'])}"))
+    for d in nt["disagreements"]:
+        tail.append(_t(f"  step {d['step']} seq {d['seq_id']} pos {d['pos']}: ours {d['base_top']}, vLLM {d['new_top']}: ",
+                       "near tie" if d["near_tie"] else ("not a near tie", "red")))
+    tail.append(_t(("identical in structure, within the noise floor", "green") if rep["identical"] else
+                   (f"{len(rep['mismatches'])} mismatch(es)", "red")))
+    return head, t, tail
+
+
+def render_vllm_diff(con: Console, rep: dict[str, Any]) -> None:
+    """Print the report built by :func:`vllm_diff_lines` (styled Text, never markup)."""
+    head, table, tail = vllm_diff_lines(rep)
+    for line in head:
+        con.print(line)
+    con.print(table)
+    for line in tail:
+        con.print(line)

@@ -1,0 +1,599 @@
+"""``run --engine vllm``: vLLM's own engine, driven step by step in this process, every variable of
+the trace read from vLLM's objects (:mod:`.capture`), written as an ordinary paged trace with
+``engine: vllm``.
+
+The loop: at step s, requests whose arrival step is s are added (``LLMEngine.add_request`` with our
+token ids, so both sides see the same ids); one ``LLMEngine.step()`` = one ``EngineCore.step``: one
+``Scheduler.schedule()`` (wrapped: the ``SchedulerOutput`` and the block pool's free count are
+copied), one model execution (the worker hooks record it), ``update_from_output``. A step with
+nothing to run (waiting for an arrival) is recorded idle, as our engine does.
+
+Conventions mapped (the trace keeps our paged names; vLLM's own are in each step's ``vllm``
+section, unchanged):
+
+==========================  ==========================================================
+trace (TensorRT-LLM names)  vLLM
+==========================  ==========================================================
+``seq_lens`` (query T)      ``query_start_loc[i+1] - query_start_loc[i]``
+``kv_lens`` (C + T)         ``seq_lens`` (= num_computed_tokens + num_scheduled_tokens)
+``cu_seqlens``              ``query_start_loc``
+``block_tables`` row        ``block_table[i, :ceil(kv_len / block_size)]`` (vLLM pads with
+                            block 0, its null block; we pad with -1)
+``slot_mapping``            ``slot_mapping``
+logits rows                 rows whose sample is kept; vLLM computes one row per scheduled
+                            request (``logits_indices``) and drops the sample of a partial
+                            prefill (recorded as ``vllm.logits_indices``)
+verify chunk                ``scheduled_spec_decode_tokens`` (a chain: parents -1, 0, 1, ..)
+==========================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from infertrace.engine.options import EngineOptions
+from infertrace.engine.request import FINISHED, RUNNING, Request
+from infertrace.engine.sampler import SampleResult, sample
+from infertrace.engine.scheduler import ScheduledBatch, ScheduledChunk
+from infertrace.errors import InfertraceError
+from infertrace.kv.base import AttnInputs, ChunkSpec, ranges_text
+from infertrace.kv.paged import PagedKV
+from infertrace.runtimes.vllm import ENGINE, import_vllm, vllm_version
+
+#: vLLM's CPU attention backend needs block sizes that are multiples of this (``CPU_ATTN``)
+CPU_BLOCK_MULTIPLE = 32
+#: GiB of KV cache vLLM's CPU worker reserves when the user set none (``VLLM_CPU_KVCACHE_SPACE``)
+DEFAULT_KV_SPACE_GIB = "1"
+#: vLLM finish reasons -> ours
+FINISH = {"length": "max_new_tokens", "stop": "eos", "abort": "aborted"}
+
+
+class VllmKV(PagedKV):
+    """vLLM's paged cache as read back at run time, in the ``paged`` shape infertrace records.
+
+    Placement is never chosen here: block tables come from vLLM's attention metadata and the K/V
+    of layer ``layer`` are vLLM's cache read back at ``slot_mapping`` (:mod:`.layout`). Storage:
+    one pool ``[num_blocks, 2, n_kv_heads, block_size, head_dim]`` float32 for that layer.
+    """
+
+    def __init__(self, cfg: Any, num_blocks: int, block_size: int, layer: int, n_kv_heads: int):
+        super().__init__(1, n_kv_heads, cfg.head_dim, num_blocks, block_size, torch.float32, "cpu")
+        self.pool = [self.pool[0]] * cfg.n_layer  # one storage; read() refuses the other layers
+        self.layer = layer
+        self.free_count = num_blocks - 1
+        self.free = []  # vLLM's free queue is not mirrored; free_blocks comes from its block pool
+
+    def apply(self, chunks: list[ChunkSpec], bt: np.ndarray, slots: np.ndarray, k: np.ndarray | None,
+              v: np.ndarray | None) -> None:
+        """Take vLLM's block tables (rows in ``chunks`` order) and store the read-back K/V
+        ``[T, n_kv, hd]`` at ``slots`` ``[T]``."""
+        for c, row in zip(chunks, bt):
+            n = -(-(c.C + c.T) // self.B)
+            self.tables[c.seq_id] = [int(b) for b in row[:n]]
+            self.lens[c.seq_id] = c.C + c.T
+        if k is not None and v is not None and len(slots):
+            s = torch.from_numpy(slots)
+            pool = self.pool[0]
+            pool[s // self.B, 0, :, s % self.B, :] = torch.from_numpy(k).to(pool.dtype)
+            pool[s // self.B, 1, :, s % self.B, :] = torch.from_numpy(v).to(pool.dtype)
+
+    def rewind(self, seq_id: int, keep: int) -> None:
+        """A verify step keeps ``keep`` tokens: vLLM's ``num_computed_tokens`` drops the rejected
+        drafts (their slots are overwritten later)."""
+        self.lens[seq_id] = keep
+
+    def release(self, seq_id: int) -> None:
+        self.tables.pop(seq_id, None)
+        self.lens.pop(seq_id, None)
+
+    def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer != self.layer:
+            raise InfertraceError(f"--engine vllm captured layer {self.layer} only; pass --layer {layer}")
+        return super().read(layer, seq_id)
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = super().snapshot()
+        snap.update({"free_blocks": self.free_count, "used_blocks": self.num_blocks - self.free_count,
+                     "free_list_head": []})
+        return snap
+
+
+class _Shim:
+    """What the recorder reads of a model: its config (the tokenizer and config are ours)."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+
+
+def _env(tp: int = 1) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core, scheduler and model runner in this process
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # one core per rank unless the user bound them
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_SPACE_GIB)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of our hook functions (TP workers)
+
+
+def engine_args(opts: EngineOptions, dtype: str, tp: int = 1) -> dict[str, Any]:
+    """vLLM ``LLM(...)`` keyword arguments for our options.
+
+    Raises:
+        InfertraceError: a setting vLLM's CPU build cannot run as asked (block size).
+    """
+    B = opts.tokens_per_block
+    if B % CPU_BLOCK_MULTIPLE:
+        raise InfertraceError(f"--engine vllm: vLLM's CPU attention needs --tokens-per-block a multiple of "
+                              f"{CPU_BLOCK_MULTIPLE} (got {B})")
+    kw: dict[str, Any] = {
+        "dtype": {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                  "float16": "float16", "fp16": "float16"}[dtype.lower()],
+        "block_size": B, "enforce_eager": True, "async_scheduling": False, "seed": 0,
+        "max_model_len": opts.ctx_size, "max_num_batched_tokens": opts.max_batch_tokens,
+        "max_num_seqs": max(1, opts.n_seq_max), "enable_prefix_caching": bool(opts.prefix_cache),
+        "enable_chunked_prefill": True, "tensor_parallel_size": tp, "disable_log_stats": True,
+    }
+    if opts.prefill_chunk is not None:
+        kw["long_prefill_token_threshold"] = opts.prefill_chunk
+    if opts.num_blocks is not None:
+        if opts.num_blocks < 2:
+            raise InfertraceError("--engine vllm: --num-blocks must be >= 2 (vLLM keeps block 0 as its null block)")
+        kw["num_gpu_blocks_override"] = opts.num_blocks
+        # vLLM refuses a max_model_len its pool cannot hold once; block 0 is never allocated
+        kw["max_model_len"] = min(opts.ctx_size, (opts.num_blocks - 1) * B)
+    if opts.speculative == "ngram":
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": opts.num_spec_tokens,
+                                    "prompt_lookup_min": opts.ngram_min, "prompt_lookup_max": opts.ngram_max}
+    elif opts.speculative:
+        raise InfertraceError("--engine vllm runs --speculative ngram only here; drop --speculative draft")
+    return kw
+
+
+class VllmRun:
+    """vLLM loaded in this process with the capture installed (one per model and settings; the
+    tests share one across cases).
+
+    Args:
+        hf_dir: the HF model directory vLLM loads.
+        opts: our engine options (see :func:`engine_args`); dtype: compute dtype; layer: the
+            captured layer; tp: tensor-parallel size.
+
+    Raises:
+        InfertraceError: vLLM missing or refusing the model / settings.
+    """
+
+    def __init__(self, hf_dir: Any, opts: EngineOptions, dtype: str = "float32", layer: int = 0, tp: int = 1):
+        _env(tp)
+        vllm = import_vllm()
+        self.opts, self.layer, self.dtype, self.tp = opts, layer, dtype, tp
+        self.kw = engine_args(opts, dtype, tp)
+        try:
+            self.llm = vllm.LLM(model=str(hf_dir), **self.kw)
+        except InfertraceError:
+            raise
+        except Exception as e:  # vLLM raises many kinds for a configuration it refuses
+            raise InfertraceError(f"vLLM refused the model or settings ({type(e).__name__}: {str(e)[:200]})") from None
+        from infertrace.runtimes.vllm import capture
+
+        self.capture = capture
+        self.ranks = self.llm.collective_rpc(capture.install, args=(layer,))
+        self.eng = self.llm.llm_engine
+        self.core = self.eng.engine_core.engine_core
+        self.sched = self.core.scheduler
+        self.outs: list[Any] = []
+        orig = self.sched.schedule
+
+        def schedule(*a: Any, **k: Any) -> Any:
+            so = orig(*a, **k)
+            self.outs.append((so, int(self.sched.kv_cache_manager.block_pool.get_num_free_blocks())))
+            return so
+
+        self.sched.schedule = schedule
+        self.num_blocks = int(self.sched.kv_cache_manager.block_pool.num_gpu_blocks)
+        self.block_size = opts.tokens_per_block
+        self.runs = 0
+
+    def header(self) -> dict[str, Any]:
+        """vLLM facts of the run: version, backend class, ISA, block size, dtype, pool, per rank."""
+        h = self.ranks[0]
+        return {"version": vllm_version(), "backend": h["backend"], "isa": h["isa"], "block_size": self.block_size,
+                "dtype": self.kw["dtype"], "cache_dtype": h["cache_dtype"], "num_blocks": self.num_blocks,
+                "null_block": 0, "max_num_batched_tokens": self.kw["max_num_batched_tokens"],
+                "long_prefill_token_threshold": self.kw.get("long_prefill_token_threshold"),
+                "enable_prefix_caching": self.kw["enable_prefix_caching"],
+                "speculative": self.kw.get("speculative_config"), "tensor_parallel_size": self.tp,
+                "ranks": [{"tp_rank": r["tp_rank"], "num_kv_heads": r["num_kv_heads"], "num_heads": r["num_heads"],
+                           "cache_shape": r["cache_shape"], "layer_name": r["layer_name"]} for r in self.ranks],
+                "kv_cache_layout": "[num_blocks, num_kv_heads, block_size, 2*head_dim]; K half [head_dim, block_size] "
+                                   "(transposed), V half [block_size, head_dim] (runtimes/vllm/layout.py)"}
+
+    def close(self) -> None:
+        """Drop the engine (vLLM frees its memory when the object goes)."""
+        self.llm = self.eng = self.core = self.sched = None
+
+
+def _vllm_params(p: Any) -> Any:
+    from vllm import SamplingParams as VSP
+
+    kw: dict[str, Any] = {"max_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p,
+                          "min_p": p.min_p, "repetition_penalty": p.repetition_penalty, "ignore_eos": p.ignore_eos,
+                          "seed": p.seed}
+    if p.top_k:
+        kw["top_k"] = p.top_k
+    return VSP(**kw)
+
+
+def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[[Any], None] | None = None,
+          max_steps: int = 100_000) -> list[dict[str, Any]]:
+    """Run ``requests`` through vLLM step by step; the recorder gets one ``end_step`` per step.
+
+    Returns:
+        per step the raw vLLM record (scheduler output summary + rank 0's capture), for
+        :mod:`infertrace.runtimes.vllm.compare`.
+
+    Raises:
+        InfertraceError: a capture that does not line up with the scheduler output.
+    """
+    from vllm.inputs import TokensPrompt
+
+    run.runs += 1
+    tag = f"r{run.runs}"
+    by_id = {f"{tag}s{r.seq_id}": r for r in requests}
+    kv = VllmKV(tracer.cfg, run.num_blocks, run.block_size, run.layer, tracer.cfg.n_head_kv)
+    future = sorted(requests, key=lambda r: (r.arrival_step, r.seq_id))
+    raw_steps: list[dict[str, Any]] = []
+    live: set[int] = set()
+    step = 0
+    run.llm.collective_rpc(run.capture.take)  # drop anything left from an earlier run
+    run.outs.clear()
+    while future or live:
+        if step >= max_steps:
+            raise InfertraceError(f"vLLM run did not finish in {max_steps} steps")
+        admitted_now = []
+        while future and future[0].arrival_step <= step:
+            r = future.pop(0)
+            run.eng.add_request(f"{tag}s{r.seq_id}", TokensPrompt(prompt_token_ids=list(r.prompt_ids)),
+                                _vllm_params(r.params))
+            live.add(r.seq_id)
+            admitted_now.append(r.seq_id)
+        if not live:  # idle: waiting for a later arrival
+            _idle(tracer, step, kv, requests)
+            raw_steps.append({"step": step, "idle": True})
+            step += 1
+            continue
+        n_out = len(run.outs)
+        outputs = run.eng.step()
+        recs = run.llm.collective_rpc(run.capture.take)
+        so, free = run.outs[-1] if len(run.outs) > n_out else (None, None)
+        rec = _merge_ranks([r[-1] for r in recs if r]) if recs and recs[0] else None
+        finished = {}
+        for o in outputs:
+            r = by_id.get(o.request_id)
+            if r is not None and o.finished:
+                finished[r.seq_id] = FINISH.get(str(o.outputs[0].finish_reason), str(o.outputs[0].finish_reason))
+        if rec is None:  # nothing ran (vLLM bookkeeping step)
+            raw_steps.append({"step": step, "idle": True})
+            _idle(tracer, step, kv, requests)
+            step += 1
+            continue
+        raw = _record_step(run, tracer, step, so, free, rec, by_id, kv, finished)
+        raw_steps.append(raw)
+        for sid in finished:
+            live.discard(sid)
+            kv.release(sid)
+        if on_step is not None and getattr(tracer, "steps", None):
+            on_step(tracer.steps[-1])
+        step += 1
+    return raw_steps
+
+
+def _idle(tracer: Any, step: int, kv: VllmKV, requests: list[Request]) -> None:
+    from infertrace.engine.engine import StepContext
+
+    if tracer.enabled:
+        tracer.begin_step()
+        tracer.end_step(StepContext(step=step, batch=ScheduledBatch(step, []), inp=None, kv=kv, attention="vllm",
+                                    logits=None, logits_rows=[], samples={}, finished={},
+                                    requests={r.seq_id: r for r in requests}))
+
+
+def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None, rec: dict[str, Any],
+                 by_id: dict[str, Request], kv: VllmKV, finished: dict[int, str]) -> dict[str, Any]:
+    """Turn one vLLM step into our step context, hand it to the recorder, update the requests."""
+    from infertrace.engine.engine import StepContext
+    from infertrace.kv.spec_meta import spec_metadata
+
+    qsl, vseq = rec["query_start_loc"], rec["seq_lens"]
+    rec["req_ids"] = [_ours(x) for x in rec["req_ids"]]
+    spec_tokens = {_ours(k): list(v) for k, v in (so.scheduled_spec_decode_tokens or {}).items()} if so is not None else {}
+    new = {_ours(r.req_id): int(r.num_computed_tokens) for r in (so.scheduled_new_reqs if so is not None else [])}
+    # a preempted request coming back: with prefix caching its own full blocks are still hashed, so it can
+    # resume with num_computed_tokens > 0 (a prefix hit on itself) instead of recomputing from 0
+    cached = so.scheduled_cached_reqs if so is not None else None
+    resumed = ({_ours(rid): int(c) for rid, c in zip(cached.req_ids, cached.num_computed_tokens)
+                if rid in (getattr(cached, "resumed_req_ids", None) or ())} if cached is not None else {})
+    preempted = sorted(by_id[_ours(x)].seq_id for x in (so.preempted_req_ids or ()) if _ours(x) in by_id) if so is not None else []
+    for sid in preempted:
+        kv.release(sid)
+        r = next(r for r in by_id.values() if r.seq_id == sid)
+        r.num_preemptions += 1
+        r.num_computed = 0
+    chunks, specs, samples = [], [], {}
+    logits_idx, row = [], 0
+    sampled = rec["sampled"]
+    acc_nodes: dict[int, list[int]] = {}
+    spec_rec: dict[str, Any] = {}
+    for i, rid in enumerate(rec["req_ids"]):
+        req = by_id.get(rid)
+        if req is None:
+            raise InfertraceError(f"vLLM scheduled an unknown request {rid!r}")
+        T = int(qsl[i + 1] - qsl[i])
+        C = int(vseq[i]) - T
+        drafts = spec_tokens.get(rid, [])
+        known = len(req.all_ids)
+        parents = [-1] + list(range(len(drafts))) if drafts else None
+        ids = (req.all_ids[C:C + T - len(drafts)] + drafts) if drafts else req.all_ids[C:C + T]
+        ids_vllm = rec["input_ids"][int(qsl[i]):int(qsl[i + 1])].tolist() if rec.get("input_ids") is not None else ids
+        if ids_vllm != ids:
+            raise InfertraceError(f"step {step}: vLLM packed ids {ids_vllm[:8]} for seq {req.seq_id}, expected {ids[:8]}")
+        complete = C + T - len(drafts) >= known
+        phase = "decode" if (drafts or (T == 1 and req.output_ids and C == known - 1)) else "prefill"
+        ch = ScheduledChunk(req, phase, C, ids, complete, parents)
+        chunks.append(ch)
+        specs.append(ChunkSpec(req.seq_id, C, T, parents))
+        if req.status != RUNNING:
+            req.status = RUNNING
+        if rid in new and new[rid] != C:
+            raise InfertraceError(f"step {step}: seq {req.seq_id} admitted with num_computed_tokens {new[rid]}, metadata says {C}")
+        n_rows = 1 + len(drafts)
+        logits_idx += list(range(row + T - n_rows, row + T))
+        row += T
+    # logits of vLLM: one row per request (+ its drafts), in request order
+    logits = torch.from_numpy(rec["logits"])  # [R (+ drafts), V] float32
+    used_rows: list[int] = []
+    used_logits: list[torch.Tensor] = []
+    j = 0
+    for i, ch in enumerate(chunks):
+        req = ch.req
+        n_rows = 1 + (len(ch.parents) - 1 if ch.parents else 0)
+        lrows = logits[j:j + n_rows]  # [n_rows, V]
+        j += n_rows
+        if not ch.need_logits:
+            continue  # a partial prefill: vLLM computed the row and dropped the sample
+        toks = [int(t) for t in sampled[i] if t >= 0]
+        packed0 = logits_idx[j - n_rows]
+        if ch.parents is not None:
+            used_rows += list(range(packed0, packed0 + n_rows))
+            used_logits.append(lrows)
+            acc = len(toks) - 1
+            acc_nodes[req.seq_id] = list(range(acc + 1))
+            tops = [sample(lrows[a], req.params, req.all_ids, req.generator).top for a in range(len(toks))]
+            out = [SampleResult(t, tp) for t, tp in zip(toks, tops)]
+            emitted = []
+            for res in out:
+                emitted.append(res.token)
+                req.output_ids.append(res.token)
+                if len(req.output_ids) >= req.params.max_new_tokens:
+                    break
+            samples[req.seq_id] = out[len(emitted) - 1]
+            spec_rec[str(req.seq_id)] = {"drafted": len(ch.parents) - 1, "accepted": acc, "C": ch.C,
+                                         "tokens": list(ch.token_ids), "parents": list(ch.parents),
+                                         "positions": [ch.C + d for d in range(ch.T)], "accepted_nodes": acc_nodes[req.seq_id],
+                                         "emitted": emitted, "rewind": {"op": "num_computed_tokens", "seq_id": req.seq_id,
+                                                                        "kept_pos": ranges_text(range(ch.C + acc + 1))}}
+            req.num_computed = ch.C + acc + 1
+            continue
+        used_rows.append(packed0 + n_rows - 1)
+        used_logits.append(lrows[-1:])
+        tok = int(toks[0])
+        res = sample(lrows[-1], req.params, req.all_ids, req.generator)
+        samples[req.seq_id] = SampleResult(tok, res.top)
+        req.output_ids.append(tok)
+        req.num_computed = ch.C + ch.T
+    for ch in chunks:
+        if not ch.need_logits:
+            ch.req.num_computed = ch.C + ch.T
+    batch = ScheduledBatch(step, chunks, preempted=preempted,
+                           admitted=[by_id[r].seq_id for r in new if r in by_id])
+    T_all = int(rec["num_actual_tokens"])
+    pos = torch.from_numpy(rec["positions"].astype(np.int64))  # [T]
+    seq_ids = torch.tensor([c.req.seq_id for c in chunks for _ in range(c.T)], dtype=torch.int64)  # [T]
+    B = run.block_size
+    bt_ours = torch.full((len(chunks), max(1, max(-(-int(s) // B) for s in vseq))), -1, dtype=torch.int32)
+    for i, s in enumerate(vseq):
+        n = -(-int(s) // B)
+        bt_ours[i, :n] = torch.from_numpy(rec["block_table"][i, :n].astype(np.int32))
+    T_list = [c.T for c in chunks]
+    types = ["generation" if c.parents is not None else "context" if (c.C == 0 or c.T > 1) else "generation" for c in chunks]
+    extra = {**spec_metadata(specs), "slot_mapping": torch.from_numpy(rec["slot_mapping"]),
+             "block_tables": bt_ours, "seq_lens": torch.tensor(T_list, dtype=torch.int32),
+             "kv_lens": torch.from_numpy(vseq.astype(np.int32)), "cu_seqlens": torch.from_numpy(qsl.astype(np.int32)),
+             "request_types": types, "num_contexts": sum(t == "context" for t in types), "mask_type": "causal",
+             "tokens_per_block": B, "attention_window": {}}
+    inp = AttnInputs(specs, pos, seq_ids, "paged", extra)
+    kv.apply(specs, rec["block_table"], rec["slot_mapping"], rec.get("k_cache", rec.get("k_written")),
+             rec.get("v_cache", rec.get("v_written")))
+    if free is not None:
+        kv.free_count = free
+    readback = None
+    if "k_cache" in rec:
+        readback = {"k_max_abs": float(np.abs(rec["k_cache"] - rec["k_written"]).max(initial=0.0)),
+                    "v_max_abs": float(np.abs(rec["v_cache"] - rec["v_written"]).max(initial=0.0))}
+    tracer.begin_step()
+    _taps(tracer, rec, run)
+    lg = torch.cat(used_logits) if used_logits else torch.zeros(0, logits.shape[-1])  # [M, V]
+    reqs = {r.seq_id: r for r in by_id.values()}
+    spec_ctx = None
+    if spec_tokens or spec_rec:
+        drafted = sum(v["drafted"] for v in spec_rec.values())
+        accepted = sum(v["accepted"] for v in spec_rec.values())
+        spec_ctx = {"requests": spec_rec, "drafted": drafted, "accepted": accepted,
+                    "acceptance_rate": round(accepted / drafted, 4) if drafted else None} if spec_rec else None
+    serving = None
+    hits = {str(by_id[r].seq_id): {"hit": c, "prompt_len": len(by_id[r].prompt_ids),
+                                   "shared_blocks": [int(b) for b in rec["block_table"][rec["req_ids"].index(r), : c // B]]}
+            for r, c in {**new, **resumed}.items() if c > 0 and r in by_id}
+    if hits:
+        serving = {"prefix": hits}
+    vsec = {
+        "scheduler": {"scheduled": [{"seq_id": c.req.seq_id, "num_scheduled_tokens": c.T, "num_computed_tokens": c.C,
+                                     "phase": c.phase, "spec_tokens": list(spec_tokens.get(rid, []))}
+                                    for c, rid in zip(chunks, rec["req_ids"])],
+                      "new": [{"seq_id": by_id[r].seq_id, "num_computed_tokens": c} for r, c in new.items() if r in by_id],
+                      "new_block_ids": _new_blocks(so, by_id),
+                      "resumed": [{"seq_id": by_id[r].seq_id, "num_computed_tokens": c} for r, c in resumed.items() if r in by_id],
+                      "preempted": preempted,
+                      "finished_before_step": sorted(by_id[_ours(x)].seq_id for x in (so.finished_req_ids if so is not None else ())
+                                                     if _ours(x) in by_id),
+                      "total_num_scheduled_tokens": int(so.total_num_scheduled_tokens) if so is not None else T_all,
+                      "free_blocks": free},
+        "attn_metadata": {"class": rec["metadata_class"], "query_start_loc": qsl.tolist(), "seq_lens": vseq.tolist(),
+                          "block_table": [r[: max(1, -(-int(s) // B))].tolist() for r, s in zip(rec["block_table"], vseq)],
+                          "block_table_width": int(rec["block_table"].shape[1]) if rec["block_table"].ndim == 2 else 0,
+                          "slot_mapping": rec["slot_mapping"].tolist(), "num_actual_tokens": T_all,
+                          "max_query_len": rec["max_query_len"], "max_seq_len": rec["max_seq_len"],
+                          "causal": rec["causal"], "num_decode_tokens": rec["num_decode_tokens"]},
+        "logits_indices": logits_idx, "logits_shape": list(rec["logits"].shape),
+        "sampled_token_ids": rec["sampled"].tolist(), "kv_readback": readback,
+    }
+    if rec.get("ranks"):
+        vsec["tp_ranks"] = rec["ranks"]
+    for sid in acc_nodes:  # a verify step keeps C + accepted + 1 tokens (vLLM's num_computed_tokens)
+        kv.rewind(sid, reqs[sid].num_computed)
+    tracer.end_step(StepContext(step=step, batch=batch, inp=inp, kv=kv, attention="vllm", logits=lg,
+                                logits_rows=used_rows, samples=samples, finished=finished, requests=reqs,
+                                sampler_order="hf", serving=serving, spec=spec_ctx))
+    if tracer.steps:
+        tracer.steps[-1].vllm = vsec
+    for sid in finished:
+        reqs[sid].status = FINISHED
+        reqs[sid].stop_reason = finished[sid]
+    return {"step": step, "idle": False, "rec": rec, "chunks": [(c.req.seq_id, c.C, c.T) for c in chunks],
+            "logits": lg, "logits_rows": used_rows, "vllm": vsec}
+
+
+#: per-rank tensors that hold a slice of the heads: [T, heads/tp, hd] (K/V) or [T, heads/tp * hd] (Q/K rope)
+_HEAD_SHARDED = ("k_written", "v_written", "k_cache", "v_cache", "q_pre", "q_rot", "k_pre", "k_rot")
+
+
+def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's record from every tensor-parallel rank -> one record: the metadata, ids, logits and
+    samples every rank shares are rank 0's; the head-sharded tensors are concatenated in rank order
+    (rank r holds heads ``[r * n / tp, (r + 1) * n / tp)``, vLLM's ``QKVParallelLinear`` split), and
+    ``ranks`` keeps per rank the heads it held and whether its metadata equalled rank 0's."""
+    rec = dict(per_rank[0])
+    if len(per_rank) == 1:
+        return rec
+    for k in _HEAD_SHARDED:
+        if all(r.get(k) is not None for r in per_rank):
+            rec[k] = np.concatenate([r[k] for r in per_rank], axis=1)
+    same = [all(np.array_equal(r[k], per_rank[0][k]) for k in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"))
+            for r in per_rank]
+    rec["ranks"] = [{"tp_rank": i, "kv_heads_held": int(r["k_written"].shape[1]) if r.get("k_written") is not None else None,
+                     "metadata_equals_rank0": bool(ok)} for i, (r, ok) in enumerate(zip(per_rank, same))]
+    return rec
+
+
+def _ours(rid: str) -> str:
+    """Our request id from vLLM's internal one (``LLMEngine.add_request`` appends ``-<8 hex>``)."""
+    head, sep, tail = str(rid).rpartition("-")
+    return head if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail) else str(rid)
+
+
+def _new_blocks(so: Any, by_id: dict[str, Request]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    if so is None:
+        return out
+    for r in so.scheduled_new_reqs:
+        if _ours(r.req_id) in by_id:
+            out[str(by_id[_ours(r.req_id)].seq_id)] = [int(b) for b in r.block_ids[0]]
+    c = so.scheduled_cached_reqs
+    for rid, nb in zip(c.req_ids, c.new_block_ids):
+        rid = _ours(rid)
+        if rid in by_id and nb:
+            out[str(by_id[rid].seq_id)] = [int(b) for b in nb[0]]
+    return out
+
+
+def _taps(tracer: Any, rec: dict[str, Any], run: VllmRun) -> None:
+    cfg = tracer.cfg
+    if rec.get("hidden") is not None:
+        tracer.tap("embed", hidden=torch.from_numpy(rec["hidden"]))  # [T, H]
+    if all(rec.get(k) is not None for k in ("q_pre", "q_rot", "k_pre", "k_rot", "v_written")):
+        T = rec["q_pre"].shape[0]
+        hd = cfg.head_dim
+
+        def h(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a.reshape(T, -1, hd))  # [T, heads, hd]
+
+        tracer.tap("rope", layer=run.layer, q=h(rec["q_pre"]), q_rot=h(rec["q_rot"]), k=h(rec["k_pre"]),
+                   k_rot=h(rec["k_rot"]), v=h(rec["v_written"]))
+
+
+def run_requests_vllm(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: int = 0,
+                      show: tuple[str, ...] | None = None, on_step: Callable[[Any], None] | None = None,
+                      options_for_record: dict[str, Any] | None = None, tensors: dict[str, torch.Tensor] | None = None,
+                      dtype: str = "float32", tp: int = 1, run: VllmRun | None = None) -> Any:
+    """:func:`infertrace.runner.run_requests` with vLLM computing and scheduling: the same records,
+    ``engine = "vllm"`` in the header, vLLM's own values per step in ``step.vllm``.
+
+    Args:
+        loaded: the model (our tokenizer and config; vLLM loads the same weights, a GGUF through
+            :func:`infertrace.runtimes.vllm.convert.hf_dir_for`).
+        run: an already loaded :class:`VllmRun` with the same options (tests share one).
+
+    Raises:
+        InfertraceError: bad layer, vLLM missing, refused settings, capture mismatch.
+    """
+    from infertrace.capture.recorder import VARIABLES, Recorder
+    from infertrace.runner import encode_prompt, model_identity
+    from infertrace.trace.records import RunTrace
+
+    cfg = loaded.config
+    if not 0 <= layer < cfg.n_layer:
+        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
+    if not prompts:
+        raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
+    if getattr(cfg, "is_hybrid", False) or cfg.windowed_layers:
+        raise InfertraceError("--engine vllm records full-attention decoder models here (no hybrid / sliding-window layers)")
+    if tp > 1 and (cfg.n_head_kv % tp or cfg.n_head % tp):
+        raise InfertraceError(f"--tensor-parallel-size {tp}: the model's {cfg.n_head} heads / {cfg.n_head_kv} KV heads do not "
+                              f"divide by {tp} (vLLM would replicate KV heads; this capture records one shard per rank)")
+    owned = run is None
+    if run is None:
+        from infertrace.runtimes.vllm.convert import hf_dir_for
+
+        run = VllmRun(hf_dir_for(loaded.ckpt.path), opts, dtype, layer, tp)
+    show = tuple(show or VARIABLES)
+    rec = Recorder(loaded.tokenizer, cfg, layer=layer, show=show, layers=[layer], tensors=tensors)
+    reqs = [Request(i, encode_prompt(loaded.tokenizer, s), s.params.validate(), s.arrival_step, s.text)
+            for i, s in enumerate(prompts)]
+    try:
+        raw = drive(run, reqs, rec, on_step)
+        tok = loaded.tokenizer
+        out_reqs = [{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
+                     "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
+                     "num_preemptions": r.num_preemptions, "params": r.params.to_dict()} for r in reqs]
+        options = {"backend": "paged", "attention": "vllm", **(options_for_record or {}), "engine": asdict(opts),
+                   "layer": layer, "show": list(show), "sampler_order": "hf", "vllm": run.header()}
+        notes = [f"engine vLLM ({vllm_version()}): in-process engine core, one EngineCore.step per step, "
+                 f"{run.header()['backend'].rsplit('.', 1)[-1]} ISA {run.header()['isa']}, block {run.block_size}, "
+                 f"{run.num_blocks} blocks (block 0 is vLLM's null block)",
+                 "vLLM computes a logits row for every scheduled request (also a partial prefill, whose sample it drops); "
+                 "the trace's logits rows are the rows whose sample is kept, vLLM's rows are in step.vllm.logits_indices"]
+        if run.tp > 1:
+            per = cfg.n_head_kv // run.tp
+            notes.append(f"tensor parallel {run.tp} through vLLM's executor: " + "; ".join(
+                f"rank {r['tp_rank']} holds KV heads {r['tp_rank'] * per}..{(r['tp_rank'] + 1) * per - 1} "
+                f"({r['num_kv_heads']} of {cfg.n_head_kv}), {r['num_heads']} query heads, cache {r['cache_shape']}"
+                for r in run.ranks) + "; every rank builds the same metadata (step.vllm.tp_ranks), K/V are its heads' shard")
+        trace = RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
+                         notes=list(loaded.ckpt.notes) + notes, steps=list(rec.steps), requests=out_reqs, engine=ENGINE)
+        trace._vllm_raw = raw  # type: ignore[attr-defined]  # for the comparison, never serialised
+        return trace
+    finally:
+        if owned:
+            run.close()
