@@ -189,6 +189,14 @@ DECODERS: dict[str, tuple[int, int, Callable[[np.ndarray], Affine]]] = {
 }
 
 
+#: type name -> (lowest code, highest code, group, has offset): the module table as data
+CODES: dict[str, tuple[int, int, int, bool]] = {
+    "Q4_0": (-8, 7, 32, False), "Q4_1": (0, 15, 32, True), "Q5_0": (-16, 15, 32, False), "Q5_1": (0, 31, 32, True),
+    "Q8_0": (-128, 127, 32, False), "Q2_K": (0, 3, 16, True), "Q3_K": (-4, 3, 16, False), "Q4_K": (0, 15, 32, True),
+    "Q5_K": (0, 31, 32, True), "Q6_K": (-32, 31, 16, False),
+}
+
+
 def split_rows(data: np.ndarray, type_name: str) -> Affine:
     """Codes and group parameters of whole rows of one GGUF tensor.
 

@@ -228,6 +228,112 @@ class Int4PackLinear(QuantLinear):
         return self.packed.numel() + self.sz.numel() * self.sz.element_size()
 
 
+class Int4x2Linear(QuantLinear):
+    """5- to 8-bit codes in groups of 32 as two int4pack matmuls (high and low nibble planes).
+
+    ``q = 16·hi + lo`` with ``hi = q >> 4`` (-8..7, arithmetic shift) and ``lo = q & 15``, so
+    ``w = s·q + o = (16s·hi + 8s) + (s·(lo - 8) + o)``: plane A holds ``u = hi + 8`` with scale
+    ``16s`` and zero ``8s``, plane B ``u = lo`` with scale ``s`` and zero ``o``. Both planes are
+    centred (B in -8s..7s, A odd multiples of 8s), which keeps the partial sums small: each
+    plane's output is rounded to the activation dtype before the sum, and with B in 0..15s the
+    bf16 error was 3.4x the float path's on Gemma's Q5_0 ``ffn_gate`` (centred: see
+    ``tests/test_quant.py``). The asymmetric types' codes 0..31 are centred first (``q - 16``,
+    ``o + 16s``). Exact in float32 (``8s`` and ``16s`` are exact) up to the rounding of
+    ``o + 16s`` and of ``(u - 8)·s + o`` inside the kernel; in bf16 ``s`` and ``o`` are rounded once.
+    Q8_0, Q5_0, Q5_1 and Q5_K map onto it.
+
+    Raises:
+        ValueError: group not 32 or ``out`` not a multiple of 16.
+    """
+
+    kernel = "int4x2"
+
+    def __init__(self, a: Affine, qtype: str, act_dtype: torch.dtype):
+        n, k = a.q.shape
+        if a.group != 32 or n % 16 or k % 32:
+            raise ValueError(f"int4x2 needs groups of 32, out % 16 == 0 and in % 32 == 0, got group {a.group} [{n}, {k}]")
+        q = torch.from_numpy(np.ascontiguousarray(a.q)).to(torch.int32)  # [out, in]
+        s = torch.from_numpy(np.ascontiguousarray(a.scale, dtype=np.float32))  # [out, in/32]
+        if a.offset is None:
+            o = torch.zeros_like(s)
+        else:  # Q5_1 / Q5_K codes 0..31: centre them (q - 16) and move 16s into the offset (one float32 rounding)
+            q = q - 16
+            o = torch.from_numpy(np.ascontiguousarray(a.offset, dtype=np.float32)) + 16 * s  # [out, in/32]
+        hi, lo = (q >> 4) + 8, q & 15  # [out, in] each, 0..15
+        pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+        self.packed_hi, self.packed_lo = pack(hi, 1), pack(lo, 1)  # [out, in/2] uint8 each
+        self.sz_hi = torch.stack([(16 * s).T, (8 * s).T], -1).to(act_dtype).contiguous()  # [in/32, out, 2] 16s·hi + 8s
+        self.sz_lo = torch.stack([s.T, o.T], -1).to(act_dtype).contiguous()  # [in/32, out, 2] s·(lo - 8) + o
+        self.qtype, self.act_dtype, self.shape = qtype, act_dtype, (int(n), int(k))
+
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return mm(x2, self.packed_hi, 32, self.sz_hi) + mm(x2, self.packed_lo, 32, self.sz_lo)  # [T, out]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self._mm(x.reshape(-1, self.shape[1])).view(*x.shape[:-1], self.shape[0])  # [..., out]
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The kernel's own weights, read back through it with an identity (float32 ``[out, in]``)."""
+        return self._mm(torch.eye(self.shape[1], dtype=self.act_dtype)).T.float().contiguous()  # [out, in]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.packed_hi.numel() + self.packed_lo.numel()
+                + (self.sz_hi.numel() + self.sz_lo.numel()) * self.sz_hi.element_size())
+
+
+class Int4Pair16Linear(QuantLinear):
+    """Codes in groups of 16 (Q6_K, Q3_K, Q2_K) on the group-32 int4pack kernel, doubling ``in``.
+
+    Each group ``j`` of 16 becomes one kernel group of 32: its low nibbles ``lo = q & 15`` then
+    its high nibbles ``hi + 8`` (``hi = q >> 4``, -8..7), multiplied by ``[x_j, 16·x_j]`` (the
+    factor 16 is exact in any float format), scale ``s_j``, zero 0. The kernel then gives
+    ``Σ_j s_j·(Σ q·x - 8·Σ x)``; the group offsets and the ``-8`` come back as a dense product
+    ``G @ C.T`` of the per-group sums ``G = Σ_{k∈j} x_k`` (``[T, in/16]``) with
+    ``C = offset + 8s`` (``[out, in/16]``), 1/16 of the matrix. Exact arithmetic in float32 up
+    to summation order; in bf16 ``s``, ``C``, ``G`` and both partial outputs are rounded.
+
+    Raises:
+        ValueError: group not 16 or ``out`` not a multiple of 16.
+    """
+
+    kernel = "int4pair16"
+
+    def __init__(self, a: Affine, qtype: str, act_dtype: torch.dtype):
+        n, k = a.q.shape
+        if a.group != 16 or n % 16 or k % 16:
+            raise ValueError(f"int4pair16 needs groups of 16 and out % 16 == 0, got group {a.group} [{n}, {k}]")
+        q = torch.from_numpy(np.ascontiguousarray(a.q)).to(torch.int32).view(n, k // 16, 1, 16)  # [out, in/16, 1, 16]
+        u = torch.cat([q & 15, (q >> 4) + 8], dim=2).reshape(n, 2 * k)  # [out, 2*in] lo then hi+8 per group
+        s = torch.from_numpy(np.ascontiguousarray(a.scale, dtype=np.float32))  # [out, in/16]
+        o = torch.zeros_like(s) if a.offset is None else torch.from_numpy(np.ascontiguousarray(a.offset, dtype=np.float32))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)  # [out, in] uint8
+        self.sz = torch.stack([s.T, torch.zeros_like(s).T], -1).to(act_dtype).contiguous()  # [in/16, out, 2]
+        self.corr = (o + 8 * s).to(act_dtype).contiguous()  # [out, in/16]
+        self.qtype, self.act_dtype, self.shape = qtype, act_dtype, (int(n), int(k))
+
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        t, k = x2.shape
+        xg = x2.reshape(t, k // 16, 1, 16)  # [T, in/16, 1, 16]
+        xx = torch.cat([xg, xg * 16], dim=2).reshape(t, 2 * k)  # [T, 2*in]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xx, self.packed, 32, self.sz)  # [T, out]
+        return y + F.linear(xg.sum(-1).reshape(t, k // 16), self.corr)  # [T, out]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self._mm(x.reshape(-1, self.shape[1])).view(*x.shape[:-1], self.shape[0])  # [..., out]
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The kernel's own weights, read back through it with an identity (float32 ``[out, in]``)."""
+        return self._mm(torch.eye(self.shape[1], dtype=self.act_dtype)).T.float().contiguous()  # [out, in]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + (self.sz.numel() + self.corr.numel()) * self.sz.element_size()
+
+
 class StackedLinear(QuantLinear):
     """Row blocks of different kernels/types used as one matrix (e.g. Q5_0 Q/K with a Q8_0 V):
     each part runs its own kernel, outputs are concatenated."""

@@ -22,14 +22,21 @@ import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.quant.blocks import DECODERS, Affine, affine_dequantize, split_rows
-from infertrace.quant.linear import (INT4_TYPES, DenseLinear, DequantLinear, Int4PackLinear, QuantLinear,
-                                     StackedLinear, cat_affine, permute_rows)
+from infertrace.quant.linear import (DenseLinear, DequantLinear, Int4PackLinear, Int4Pair16Linear, Int4x2Linear,
+                                     QuantLinear, StackedLinear, cat_affine, permute_rows)
 
 #: bytes read per pread when decoding a tensor (rows are decoded a chunk at a time)
 READ_CHUNK_BYTES = 1 << 20
 FLOAT_TYPES = ("F32", "F16", "BF16")
-#: kernel per (type, activation dtype) where it differs from ``dequant`` (see benchmarks/quant_kernels.py)
-FAST_KERNELS: dict[tuple[str, torch.dtype], str] = {(t, torch.bfloat16): "int4pack" for t in INT4_TYPES}
+#: kernel per (type, activation dtype) where one measured faster than ``dequant`` (benchmarks/quant_kernels.py,
+#: table in benchmarks/README.md); with float32 activations every int4 kernel is slower (torch's fp32 int4
+#: matmul is ~10-40x its bf16 one), so float32 keeps ``dequant``
+FAST_KERNELS: dict[tuple[str, torch.dtype], str] = {
+    **{(t, torch.bfloat16): "int4pack" for t in ("Q4_0", "Q4_1", "Q4_K")},
+    **{(t, torch.bfloat16): "int4x2" for t in ("Q5_0", "Q5_1", "Q5_K", "Q8_0")},
+    ("Q6_K", torch.bfloat16): "int4pair16",
+}
+KERNEL_CLASSES = {"int4pack": Int4PackLinear, "int4x2": Int4x2Linear, "int4pair16": Int4Pair16Linear, "dequant": DequantLinear}
 
 
 def supported_types() -> tuple[str, ...]:
@@ -50,7 +57,7 @@ def choose_kernel(type_name: str, act_dtype: torch.dtype, shape: tuple[int, int]
         raise InfertraceError(f"tensor type {type_name} has no quantised kernel in infertrace "
                               f"(supported: {', '.join(supported_types())}); run with --weights float")
     k = FAST_KERNELS.get((type_name, act_dtype), "dequant")
-    if k == "int4pack" and (shape[0] % 16 or shape[1] % 32):
+    if k != "dequant" and (shape[0] % 16 or shape[1] % 32):  # the int4 packing's tile
         return "dequant"
     return k
 
@@ -195,9 +202,7 @@ class GGUFQuantSource:
         a = cat_affine([self.affine(n) for n in names]) if len(names) > 1 else self.affine(names[0])
         k = choose_kernel(type_name, self.act_dtype, a.q.shape)
         self._note(type_name, k)
-        if k == "int4pack":
-            return Int4PackLinear(a, type_name, self.act_dtype)
-        return DequantLinear(a, type_name, self.act_dtype)
+        return KERNEL_CLASSES[k](a, type_name, self.act_dtype)
 
     def _note(self, type_name: str, kernel: str) -> None:
         old = self.kernels.get(type_name)
