@@ -259,3 +259,61 @@ def open_gguf_quant(path: str | Path, act_dtype: torch.dtype) -> tuple[Any, GGUF
         choose_kernel(unsupported[0], act_dtype, (1, 1))  # one-line refusal naming the type
     heads = {"attn_q": cfg.n_head, "attn_k": cfg.n_head_kv} if cfg.rope_pairing_in_file == "norm" else {}
     return ck, GGUFQuantSource(p, header, act_dtype, heads)
+
+
+class QuantWeight:
+    """A quantised matrix of the file as the decoder's weight object (``model/ops.py`` ``LinearWeight``).
+
+    Built on first use, unless :class:`~infertrace.quant.ops.QuantOps` fuses it with its siblings
+    first (Q/K/V, gate/up: one kernel per type). ``rows`` (the embedding lookup) reads only the
+    requested rows from the file.
+
+    Attributes:
+        name: engine name (``blk.0.attn_q``).
+        shape: ``(out, in)``.
+    """
+
+    def __init__(self, source: GGUFQuantSource, name: str):
+        t = source._entry(name)
+        self.source, self.name = source, name
+        self.shape = tuple(int(x) for x in reversed(list(t.shape)))  # (out, in)
+        self.type_name = t.type_name
+        self._lin: QuantLinear | None = None
+
+    def built(self) -> QuantLinear:
+        """The kernel object (built from the file on the first call)."""
+        if self._lin is None:
+            self._lin = self.source.linear([self.name])
+        return self._lin
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[..., in]`` -> ``[..., out]`` through this type's kernel."""
+        return self.built()(x, bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` ``[N]`` -> ``[N, in]`` in the activation dtype (gguf-py's values, then one rounding)."""
+        return self.source.rows(self.name, ids).to(self.source.act_dtype)
+
+
+def quant_weights(path: str | Path, act_dtype: torch.dtype) -> tuple[Any, dict[str, Any], GGUFQuantSource]:
+    """Engine-named weights of a GGUF file for :class:`~infertrace.model.decoder.DecoderModel` with
+    :class:`~infertrace.quant.ops.QuantOps`: matrices as :class:`QuantWeight`, vectors (norms,
+    biases) as float tensors in ``act_dtype``.
+
+    Returns:
+        ``(checkpoint, weights, source)``: the header-only checkpoint (config, tokenizer, notes),
+        the weights dict, and the source (its ``kernels`` says which kernel each type got).
+
+    Raises:
+        InfertraceError: as :func:`open_gguf_quant`.
+    """
+    ck, src = open_gguf_quant(path, act_dtype)
+    w: dict[str, Any] = {}
+    for name, t in src.entries.items():
+        if name == "rope_freqs":
+            continue
+        if len(t.shape) >= 2 and int(t.shape[1]) > 1:
+            w[name] = QuantWeight(src, name)
+        else:
+            w[name] = src.vector(name)  # [n]
+    return ck, w, src
