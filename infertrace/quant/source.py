@@ -114,7 +114,7 @@ class GGUFQuantSource:
 
     def _rows_bytes(self, t: Any, r0: int, r1: int) -> np.ndarray:
         """Bytes of rows ``r0:r1`` of tensor ``t``: ``uint8 [r1-r0, bytes_per_row]``."""
-        row_bytes = int(t.n_bytes) // int(t.np_shape[0]) if t.np_shape else int(t.n_bytes)
+        row_bytes = int(t.n_bytes) // self._n_rows(t)
         want = (r1 - r0) * row_bytes
         buf = os.pread(self._fd, want, int(t.data_offset) + r0 * row_bytes)
         if len(buf) != want:
