@@ -260,3 +260,11 @@ def test_split_int4_kernels_bf16_error_is_that_of_the_bf16_float_path(name, cls,
     e_quant = _linear_error(lin(xb), xb.float(), wq)
     e_float = _linear_error(F.linear(xb, torch.from_numpy(wq).bfloat16()), xb.float(), wq)
     assert e_quant <= 3 * e_float
+
+
+def test_packing_in_row_chunks_equals_packing_the_whole(monkeypatch):
+    """Packed row chunks (multiples of 64 rows, a last partial one) concatenate to torch's packing of the whole."""
+    codes = torch.randint(0, 16, (64 * 5 + 48, 96), generator=torch.Generator().manual_seed(8), dtype=torch.int32)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    monkeypatch.setattr(ql, "PACK_ROWS", 128)
+    assert torch.equal(ql.pack_int4(lambda r0, r1: codes[r0:r1], codes.shape[0]), whole)

@@ -23,7 +23,7 @@ by :data:`SCRATCH_VALUES` values per dtype and shared by every layer.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +46,26 @@ def _buffer(dtype: torch.dtype, n: int) -> torch.Tensor:
         b = torch.empty(n, dtype=dtype)
         _scratch[dtype] = b
     return b[:n]
+
+
+#: rows packed per call of the packing op (a multiple of 64: packed row chunks of 64k rows concatenate to
+#: the packing of the whole, checked in tests/test_quant.py); bounds the int32 code temporaries to ~PACK_ROWS x in
+PACK_ROWS = 2048
+
+
+def pack_int4(codes: Callable[[int, int], torch.Tensor], n: int) -> torch.Tensor:
+    """``_convert_weight_to_int4pack_for_cpu`` of an ``[n, k]`` code matrix built a row chunk at a time.
+
+    Args:
+        codes: ``codes(r0, r1)`` -> ``int32 [r1-r0, k]`` values 0..15 of rows ``r0:r1``.
+        n: rows.
+
+    Returns:
+        ``uint8 [n, k/2]`` packed as the op packs the whole matrix.
+    """
+    pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+    parts = [pack(codes(r0, min(n, r0 + PACK_ROWS)).contiguous(), 1) for r0 in range(0, n, PACK_ROWS)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, k/2]
 
 
 class QuantLinear:
@@ -164,9 +184,10 @@ class DequantLinear(QuantLinear):
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
 
 
-def int4_params(a: Affine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes ``int32 [out, in]`` in 0..15, scale ``float32 [out, in/32]``, zero ``float32 [out, in/32]``)
-    such that ``(u - 8) * scale + zero`` is ``a``'s weight (zero rounded once in float32).
+def int4_params(a: Affine) -> tuple[Callable[[int, int], torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(codes ``u(r0, r1)`` -> ``int32 [r1-r0, in]`` in 0..15, scale ``float32 [out, in/32]``, zero
+    ``float32 [out, in/32]``) such that ``(u - 8) * scale + zero`` is ``a``'s weight (zero rounded once
+    in float32).
 
     Raises:
         ValueError: the group is not 32 or the codes do not fit 4 bits.
@@ -174,17 +195,19 @@ def int4_params(a: Affine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if a.group != 32:
         raise ValueError(f"int4pack needs groups of 32, not {a.group}")
     lo, hi = int(a.q.min(initial=0)), int(a.q.max(initial=0))
+    q = torch.from_numpy(np.ascontiguousarray(a.q))  # [out, in] int8
     if a.offset is None:  # symmetric: q in -8..7
         if lo < -8 or hi > 7:
             raise ValueError("codes do not fit in 4 bits")
-        u = torch.from_numpy(a.q.astype(np.int32) + 8)  # [out, in]
         zero = np.zeros_like(a.scale)
+        shift = 8
     else:
         if lo < 0 or hi > 15:
             raise ValueError("codes do not fit in 4 bits")
-        u = torch.from_numpy(a.q.astype(np.int32))  # [out, in]
         zero = a.offset + np.float32(8) * a.scale  # [out, in/32]; (u - 8) s + z = s u + offset
-    return u, torch.from_numpy(np.ascontiguousarray(a.scale)), torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32))
+        shift = 0
+    return ((lambda r0, r1: q[r0:r1].to(torch.int32) + shift),
+            torch.from_numpy(np.ascontiguousarray(a.scale)), torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)))
 
 
 class Int4PackLinear(QuantLinear):
@@ -206,7 +229,7 @@ class Int4PackLinear(QuantLinear):
         if n % 16 or k % 32:
             raise ValueError(f"int4pack needs out % 16 == 0 and in % 32 == 0, got [{n}, {k}]")
         u, s, z = int4_params(a)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)  # [out, in/2] uint8
+        self.packed = pack_int4(u, n)  # [out, in/2] uint8
         self.sz = torch.stack([s.T, z.T], -1).to(act_dtype).contiguous()  # [in/32, out, 2]
         self.qtype, self.act_dtype, self.shape = qtype, act_dtype, (int(n), int(k))
 
@@ -252,16 +275,15 @@ class Int4x2Linear(QuantLinear):
         n, k = a.q.shape
         if a.group != 32 or n % 16 or k % 32:
             raise ValueError(f"int4x2 needs groups of 32, out % 16 == 0 and in % 32 == 0, got group {a.group} [{n}, {k}]")
-        q = torch.from_numpy(np.ascontiguousarray(a.q)).to(torch.int32)  # [out, in]
+        q8 = torch.from_numpy(np.ascontiguousarray(a.q))  # [out, in] int8
         s = torch.from_numpy(np.ascontiguousarray(a.scale, dtype=np.float32))  # [out, in/32]
         if a.offset is None:
-            o = torch.zeros_like(s)
+            o, c = torch.zeros_like(s), 0
         else:  # Q5_1 / Q5_K codes 0..31: centre them (q - 16) and move 16s into the offset (one float32 rounding)
-            q = q - 16
-            o = torch.from_numpy(np.ascontiguousarray(a.offset, dtype=np.float32)) + 16 * s  # [out, in/32]
-        hi, lo = (q >> 4) + 8, q & 15  # [out, in] each, 0..15
-        pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
-        self.packed_hi, self.packed_lo = pack(hi, 1), pack(lo, 1)  # [out, in/2] uint8 each
+            o, c = torch.from_numpy(np.ascontiguousarray(a.offset, dtype=np.float32)) + 16 * s, 16  # [out, in/32]
+        q = lambda r0, r1: q8[r0:r1].to(torch.int32) - c  # noqa: E731 - [r, in] centred codes
+        self.packed_hi = pack_int4(lambda r0, r1: (q(r0, r1) >> 4) + 8, n)  # [out, in/2] uint8, hi + 8
+        self.packed_lo = pack_int4(lambda r0, r1: q(r0, r1) & 15, n)  # [out, in/2] uint8, lo
         self.sz_hi = torch.stack([(16 * s).T, (8 * s).T], -1).to(act_dtype).contiguous()  # [in/32, out, 2] 16s·hi + 8s
         self.sz_lo = torch.stack([s.T, o.T], -1).to(act_dtype).contiguous()  # [in/32, out, 2] s·(lo - 8) + o
         self.qtype, self.act_dtype, self.shape = qtype, act_dtype, (int(n), int(k))
@@ -305,11 +327,15 @@ class Int4Pair16Linear(QuantLinear):
         n, k = a.q.shape
         if a.group != 16 or n % 16 or k % 16:
             raise ValueError(f"int4pair16 needs groups of 16 and out % 16 == 0, got group {a.group} [{n}, {k}]")
-        q = torch.from_numpy(np.ascontiguousarray(a.q)).to(torch.int32).view(n, k // 16, 1, 16)  # [out, in/16, 1, 16]
-        u = torch.cat([q & 15, (q >> 4) + 8], dim=2).reshape(n, 2 * k)  # [out, 2*in] lo then hi+8 per group
+        q8 = torch.from_numpy(np.ascontiguousarray(a.q))  # [out, in] int8
+
+        def u(r0: int, r1: int) -> torch.Tensor:
+            q = q8[r0:r1].to(torch.int32).view(r1 - r0, k // 16, 1, 16)  # [r, in/16, 1, 16]
+            return torch.cat([q & 15, (q >> 4) + 8], dim=2).reshape(r1 - r0, 2 * k)  # [r, 2*in] lo then hi+8 per group
+
         s = torch.from_numpy(np.ascontiguousarray(a.scale, dtype=np.float32))  # [out, in/16]
         o = torch.zeros_like(s) if a.offset is None else torch.from_numpy(np.ascontiguousarray(a.offset, dtype=np.float32))
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)  # [out, in] uint8
+        self.packed = pack_int4(u, n)  # [out, in] uint8
         self.sz = torch.stack([s.T, torch.zeros_like(s).T], -1).to(act_dtype).contiguous()  # [in/16, out, 2]
         self.corr = (o + 8 * s).to(act_dtype).contiguous()  # [out, in/16]
         self.qtype, self.act_dtype, self.shape = qtype, act_dtype, (int(n), int(k))
