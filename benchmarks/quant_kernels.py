@@ -1,7 +1,7 @@
 """Microbenchmark of the quantised-weight kernels (:mod:`infertrace.quant.linear`) per GGUF type.
 
     python benchmarks/quant_kernels.py [--shapes smol,gemma,2k,4k] [--types Q4_K,Q6_K,...] [--rounds 15]
-        [--tokens 1,32] [--dtypes float32,bfloat16]
+        [--tokens 1,32] [--dtypes float32,bfloat16] [--threads N] [--fp32-int4]
 
 For each (type, matrix shape [out, in], tokens, activation dtype) the contenders are the float
 path (``F.linear`` on the dequantised matrix in the activation dtype: what ``--weights float``
@@ -78,10 +78,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--tokens", default="1,32")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default). On a 2-core machine "
+                    "shared with other work, 1 thread avoids the 10-20 ms stalls of a parallel op waiting for its second thread")
     ap.add_argument("--fp32-int4", action="store_true", help="also time the int4 kernels with float32 activations")
     args = ap.parse_args()
     global FP32_INT4
     FP32_INT4 = args.fp32_int4
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median over {args.rounds} alternating rounds "
           "(min in brackets), ratio = median of per-round time / float path")
     print("| type | shape [out, in] | tokens | act | " + " | ".join(["float ms", "dequant", "int4pack", "int4x2", "int4pair16"]) + " |")
