@@ -39,6 +39,29 @@ FAST_KERNELS: dict[tuple[str, torch.dtype], str] = {
 KERNEL_CLASSES = {"int4pack": Int4PackLinear, "int4x2": Int4x2Linear, "int4pair16": Int4Pair16Linear, "dequant": DequantLinear}
 
 
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Building a kernel object frees temporaries several times its own size (codes as int8, then
+    int32 chunks for packing); glibc keeps such freed blocks in the process, so without this
+    the resident size after loading SmolLM2 was 549 MB instead of 389 MB (measured).
+    """
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - probe
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
+
+
 def supported_types() -> tuple[str, ...]:
     """GGUF tensor types the quantised path reads (floats and :data:`DECODERS`)."""
     return FLOAT_TYPES + tuple(DECODERS)
@@ -195,6 +218,12 @@ class GGUFQuantSource:
         return parts[0] if len(parts) == 1 else StackedLinear(parts)
 
     def _build(self, type_name: str, names: list[str]) -> QuantLinear:
+        try:
+            return self._build_one(type_name, names)
+        finally:
+            release_free_memory()
+
+    def _build_one(self, type_name: str, names: list[str]) -> QuantLinear:
         if type_name in FLOAT_TYPES:
             w = torch.cat([self.float_tensor(n) for n in names]) if len(names) > 1 else self.float_tensor(names[0])
             self._note(type_name, "dense")
