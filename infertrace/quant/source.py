@@ -160,11 +160,20 @@ class GGUFQuantSource:
         n = self._n_rows(t)
         row_bytes = int(t.n_bytes) // n
         step = max(1, READ_CHUNK_BYTES // max(1, row_bytes))
-        parts = []
+        a = None
         with np.errstate(all="ignore"):  # broken scales give inf/nan, as in the float path
             for r0 in range(0, n, step):
-                parts.append(split_rows(self._rows_bytes(t, r0, min(n, r0 + step)), t.type_name))
-        a = parts[0] if len(parts) == 1 else cat_affine(parts)
+                r1 = min(n, r0 + step)
+                c = split_rows(self._rows_bytes(t, r0, r1), t.type_name)
+                if a is None:  # whole-tensor arrays filled chunk by chunk (no list of parts, no concatenation copy)
+                    if r1 == n:
+                        a = c
+                        break
+                    a = Affine(np.empty((n, c.q.shape[1]), np.int8), np.empty((n, c.scale.shape[1]), np.float32),
+                               None if c.offset is None else np.empty((n, c.offset.shape[1]), np.float32), c.group)
+                a.q[r0:r1], a.scale[r0:r1] = c.q, c.scale
+                if a.offset is not None:
+                    a.offset[r0:r1] = c.offset
         if self._heads(name):
             a = permute_rows(a, rope_row_order(a.q.shape[0], self._heads(name)))
         return a
