@@ -291,6 +291,11 @@ def open_gguf_quant(path: str | Path, act_dtype: torch.dtype) -> tuple[Any, GGUF
     cfg = ck.config
     if cfg.family == "qwen35":
         raise InfertraceError("--weights quant does not implement the Qwen3.5 GGUF V-head reorder yet; run with --weights float")
+    with open(p, "rb") as fh:
+        head = fh.read(8)
+    if int.from_bytes(head[4:8], "little") not in (2, 3):  # a big-endian GGUF: version 3 reads 0x03000000
+        raise InfertraceError(f"{p.name} is a big-endian GGUF; --weights quant reads little-endian block layouts only "
+                              "(run with --weights float, or convert it: gguf-py gguf_convert_endian.py FILE little)")
     header, _ = load_header(p, _read_checked_gguf)
     unsupported = sorted({t.type_name for t in header.tensors if t.type_name not in supported_types()})
     if unsupported:
