@@ -22,5 +22,7 @@ class QuantOps(Ops):
         """Row-stack projection weights: quantised parts of one source as one kernel per type, else
         :meth:`Ops.cat_rows` (``torch.cat`` of floats, ``RowStack`` otherwise)."""
         if parts and all(isinstance(p, QuantWeight) for p in parts) and len({id(p.source) for p in parts}) == 1:
+            for p in parts:
+                p.fused = True
             return parts[0].source.linear([p.name for p in parts])
         return super().cat_rows(parts)

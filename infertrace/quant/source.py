@@ -322,6 +322,7 @@ class QuantWeight:
         self.shape = tuple(int(x) for x in reversed(list(t.shape)))  # (out, in)
         self.type_name = t.type_name
         self._lin: QuantLinear | None = None
+        self.fused = False  # set when QuantOps built it into a fused kernel with its siblings (never built alone)
 
     def built(self) -> QuantLinear:
         """The kernel object (built from the file on the first call)."""
@@ -360,3 +361,18 @@ def quant_weights(path: str | Path, act_dtype: torch.dtype) -> tuple[Any, dict[s
         else:
             w[name] = src.vector(name)  # [n]
     return ck, w, src
+
+
+def build_unfused(weights: dict[str, Any]) -> dict[str, str]:
+    """Build now every :class:`QuantWeight` of ``weights`` that was not fused into a sibling's kernel
+    (output projections, ``ffn_down``, the lm head), so loading — not the first step — pays for it.
+
+    Call after :class:`~infertrace.model.decoder.DecoderModel` was built with
+    :class:`~infertrace.quant.ops.QuantOps`. Returns the source's ``kernels`` (type -> kernel).
+    """
+    src = None
+    for v in weights.values():
+        if isinstance(v, QuantWeight) and not v.fused:
+            v.built()
+            src = v.source
+    return dict(src.kernels) if src is not None else {}
