@@ -72,11 +72,35 @@ def n_params(s: dict) -> int:
     return sum(int(np.prod(shape)) for _, shape in tensors(s))
 
 
+def vocabulary(n: int) -> tuple[list[str], list[str]]:
+    """Byte-level tokens (GPT-2 alphabet), one merge (two spaces -> token 256; gguf-py does not write
+    an empty merges array and a gpt2 vocabulary needs one), fillers, and two specials at the end."""
+    from infertrace.model.tokenizer import _BYTE_ENCODER
+
+    sp = _BYTE_ENCODER[ord(" ")]
+    toks = [_BYTE_ENCODER[b] for b in range(256)] + [sp + sp] + [f"<|r{i}|>" for i in range(257, n - 2)]
+    return toks + ["<|begin_of_text|>", "<|end_of_text|>"], [f"{sp} {sp}"]
+
+
+def retokenize(path: Path) -> None:
+    """Rewrite the tokenizer of a file written before :func:`vocabulary` had its merge (copies the file
+    with gguf-py's ``copy_with_new_metadata``, then replaces it)."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    r = gguf.GGUFReader(str(path))
+    toks, merges = vocabulary(len(r.fields["tokenizer.ggml.tokens"].data))
+    A, S = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), r.fields["general.architecture"].contents())
+    copy_with_new_metadata(r, w, {"tokenizer.ggml.tokens": MetadataDetails(A, toks, S),
+                                  "tokenizer.ggml.merges": MetadataDetails(A, merges, S)}, [])
+    os.replace(tmp, path)
+
+
 def write_f16(path: Path, s: dict, seed: int) -> None:
     """Stream the random-weight F16 GGUF to ``path`` (tensor by tensor)."""
     import gguf
-
-    from infertrace.model.tokenizer import _BYTE_ENCODER
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(s["name"])
@@ -92,13 +116,12 @@ def write_f16(path: Path, s: dict, seed: int) -> None:
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_vocab_size(s["vocab"])
     w.add_file_type(1)  # LLAMA_FTYPE_MOSTLY_F16
-    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
-    toks = [_BYTE_ENCODER[b] for b in range(256)] + [f"<|r{i}|>" for i in range(256, s["vocab"] - 2)] + specials
+    toks, merges = vocabulary(s["vocab"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("llama-bpe")
     w.add_token_list(toks)
     w.add_token_types([1] * (len(toks) - 2) + [3, 3])
-    w.add_token_merges([])
+    w.add_token_merges(merges)
     w.add_bos_token_id(len(toks) - 2)
     w.add_eos_token_id(len(toks) - 1)
     w.add_add_bos_token(False)
@@ -149,7 +172,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep-f16", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (disk, time) and stop")
+    ap.add_argument("--retokenize", action="store_true", help="only rewrite the tokenizer of an already built Q4_K_M file")
     args = ap.parse_args()
+    if args.retokenize:
+        retokenize((args.out or cache_dir()) / f"llama-{args.shape}-random-Q4_K_M.gguf")
+        return
     s = SHAPES[args.shape]
     out = args.out or cache_dir()
     n = n_params(s)
