@@ -268,3 +268,28 @@ def test_packing_in_row_chunks_equals_packing_the_whole(monkeypatch):
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     monkeypatch.setattr(ql, "PACK_ROWS", 128)
     assert torch.equal(ql.pack_int4(lambda r0, r1: codes[r0:r1], codes.shape[0]), whole)
+
+
+def test_quant_weights_dict_matches_the_float_checkpoint(smol_path):
+    """quant_weights: every matrix a QuantWeight of the float path's shape whose float32 kernel gives the
+    float path's values; every vector the float path's tensor; build_unfused builds what was not fused."""
+    from infertrace.model.weights import load_checkpoint
+    from infertrace.quant.source import QuantWeight, build_unfused, quant_weights
+
+    ck, w, src = quant_weights(smol_path, torch.float32)
+    ref = load_checkpoint(smol_path).weights
+    assert set(w) == set(ref)
+    for n, v in w.items():
+        if isinstance(v, QuantWeight):
+            assert v.shape == tuple(ref[n].shape), n
+        else:
+            assert torch.equal(v, ref[n]), n
+    assert torch.equal(w["blk.2.attn_k"].built().dequantize(), ref["blk.2.attn_k"])  # un-permuted rows
+    for n in ("blk.0.attn_q", "blk.0.attn_k"):
+        w[n].fused = True  # as QuantOps.cat_rows marks them
+    kernels = build_unfused(w)
+    assert w["blk.0.attn_q"]._lin is None and w["blk.0.attn_v"]._lin is not None
+    assert kernels == {"Q4_1": "dequant", "Q8_0": "dequant"}
+    ids = torch.tensor([1, 49151])
+    assert torch.equal(w["token_embd"].rows(ids), ref["token_embd"][ids])
+    src.close()
