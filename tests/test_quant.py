@@ -293,3 +293,31 @@ def test_quant_weights_dict_matches_the_float_checkpoint(smol_path):
     ids = torch.tensor([1, 49151])
     assert torch.equal(w["token_embd"].rows(ids), ref["token_embd"][ids])
     src.close()
+
+
+@pytest.mark.parametrize("name,cls", [("Q4_K", ql.Int4PackLinear), ("Q8_0", ql.Int4x2Linear), ("Q6_K", ql.Int4Pair16Linear)])
+def test_kernels_built_from_row_blocks_equal_the_whole(name, cls, gemma_path):
+    """Large matrices are packed a row block at a time: every field equals packing the matrix at once."""
+    if name == "Q8_0":  # Gemma's Q8_0 matrices: attn_v has 256 rows; the embedding's first 448
+        data = np.asarray(_real_tensors(gemma_path, ["token_embd.weight"])["token_embd.weight"].data)[:448]
+    else:
+        data = _real_or_quantised(name, gemma_path, rows=448)  # 7 blocks of 64 rows
+    assert data.shape[0] == 448
+    a = split_rows(data, name)
+    whole = cls(a, name, torch.bfloat16)
+    blocks = [ql.permute_rows(a, np.arange(r0, min(448, r0 + 128))) for r0 in range(0, 448, 128)]  # 128 x 3 + 64
+    built = cls.from_row_chunks(blocks, 448, name, torch.bfloat16)
+    for f in cls._ROW_FIELDS:
+        assert torch.equal(getattr(built, f), getattr(whole, f)), f
+    assert built.shape == whole.shape
+
+
+def test_source_builds_large_matrices_from_row_blocks(smol_path, monkeypatch):
+    """The source's block-wise build (gate+up fused, 3072 rows in blocks of 512) gives the whole build's outputs."""
+    ck, src = open_gguf_quant(smol_path, torch.bfloat16)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(9)).bfloat16()
+    whole = src.linear(["blk.4.ffn_gate", "blk.4.ffn_up"])
+    monkeypatch.setattr(ql, "PACK_ROWS", 512)
+    blocked = src.linear(["blk.4.ffn_gate", "blk.4.ffn_up"])
+    assert torch.equal(blocked.packed, whole.packed) and torch.equal(blocked(x), whole(x))
+    src.close()

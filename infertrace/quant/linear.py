@@ -23,7 +23,7 @@ by :data:`SCRATCH_VALUES` values per dtype and shared by every layer.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -184,6 +184,46 @@ class DequantLinear(QuantLinear):
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
 
 
+class _RowChunked:
+    """Building an int4 kernel object a block of rows at a time (bounded temporaries for large tensors).
+
+    ``_ROW_FIELDS`` names each tensor attribute and the dimension along which it follows the
+    matrix rows (packed codes: 0; ``[groups, out, 2]`` scales/zeros: 1).
+    """
+
+    _ROW_FIELDS: dict[str, int] = {}
+
+    @classmethod
+    def from_row_chunks(cls, chunks: Iterable[Affine], n: int, qtype: str, act_dtype: torch.dtype) -> "QuantLinear":
+        """The kernel object of an ``[n, in]`` matrix from consecutive row blocks (each a multiple of 64
+        rows but the last: packed row blocks of such sizes concatenate to the whole packing, as
+        ``tests/test_quant.py`` checks); each field is preallocated whole and filled block by block.
+
+        Raises:
+            ValueError: the blocks do not add up to ``n`` rows, or a block cannot be packed.
+        """
+        obj: Any = None
+        r0 = 0
+        for a in chunks:
+            part = cls(a, qtype, act_dtype)  # type: ignore[call-arg]
+            r1 = r0 + part.shape[0]
+            if obj is None:
+                obj = cls.__new__(cls)
+                obj.qtype, obj.act_dtype, obj.shape = qtype, act_dtype, (int(n), part.shape[1])
+                for f, dim in cls._ROW_FIELDS.items():
+                    t = getattr(part, f)
+                    setattr(obj, f, t.new_empty([n if d == dim else size for d, size in enumerate(t.shape)]))
+            if r1 > n:
+                raise ValueError(f"row blocks add up to more than {n} rows")
+            for f, dim in cls._ROW_FIELDS.items():
+                getattr(obj, f).narrow(dim, r0, r1 - r0).copy_(getattr(part, f))
+            r0 = r1
+            del part
+        if obj is None or r0 != n:
+            raise ValueError(f"row blocks add up to {r0} rows, not {n}")
+        return obj
+
+
 def int4_params(a: Affine) -> tuple[Callable[[int, int], torch.Tensor], torch.Tensor, torch.Tensor]:
     """(codes ``u(r0, r1)`` -> ``int32 [r1-r0, in]`` in 0..15, scale ``float32 [out, in/32]``, zero
     ``float32 [out, in/32]``) such that ``(u - 8) * scale + zero`` is ``a``'s weight (zero rounded once
@@ -210,7 +250,7 @@ def int4_params(a: Affine) -> tuple[Callable[[int, int], torch.Tensor], torch.Te
             torch.from_numpy(np.ascontiguousarray(a.scale)), torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)))
 
 
-class Int4PackLinear(QuantLinear):
+class Int4PackLinear(_RowChunked, QuantLinear):
     """torch's weight-only int4 matmul (groups of 32, one scale and zero per group and row).
 
     Args:
@@ -223,6 +263,7 @@ class Int4PackLinear(QuantLinear):
     """
 
     kernel = "int4pack"
+    _ROW_FIELDS = {"packed": 0, "sz": 1}
 
     def __init__(self, a: Affine, qtype: str, act_dtype: torch.dtype):
         n, k = a.q.shape
@@ -251,7 +292,7 @@ class Int4PackLinear(QuantLinear):
         return self.packed.numel() + self.sz.numel() * self.sz.element_size()
 
 
-class Int4x2Linear(QuantLinear):
+class Int4x2Linear(_RowChunked, QuantLinear):
     """5- to 8-bit codes in groups of 32 as two int4pack matmuls (high and low nibble planes).
 
     ``q = 16·hi + lo`` with ``hi = q >> 4`` (-8..7, arithmetic shift) and ``lo = q & 15``, so
@@ -270,6 +311,7 @@ class Int4x2Linear(QuantLinear):
     """
 
     kernel = "int4x2"
+    _ROW_FIELDS = {"packed_hi": 0, "packed_lo": 0, "sz_hi": 1, "sz_lo": 1}
 
     def __init__(self, a: Affine, qtype: str, act_dtype: torch.dtype):
         n, k = a.q.shape
@@ -306,7 +348,7 @@ class Int4x2Linear(QuantLinear):
                 + (self.sz_hi.numel() + self.sz_lo.numel()) * self.sz_hi.element_size())
 
 
-class Int4Pair16Linear(QuantLinear):
+class Int4Pair16Linear(_RowChunked, QuantLinear):
     """Codes in groups of 16 (Q6_K, Q3_K, Q2_K) on the group-32 int4pack kernel, doubling ``in``.
 
     Each group ``j`` of 16 becomes one kernel group of 32: its low nibbles ``lo = q & 15`` then
@@ -322,6 +364,7 @@ class Int4Pair16Linear(QuantLinear):
     """
 
     kernel = "int4pair16"
+    _ROW_FIELDS = {"packed": 0, "sz": 1, "corr": 0}
 
     def __init__(self, a: Affine, qtype: str, act_dtype: torch.dtype):
         n, k = a.q.shape

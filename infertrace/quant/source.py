@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.quant.blocks import DECODERS, Affine, affine_dequantize, split_rows
+from infertrace.quant import linear as _ql
 from infertrace.quant.linear import (DenseLinear, DequantLinear, Int4PackLinear, Int4Pair16Linear, Int4x2Linear,
                                      QuantLinear, StackedLinear, cat_affine, permute_rows)
 
@@ -232,7 +233,27 @@ class GGUFQuantSource:
         finally:
             release_free_memory()
 
+    def _row_blocks(self, name: str) -> Iterator[Affine]:
+        """Codes of matrix ``name`` a block of :data:`infertrace.quant.linear.PACK_ROWS` rows at a time
+        (the whole matrix in one block when its rows are un-permuted: the permutation spans heads)."""
+        t = self._entry(name)
+        n = self._n_rows(t)
+        if self._heads(name) or n <= _ql.PACK_ROWS:
+            yield self.affine(name)
+            return
+        with np.errstate(all="ignore"):  # broken scales give inf/nan, as in the float path
+            for r0 in range(0, n, _ql.PACK_ROWS):
+                yield split_rows(self._rows_bytes(t, r0, min(n, r0 + _ql.PACK_ROWS)), t.type_name)
+
     def _build_one(self, type_name: str, names: list[str]) -> QuantLinear:
+        rows = [self._n_rows(self._entry(n)) for n in names]
+        k_in = int(self._entry(names[0]).shape[0])
+        if type_name in DECODERS and sum(rows) > _ql.PACK_ROWS and all(r % 64 == 0 for r in rows):
+            k = choose_kernel(type_name, self.act_dtype, (sum(rows), k_in))
+            if k != "dequant":  # an int4 kernel, built from row blocks: temporaries of PACK_ROWS rows, not of the matrix
+                self._note(type_name, k)
+                blocks = (b for n in names for b in self._row_blocks(n))
+                return KERNEL_CLASSES[k].from_row_chunks(blocks, sum(rows), type_name, self.act_dtype)
         if type_name in FLOAT_TYPES:
             w = torch.cat([self.float_tensor(n) for n in names]) if len(names) > 1 else self.float_tensor(names[0])
             self._note(type_name, "dense")
