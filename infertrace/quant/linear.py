@@ -1,6 +1,7 @@
 """Linear layers whose weights stay quantised: ``y = x @ W.T (+ b)`` from codes and group scales.
 
-Three kernels, one interface (:class:`QuantLinear`):
+Five kernels, one interface (:class:`QuantLinear`); which one each type gets per activation dtype
+is :data:`infertrace.quant.source.FAST_KERNELS` (measured in ``benchmarks/quant_kernels.py``):
 
 * ``int4pack`` — torch's weight-only int4 matmul (``aten._weight_int4pack_mm_for_cpu``, the CPU
   port of gpt-fast's tinygemm path). It computes ``w = (u - 8) * s + z`` per group of 32 from
@@ -10,6 +11,10 @@ Three kernels, one interface (:class:`QuantLinear`):
   bf16 activations ``s`` and ``z`` are rounded to bf16 (8 significant bits; ``d`` is float16 with 11):
   a weight can move by up to about 2^-9 of its group's range — measured per type in
   ``tests/test_quant.py`` and ``benchmarks/quant_kernels.py``.
+* ``int4x2`` — the group-32 5- and 8-bit types (Q5_0, Q5_1, Q5_K, Q8_0) as two int4pack
+  matmuls over the high and low nibble planes of their codes (:class:`Int4x2Linear`).
+* ``int4pair16`` — the group-16 types (Q6_K) on the int4pack kernel with ``in`` doubled and a
+  small dense correction (:class:`Int4Pair16Linear`).
 * ``dequant`` — any type of :mod:`infertrace.quant.blocks`: int8 codes plus float32 scales
   (and offsets) kept in memory; each call dequantises a chunk of rows into one reused scratch
   buffer (float32, then the activation dtype) and multiplies densely. The float32 weights are
