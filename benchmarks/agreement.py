@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infertrace.engine.engine import Engine, EngineOptions  # noqa: E402
 from infertrace.engine.sampler import SamplingParams  # noqa: E402
-from infertrace.model.registry import resolve_model  # noqa: E402
+from infertrace.loading.registry import resolve_model  # noqa: E402
 from infertrace.runner import load_model  # noqa: E402
 from tests.test_gemma3_real import PROMPTS, _greedy_hf, _prefill_logits  # noqa: E402
 

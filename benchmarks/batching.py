@@ -22,7 +22,7 @@ import torch
 
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
-from infertrace.model.weights import default_model_path
+from infertrace.loading.registry import default_model_path
 from infertrace.runner import load_model
 from infertrace.threads import apply_threads, choose_threads
 

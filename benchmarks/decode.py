@@ -29,8 +29,8 @@ import torch
 
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
-from infertrace.model.decoder import NULL_TRACER
-from infertrace.model.registry import resolve_model
+from infertrace.model.taps import NULL_TRACER
+from infertrace.loading.registry import resolve_model
 from infertrace.runner import load_model
 from infertrace.threads import choose_threads
 from infertrace.capture.recorder import Recorder

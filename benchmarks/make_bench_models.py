@@ -75,7 +75,7 @@ def n_params(s: dict) -> int:
 def vocabulary(n: int) -> tuple[list[str], list[str]]:
     """Byte-level tokens (GPT-2 alphabet), one merge (two spaces -> token 256; gguf-py does not write
     an empty merges array and a gpt2 vocabulary needs one), fillers, and two specials at the end."""
-    from infertrace.model.tokenizer import _BYTE_ENCODER
+    from infertrace.tokenizer.vocab import _BYTE_ENCODER
 
     sp = _BYTE_ENCODER[ord(" ")]
     toks = [_BYTE_ENCODER[b] for b in range(256)] + [sp + sp] + [f"<|r{i}|>" for i in range(257, n - 2)]

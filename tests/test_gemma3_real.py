@@ -94,7 +94,7 @@ def test_the_window_bites_on_the_long_prompt(gemma, hf_runs):
     """Full attention on every layer would give other logits: the window is not decoration."""
     ids, _, ref = hf_runs[2]
     m = gemma.model
-    saved = [L["window"] for L in m.layers]
+    saved = [L.mixer.window for L in m.layers]
     kv = make_kv(m, EngineOptions(ctx_size=1024), "torch")
     kv.windows = [0] * len(saved)
     kv.n_swa = 0
@@ -114,3 +114,49 @@ CORPUS = [
 @pytest.mark.parametrize("text", CORPUS)
 def test_tokenizer_ids_equal_hf(gemma, hf_gemma, text):
     assert gemma.tokenizer.encode(text) == hf_gemma[0](text).input_ids
+
+
+def _rot64(k: torch.Tensor, delta: int, base: float) -> torch.Tensor:
+    """Half-split rotation of ``k`` ``[M, h, d]`` by ``delta`` positions with base ``base``, float64 (written here)."""
+    d = k.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [d/2]
+    c, s = (delta * inv).cos(), (delta * inv).sin()  # [d/2] each
+    x1, x2 = k.double()[..., : d // 2], k.double()[..., d // 2 :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # [M, h, d]
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_k_shift_uses_each_layers_base_on_the_real_model(gemma, backend):
+    """Case C2 on the real model: after seq_rm [2, 4) + a shift of [4, L) by -2, every layer's K equals
+    R(-2 theta_layer) K with base 10000 on the windowed layers and 1e6 on the global ones (5 : 1)."""
+    from infertrace.kv.seq_ops import shift_out
+    from infertrace.model.rope import layer_ropes
+
+    m = gemma.model
+    ids = gemma.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    e = Engine(m, gemma.tokenizer, EngineOptions(backend=backend, ctx_size=64, tokens_per_block=8))
+    e.add_request(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    e.step()
+    L = len(ids)
+    before = [e.kv.read(il, 0)[0].clone() for il in range(m.cfg.n_layer)]
+    shift_out(e.kv, 0, 2, 4, layer_ropes(m.cfg))
+    for il in range(m.cfg.n_layer):
+        base = 1e6 if (il + 1) % 6 == 0 else 10000.0
+        k = e.kv.read(il, 0)[0]  # [L - 2, nkv, hd]
+        assert (k[2:].double() - _rot64(before[il][4:L], -2, base)).abs().max() <= 1e-4, (backend, il)
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_context_shift_runs_on_gemma3_and_keeps_the_bos(gemma, backend):
+    """Cases C1 + C2: Gemma's tokenizer adds BOS, so --n-keep 0 keeps one cell (llama.cpp n_keep += add_bos);
+    the trace's layer-0 K-shift evidence (layer 0 is windowed: base 10000) stays at float32 rounding."""
+    from infertrace.runner import PromptSpec, run_requests
+
+    ids = gemma.tokenizer.encode("The capital of France is")
+    assert ids[0] == gemma.tokenizer.bos_id
+    spec = PromptSpec("The capital of France is", SamplingParams(max_new_tokens=12, ignore_eos=True))
+    tr = run_requests(gemma, [spec], EngineOptions(backend=backend, ctx_size=16, tokens_per_block=4, context_shift=True),
+                      show=("positions",))
+    shifts = [r.shift for st in tr.steps for r in st.batch if r.shift]
+    assert shifts and shifts[0]["n_keep"] == 1 and shifts[0]["removed"].startswith("1..")
+    assert all(s["k_shift_max_abs_layer0"] <= 1e-4 for s in shifts)

@@ -1,4 +1,4 @@
-"""The GGUF header cache (:mod:`infertrace.model.gguf_meta`): a cached header equals the one
+"""The GGUF header cache (:mod:`infertrace.loading.gguf_meta`): a cached header equals the one
 gguf-py's ``GGUFReader`` gives (metadata, tokenizer values, tensor table and data views), the
 tokenizer built from it equals the one built from the reader (tokens, merges, ids on a mixed
 corpus), a changed file is re-read, and a corrupt or forged cache file is ignored.
@@ -13,9 +13,9 @@ import gguf
 import numpy as np
 import pytest
 
-from infertrace.model.gguf_meta import cache_dir, load_header
-from infertrace.model.tokenizer import Tokenizer
-from infertrace.model.weights import load_checkpoint, read_gguf
+from infertrace.loading.gguf_meta import cache_dir, load_header
+from infertrace.tokenizer.vocab import Tokenizer
+from infertrace.loading.weights import load_checkpoint, read_gguf
 from tests.tiny import make_weights, write_gguf
 
 CORPUS = [

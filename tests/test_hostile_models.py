@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 
 from infertrace.cli.app import app
 from infertrace.errors import InfertraceError
-from infertrace.model.gguf_check import check_gguf_header
-from infertrace.model.weights import load_checkpoint
+from infertrace.loading.gguf_check import check_gguf_header
+from infertrace.loading.weights import load_checkpoint
 from tests.hostile_gguf import (ARRAY, FLOAT32, STRING, UINT8, UINT32, UINT64, arr, g1_bytes, gguf_bytes, kv,
                                 patch_kv, s, tensor_info)
 from tests.tiny import make_weights, write_gguf, write_hf
@@ -224,8 +224,8 @@ def test_gguf_tokenizer_of_the_wrong_type(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(InfertraceError) as e:
-        from infertrace.model.gguf_check import check_gguf_tokenizer_fields
-        from infertrace.model.weights import read_gguf
+        from infertrace.loading.gguf_check import check_gguf_tokenizer_fields
+        from infertrace.loading.weights import read_gguf
 
         check_gguf_tokenizer_fields(read_gguf(tmp_path / "t.gguf"), "t.gguf")
     assert "tokenizer.ggml.tokens must be an ARRAY of STRING" in e.value.message
@@ -326,7 +326,7 @@ def test_chat_template_deadline_and_unchanged_output():
     jinja2's own sandbox renders it."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from infertrace.model.template_limits import LimitedSandbox, TemplateLimitError
+    from infertrace.tokenizer.template_limits import LimitedSandbox, TemplateLimitError
 
     slow = LimitedSandbox(seconds=0.2, iterations=10 ** 12)
     with pytest.raises(TemplateLimitError, match="longer than the limit of 0.2 s"):
@@ -409,7 +409,7 @@ def test_prompts_file_hostile_json(gguf_path, tmp_path, content, expect):
 def test_prompts_file_is_read_with_a_bound():
     """--prompts accepts pipes (``<(cmd)``) but stops reading an endless file at the limit."""
     assert Path("/dev/zero").exists(), "the hostile-file tests need Linux's /dev/zero"
-    from infertrace.model.limits import MAX_PROMPTS_FILE_BYTES
+    from infertrace.loading.limits import MAX_PROMPTS_FILE_BYTES
 
     assert f"--prompts /dev/zero is over the limit of {MAX_PROMPTS_FILE_BYTES} bytes" in _err(
         "run", "-p", "x", "--prompts", "/dev/zero")

@@ -23,13 +23,13 @@ def test_p4_prepare_grows_tables_and_slot_mapping():
     kv = PagedKV(1, 1, 4, num_blocks=8, tokens_per_block=4)
     inp = kv.prepare([ChunkSpec(0, 0, 5), ChunkSpec(1, 0, 3)])
     assert kv.tables == {0: [0, 1], 1: [2]}
-    assert inp.extra["slot_mapping"].tolist() == [0, 1, 2, 3, 4, 8, 9, 10]
-    assert inp.extra["cu_seqlens"].tolist() == [0, 5, 8]
-    assert inp.extra["kv_lens"].tolist() == [5, 3]
+    assert inp.slot_mapping.tolist() == [0, 1, 2, 3, 4, 8, 9, 10]
+    assert inp.cu_seqlens.tolist() == [0, 5, 8]
+    assert inp.kv_lens.tolist() == [5, 3]
     inp = kv.prepare([ChunkSpec(1, 3, 1), ChunkSpec(0, 5, 1)])  # block boundary for seq 1 at p=3 -> still block 2; seq 0 p=5 -> block 1
-    assert inp.extra["slot_mapping"].tolist() == [11, 5]
+    assert inp.slot_mapping.tolist() == [11, 5]
     inp = kv.prepare([ChunkSpec(1, 4, 1)])  # p=4 = B: new block 3
-    assert kv.tables[1] == [2, 3] and inp.extra["slot_mapping"].tolist() == [12]
+    assert kv.tables[1] == [2, 3] and inp.slot_mapping.tolist() == [12]
     kv.release(0)
     assert kv.free[:2] == [0, 1] and 0 not in kv.tables
 
@@ -37,7 +37,7 @@ def test_p4_prepare_grows_tables_and_slot_mapping():
 def test_cells_kq_mask_worked_example():
     kv = CellsKV(1, 1, 4, size=64)
     inp = kv.prepare([ChunkSpec(0, 0, 3)])
-    m = inp.extra["kq_mask"]
+    m = inp.kq_mask
     # as llama.cpp builds it (measured by --engine llama.cpp): n_kv = min(size, pad(used, 256)) = 64,
     # rows = n_tokens (no GGML_KQ_MASK_PAD any more)
     assert list(m.shape) == [1, 1, 3, 64]  # ne = [n_kv=64, n_tokens=3, 1, 1]
@@ -45,15 +45,15 @@ def test_cells_kq_mask_worked_example():
     assert keep == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
     assert bool((m[0, 0, :3, 3:] == float("-inf")).all())  # empty cells dropped
     inp = kv.prepare([ChunkSpec(0, 3, 1)])
-    assert (inp.extra["kq_mask"][0, 0, 0, :5] == 0).int().tolist() == [1, 1, 1, 1, 0]
-    assert inp.extra["cell_idx"].tolist() == [3] and kv.head == 4
+    assert (inp.kq_mask[0, 0, 0, :5] == 0).int().tolist() == [1, 1, 1, 1, 0]
+    assert inp.cell_idx.tolist() == [3] and kv.head == 4
 
 
 def test_cells_isolation_two_sequences_interleaved():
     kv = CellsKV(1, 1, 4, size=64)
     kv.prepare([ChunkSpec(0, 0, 2), ChunkSpec(1, 0, 3)])  # cells 0,1 -> seq0 ; 2,3,4 -> seq1
     inp = kv.prepare([ChunkSpec(0, 2, 1), ChunkSpec(1, 3, 1)])  # cells 5 (seq0 pos2), 6 (seq1 pos3)
-    keep = (inp.extra["kq_mask"][0, 0, :2, :7] == 0).int().tolist()
+    keep = (inp.kq_mask[0, 0, :2, :7] == 0).int().tolist()
     assert keep == [[1, 1, 0, 0, 0, 1, 0], [0, 0, 1, 1, 1, 0, 1]]
     lm = kv.logical_mask(inp)
     assert lm[0].int().tolist() == [[1, 1, 1]] and lm[1].int().tolist() == [[1, 1, 1, 1]]

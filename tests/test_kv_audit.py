@@ -8,8 +8,8 @@ import torch
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.model.decoder import DecoderModel
+from infertrace.loading.weights import load_checkpoint
 from infertrace.runner import Loaded, PromptSpec, run_requests
 from tests.tiny import make_weights, write_gguf
 
@@ -21,7 +21,7 @@ A = list(range(40, 58))
 def tiny(tmp_path_factory):
     w, s = make_weights(seed=13)
     ck = load_checkpoint(write_gguf(tmp_path_factory.mktemp("tiny") / "m.gguf", w, s))
-    return Loaded(ck, LlamaModel(ck.config, ck.weights))
+    return Loaded(ck, DecoderModel(ck.config, ck.weights))
 
 
 def _engine(tiny, backend, **kw):

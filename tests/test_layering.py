@@ -22,7 +22,7 @@ LAYERS = {
     "infertrace.present": ("infertrace.present", "infertrace.trace"),
 }
 #: torch-free shared modules any layer may use
-SHARED = ("infertrace.errors", "infertrace.ranges", "infertrace.safe_io", "infertrace.safe_text")
+SHARED = ("infertrace.errors", "infertrace.fmt", "infertrace.ranges", "infertrace.safe_io", "infertrace.safe_text")
 #: third-party modules that load torch or a model runtime
 FORBIDDEN = ("torch", "triton", "transformers", "accelerate", "llama_cpp", "safetensors.torch")
 
@@ -177,3 +177,82 @@ def test_the_check_accepts_numpy_and_shared_modules(tmp_path):
         "infertrace/present/render.py": "from rich.text import Text\nfrom infertrace.trace import store\nfrom . import report\n",
         "infertrace/present/report.py": "from markupsafe import Markup\n"})
     assert violations(root) == []
+
+
+# ----------------------------------------------------------------------------- no import cycles (issue 18)
+
+#: packages of the memory (llama_memory_i kinds) and what they must never import: the engine drives them
+MEMORY_MUST_NOT_IMPORT = ("infertrace.engine", "infertrace.runner", "infertrace.capture", "infertrace.cli",
+                          "infertrace.compare", "infertrace.runtimes")
+#: the engine's must-nots: the runner and the CLI sit above it
+ENGINE_MUST_NOT_IMPORT = ("infertrace.runner", "infertrace.cli", "infertrace.compare", "infertrace.runtimes")
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the infertrace modules it imports (module level, lazy, ``TYPE_CHECKING``), plus the
+    parent packages whose ``__init__`` an import runs."""
+    graph: dict[str, set[str]] = {}
+    for f in sorted((root / "infertrace").rglob("*.py")):
+        name = _module_name(f, root)
+        deps: set[str] = set()
+        for _, mod in imports_of(f, root):
+            while mod and _under(mod, ("infertrace",)):
+                if _file_of(mod, root) is not None and mod != name and not _under(name, (mod,)):
+                    deps.add(mod)
+                mod = mod.rpartition(".")[0]
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph(ROOT)) == []
+
+
+def test_cycle_check_finds_a_lazy_cycle(tmp_path):
+    root = _fake_tree(tmp_path, {"infertrace/a.py": "def f():\n    from infertrace import b\n",
+                                 "infertrace/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import infertrace.a\n"})
+    assert cycles(import_graph(root)) == [["infertrace.a", "infertrace.b"]]
+
+
+@pytest.mark.parametrize("package, must_not", [("infertrace.kv", MEMORY_MUST_NOT_IMPORT),
+                                               ("infertrace.engine", ENGINE_MUST_NOT_IMPORT)])
+def test_lower_rooms_do_not_import_upward(package, must_not):
+    bad = [f"{f.relative_to(ROOT)}:{line}: imports {mod}"
+           for f in sorted((ROOT / Path(*package.split("."))).rglob("*.py"))
+           for line, mod in imports_of(f, ROOT) if _under(mod, must_not)]
+    assert bad == []

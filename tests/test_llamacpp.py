@@ -31,7 +31,7 @@ THREE = ["The capital of France is", "def add(a, b):", "Once upon a time, in a s
 
 @pytest.fixture(scope="module")
 def one(smol, llama_cpp):
-    from infertrace.engine.llamacpp_compare import compare_with_llamacpp
+    from infertrace.compare.llamacpp import compare_with_llamacpp
 
     specs = [PromptSpec("The capital of France is", SamplingParams(max_new_tokens=32, ignore_eos=True))]
     return _dump("one", compare_with_llamacpp(smol, specs, EngineOptions(), layer=0))
@@ -39,7 +39,7 @@ def one(smol, llama_cpp):
 
 @pytest.fixture(scope="module")
 def three(smol, llama_cpp):
-    from infertrace.engine.llamacpp_compare import compare_with_llamacpp
+    from infertrace.compare.llamacpp import compare_with_llamacpp
 
     p = SamplingParams(max_new_tokens=32, ignore_eos=True)
     specs = [PromptSpec(t, p, a) for t, a in zip(THREE, (0, 1, 3))]
@@ -92,7 +92,7 @@ def test_floats_within_measured_floor(case, request) -> None:
 
 @pytest.fixture(scope="module")
 def worked(smol, llama_cpp):
-    from infertrace.engine.llamacpp_engine import run_requests_llamacpp
+    from infertrace.runtimes.llamacpp.engine import run_requests_llamacpp
 
     specs = [PromptSpec("The capital of", SamplingParams(max_new_tokens=3))]
     return run_requests_llamacpp(smol, specs, EngineOptions(), layer=0)
@@ -157,3 +157,129 @@ def test_diff_backends_against_llamacpp_cli(llama_cpp) -> None:
     assert rep["structural"]["mismatches"] == [] and rep["identical"]
     assert rep["floor"]["how"].startswith("ours float32 vs ours with llama.cpp's numerics emulated")
     assert rep["first_exceeding"] is None and rep["next_token"]["rows"] == 4
+
+
+# ----------------------------------------------------------------------------- flash attention (case L2)
+
+
+def test_ggml_cpu_attention_hand_example() -> None:
+    """One head, hd 1, two cells with scores 0 and 0 (q·k = 0), V = [1, 2^-11].
+    Flash attention (fewer than 64 queries): the F16 accumulator holds 1, then 1 + 2^-11, a tie between
+    1 and 1 + 2^-10 that rounds to even = 1; S = 2 -> 0.5 exactly.
+    Without it: softmax [0.5, 0.5] (F16-exact), then 0.5 * 1 + 0.5 * 2^-11 = 0.500244140625 in F32."""
+    import torch
+
+    from infertrace.compare.llamacpp import ggml_cpu_attention
+
+    q = torch.zeros(1, 1, 1)
+    k = torch.ones(2, 1, 1)
+    v = torch.tensor([[[1.0]], [[2.0 ** -11]]])
+    mask = torch.zeros(1, 2)
+    assert ggml_cpu_attention(q, k, v, mask, 1.0, flash_attn=True).item() == 0.5
+    assert ggml_cpu_attention(q, k, v, mask, 1.0, flash_attn=False).item() == 0.500244140625
+    # a masked cell is skipped; 64 queries or more take the tiled F32 path (the plain F32 value)
+    assert ggml_cpu_attention(q, k, v, torch.tensor([[0.0, float("-inf")]]), 1.0, flash_attn=True).item() == 1.0
+    q64 = torch.zeros(64, 1, 1)
+    out = ggml_cpu_attention(q64, k, v, torch.zeros(64, 2), 1.0, flash_attn=True)
+    assert out.flatten().tolist() == [0.500244140625] * 64
+
+
+def _llamacpp_direct_logits(llama_cpp, path, tokens: list[int], flash: bool) -> tuple:  # (ctx, model, logits [V])
+    """llama.cpp run directly through the binding (no eval callback, no batch of ours): the prompt as
+    one llama_batch_get_one, then each next token; logits of the last position each time, with the
+    context settings run --engine llama.cpp uses (n_ctx 2048, n_batch = n_ubatch 2048, 2 threads,
+    unified KV cache)."""
+    import numpy as np
+
+    L = llama_cpp
+    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 2048, 2048, 2048, 1
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.kv_unified = True
+    cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    ctx = L.llama_init_from_model(model, cp)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    try:
+        arr = (L.llama_token * len(tokens))(*tokens)
+        assert L.llama_decode(ctx, L.llama_batch_get_one(arr, len(tokens))) == 0
+        return ctx, model, np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+    except Exception:
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+        raise
+
+
+def _continue(llama_cpp, ctx, token: int, n_vocab: int):
+    import numpy as np
+
+    L = llama_cpp
+    arr = (L.llama_token * 1)(token)
+    assert L.llama_decode(ctx, L.llama_batch_get_one(arr, 1)) == 0
+    return np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+
+
+def test_flash_attn_setting_recorded_and_equals_llamacpp(smol, llama_cpp) -> None:
+    """run --engine llama.cpp with flash attention on and off: different numbers, each equal to
+    llama.cpp's own logits through the binding with that setting, and the header says which ran."""
+    from infertrace.runtimes.llamacpp.engine import run_requests_llamacpp
+
+    specs = [PromptSpec("The capital of France is", SamplingParams(max_new_tokens=3))]
+    top1 = {}
+    for fa in ("on", "off"):
+        t = run_requests_llamacpp(smol, specs, EngineOptions(), layer=0, flash_attn=fa)
+        lc = t.options["llama_cpp"]
+        assert lc["flash_attn"] == fa and lc["flash_attn_type"] == fa
+        assert (lc["type_k"], lc["type_v"], lc["n_ubatch"], lc["n_batch"], lc["n_threads"]) == ("f16", "f16", 2048, 2048, 2)
+        assert lc["n_ctx"] == 2048 and lc["kv_unified"] and lc["system_info"]
+        assert t.steps[0].mask.kq_mask["dtype"] == ("float16" if fa == "on" else "float32")
+        ids = t.requests[0]["prompt_ids"]
+        ctx, model, ref = _llamacpp_direct_logits(llama_cpp, smol.ckpt.path, ids, fa == "on")
+        try:
+            refs = [ref]
+            for tok in t.requests[0]["output_ids"][:-1]:
+                refs.append(_continue(llama_cpp, ctx, tok, ref.shape[0]))
+        finally:
+            llama_cpp.llama_free(ctx)
+            llama_cpp.llama_model_free(model)
+        for st, r in zip(t.steps, refs):
+            top = st.decode.per_request[0]["top"]
+            for c in top:
+                assert c["logit"] == pytest.approx(float(r[c["id"]]), abs=1e-5), (fa, st.step, c)
+            assert top[0]["id"] == int(r.argmax())
+        top1[fa] = t.steps[0].decode.per_request[0]["top"][0]["logit"]
+    assert abs(top1["on"] - top1["off"]) > 1e-3, top1  # the setting changes llama.cpp's numbers
+
+
+def test_flash_attn_cli_recorded_and_named_by_diff(tmp_path: Path, llama_cpp) -> None:
+    r = CliRunner()
+    args = ["run", "--engine", "llama.cpp", "--prompt", THREE[0], "-n", "2", "--keep", "summary"]
+    a, b = tmp_path / "fa_off", tmp_path / "fa_on"
+    for d, fa in ((a, "off"), (b, "on")):
+        res = r.invoke(app, [*args, "--llamacpp-flash-attn", fa, "--save", str(d)])
+        assert res.exit_code == 0, res.output
+        assert json.loads((d / "trace.json").read_text())["options"]["llama_cpp"]["flash_attn"] == fa
+        assert r.invoke(app, ["check", str(d)]).exit_code == 0
+    res = r.invoke(app, ["diff", str(a), str(b)])
+    assert res.exit_code == 1
+    assert "llama.cpp settings differ" in res.output and "flash_attn: A off vs B on" in res.output, res.output
+    res = r.invoke(app, ["diff", str(a), str(b), "--json"])
+    assert {"setting": "flash_attn", "a": "off", "b": "on"} in json.loads(res.output)["llama_cpp_settings_differ"]
+    show = r.invoke(app, ["show", str(a), "--steps", "0"]).output
+    assert "flash attention off" in show
+    res = r.invoke(app, ["run", "--prompt", "hi", "-n", "1", "--llamacpp-flash-attn", "on"])
+    assert res.exit_code == 2 and "needs --engine llama.cpp" in res.output
+    res = r.invoke(app, ["run", "--engine", "llama.cpp", "--prompt", "hi", "-n", "1", "--llamacpp-flash-attn", "maybe"])
+    assert res.exit_code == 2 and "--llamacpp-flash-attn must be one of auto, on, off" in res.output
+
+
+def test_diff_backends_floor_follows_flash_attn(llama_cpp) -> None:
+    """--against llama.cpp with flash attention off: the report names the setting, the emulated floor
+    follows it, and llama.cpp stays within it."""
+    res = CliRunner().invoke(app, ["diff-backends", "--against", "llama.cpp", "--prompt", "The capital of France is",
+                                   "-n", "4", "--llamacpp-flash-attn", "off", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["llama_cpp"]["flash_attn"] == "off" and "flash attention off" in rep["floor"]["how"]
+    assert rep["structural"]["mismatches"] == [] and rep["identical"]
+    assert rep["structural"]["mask_dtype"]["llama.cpp"] == ["f32"]  # the F32 kq_mask of the path without flash attention

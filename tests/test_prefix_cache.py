@@ -6,12 +6,12 @@ diff-backends still agrees."""
 import pytest
 import torch
 
-from infertrace.engine.compare import diff_backends
+from infertrace.compare.backends import diff_backends
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.kv.prefix_cache import block_hash
-from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.model.decoder import DecoderModel
+from infertrace.loading.weights import load_checkpoint
 from infertrace.runner import Loaded, PromptSpec
 from tests.tiny import make_weights, write_gguf
 
@@ -22,7 +22,7 @@ BACKENDS = ["cells", "paged"]
 def tiny(tmp_path_factory):
     w, s = make_weights(seed=11)
     ck = load_checkpoint(write_gguf(tmp_path_factory.mktemp("tiny") / "m.gguf", w, s))
-    return ck, LlamaModel(ck.config, ck.weights)
+    return ck, DecoderModel(ck.config, ck.weights)
 
 
 class Probe:
@@ -30,6 +30,7 @@ class Probe:
 
     enabled = True
     layers: frozenset = frozenset()
+    taps: frozenset = frozenset()
 
     def __init__(self):
         self.steps = []

@@ -273,7 +273,7 @@ def test_packing_in_row_chunks_equals_packing_the_whole(monkeypatch):
 def test_quant_weights_dict_matches_the_float_checkpoint(smol_path):
     """quant_weights: every matrix a QuantWeight of the float path's shape whose float32 kernel gives the
     float path's values; every vector the float path's tensor; build_unfused builds what was not fused."""
-    from infertrace.model.weights import load_checkpoint
+    from infertrace.loading.weights import load_checkpoint
     from infertrace.quant.source import QuantWeight, build_unfused, quant_weights
 
     ck, w, src = quant_weights(smol_path, torch.float32)

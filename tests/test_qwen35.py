@@ -13,7 +13,7 @@ from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.model.decoder import DecoderModel
 from infertrace.model.gdn import delta_rule_chunked, delta_rule_recurrent
-from infertrace.model.weights import load_checkpoint
+from infertrace.loading.weights import load_checkpoint
 from tests.tiny_qwen35 import hf_model, make_weights, write_gguf, write_hf_dir
 
 pytest.importorskip("transformers")
@@ -154,11 +154,11 @@ def test_state_slots_cells_and_paged_conventions(tiny):
     kv = make_kv(m, EngineOptions(backend="cells", ctx_size=64, n_seq_max=3), "torch")
     st = kv.state
     assert st.conv_shape == (m.cfg.conv_dim, 3) and st.rec_shape == (4, 8, 8)
-    assert kv.kv_layers == [1, 3] and len(kv.k) == 2  # K/V storage only for the attention layers (memory_hybrid)
+    assert kv.kv_layers == [1, 3] and len(kv.attn.k) == 2  # K/V storage only for the attention layers (memory_hybrid)
     with pytest.raises(InfertraceError, match="Gated DeltaNet layer"):
         kv.read(0, 0)
     inp = kv.prepare([ChunkSpec(1, 0, 3), ChunkSpec(0, 0, 2)])
-    assert inp.extra["state_indices"] == [0, 1] and st.rs_z == 0  # lowest free cell first, in packed order
+    assert inp.state_indices == [0, 1] and st.rs_z == 0  # lowest free cell first, in packed order
     m.forward(torch.tensor([1, 2, 3, 4, 5]), inp, kv, torch.tensor([2, 4]))
     c1, r1 = st.state_of(0, 1)
     st.seq_cp(1, 2)  # llama.cpp seq_cp: the new sequence gets a copy of the cell
@@ -169,7 +169,7 @@ def test_state_slots_cells_and_paged_conventions(tiny):
     assert st.can_fit([(5, 1)]) and st.free == [1]
     pg = make_kv(m, EngineOptions(backend="paged", ctx_size=64, n_seq_max=2), "torch")
     inp = pg.prepare([ChunkSpec(7, 0, 2)])
-    assert inp.extra["state_indices"] == [0] and pg.state.convention == "paged"
+    assert inp.state_indices == [0] and pg.state.convention == "paged"
     with pytest.raises(InfertraceError):
         pg.prepare([ChunkSpec(8, 4, 1)])  # continuing a sequence that has no state
 
@@ -188,7 +188,7 @@ def test_prefix_cache_off_with_reason_context_shift_and_speculative_refused(tiny
 def test_hf_config_settings_are_honoured_or_refused(tiny, tmp_path):
     import json
 
-    from infertrace.model.config import config_from_hf
+    from infertrace.model.families import config_from_hf
     from tests.tiny_qwen35 import hf_config
 
     cfg = hf_config(tiny["s"])

@@ -103,7 +103,7 @@ def test_gguf_tensor_of_the_wrong_shape(tmp_path):
 def test_memory_budget_counts_the_recurrent_state(q35_dir, monkeypatch):
     import infertrace.kv.budget as budget
     from infertrace.engine.engine import EngineOptions
-    from infertrace.model.weights import load_checkpoint
+    from infertrace.loading.weights import load_checkpoint
 
     cfg = load_checkpoint(q35_dir).config
     opts = EngineOptions(backend="paged", ctx_size=16, tokens_per_block=4, n_seq_max=1000)
@@ -144,7 +144,7 @@ def test_make_qwen35_never_overwrites(tmp_path):
 
 
 def test_make_qwen35_interrupted_leaves_nothing(tmp_path):
-    from infertrace.model.synth import write_qwen35_08b
+    from infertrace.loading.synth import write_qwen35_08b
 
     def stop(msg):
         if msg == "layer 2":
@@ -164,7 +164,7 @@ def test_make_qwen35_no_space_is_one_line_and_leaves_nothing(tmp_path):
     """A file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes the write fail as a full disk does."""
     code = (
         "import resource, signal, sys\n"
-        "from infertrace.model.synth import write_qwen35_08b\n"
+        "from infertrace.loading.synth import write_qwen35_08b\n"
         "from infertrace.errors import InfertraceError\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
@@ -194,7 +194,7 @@ def test_make_qwen35_checkpoint_has_a_name_and_empty_names_are_hidden(tmp_path):
     """The synthesized config names the model; a checkpoint without a name shows no empty ``''``."""
     import json
 
-    from infertrace.model.synth import write_qwen35_08b
+    from infertrace.loading.synth import write_qwen35_08b
 
     d = write_qwen35_08b(tmp_path / "m", **SMALL)
     r = CliRunner().invoke(app, ["inspect", str(d)])

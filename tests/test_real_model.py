@@ -163,7 +163,7 @@ def test_p2_packed_last_token_gather(smol, backend):
 
 
 class _Capture:
-    """Wraps ``LlamaModel.forward`` to keep each step's logits and attention inputs."""
+    """Wraps ``DecoderModel.forward`` to keep each step's logits and attention inputs."""
 
     def __init__(self, model):
         self.model, self.orig, self.calls = model, model.forward, []
@@ -223,8 +223,8 @@ def test_p3_isolation_mixed_steps_match_solo_logits(smol, backend):
 def test_gguf_and_safetensors_copies_give_same_logits(smol, hf_smol, tmp_path):
     """HF transformers dequantises the same GGUF and saves it as safetensors (HF half-split Q/K
     order); our loader reads both copies; the logits agree."""
-    from infertrace.model.llama import LlamaModel
-    from infertrace.model.weights import load_checkpoint
+    from infertrace.model.decoder import DecoderModel
+    from infertrace.loading.weights import load_checkpoint
 
     import json
 
@@ -244,7 +244,7 @@ def test_gguf_and_safetensors_copies_give_same_logits(smol, hf_smol, tmp_path):
     assert ck.config.n_head_kv == 3 and ck.config.tie_embeddings
     ids = smol.tokenizer.encode("The capital of France is")
     assert ck.tokenizer.encode("The capital of France is") == ids
-    hf_model = LlamaModel(ck.config, ck.weights)
+    hf_model = DecoderModel(ck.config, ck.weights)
     out = []
     for m in (smol.model, hf_model):
         kv = make_kv(m, EngineOptions(ctx_size=64), "torch")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from infertrace.errors import InfertraceError
-from infertrace.model.config import config_from_hf
+from infertrace.model.families import config_from_hf
 from infertrace.model.rope import inv_freq_f32, inv_freq_table, rope_attention_factor
-from infertrace.model.weights import load_checkpoint
+from infertrace.loading.weights import load_checkpoint
 from tests.test_families import IDS, _hf, _hf_logits, _model, _our_logits
 from tests.tiny import hf_config, make_weights, write_gguf, write_hf
 

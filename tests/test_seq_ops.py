@@ -12,8 +12,9 @@ from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.prefix_cache import SharedPagedKV
 from infertrace.kv.seq_ops import cells_defrag, cells_seq_add, cells_seq_cp, cells_seq_keep, seq_cp, seq_rm, shift_out
-from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.model.decoder import DecoderModel
+from infertrace.model.rope import layer_ropes
+from infertrace.loading.weights import load_checkpoint
 from tests.tiny import make_weights, write_gguf
 
 
@@ -21,7 +22,7 @@ from tests.tiny import make_weights, write_gguf
 def tiny(tmp_path_factory):
     w, s = make_weights(seed=7)
     ck = load_checkpoint(write_gguf(tmp_path_factory.mktemp("tiny") / "m.gguf", w, s))
-    return ck, LlamaModel(ck.config, ck.weights)
+    return ck, DecoderModel(ck.config, ck.weights)
 
 
 TOKS = [72, 101, 108, 108, 111, 33, 34, 35, 100, 101, 102, 103]
@@ -41,7 +42,7 @@ def test_k_shift_equals_fresh_k_at_new_positions_all_layers(tiny):
     _, m = tiny
     kv = _prefill_cells(m, TOKS)
     before = [kv.k[i].clone() for i in range(m.cfg.n_layer)]
-    op = cells_seq_add(kv, 0, -1, -1, 5, m.inv_freq)
+    op = cells_seq_add(kv, 0, -1, -1, 5, layer_ropes(m.cfg))
     assert op["from"] == "0..11" and op["to"] == "5..16"
     fresh = _prefill_cells(m, TOKS, start=5)
     n = len(TOKS)
@@ -63,7 +64,7 @@ def test_k_shift_real_model_layer0(smol):
         e = Engine(m, smol.tokenizer, EngineOptions(backend=backend, ctx_size=64, tokens_per_block=4))
         e.add_request(ids, SamplingParams(max_new_tokens=5, ignore_eos=True))
         e.step()
-        shift_out(e.kv, 0, 2, 5, m.inv_freq)
+        shift_out(e.kv, 0, 2, 5, layer_ropes(m.cfg))
         kept = ids[:2] + ids[5:]
         fk, fv = recompute_kv(m, kept)
         k, v = e.kv.read(0, 0)
@@ -77,6 +78,7 @@ class LogitsProbe:
 
     enabled = True
     layers: frozenset = frozenset()
+    taps: frozenset = frozenset()
 
     def __init__(self):
         self.logits = []
@@ -127,7 +129,7 @@ def test_cells_seq_cp_shares_cells_and_seq_keep_frees():
     assert op["cells"] == "0..2" and op["pos"] == "0..2"
     assert kv.seq_len(1) == 3 and kv.used == 5  # shared, no new cell
     inp = kv.prepare([ChunkSpec(1, 3, 1)])  # seq 1 continues at pos 3 in a new cell
-    keep = (inp.extra["kq_mask"][0, 0, 0, :6] == 0).int().tolist()
+    keep = (inp.kq_mask[0, 0, 0, :6] == 0).int().tolist()
     assert keep == [1, 1, 1, 0, 0, 1]  # sees the shared cells 0..2 and its own cell 5, not seq 0's 3..4
     seq_rm(kv, 0)
     assert kv.used == 4 and kv.cells_of(1) == [(0, 0), (1, 1), (2, 2), (5, 3)]  # shared cells survive
@@ -175,7 +177,9 @@ def test_paged_fork_ref_counts_and_tail_free():
 
 def test_cells_shift_of_shared_cells_copies_first():
     """A context shift of seq 1 must not move cells it shares with seq 0 (copy-on-write)."""
-    inv = torch.tensor([1.0, 0.1], dtype=torch.float64)
+    from infertrace.model.rope import LayerRope
+
+    inv = [LayerRope(torch.tensor([1.0, 0.1], dtype=torch.float64), 1.0, 100.0, True)]  # one layer, rope_dim 4
     kv = CellsKV(1, 1, 4, size=64, n_seq_max=4)
     inp = kv.prepare([ChunkSpec(0, 0, 8)])
     kv.write(0, torch.randn(8, 1, 4), torch.randn(8, 1, 4), inp)
@@ -184,3 +188,59 @@ def test_cells_shift_of_shared_cells_copies_first():
     shift_out(kv, 1, 2, 4, inv)
     assert kv.cells_of(0) == [(c, c) for c in range(8)] and torch.equal(kv.read(0, 0)[0], k0)  # seq 0 untouched
     assert [p for _, p in kv.cells_of(1)] == list(range(6)) and kv.cells_of(1)[:2] == [(0, 0), (1, 1)]
+
+
+# ----------------------------------------------------------------------------- case C2: a RoPE base per layer
+
+
+def _rot64(k: torch.Tensor, delta: int, base: float) -> torch.Tensor:
+    """Half-split rotation of ``k`` ``[M, h, d]`` by ``delta`` positions with base ``base``, in float64
+    (the reference: written here, not taken from infertrace.model.rope)."""
+    d = k.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [d/2]
+    c, s = (delta * inv).cos(), (delta * inv).sin()  # [d/2] each
+    x1, x2 = k.double()[..., : d // 2], k.double()[..., d // 2 :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # [M, h, d]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    w, s = make_weights(family="gemma3", n_layer=6, seed=11)
+    path = write_gguf(tmp_path_factory.mktemp("gemma") / "g.gguf", w, s,
+                      kv={"attention.sliding_window": 4, "final_logit_softcapping": 3.0})
+    ck = load_checkpoint(path)
+    return ck, LlamaModel(ck.config, ck.weights)
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_k_shift_rotates_each_layer_with_its_own_base(gemma, backend):
+    """Case C2: Gemma 3, windowed layers 0..4 base 10000, global layer 5 base 1e6. After seq_rm [2, 4) and a
+    shift of [4, 10) by -2, each layer's K equals R(-2 theta_layer) K (float64 reference) within 1e-5, and
+    layer 0 equals K computed fresh for the kept tokens at their new positions."""
+    ck, m = gemma
+    assert m.cfg.windowed_layers == [0, 1, 2, 3, 4] and (m.cfg.rope_theta_swa, m.cfg.rope_theta) == (10000.0, 1e6)
+    ids = TOKS[:10]
+    e = Engine(m, ck.tokenizer, EngineOptions(backend=backend, ctx_size=32, tokens_per_block=4))
+    e.add_request(ids, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    e.step()  # the 10-token prefill
+    before = [e.kv.read(il, 0)[0].clone() for il in range(6)]  # [10, nkv, hd] each
+    shift_out(e.kv, 0, 2, 4, layer_ropes(m.cfg))  # seq_rm(0, 2, 4) + seq_add(0, 4, 10, -2)
+    for il in range(6):
+        base = 10000.0 if il < 5 else 1e6
+        k = e.kv.read(il, 0)[0]  # [8, nkv, hd]
+        assert k.shape[0] == 8 and torch.equal(k[:2], before[il][:2])
+        ref = _rot64(before[il][4:10], -2, base)  # [6, nkv, hd]
+        assert (k[2:].double() - ref).abs().max() <= 1e-5, (backend, il)
+        if il < 5:  # one table for all layers (the global base) is far off on windowed layers
+            assert (_rot64(before[il][4:10], -2, 1e6) - ref).abs().max() > 1e-2
+    fk, _ = recompute_kv(m, ids[:2] + ids[4:])
+    assert (e.kv.read(0, 0)[0] - fk[0]).abs().max() <= 1e-5
+
+
+def test_k_shift_refuses_one_table_for_every_layer(gemma):
+    from infertrace.errors import InfertraceError
+
+    ck, m = gemma
+    kv = _prefill_cells(m, TOKS[:6])
+    with pytest.raises(InfertraceError, match="one RoPE per layer"):
+        cells_seq_add(kv, 0, 2, -1, -1, m.inv_freq)

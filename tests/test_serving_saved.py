@@ -29,6 +29,7 @@ def test_saved_prefix_cache_and_context_shift_round_trip(gguf, tmp_path, backend
          "--ignore-eos", "--prefix-cache", "on", "--backend", backend, "--tokens-per-block", "4", "--ctx-size", "16",
          "--context-shift", "--n-keep", "1", "--audit-kv", "--save", d,
          *(["--num-blocks", "12"] if backend == "paged" else []))  # paged: room for both requests at once
+    assert _cli("check", d).startswith("ok: ")  # hit, shift and retained sequence are valid serving events (case X3)
     out = _cli("show", d)
     assert "prefix lookup: hit" in out and "from request 0" in out
     assert "context shift seq" in out

@@ -15,8 +15,8 @@ from infertrace.engine.sampler import SamplingParams
 from infertrace.engine.speculative import Speculator
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
-from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.model.decoder import DecoderModel
+from infertrace.loading.weights import load_checkpoint
 from tests.tiny import make_weights, write_gguf
 
 TOPK = 3
@@ -26,7 +26,7 @@ TOPK = 3
 def tiny(tmp_path_factory):
     w, s = make_weights(seed=5, n_layer=3)
     ck = load_checkpoint(write_gguf(tmp_path_factory.mktemp("specs") / "m.gguf", w, s))
-    return ck, LlamaModel(ck.config, ck.weights)
+    return ck, DecoderModel(ck.config, ck.weights)
 
 
 def _next_dist(m, ids):

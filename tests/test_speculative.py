@@ -13,8 +13,8 @@ from infertrace.engine.speculative import parse_tree
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.spec_meta import pack_mask, spec_metadata, unpack_mask
-from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.model.decoder import DecoderModel
+from infertrace.loading.weights import load_checkpoint
 from tests.tiny import make_weights, write_gguf
 
 
@@ -22,7 +22,7 @@ from tests.tiny import make_weights, write_gguf
 def tiny(tmp_path_factory):
     w, s = make_weights(seed=5, n_layer=3)
     ck = load_checkpoint(write_gguf(tmp_path_factory.mktemp("spec") / "m.gguf", w, s))
-    return ck, LlamaModel(ck.config, ck.weights)
+    return ck, DecoderModel(ck.config, ck.weights)
 
 
 #: the first prompt repeats itself, so prompt lookup finds drafts; the others are plain
@@ -163,19 +163,19 @@ def test_verify_mask_is_the_ancestor_relation_in_both_conventions(tiny):
         inp = e.kv.prepare([other, chunk])
         assert inp.positions[4:].tolist() == [5, 6, 6, 7, 7, 7, 8]  # past + depth(node)
         if backend == "cells":
-            mask = inp.extra["kq_mask"][0, 0]  # [n_tokens, n_kv]
-            cells = inp.extra["cell_idx"][4:]
+            mask = inp.kq_mask[0, 0]  # [n_tokens, n_kv]
+            cells = inp.cell_idx[4:]
             got = mask[4:][:, cells] == 0  # [7, 7] the verify block of kq_mask
             assert torch.equal(got, want)
             past = [c for c, _ in e.kv.cells_of(0) if int(e.kv.pos[c]) < 5]
             assert bool((mask[4:][:, past] == 0).all())  # every candidate sees the whole past
-            foreign = inp.extra["cell_idx"][:4]
+            foreign = inp.cell_idx[:4]
             assert bool((mask[4:][:, foreign] == float("-inf")).all())  # and nothing of request 1
         else:
-            packed = inp.extra["spec_decoding_packed_mask"][1]  # [7, 1]
+            packed = inp.spec_decoding_packed_mask[1]  # [7, 1]
             assert torch.equal(unpack_mask(packed, 7)[:, :7], want)
-            assert inp.extra["spec_decoding_position_offsets"][1].tolist() == [0, 1, 1, 2, 2, 2, 3]
-            assert inp.extra["spec_decoding_generation_lengths"].tolist() == [0, 7]
+            assert inp.spec_decoding_position_offsets[1].tolist() == [0, 1, 1, 2, 2, 2, 3]
+            assert inp.spec_decoding_generation_lengths.tolist() == [0, 7]
             assert packed[:, 0].tolist() == [sum(1 << j for j in range(7) if want[i, j]) for i in range(7)]
 
 

@@ -27,12 +27,12 @@ try:
     app(sys.argv[2:], prog_name="infertrace")
 except SystemExit as e:
     code = e.code or 0
-heavy = ("torch", "transformers", "triton", "infertrace.engine.engine", "infertrace.runner", "infertrace.model.llama")
+heavy = ("torch", "transformers", "triton", "infertrace.engine.engine", "infertrace.runner", "infertrace.model.decoder")
 loaded = {m: m in sys.modules for m in heavy + ("numpy", "gguf", "tokenizers")}
 open(sys.argv[1], "w").write(json.dumps({"code": code, "loaded": loaded}))
 """
 
-HEAVY = ("torch", "transformers", "triton", "infertrace.engine.engine", "infertrace.runner", "infertrace.model.llama")
+HEAVY = ("torch", "transformers", "triton", "infertrace.engine.engine", "infertrace.runner", "infertrace.model.decoder")
 
 
 def probe(tmp_path: Path, *argv: str) -> dict:

@@ -196,7 +196,7 @@ def test_diff_float_tolerance_and_tensors(saved, tmp_path):
 
 
 def test_dump_kv_from_saved_trace_matches_live(saved, smol):
-    from infertrace.kv.dump import dump_kv_at_step
+    from infertrace.runner import dump_kv_at_step
     from infertrace.trace.saved_kv import dump_saved
 
     a, _, _ = saved

@@ -7,8 +7,8 @@ import torch
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.model.llama import LlamaModel
-from infertrace.model.weights import load_checkpoint
+from infertrace.model.decoder import DecoderModel
+from infertrace.loading.weights import load_checkpoint
 from tests.tiny import make_weights, write_gguf, write_hf
 
 transformers = pytest.importorskip("transformers")
@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 def _our_logits(path, ids, backend="cells"):
     ck = load_checkpoint(path)
-    m = LlamaModel(ck.config, ck.weights)
+    m = DecoderModel(ck.config, ck.weights)
     from infertrace.kv.base import ChunkSpec
     from infertrace.engine.engine import make_kv
 
@@ -60,7 +60,7 @@ def test_r3_tied_and_untied_heads(tmp_path, tie):
     # the head really is the tensor it should be: recompute the last row from the final hidden
     head = w["model.embed_tokens.weight"] if tie else w["lm_head.weight"]
     other = w["lm_head.weight"] if not tie else None
-    m = LlamaModel(ck.config, ck.weights)
+    m = DecoderModel(ck.config, ck.weights)
     assert torch.equal(m.output, head)
     if other is not None:
         assert not torch.equal(m.output, w["model.embed_tokens.weight"])
@@ -83,7 +83,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 def test_chunked_and_batched_runs_equal_solo_on_tiny_model(tmp_path):
     w, s = make_weights()
     ck = load_checkpoint(write_gguf(tmp_path / "m.gguf", w, s))
-    m = LlamaModel(ck.config, ck.weights)
+    m = DecoderModel(ck.config, ck.weights)
 
     def run(backend, prompts, **kw):
         e = Engine(m, ck.tokenizer, EngineOptions(backend=backend, ctx_size=128, tokens_per_block=4, **kw))

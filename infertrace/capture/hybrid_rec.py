@@ -21,9 +21,15 @@ Mirrors TensorRT-LLM ``_torch/pyexecutor/model_engine.py`` (mRoPE position ids),
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from infertrace.model.taps import ATTN_IN, ATTN_OUT, EMBED, GATE, K, Q, QKV, SSM_STATE, V, Z
+
+if TYPE_CHECKING:
+    from infertrace.kv.base import Memory
 
 #: tokens whose positions are listed (the rest are counted)
 MAX_POS = 16
@@ -40,14 +46,21 @@ def _shape(t: torch.Tensor) -> dict[str, Any]:
     return {"shape": [int(x) for x in t.shape], "dtype": _dt(t)}
 
 
-def hybrid_record(cfg: Any, inp: Any, kv: Any, taps: dict[str, dict[str, Any]], layer: int, reason: str) -> dict[str, Any]:
+def _flat(t: torch.Tensor) -> dict[str, Any]:
+    """Shape of ``t`` with the head dims flattened (``[N, heads, hd]`` -> ``[N, heads*hd]``), as the projection
+    output holds it."""
+    return {"shape": [int(t.shape[0]), math.prod(int(x) for x in t.shape[1:])], "dtype": _dt(t)}
+
+
+def hybrid_record(cfg: Any, inp: Any, kv: Memory, taps: dict[tuple[str, int | None], dict[str, Any]], layer: int,
+                  reason: str) -> dict[str, Any]:
     """JSON-ready hybrid section of one step (see the module docstring).
 
     Args:
         cfg: the :class:`ModelConfig` (``is_hybrid``). inp: the step's AttnInputs (None when idle).
-        kv: the :class:`~infertrace.kv.recurrent.HybridKV`. taps: this step's ``attn_proj`` /
-            ``attn_out`` / ``gdn`` taps. layer: the full-attention layer shown. reason: why prefix
-            reuse is off.
+        kv: the :class:`~infertrace.kv.recurrent.HybridKV`. taps: this step's taps by ``(name, layer)``
+            (:mod:`infertrace.model.taps`; the embedding tap under layer None). layer: the full-attention
+            layer shown. reason: why prefix reuse is off.
     """
     lin = [i for i in range(cfg.n_layer) if cfg.is_linear(i)]
     full = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
@@ -64,47 +77,34 @@ def hybrid_record(cfg: Any, inp: Any, kv: Any, taps: dict[str, dict[str, Any]], 
             "consumers": full, "ignored_by": lin, "rope_dim": cfg.rope_dim, "head_dim": cfg.head_dim,
             "sections": list(cfg.mrope_sections),
         }
-    e = taps.get("embed")
+    e = taps.get((EMBED, None))
     if e is not None:
-        rec["hidden"] = _shape(e["hidden"])
+        rec["hidden"] = _shape(e["value"])
         if e.get("ids") is not None:
             rec["input_ids"] = _shape(e["ids"])
-    a, o = taps.get("attn_proj"), taps.get("attn_out")
-    if a is not None:
-        rec["projection"] = {"layer": int(a["layer"]), "h": _shape(a["h"]), "qkv": _shape(a["qkv"]), "q": _shape(a["q"]),
-                             "gate": _shape(a["gate"]), "k": _shape(a["k"]), "v": _shape(a["v"]),
+
+    def val(name: str, il: int | None) -> Any:
+        t = taps.get((name, il))
+        return None if t is None else t["value"]
+
+    qkv = val(QKV, layer)
+    if qkv is not None:  # Q / K / V as the projection yields them, flat per token; z * sigmoid(gate) has z's shape
+        rec["projection"] = {"layer": layer, "h": _shape(val(ATTN_IN, layer)), "qkv": _shape(qkv), "q": _flat(val(Q, layer)),
+                             "gate": _shape(val(GATE, layer)), "k": _flat(val(K, layer)), "v": _flat(val(V, layer)),
                              "heads": [cfg.n_head, cfg.n_head_kv, cfg.head_dim]}
-        if o is not None:
-            rec["projection"].update(attn_out=_shape(o["o"]), gated=_shape(o["gated"]), o_proj=_shape(o["out"]))
-    st = getattr(kv, "state", None)
+        z = val(Z, layer)
+        if z is not None:
+            rec["projection"].update(attn_out=_shape(z), gated=_shape(z), o_proj=_shape(val(ATTN_OUT, layer)))
+    st = kv.recurrent_state()
     if st is not None:
-        g = taps.get("gdn")
+        gdn = [il for (name, il) in taps if name == SSM_STATE]
         rec["state"] = state_summary(st, inp is not None)
-        if g is not None:
-            rec["state"]["gdn_layer"] = int(g["layer"])
-            rec["state"]["qkv"] = _shape(g["qkv"])
+        if gdn:  # the last GDN layer tapped this step
+            rec["state"]["gdn_layer"] = max(gdn)
+            rec["state"]["qkv"] = _shape(val(QKV, max(gdn)))
     return rec
 
 
 def state_summary(st: Any, active: bool = True) -> dict[str, Any]:
-    """JSON-ready view of a :class:`~infertrace.kv.recurrent.RecurrentState`: convention, slots, shapes,
-    dtype, bytes per request, ``state_indices`` / ``rs_z`` of the last step (when ``active``) and, per
-    request holding a slot, the L2 norm and sum (checksum) of the conv and recurrent state of the
-    first two and the last GDN layer."""
-    per = []
-    shown = st.layers[:2] + ([st.layers[-1]] if len(st.layers) > 2 else [])
-    for sid, slot in sorted(st.owner.items()):
-        rows = []
-        for il in shown:
-            c, r = st.conv[il][slot].float(), st.rec[il][slot].float()
-            rows.append({"layer": il, "conv_norm": round(float(c.norm()), 6), "conv_sum": round(float(c.sum()), 6),
-                         "rec_norm": round(float(r.norm()), 6), "rec_sum": round(float(r.sum()), 6)})
-        per.append({"seq_id": sid, "slot": slot, "layers": rows})
-    any_rec = next(iter(st.rec.values()), None)
-    size = st.conv_shape[0] * st.conv_shape[1] + st.rec_shape[0] * st.rec_shape[1] * st.rec_shape[2]
-    return {"convention": st.convention, "n_slots": st.n_slots, "n_layers": len(st.layers),
-            "conv_shape": list(st.conv_shape), "rec_shape": list(st.rec_shape),
-            "dtype": _dt(any_rec) if any_rec is not None else "",
-            "state_indices": list(st.last_indices) if active else [], "rs_z": st.rs_z if active else -1,
-            "free": list(st.free)[:64], "per_seq": per,
-            "bytes_per_seq": int(len(st.layers) * size * (any_rec.element_size() if any_rec is not None else 4))}
+    """JSON-ready view of a :class:`~infertrace.kv.recurrent.RecurrentState` (its ``describe_state``)."""
+    return st.describe_state(active)

@@ -11,13 +11,26 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from infertrace.model.rope import inv_freq_table
+from infertrace.model.taps import (
+    ATTN_IN, ATTN_OUT, EMBED, GATE, K, K_ROT, MLP_OUT, Q, Q_ROT, QKV, RESID_POST, RESID_PRE, SSM_STATE, V, Z,
+)
 from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES  # noqa: F401 - re-exported (defined torch-free in records)
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
 from infertrace.capture.spec_capture import verify_record
 
 if TYPE_CHECKING:
-    from infertrace.engine.engine import StepContext
+    from infertrace.engine.step import StepContext
+    from infertrace.kv.base import Memory
+
+
+#: block taps the step record reads (positions evidence of layer ``Recorder.layer``)
+EVIDENCE_TAPS = frozenset({RESID_PRE, Q, K, V, Q_ROT, K_ROT})
+#: block taps a hybrid model's step record adds (:mod:`infertrace.capture.hybrid_rec`)
+HYBRID_TAPS = frozenset({ATTN_IN, QKV, GATE, Z, ATTN_OUT, SSM_STATE})
+#: ``--keep tensors``: block tap -> the name its tensor is saved under (``step{s}/layer{l}/NAME``)
+TENSOR_NAMES = {RESID_PRE: "hidden_in", Q: "q_pre_rope", Q_ROT: "q_post_rope", K: "k_pre_rope", K_ROT: "k_post_rope",
+                V: "v", ATTN_OUT: "attn_out", MLP_OUT: "mlp_out", RESID_POST: "resid_post"}
 
 
 def _r(x: float, nd: int = 6) -> float:
@@ -64,35 +77,39 @@ class Recorder:
         self.layers = frozenset({layer}) | (frozenset(self.tensor_layers) if tensors is not None else frozenset())
         if getattr(config, "is_hybrid", False):  # the first GDN layer taps its state (capture/hybrid_rec.py)
             self.layers |= {next(i for i in range(config.n_layer) if config.is_linear(i))}
-        self._rope: dict[int, dict[str, Any]] = {}
+        self.taps = (EVIDENCE_TAPS | (HYBRID_TAPS if getattr(config, "is_hybrid", False) else frozenset())
+                     | (frozenset(TENSOR_NAMES) if tensors is not None else frozenset()))
         self.show = set(show)
         self.n_first = n_first
         self.top_k = top_k
         self.mask_rows, self.mask_cols = mask_rows, mask_cols
-        self.inv_freq = inv_freq_table(config)
+        # the recorded layer's own RoPE (a windowed Gemma 3 layer rotates with base 10000, not the global 1e6)
+        swa = bool(config.layer_window(layer)) and config.rope_theta_swa is not None
+        self.inv_freq = inv_freq_table(config, swa=swa)
+        self.rope_theta = config.rope_theta_swa if swa else config.rope_theta
+        self.rope_scaled = not swa or config.rope_scaling_swa
         self.steps: list[StepTrace] = []
-        self._taps: dict[str, dict[str, Any]] = {}
+        self._taps: dict[tuple[str, int | None], dict[str, Any]] = {}  # (tap name, layer) -> the tap's fields
         self._spec_acc: dict[int, list[int]] = {}  # accepted nodes of this step's verify chunks, by seq_id
 
-    def tap(self, name: str, **tensors: Any) -> None:
-        if name == "rope":  # one per tapped layer; the evidence uses ``self.layer``'s
-            self._rope[tensors.get("layer", self.layer)] = tensors
-            if tensors.get("layer", self.layer) != self.layer:
-                return
-        if name in ("attn_proj", "attn_out") and tensors.get("layer") != self.layer:
-            return
-        self._taps[name] = tensors
+    def tap(self, name: str, **fields: Any) -> None:
+        """Keep this step's tap ``name`` (of layer ``fields["layer"]``; the embedding tap has none)."""
+        self._taps[(name, fields.get("layer"))] = fields
+
+    def _value(self, name: str, layer: int | None = None) -> Any:
+        """This step's ``value`` of tap ``name`` at ``layer`` (the evidence layer by default), or None."""
+        t = self._taps.get((name, self.layer if layer is None else layer))
+        return None if t is None else t["value"]
 
     def begin_step(self) -> None:
         """Forget the previous step's taps."""
         self._taps = {}
-        self._rope = {}
 
     # ------------------------------------------------------------------ build
     def end_step(self, ctx: StepContext) -> StepTrace:
         """Build and keep the step record.
 
-        ``ctx``: the engine's :class:`~infertrace.engine.engine.StepContext` (step, batch,
+        ``ctx``: the engine's :class:`~infertrace.engine.step.StepContext` (step, batch,
         inp, kv, attention, logits ``[M, V]``, logits_rows, samples, finished, requests,
         time_ms). An idle step (nothing scheduled) has ``inp`` None and an empty batch: its
         record has ``N = 0``, ``batch = []`` and only the cache state.
@@ -150,8 +167,8 @@ class Recorder:
             for r in reqs:
                 r.prefix = serving.get("prefix", {}).get(str(r.seq_id))
                 r.shift = shifts.get(r.seq_id)
-        if "hidden" in self.show and "embed" in self._taps:
-            st.hidden = self._hidden(batch, self._taps["embed"]["hidden"])
+        if "hidden" in self.show and (EMBED, None) in self._taps:
+            st.hidden = self._hidden(batch, self._taps[(EMBED, None)]["value"])
         if "positions" in self.show:
             st.positions = self._positions(inp, kv)
         if "mask" in self.show:
@@ -166,7 +183,7 @@ class Recorder:
         self.steps.append(st)
         return st
 
-    def _hybrid(self, st: StepTrace, inp: Any, kv: Any) -> None:
+    def _hybrid(self, st: StepTrace, inp: Any, kv: Memory) -> None:
         """Qwen3.5-style hybrid models: layer map, M-RoPE positions, projections, GDN state (capture/hybrid_rec.py)."""
         if getattr(self.cfg, "is_hybrid", False):
             from infertrace.kv.recurrent import NO_REUSE_REASON
@@ -180,7 +197,9 @@ class Recorder:
         ``step{s}/hidden`` ``[N, H]`` (embedding output); per layer ``l`` in ``tensor_layers``:
         ``step{s}/layer{l}/hidden_in`` ``[N, H]`` (residual stream entering the layer),
         ``q_pre_rope``/``q_post_rope`` ``[N, n_head, hd]``, ``k_pre_rope``/``k_post_rope``/``v``
-        ``[N, n_kv, hd]``, ``seq{id}/k_cache``/``v_cache`` ``[len, n_kv, hd]`` (the cache of every
+        ``[N, n_kv, hd]``, ``attn_out``/``mlp_out``/``resid_post`` ``[N, H]`` (the block's branch outputs
+        and the stream leaving it; a Gated DeltaNet layer has only the ``[N, H]`` ones), names from the
+        taps by :data:`TENSOR_NAMES`; ``seq{id}/k_cache``/``v_cache`` ``[len, n_kv, hd]`` (the cache of every
         request holding one after the step, by position); ``step{s}/logits_topk_values`` float32 and
         ``step{s}/logits_topk_ids`` int64 ``[M, k]`` (rows = ``DecodeRec.logits_rows``).
         """
@@ -188,19 +207,16 @@ class Recorder:
             return t.detach().to("cpu", copy=True).contiguous()
 
         out, p = self.tensors, f"step{step}/"
-        if "embed" in self._taps:
-            out[p + "hidden"] = keep(self._taps["embed"]["hidden"])
-        names = (("x", "hidden_in"), ("q", "q_pre_rope"), ("q_rot", "q_post_rope"), ("k", "k_pre_rope"),
-                 ("k_rot", "k_post_rope"), ("v", "v"))
+        if (EMBED, None) in self._taps:
+            out[p + "hidden"] = keep(self._taps[(EMBED, None)]["value"])
         for il in self.tensor_layers:
-            t = self._rope.get(il)
-            if t is None:
+            got = {name: self._taps[(tap, il)]["value"] for tap, name in TENSOR_NAMES.items() if (tap, il) in self._taps}
+            if not got:  # the layer was not computed here (e.g. a captured runtime taps one layer)
                 continue
-            for src, name in names:
-                if src in t:
-                    out[f"{p}layer{il}/{name}"] = keep(t[src])
+            for name, t in got.items():
+                out[f"{p}layer{il}/{name}"] = keep(t)
             for sid in sorted(ctx.requests):  # every request holding cache, computed this step or not
-                if ctx.kv.seq_len(sid) == 0 or il not in getattr(ctx.kv, "kv_layers", [il]):  # GDN layer: no K/V
+                if ctx.kv.seq_len(sid) == 0 or il not in ctx.kv.kv_layers:  # GDN layer: no K/V
                     continue
                 k, v = ctx.kv.read(il, sid)  # [len, n_kv, hd] each
                 out[f"{p}layer{il}/seq{sid}/k_cache"] = keep(k)
@@ -223,7 +239,7 @@ class Recorder:
         N, H = x.shape
         return HiddenRec([N, H], _dtype(x), [H, N], [N, H], rows, 0)
 
-    def _positions(self, inp: Any, kv: Any) -> PositionsRec:
+    def _positions(self, inp: Any, kv: Memory) -> PositionsRec:
         cfg = self.cfg
         pos = inp.positions.tolist()
         npair = min(3, cfg.rope_dim // 2)
@@ -232,9 +248,9 @@ class Recorder:
             ang = [p * float(self.inv_freq[i]) for i in range(npair)]
             cs.append({"pos": p, "cos": [_r(torch.tensor(a).cos()) for a in ang], "sin": [_r(torch.tensor(a).sin()) for a in ang]})
         ev: dict[str, Any] = {"layer": self.layer}
-        t = self._taps.get("rope")
-        if t is not None:
-            q, k, v, qr, kr = t["q"].float(), t["k"].float(), t["v"].float(), t["q_rot"].float(), t["k_rot"].float()
+        t = [self._value(n) for n in (Q, K, V, Q_ROT, K_ROT)]
+        if all(x is not None for x in t):
+            q, k, v, qr, kr = (x.float() for x in t)
             ev["rows"] = [
                 {"pos": p, "dq_max": _r((qr[i] - q[i]).abs().max()), "dk_max": _r((kr[i] - k[i]).abs().max()),
                  "q_norm_before": _r(q[i].norm()), "q_norm_after": _r(qr[i].norm())}
@@ -257,12 +273,13 @@ class Recorder:
         sc = cfg.rope_scaling
         return PositionsRec(
             inp_pos=pos, position_ids=pos, pairing="neox", pairing_in_file=cfg.rope_pairing_in_file,
-            theta=cfg.rope_theta, theta_is_default=cfg.rope_theta_is_default, rope_dim=cfg.rope_dim, head_dim=cfg.head_dim,
-            scaling={"type": sc.type, "factor": sc.factor, "freq_factors": "rope_freqs.weight" if cfg.rope_freq_factors else None},
+            theta=self.rope_theta, theta_is_default=cfg.rope_theta_is_default, rope_dim=cfg.rope_dim, head_dim=cfg.head_dim,
+            scaling=({"type": sc.type, "factor": sc.factor, "freq_factors": "rope_freqs.weight" if cfg.rope_freq_factors else None}
+                     if self.rope_scaled else {"type": "none", "factor": 1.0, "freq_factors": None}),
             inv_freq_first=[_r(float(x), 9) for x in self.inv_freq[:npair]], cos_sin=cs, evidence=ev,
         )
 
-    def _swa(self, inp: Any, kv: Any, reqs: list[ReqStep]) -> dict[str, Any] | None:
+    def _swa(self, inp: Any, kv: Memory, reqs: list[ReqStep]) -> dict[str, Any] | None:
         """The sliding-window side of the mask: which layers, the convention, visible keys per query
         on those layers, and (cells) the slice of llama.cpp's ``kq_mask_swa``."""
         cfg = self.cfg
@@ -278,48 +295,21 @@ class Recorder:
                         for r in reqs],
             "rope_theta_swa": cfg.rope_theta_swa,
         }
-        if kv.kind == "cells" and "kq_mask_swa" in inp.extra:
-            m = inp.extra["kq_mask_swa"]  # [1, 1, n_pad, n_kv]
-            n_kv = inp.extra["n_kv"]
-            keep0 = (m[0, 0, 0, :n_kv] == 0).nonzero().flatten()  # cells the first query sees
-            c0 = int(keep0[0]) if keep0.numel() else 0
-            start = max(0, min(c0 - self.mask_cols // 2, n_kv - self.mask_cols))  # window edge in view
-            sl = m[0, 0, : min(inp.n_tokens, self.mask_rows), start : start + self.mask_cols]
-            d["kq_mask_swa"] = {"ne": [n_kv, inp.extra["n_tokens_pad"], 1, 1], "dtype": _dtype(m), "col_start": start,
-                                "cell_pos": inp.extra["cell_pos"][start : start + self.mask_cols].tolist(),
-                                "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]}
-        if kv.kind == "paged":
-            d["attention_window"] = {str(i): W for i in win}
+        d.update(inp.swa_record(self.mask_rows, self.mask_cols))  # cells: a kq_mask_swa slice; paged: attention_window
         return d
 
-    def _mask(self, inp: Any, kv: Any, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
+    def _mask(self, inp: Any, kv: Memory, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
         rec = self._mask_base(inp, kv, reqs, logical)
         rec.swa = self._swa(inp, kv, reqs)
         return rec
 
-    def _mask_base(self, inp: Any, kv: Any, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
+    def _mask_base(self, inp: Any, kv: Memory, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
         vis = [{"seq_id": r.seq_id, "queries": [{"pos": p, "keys": v} for p, v in zip(r.positions, r.visible)]} for r in reqs]
         lg = [m.int().tolist() for m in logical]
-        if kv.kind == "cells":
-            m = inp.extra["kq_mask"]  # [1, 1, n_pad, n_kv]
-            n_kv, n_pad = inp.extra["n_kv"], inp.extra["n_tokens_pad"]
-            sl = m[0, 0, : min(inp.n_tokens, self.mask_rows), : min(n_kv, self.mask_cols)]
-            cell_pos = inp.extra["cell_pos"][: self.mask_cols].tolist()
-            cell_seq = [row.nonzero().flatten().tolist() for row in inp.extra["cell_seq"][: self.mask_cols]]
-            return MaskRec("cells", "keep iff cell holds the query's seq_id and cell.pos <= query pos",
-                           vis, {"ne": [n_kv, n_pad, 1, 1], "torch_shape": list(m.shape), "dtype": _dtype(m), "n_kv": n_kv,
-                                 "n_tokens": inp.n_tokens, "cell_pos": cell_pos, "cell_seq": cell_seq,
-                                 "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]},
-                           None, lg)
-        e = inp.extra
-        return MaskRec("paged", "mask_type causal: query at position p of request r sees keys 0..p of r's block-table row",
-                       vis, None,
-                       {"mask_type": e["mask_type"], "seq_lens": e["seq_lens"].tolist(), "kv_lens": e["kv_lens"].tolist(),
-                        "cu_seqlens": e["cu_seqlens"].tolist(), "request_types": list(e["request_types"]),
-                        "num_contexts": e["num_contexts"], "request_ids": [c.seq_id for c in inp.chunks],
-                        "block_tables": e["block_tables"].tolist(), "dense_mask_tensor": None}, lg)
+        convention, rule, cells, paged = inp.mask_record(self.mask_rows, self.mask_cols)
+        return MaskRec(convention, rule, vis, cells, paged, lg)
 
-    def _kv(self, batch: Any, inp: Any, kv: Any) -> KVRec:
+    def _kv(self, batch: Any, inp: Any, kv: Memory) -> KVRec:
         cfg = self.cfg
         per, view = [], {"layer": self.layer, "requests": []}
         chunks = inp.chunks if inp is not None else []  # idle step: no chunks
@@ -333,29 +323,12 @@ class Recorder:
             view["requests"].append({"seq_id": c.seq_id, "rows": [
                 {"pos": p, "k": [_r(a) for a in k[p, 0, : self.n_first].tolist()], "v": [_r(a) for a in v[p, 0, : self.n_first].tolist()]}
                 for p in range(c.C, min(c.C + c.T, k.shape[0]))][:8]})  # a verify step: only the accepted remain
-        if kv.kind == "cells":
-            idx = inp.extra["cell_idx"].tolist() if inp is not None else []
-            r = 0
-            for d, c in zip(per, chunks):
-                d["cells"] = ranges_text(idx[r : r + c.T])
-                r += c.T
-            phys = [kv.size, cfg.n_head_kv, cfg.head_dim]
-            extra = ({"head_before": inp.extra["head_before"], "head_after": inp.extra["head_after"]} if inp is not None
-                     else {"head_before": kv.head, "head_after": kv.head})
-        else:
-            sm = inp.extra["slot_mapping"].tolist() if inp is not None else []
-            r = 0
-            for i, (d, c) in enumerate(zip(per, chunks)):
-                d["slot_mapping"] = sm[r : r + c.T]
-                d["block_table"] = (list(kv.tables[c.seq_id]) if c.parents is None else  # a verify step: the table the
-                                    [b for b in inp.extra["block_tables"][i].tolist() if b >= 0])  # slots were written through
-                r += c.T
-            phys = [kv.num_blocks, 2, cfg.n_head_kv, kv.B, cfg.head_dim]
-            extra = {}
+        for d, place in zip(per, kv.placement(inp)):  # cells: the cells written; paged: slots and block table
+            d.update(place)
+        mem = kv.describe()
         snap = kv.snapshot()
-        snap.update(extra)
-        dtype = kv.k[0].dtype if kv.kind == "cells" else kv.pool[0].dtype
-        return KVRec(kv.kind, _dtype(dtype), len(getattr(kv, "kv_layers", range(cfg.n_layer))), per, view, snap, phys)
+        snap.update(kv.heads(inp))  # cells: head before / after the step; paged: nothing
+        return KVRec(mem["kind"], mem["dtype"], len(mem["kv_layers"]), per, view, snap, mem["physical_shape"])
 
     def _decode(self, ctx: StepContext, reqs: list[ReqStep]) -> DecodeRec:
         logits = ctx.logits

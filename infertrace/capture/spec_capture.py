@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from infertrace.kv.spec_meta import unpack_mask
-
 #: verify chunks larger than this keep only the first rows/columns of their masks in the trace
 MAX_MASK_NODES = 64
 
@@ -33,16 +31,5 @@ def verify_record(inp: Any, chunk_index: int, row: int, rec: dict[str, Any]) -> 
         "rejected_nodes": [i for i in range(1, c.T) if i not in acc], "emitted": list(rec["emitted"]),
         "drafted": rec["drafted"], "accepted": rec["accepted"], "rewind": rec.get("rewind"),
     }
-    if inp.backend == "cells":
-        cells = inp.extra["cell_idx"][row : row + T]  # [T]
-        block = inp.extra["kq_mask"][0, 0, row : row + T][:, cells]  # [T, T] the verify block of kq_mask
-        out["cells"] = cells.tolist()
-        out["kq_mask_block"] = [["0" if x == 0 else "-inf" for x in r] for r in block.tolist()]
-        out["verify_mask"] = ["".join("1" if x == 0 else "0" for x in r) for r in block.tolist()]
-    else:
-        packed = inp.extra["spec_decoding_packed_mask"][chunk_index, :T]  # [T, W] int32
-        rows = unpack_mask(packed, T)  # [T, T]
-        out["position_offsets"] = inp.extra["spec_decoding_position_offsets"][chunk_index, :T].tolist()
-        out["packed_mask"] = packed.tolist()
-        out["verify_mask"] = ["".join("1" if x else "0" for x in r) for r in rows.tolist()]
+    out.update(inp.verify_record(chunk_index, row, T))  # cells: kq_mask block; paged: offsets + packed mask
     return out

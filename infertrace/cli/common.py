@@ -33,7 +33,8 @@ DEVICES = ("cpu", "cuda")
 PROMPT_KEYS: dict[str, tuple[type, ...]] = {
     "prompt": (str,), "arrival": (int,), "max_new_tokens": (int,), "temperature": (int, float), "top_k": (int,),
     "top_p": (int, float), "min_p": (int, float), "repetition_penalty": (int, float), "seed": (int,),
-    "chat": (bool,), "ignore_eos": (bool,),
+    "chat": (bool,), "ignore_eos": (bool,), "penalty_last_n": (int,), "frequency_penalty": (int, float),
+    "presence_penalty": (int, float),
 }
 
 
@@ -77,7 +78,7 @@ def load_with_progress(model: Optional[Path], dtype: str, device: str, progress:
     Raises:
         InfertraceError: as :func:`load_model`; ``threads`` < 1.
     """
-    from infertrace.model.registry import resolve_model
+    from infertrace.loading.registry import resolve_model
     from infertrace.runner import load_model
     from infertrace.threads import apply_threads, choose_threads
 
@@ -166,7 +167,7 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
     Raises:
         InfertraceError: unreadable file, or a malformed line (message names the line number).
     """
-    from infertrace.model.limits import MAX_PROMPTS_FILE_BYTES
+    from infertrace.loading.limits import MAX_PROMPTS_FILE_BYTES
 
     try:
         with open(path, "rb") as fh:  # a pipe (--prompts <(cmd)) is fine; /dev/zero or a huge file stops at the limit

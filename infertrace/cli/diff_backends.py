@@ -2,12 +2,12 @@
 engine and an external reference), logical variables compared, physical layouts side by side.
 
 Thin: validate options (as ``run``), load the model, call
-:func:`infertrace.engine.compare.diff_backends` or
-:func:`infertrace.engine.against.compare_with_reference`, print (rich or ``--json``).
+:func:`infertrace.compare.backends.diff_backends` or
+:func:`infertrace.compare.hf.compare_with_reference`, print (rich or ``--json``).
 Exit codes: 0 logically identical, 1 a logical mismatch (CI can rely on it), 2 bad input.
 """
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -62,15 +62,10 @@ def diff_backends(
     n_keep: o.NKeep = 0,
     n_discard: o.NDiscard = 0,
     audit_kv: o.AuditKv = False,
+    llamacpp_flash_attn: o.LlamacppFlashAttn = None,
 ) -> None:
     """Prints the report; ``typer.Exit(1)`` after it when anything logical differs."""
-    if against is not None:
-        against = check_choice("--against", against, ("hf", "llama.cpp"))
-    if atol is not None and against == "llama.cpp":
-        raise InfertraceError("--atol does not apply to --against llama.cpp: its tolerance is a measured noise floor; drop --atol")
-    if atol is not None and not atol >= 0:
-        raise InfertraceError(f"--atol must be >= 0 (got {atol})")
-    check_min("--threads", threads, 1)
+    against, llamacpp_flash_attn = check_against(against, atol, threads, llamacpp_flash_attn)
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -78,7 +73,54 @@ def diff_backends(
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
         attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
-    if against == "hf":  # fail before loading anything
+    check_reference_installed(against)  # fail before loading anything
+    with progress_display(enabled=not as_json) as progress:
+        loaded = load_with_progress(model, dtype, device, progress, threads)
+        o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
+        progress.add_task("comparing" + (f" with {against}" if against else " cells and paged in lockstep"), total=None)
+        rep = compare(loaded, specs, opts, against, atol, backend, dtype, layer, llamacpp_flash_attn)
+    print_report(rep, against, as_json)
+    if not rep["identical"]:
+        raise typer.Exit(1)
+
+
+# ----------------------------------------------------------------------------- the command's parts
+
+
+def check_against(against: Optional[str], atol: Optional[float], threads: Optional[int],
+                  llamacpp_flash_attn: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """Validate ``--against`` and the options that depend on it, before anything loads.
+
+    Returns:
+        ``(against, llamacpp_flash_attn)`` normalised.
+
+    Raises:
+        InfertraceError: unknown reference, ``--atol`` negative or given with llama.cpp (whose tolerance is a
+            measured floor), ``--threads`` < 1, ``--llamacpp-flash-attn`` without ``--against llama.cpp``.
+    """
+    if against is not None:
+        against = check_choice("--against", against, ("hf", "llama.cpp"))
+    if atol is not None and against == "llama.cpp":
+        raise InfertraceError("--atol does not apply to --against llama.cpp: its tolerance is a measured noise floor; drop --atol")
+    if atol is not None and not atol >= 0:
+        raise InfertraceError(f"--atol must be >= 0 (got {atol})")
+    check_min("--threads", threads, 1)
+    if llamacpp_flash_attn is not None:
+        if against != "llama.cpp":
+            raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --against llama.cpp")
+        from infertrace.runtimes.llamacpp.capture import check_flash_attn
+
+        llamacpp_flash_attn = check_flash_attn(llamacpp_flash_attn)
+    return against, llamacpp_flash_attn
+
+
+def check_reference_installed(against: Optional[str]) -> None:
+    """The package the reference needs is importable (transformers for ``hf``, llama-cpp-python for ``llama.cpp``).
+
+    Raises:
+        InfertraceError: the package is missing, naming the extra to install.
+    """
+    if against == "hf":
         try:
             import transformers  # noqa: F401
         except ImportError:
@@ -88,34 +130,40 @@ def diff_backends(
             import llama_cpp  # noqa: F401
         except ImportError:
             raise InfertraceError("--against llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'") from None
-    with progress_display(enabled=not as_json) as progress:
-        loaded = load_with_progress(model, dtype, device, progress, threads)
-        o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
-        progress.add_task("comparing" + (f" with {against}" if against else " cells and paged in lockstep"), total=None)
-        if against is None:
-            from infertrace.engine.compare import diff_backends as run_diff
 
-            rep = run_diff(loaded, specs, opts, atol=atol)
-        elif against == "llama.cpp":
-            from infertrace.engine.llamacpp_compare import compare_with_llamacpp
 
-            if backend != "cells" or dtype.lower() not in ("float32", "fp32"):
-                raise InfertraceError("--against llama.cpp compares the cells backend in float32 (the base side); drop --backend/--dtype")
-            rep = compare_with_llamacpp(loaded, specs, opts, layer=layer)
-        else:
-            from infertrace.engine.against import compare_with_reference
+def compare(loaded: Any, specs: list[Any], opts: Any, against: Optional[str], atol: Optional[float], backend: str,
+            dtype: str, layer: int, llamacpp_flash_attn: Optional[str]) -> dict[str, Any]:
+    """The comparison report: cells vs paged in lockstep (``against`` None), ours vs llama.cpp, or ours vs HF.
 
-            rep = compare_with_reference(loaded, specs, opts, against, atol=atol)
+    Raises:
+        InfertraceError: ``--against llama.cpp`` with another backend or dtype than cells / float32, any run error.
+    """
+    if against is None:
+        from infertrace.compare.backends import diff_backends as run_diff
+
+        return run_diff(loaded, specs, opts, atol=atol)
+    if against == "llama.cpp":
+        from infertrace.compare.llamacpp import compare_with_llamacpp
+
+        if backend != "cells" or dtype.lower() not in ("float32", "fp32"):
+            raise InfertraceError("--against llama.cpp compares the cells backend in float32 (the base side); drop --backend/--dtype")
+        return compare_with_llamacpp(loaded, specs, opts, layer=layer, flash_attn=llamacpp_flash_attn or "auto")
+    from infertrace.compare.hf import compare_with_reference
+
+    return compare_with_reference(loaded, specs, opts, against, atol=atol)
+
+
+def print_report(rep: dict[str, Any], against: Optional[str], as_json: bool) -> None:
+    """Print ``rep`` as JSON or with the renderer of its kind (backends, llama.cpp, reference)."""
     if as_json:
         typer.echo(json_text(rep, default=_jsonable))
+        return
+    from infertrace.present.render_compare import render_backends_diff, render_reference_diff
+
+    if against == "llama.cpp":
+        from infertrace.present.render_llamacpp import render_llamacpp_diff
+
+        render_llamacpp_diff(stdout_console(), rep)
     else:
-        from infertrace.present.render_compare import render_backends_diff, render_reference_diff
-
-        if against == "llama.cpp":
-            from infertrace.present.render_llamacpp import render_llamacpp_diff
-
-            render_llamacpp_diff(stdout_console(), rep)
-        else:
-            (render_backends_diff if against is None else render_reference_diff)(stdout_console(), rep)
-    if not rep["identical"]:
-        raise typer.Exit(1)
+        (render_backends_diff if against is None else render_reference_diff)(stdout_console(), rep)

@@ -44,6 +44,14 @@ def diff(
         res = diff_traces(ma, mb, atol, rtol, ta, tb, ignore=ignore or ())
         if not tensors:
             res.tensors_note = "tensors not compared (--no-tensors)"
+    from infertrace.trace.engine_diff import settings_differences
+
+    settings = settings_differences(ma, mb)  # llama.cpp settings that change numbers, named when they differ
+    if settings and not as_json:
+        from infertrace.present.render_llamacpp import settings_lines
+
+        for line in settings_lines(settings, cross is not None):
+            typer.echo(line)
     if cross is not None and not as_json:
         from infertrace.present.render_llamacpp import cross_engine_lines
 
@@ -55,6 +63,8 @@ def diff(
                {k: v for k, v in asdict(res.first).items() if k not in ("context_a", "context_b")}}
         if cross is not None:
             out["cross_engine"] = cross
+        if settings:
+            out["llama_cpp_settings_differ"] = settings
         typer.echo(json_text(out, default=str))
     else:
         for line in format_diff(res, ma, mb, str(a), str(b)):

@@ -2,7 +2,7 @@
 trace saved with ``run --save DIR`` (:func:`infertrace.trace.saved_kv.dump_saved`, no model needed).
 
 Thin: validate options (as ``run``), load the model, call
-:func:`infertrace.kv.dump.dump_kv_at_step`, print with
+:func:`infertrace.runner.dump_kv_at_step`, print with
 :func:`infertrace.present.render_kv.render_kv_dump` or as JSON.
 """
 
@@ -15,7 +15,6 @@ from infertrace.safe_text import json_text
 from infertrace.cli import run_options as o
 from infertrace.cli.common import check_min, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
-from infertrace.kv.dump import dump_kv_at_step
 from infertrace.trace.kv_dump import parse_positions
 
 HELP = ("Show the KV cache right after step N of a run (same options as run): cells map with head/used/n_kv "
@@ -89,6 +88,8 @@ def dump_kv(
         loaded = load_with_progress(model, dtype, device, progress, threads)
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task(f"running to step {step}", total=None)
+        from infertrace.runner import dump_kv_at_step  # the engine side (torch): only for a live run
+
         d = dump_kv_at_step(loaded, specs, opts, step, layer=layer, head=head, positions=pos, full=full)
     if as_json:
         typer.echo(json_text(d))

@@ -3,7 +3,7 @@
 Architecture and name, every :class:`~infertrace.model.config.ModelConfig` field, the
 tokenizer facts (model, pre-tokenizer, vocabulary, BOS/EOS/EOG, add_bos, chat template),
 the load notes (Q/K un-permutation) and the tensor table with totals per type. Loads through
-:func:`infertrace.model.weights.load_checkpoint`, so it reports exactly what ``run`` would use
+:func:`infertrace.loading.weights.load_checkpoint`, so it reports exactly what ``run`` would use
 and fails with the same one-line errors.
 """
 
@@ -21,10 +21,11 @@ from rich.text import Text
 from infertrace.cli.common import progress_display, stdout_console
 from infertrace.ranges import ranges_text
 from infertrace.safe_text import visible, json_text
-from infertrace.present.render import human_bytes, piece_text
+from infertrace.fmt import human_bytes
+from infertrace.present.render import piece_text
 
 if TYPE_CHECKING:
-    from infertrace.model.weights import Checkpoint, TensorInfo
+    from infertrace.loading.weights import Checkpoint, TensorInfo
 
 HELP = "Show a model's architecture, config, tokenizer, load notes and tensor table (GGUF file or HF directory)."
 
@@ -173,7 +174,7 @@ def render_inspect(console: Any, f: dict[str, Any], all_tensors: bool) -> None:
               show_edge=False, padding=(0, 1))
     for col, j in (("name", "left"), ("type", "left"), ("shape", "left"), ("bytes each", "right"), ("count", "right")):
         t.add_column(col, justify=j, overflow="fold")
-    from infertrace.model.weights import TensorInfo
+    from infertrace.loading.weights import TensorInfo
 
     infos = [TensorInfo(d["name"], d["type"], d["shape"], d["bytes"]) for d in f["tensors"]]
     rows = [(i.name, i, 1) for i in infos] if all_tensors else grouped_tensors(infos)
@@ -196,8 +197,8 @@ def inspect(
     all_tensors: Annotated[bool, typer.Option("--all-tensors", help="One row per tensor instead of per-layer groups.")] = False,
 ) -> None:
     """Load ``model`` as ``run`` would (same one-line errors) and print what the loader saw."""
-    from infertrace.model.registry import resolve_model
-    from infertrace.model.weights import load_checkpoint  # numpy/gguf: only when run
+    from infertrace.loading.registry import resolve_model
+    from infertrace.loading.weights import load_checkpoint  # numpy/gguf: only when run
 
     with progress_display(enabled=not as_json) as progress:
         asm = progress.add_task("preparing model", total=None)

@@ -1,6 +1,6 @@
 """``infertrace make-qwen35``: write a Qwen3.5-0.8B-shaped checkpoint with random weights.
 
-Thin: parse, call :func:`infertrace.model.synth.write_qwen35_08b`, print what was written and the
+Thin: parse, call :func:`infertrace.loading.synth.write_qwen35_08b`, print what was written and the
 command that prints the study's appendix B tables from a run on it.
 """
 
@@ -26,7 +26,7 @@ def make_qwen35(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
 ) -> None:
     """Write the checkpoint, then print how to run the study's example on it."""
-    from infertrace.model.synth import RANDOM_NOTE, write_qwen35_08b
+    from infertrace.loading.synth import RANDOM_NOTE, write_qwen35_08b
 
     write_qwen35_08b(out, seed)
     size = sum(f.stat().st_size for f in Path(out).iterdir())

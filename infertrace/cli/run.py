@@ -95,6 +95,9 @@ def run(
     top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = SamplingParams.top_p,
     min_p: Annotated[float, typer.Option("--min-p", help="0 = off.")] = SamplingParams.min_p,
     repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="1 = off.")] = SamplingParams.repetition_penalty,
+    penalty_last_n: o.PenaltyLastN = None,
+    frequency_penalty: o.FrequencyPenalty = SamplingParams.frequency_penalty,
+    presence_penalty: o.PresencePenalty = SamplingParams.presence_penalty,
     seed: Annotated[int, typer.Option("--seed", help="Seed of each request's sampler.")] = SamplingParams.seed,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating after an end-of-generation token.")] = False,
     show: Annotated[Optional[list[str]], typer.Option("--show", help="Variables to record and show, comma-separated: hidden,positions,mask,kv,decode (default all).")] = None,
@@ -117,6 +120,7 @@ def run(
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)] = None,
     engine: Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine) or llama.cpp (llama.cpp itself via llama-cpp-python, GGUF only; its inp_pos, kq_mask, cells, K/V and logits are recorded).")] = "infertrace",
     teacher_force: Annotated[Optional[Path], typer.Option("--teacher-force", help="With --engine llama.cpp: feed the tokens a saved trace (run --save DIR) generated instead of sampling, so the two traces compare step for step.")] = None,
+    llamacpp_flash_attn: o.LlamacppFlashAttn = None,
     sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --engine llama.cpp: llama.cpp; paged: hf.")] = None,
     prefix_cache: Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")] = "off",
     context_shift: Annotated[bool, typer.Option("--context-shift", help="When a request fills --ctx-size, drop cached tokens after --n-keep and continue (llama.cpp server), instead of stopping with ctx_full.")] = False,
@@ -141,9 +145,49 @@ def run(
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
     check_min("--threads", threads, 1)
+    engine, llamacpp_flash_attn = check_engine_options(engine, backend, device, dtype, prefix_cache, context_shift,
+                                                       audit_kv, teacher_force, llamacpp_flash_attn)
+    forced = forced_tokens(teacher_force) if teacher_force is not None else None
+    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
+
+    specs, opts = build_run_inputs(
+        prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
+        tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
+        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
+        penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+    opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
+    if engine == "llama.cpp" and opts.speculative:
+        raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
+
+    trace, tensors, tensor_layers = execute_run(engine, model, dtype, device, threads, specs, opts, layer, layers,
+                                                keep_tensors, show_vars, forced, llamacpp_flash_attn, quiet=as_json)
+    if save is not None:
+        save_run(trace, save, tensors, tensor_layers, force)
+    print_run(trace, show_vars, step_filter, steps, as_json)
+
+
+# ----------------------------------------------------------------------------- the command's parts
+
+
+def check_engine_options(engine: str, backend: str, device: str, dtype: str, prefix_cache: str, context_shift: bool,
+                         audit_kv: bool, teacher_force: Optional[Path],
+                         llamacpp_flash_attn: Optional[str]) -> tuple[str, Optional[str]]:
+    """Validate ``--engine`` and the options that only go with one engine, before the model loads.
+
+    Returns:
+        ``(engine, llamacpp_flash_attn)`` normalised.
+
+    Raises:
+        InfertraceError: unknown engine, llama-cpp-python missing, an option the chosen engine
+            cannot honour (``--backend paged``, ``--device``/``--dtype``, serving mechanisms with
+            llama.cpp; ``--teacher-force``/``--llamacpp-flash-attn`` without it).
+    """
     engine = check_choice("--engine", engine, ENGINES)
     if engine == "llama.cpp":
-        from infertrace.engine.llamacpp_capture import import_llama_cpp
+        from infertrace.runtimes.llamacpp.capture import import_llama_cpp
 
         import_llama_cpp()  # fail before loading anything
         if backend.strip().lower() != "cells":
@@ -155,23 +199,32 @@ def run(
                                   "--context-shift and --audit-kv (they are this engine's serving mechanisms)")
     elif teacher_force is not None:
         raise InfertraceError("--teacher-force needs --engine llama.cpp")
-    forced = forced_tokens(teacher_force) if teacher_force is not None else None
-    from infertrace.cli.run_options import build_run_inputs, print_run_cost  # shares run's checks with dump-kv, diff-backends
+    elif llamacpp_flash_attn is not None:
+        raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --engine llama.cpp")
+    if llamacpp_flash_attn is not None:
+        from infertrace.runtimes.llamacpp.capture import check_flash_attn
+
+        llamacpp_flash_attn = check_flash_attn(llamacpp_flash_attn)
+    return engine, llamacpp_flash_attn
+
+
+def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, threads: Optional[int], specs: list[Any],
+                opts: EngineOptions, layer: int, layers: Optional[str], keep_tensors: bool, show_vars: tuple[str, ...],
+                forced: Optional[dict[int, list[int]]], llamacpp_flash_attn: Optional[str],
+                quiet: bool) -> tuple[Any, Optional[dict], Optional[list[int]]]:
+    """Load the model and run the requests on ``engine``, progress on stderr (none when ``quiet``).
+
+    Returns:
+        ``(trace, tensors, tensor_layers)``: the :class:`~infertrace.trace.records.RunTrace`, the kept
+        tensors by name (None unless ``keep_tensors``) and the layers they belong to.
+
+    Raises:
+        InfertraceError: load failures, ``--layers`` out of range, any run error.
+    """
+    from infertrace.cli.run_options import print_run_cost
     from infertrace.runner import run_requests  # the engine (torch) loads only when a run starts
 
-    specs, opts = build_run_inputs(
-        prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-        seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
-        tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
-        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
-    opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
-    if engine == "llama.cpp" and opts.speculative:
-        raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
-
-    # -- load and run (progress on stderr only)
-    with progress_display(enabled=not as_json) as progress:
+    with progress_display(enabled=not quiet) as progress:
         loaded = load_with_progress(model, dtype, device, progress, threads)
         print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
@@ -182,24 +235,40 @@ def run(
         tensor_layers = (parse_layers(layers, loaded.config.n_layer) or [layer]) if keep_tensors else None
         tensors: Optional[dict] = {} if keep_tensors else None
         if engine == "llama.cpp":
-            from infertrace.engine.llamacpp_engine import run_requests_llamacpp
+            from infertrace.runtimes.llamacpp.engine import run_requests_llamacpp
 
             if tensor_layers is not None and tensor_layers != [layer]:
                 raise InfertraceError(f"--engine llama.cpp captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
             trace = run_requests_llamacpp(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                           options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
-                                          forced=forced)
+                                          forced=forced, flash_attn=llamacpp_flash_attn or "auto")
         else:
             trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                  options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
                                  tensor_layers=tensor_layers)
-    if save is not None:
-        from infertrace.capture.tensors import encode_tensors
-        from infertrace.present.render import human_bytes
+    return trace, tensors, tensor_layers
 
-        sizes = save_trace(trace, save, encode_tensors(tensors or {}, tensor_layers or ()), replace=force)  # atomic; a racing --save loses with exit 2
-        typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
 
+def save_run(trace: Any, save: Path, tensors: Optional[dict], tensor_layers: Optional[list[int]], force: bool) -> None:
+    """Write ``trace`` (and the kept tensors) to ``save`` atomically and say so on stderr.
+
+    Raises:
+        InfertraceError: the directory cannot be written (a racing ``--save`` loses with exit 2).
+    """
+    from infertrace.capture.tensors import encode_tensors
+    from infertrace.fmt import human_bytes
+
+    sizes = save_trace(trace, save, encode_tensors(tensors or {}, tensor_layers or ()), replace=force)  # atomic; a racing --save loses with exit 2
+    typer.echo(f"saved trace to {visible(str(save))}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sizes.items()), err=True)
+
+
+def print_run(trace: Any, show_vars: tuple[str, ...], step_filter: Any, steps: Optional[str], as_json: bool) -> None:
+    """Print ``trace``: JSON on stdout, or the table and the panels of the steps ``step_filter`` keeps
+    (plus the hybrid appendix tables for a Gated DeltaNet model).
+
+    Raises:
+        InfertraceError: ``--steps`` selects no step of the run.
+    """
     wanted = None if step_filter is None else [s.step for s in trace.steps if step_filter(s.step)]
     if wanted == [] and not as_json:
         last = trace.steps[-1].step if trace.steps else -1

@@ -29,6 +29,9 @@ TopK = Annotated[int, typer.Option("--top-k", help="0 = off.")]
 TopP = Annotated[float, typer.Option("--top-p", help="1 = off.")]
 MinP = Annotated[float, typer.Option("--min-p", help="0 = off.")]
 RepetitionPenalty = Annotated[float, typer.Option("--repetition-penalty", help="1 = off.")]
+PenaltyLastN = Annotated[Optional[int], typer.Option("--penalty-last-n", help="Penalties see the last N tokens, prompt included (llama.cpp --repeat-last-n): -1 = the whole context, 0 = off. Default: 64 in the llama.cpp order (llama.cpp's default), the whole context in the hf order (HF, vLLM).", show_default=False)]
+FrequencyPenalty = Annotated[float, typer.Option("--frequency-penalty", help="Subtract count x this from each token in the penalty window (llama.cpp penalties sampler; --sampler-order llama.cpp). 0 = off.")]
+PresencePenalty = Annotated[float, typer.Option("--presence-penalty", help="Subtract this from each token in the penalty window (llama.cpp penalties sampler; --sampler-order llama.cpp). 0 = off.")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of each request's sampler.")]
 IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Keep generating after an end-of-generation token.")]
 Backend = Annotated[str, typer.Option("--backend", help="KV cache / attention convention: cells (llama.cpp) or paged (TensorRT-LLM/vLLM).")]
@@ -43,6 +46,7 @@ Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)]
 SamplerOrder = Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature, then top-k/top-p/min-p: HF, vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last: common_sampler). Default: the convention of the runtime mirrored (cells and --engine llama.cpp: llama.cpp; paged: hf).")]
 EngineName = Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine, --backend cells or paged) or llama.cpp (llama.cpp itself through llama-cpp-python; its graph inputs and cache are captured).")]
+LlamacppFlashAttn = Annotated[Optional[str], typer.Option("--llamacpp-flash-attn", help="With llama.cpp computing: its flash attention, auto (llama.cpp's default: on where supported), on or off. It changes llama.cpp's numbers; the trace header records what ran.", show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
 # serving mechanisms (engine/serving.py)
 PrefixCache = Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")]
@@ -71,7 +75,8 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                      prefill_chunk: Optional[int], attention: str, dtype: str, device: str,
                      sampler_order: Optional[str] = None,
                      prefix_cache: str = "off", context_shift: bool = False, n_keep: int = 0, n_discard: int = 0,
-                     audit_kv: bool = False) -> tuple[list[PromptSpec], EngineOptions]:
+                     audit_kv: bool = False, penalty_last_n: Optional[int] = None, frequency_penalty: float = 0.0,
+                     presence_penalty: float = 0.0) -> tuple[list[PromptSpec], EngineOptions]:
     """Validate ``run``'s options (before any model loads) and build the requests and engine options.
 
     Returns:
@@ -96,8 +101,10 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     check_min("--n-discard", n_discard, 0)
     if (n_keep or n_discard) and not context_shift:
         raise InfertraceError("--n-keep / --n-discard set how a context shift works: add --context-shift")
-    if n_keep >= ctx_size - 1 and context_shift:
-        raise InfertraceError(f"--n-keep {n_keep} leaves nothing to shift in --ctx-size {ctx_size}; lower --n-keep")
+    if context_shift and n_keep > ctx_size - 4:  # llama.cpp's server clamps n_keep (+ BOS) to n_ctx - 4
+        raise InfertraceError(f"--n-keep {n_keep} leaves nothing to shift in --ctx-size {ctx_size} (a context shift keeps at "
+                              f"most n_ctx - 4 = {max(ctx_size - 4, 0)} tokens, BOS included, as llama.cpp's server); "
+                              "lower --n-keep or raise --ctx-size")
     if attention == "triton":  # fail before the model loads, with the engine's own messages
         import torch
 
@@ -117,7 +124,8 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
         check_min(opt, val, lo)
     check_ctx_bounds(ctx_size, num_blocks, tokens_per_block)
     defaults = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "ignore_eos": ignore_eos}
+                "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "ignore_eos": ignore_eos,
+                "penalty_last_n": penalty_last_n, "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty}
     params = SamplingParams(**defaults).validate()
     texts = list(prompt or [])
     arrivals = list(arrival or [])
@@ -130,6 +138,11 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
         specs += read_prompts_file(prompts, defaults, chat)
     if not specs:
         raise InfertraceError("no prompt given; pass --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    from infertrace.engine.options import check_penalties
+    from infertrace.engine.sampler import default_order
+
+    for spec in specs:  # the order's penalties, before a model loads (the engine checks again)
+        check_penalties(spec.params, sampler_order or default_order("infertrace", backend))
     opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
                          max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention,
                          sampler_order=sampler_order,

@@ -22,11 +22,10 @@ from typing import Any, Sequence
 
 import torch
 
-from infertrace.engine.sampler import apply_repetition_penalty, kept_set
+from infertrace.engine.sampler import apply_penalties, kept_set, mask_padded_rows
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
-from infertrace.kv.seq_ops import cells_seq_rm
 
 #: one drafted tree: per node (static numbering) a token or None, and per node q ``[V]`` or None
 Draft = tuple[list[int | None], list[torch.Tensor | None]]
@@ -45,7 +44,7 @@ def ranks(parents: Sequence[int]) -> list[int]:
 def target_probs(logits: torch.Tensor, params: Any, seen: Sequence[int], order: str) -> torch.Tensor:
     """The sampler's final distribution over the whole vocabulary: ``[V]`` float32 (zeros outside
     the kept set; case S3 decides top-p membership). Greedy: one-hot at the first max."""
-    x = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)  # [V]
+    x = apply_penalties(logits.float(), seen, params, order)  # [V]
     out = torch.zeros(x.numel(), dtype=torch.float32)  # [V]
     if params.greedy:
         out[int(torch.argmax(x))] = 1.0
@@ -134,15 +133,18 @@ class DraftModelDrafter:
         draft: a :class:`~infertrace.model.decoder.DecoderModel` sharing the target's vocabulary.
         target: the target model (vocabulary check).
         size: cells of the draft cache; n_seq_max: sequences.
+        n_sample_rows: the tokenizer's size when the vocabulary is padded (the draft's logits past it
+            are masked as the target's: :func:`~infertrace.engine.sampler.mask_padded_rows`), else None.
     """
 
     name = "draft"
 
-    def __init__(self, draft: Any, target: Any, size: int, n_seq_max: int):
+    def __init__(self, draft: Any, target: Any, size: int, n_seq_max: int, n_sample_rows: int | None = None):
         if draft.cfg.vocab_size != target.cfg.vocab_size:
             raise InfertraceError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) differs from the target's "
                                   f"({target.cfg.vocab_size}); use a draft model with the target's tokenizer")
         self.model = draft
+        self.n_sample_rows = n_sample_rows
         cfg = draft.cfg
         n_layer = len(draft.layers)
         self.kv = CellsKV(n_layer, cfg.n_head_kv, cfg.head_dim, size, n_seq_max, draft.dtype, draft.device,
@@ -164,8 +166,10 @@ class DraftModelDrafter:
             r += c.T
             rows.append(r - 1)
         self.forwards += 1
-        return self.model.forward(torch.tensor(ids, dtype=torch.int64), inp, self.kv,
-                                  torch.tensor(rows, dtype=torch.int64))  # [len(chunks), V]
+
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.int64), inp, self.kv,
+                                    torch.tensor(rows, dtype=torch.int64))  # [len(chunks), V]
+        return mask_padded_rows(logits, self.n_sample_rows)  # padded rows never drafted
 
     def _sync(self, reqs: list[Any]) -> torch.Tensor:
         """Bring each request's draft cache to its ``cache_ids`` (``seq_rm`` of what diverged, then one
@@ -178,7 +182,7 @@ class DraftModelDrafter:
             while n < min(len(have), len(want) - 1) and have[n] == want[n]:
                 n += 1
             if n < len(have):
-                cells_seq_rm(self.kv, r.seq_id, n, -1)
+                self.kv.seq_rm(r.seq_id, n, -1)
             chunks.append(ChunkSpec(r.seq_id, n, len(want) - n))
             ids += want[n:]
             self.cached[r.seq_id] = want
@@ -186,7 +190,7 @@ class DraftModelDrafter:
 
     def _pick(self, logits: torch.Tensor, r: Any, seen: list[int], rank: int, order: str) -> tuple[int, torch.Tensor | None]:
         if r.params.greedy:
-            x = apply_repetition_penalty(logits.float(), seen, r.params.repetition_penalty)  # [V]
+            x = apply_penalties(logits.float(), seen, r.params, order)  # [V]
             return int(torch.sort(x, descending=True, stable=True).indices[rank]), None
         q = target_probs(logits, r.params, seen, order)  # [V] the draft's sampling distribution
         g = self.gens.setdefault(r.seq_id, torch.Generator().manual_seed((r.params.seed + 0x5EED) % 2**63))
@@ -253,7 +257,7 @@ class DraftModelDrafter:
                         a = parents[a]
                     path = path[::-1]
                     node_logits[p] = self._forward([ChunkSpec(r.seq_id, base, len(path))], path)[0]
-                    cells_seq_rm(self.kv, r.seq_id, base, -1)
+                    self.kv.seq_rm(r.seq_id, base, -1)
                 seen = list(r.all_ids) + [toks[a] for a in _path(parents, p)]
                 toks.append(self._pick(node_logits[p], r, seen, rk[j], order)[0])
             res[r.seq_id] = (toks, [None] * len(toks))

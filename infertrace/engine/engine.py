@@ -8,71 +8,46 @@ sample, update requests) and llama.cpp server ``update_slots`` -> ``llama_decode
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from infertrace.engine.options import EngineOptions  # noqa: F401 - torch-free home; re-exported
 from infertrace.engine.request import Request
-from infertrace.engine.sampler import SampleResult, SamplingParams, default_order, sample
+from infertrace.engine.sampler import (SampleResult, SamplingParams, check_penalties, default_order,  # noqa: F401
+                                       mask_padded_rows, penalty_window, sample)
+from infertrace.engine.step import StepContext  # noqa: F401 - re-exported (engine/step.py)
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.engine.serving import Serving
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
-from infertrace.model.decoder import NULL_TRACER, DecoderModel
+from infertrace.model.decoder import DecoderModel
+from infertrace.model.taps import NULL_TRACER
 
 
 #: idle steps (waiting for an arrival) recorded one by one; a longer wait is skipped in one jump.
 MAX_IDLE_RECORDED = 64
 
 
-@dataclass
-class StepContext:
-    """What the engine hands ``tracer.end_step`` after each step (typed; read by attribute).
+def padded_vocab(model: DecoderModel, tokenizer: Any) -> dict[str, Any] | None:
+    """A padded vocabulary: the lm head has more rows (``cfg.vocab_size``) than the tokenizer has
+    tokens (e.g. HF ``vocab_size`` rounded up for GPU tiles). Returns ``{"rows", "tokens", "policy",
+    "masked"}`` (policy ``masked``: the rows past the tokenizer are set to -inf before sampling), or
+    None when the sizes agree (or the tokenizer's size is unknown).
 
-    Attributes:
-        step: step number. batch: the :class:`ScheduledBatch` (chunks in packed order).
-        inp: the step's :class:`AttnInputs`; None for an idle step (nothing scheduled).
-        kv: the KV backend (state after the step's writes). attention: attention impl name.
-        logits: ``[M, V]`` float, rows ``logits_rows`` of the packed batch (None when idle).
-        samples: ``{seq_id: SampleResult}``. finished: ``{seq_id: stop reason}``.
-        requests: every request the engine holds, by seq_id. time_ms: wall time of the step.
-        sampler_order: ``hf`` or ``llama.cpp`` (the run's order; shown only for sampled rows).
-        serving: the step's serving record (prefix lookups, context shifts, evictions, audit;
-        engine/serving.py) or None.
-        spec: speculative decoding: ``{"requests": {seq_id: verify record}, "drafted", "accepted",
-        "acceptance_rate"}`` or None.
-
-    ``ctx["step"]`` and ``ctx.get("time_ms")`` still work, for tracers written against the
-    dict this replaced.
-    """
-
-    step: int
-    batch: ScheduledBatch
-    inp: AttnInputs | None
-    kv: Any
-    attention: str
-    logits: torch.Tensor | None
-    logits_rows: list[int]
-    samples: dict[int, SampleResult]
-    finished: dict[int, str]
-    requests: dict[int, Request]
-    time_ms: float = 0.0
-    sampler_order: str | None = None
-    serving: dict[str, Any] | None = None
-    spec: dict[str, Any] | None = None  # speculative verify record of the step (engine/speculative.py)
-
-    def __getitem__(self, key: str) -> Any:
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(key) from None
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
+    The padded rows are untrained and have no text: an id sampled there cannot be detokenized (HF
+    decodes it to '', llama.cpp has no such token) and would be fed back as an untrained embedding.
+    vLLM keeps sampling within the vocabulary it can detokenize (vllm PR 24483: mask logits at ids
+    >= min(model vocab, tokenizer vocab)); structured-output backends mask the padded columns the same
+    way. So here, too: masked out of sampling, for every sampler order, speculative verify and draft."""
+    n_tok = getattr(tokenizer, "vocab_size", None)
+    rows = int(model.cfg.vocab_size)
+    if not isinstance(n_tok, int) or n_tok <= 0 or rows <= n_tok:
+        return None
+    return {"rows": rows, "tokens": n_tok, "policy": "masked", "masked": f"{n_tok}..{rows - 1}"}
 
 
 def make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
@@ -163,6 +138,9 @@ class Engine:
         self.step_no = 0
         self.eog = set(getattr(tokenizer, "eog_ids", ()) or ())
         self.sampler_order = self.opts.sampler_order or default_order("infertrace", self.opts.backend)
+        #: the lm head has rows past the tokenizer (padded vocabulary): they are masked out of sampling
+        self.padded_vocab = padded_vocab(model, tokenizer)
+        self.n_sample_rows = self.padded_vocab["tokens"] if self.padded_vocab else None
         self.serving = Serving(self)  # prefix cache, context shift, KV audit (engine/serving.py)
         if self.serving.prefix_on:
             self.scheduler.on_admit = self.serving.on_admit
@@ -200,16 +178,30 @@ class Engine:
         """Queue a request. seq_ids are assigned 0, 1, 2 ... in call order.
 
         Raises:
-            InfertraceError: empty prompt, or prompt longer than the context.
+            InfertraceError: empty prompt, a token id outside the model's embedding rows, prompt longer
+                than the context, or a penalty the sampler order lacks
+                (:func:`~infertrace.engine.options.check_penalties`).
+
+        The request's ``penalty_last_n`` is resolved here (the order's default when unset), so the
+        trace records the window it ran with.
         """
         params = (params or SamplingParams()).validate()
+        params = replace(params, penalty_last_n=penalty_window(params, self.sampler_order))  # recorded as run
+        check_penalties(params, self.sampler_order)
         if not prompt_ids:
             raise InfertraceError("the prompt is empty after tokenization; pass some text with --prompt")
+        rows = int(self.model.cfg.vocab_size)
+        if max(prompt_ids) >= rows or min(prompt_ids) < 0:  # a tokenizer larger than the embedding (vLLM: "out of vocabulary")
+            bad = max(prompt_ids) if max(prompt_ids) >= rows else min(prompt_ids)
+            raise InfertraceError(f"prompt token id {bad} is outside the model's embedding rows 0..{rows - 1} (its tokenizer has "
+                                  f"{getattr(self.tok, 'vocab_size', '?')} tokens); use the tokenizer the model was trained with")
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)
+        mem = self.kv.describe()
         if len(prompt_ids) >= limit and self.kv.capacity_tokens < self.opts.ctx_size:  # case P5: name the pool
+            B = max(1, mem["block_size"])
             raise InfertraceError(
-                f"prompt has {len(prompt_ids)} tokens but the KV pool holds {limit} ({self.kv.capacity_tokens // max(1, getattr(self.kv, 'B', 1))} "
-                f"blocks × {getattr(self.kv, 'B', 1)} tokens; the prompt plus one generated token must fit); raise --num-blocks"
+                f"prompt has {len(prompt_ids)} tokens but the KV pool holds {limit} ({self.kv.capacity_tokens // B} "
+                f"blocks × {B} tokens; the prompt plus one generated token must fit); raise --num-blocks"
             )
         if len(prompt_ids) >= limit:
             raise InfertraceError(
@@ -217,8 +209,8 @@ class Engine:
                 "generated token must fit); shorten the prompt or raise --ctx-size"
             )
         seq_id = len(self.requests)
-        if self.kv.kind == "cells" and seq_id >= self.opts.n_seq_max:
-            raise InfertraceError(f"too many requests for the cells backend (n_seq_max = {self.opts.n_seq_max})")
+        if mem["n_seq_max"] is not None and seq_id >= mem["n_seq_max"]:
+            raise InfertraceError(f"too many requests for the {mem['kind']} backend (n_seq_max = {mem['n_seq_max']})")
         r = Request(seq_id, list(prompt_ids), params, arrival_step, prompt_text)
         self.requests[seq_id] = r
         self.scheduler.add(r)
@@ -269,6 +261,7 @@ class Engine:
                 f"the model produced NaN/inf logits at step {self.step_no}; its weights or hyper-parameters "
                 "(rope theta, rms epsilon) are broken - check the file with infertrace inspect"
             )
+        logits = mask_padded_rows(logits, self.n_sample_rows)  # [M, V]: where logits become samples (plain, verify)
         samples, finished, j = {}, {}, 0
         spec_rec: dict[str, Any] | None = {} if self.spec is not None else None
         row0 = 0
@@ -331,8 +324,7 @@ class Engine:
                 finished[req.seq_id] = reason
                 break
         samples[req.seq_id] = out[len(emitted) - 1]
-        cells = inp.extra["cell_idx"][row : row + c.T] if "cell_idx" in inp.extra else None
-        rewind = self.spec.rewind(self, c, accepted, cells)  # also when finishing: the trace shows the rewound cache
+        rewind = self.spec.rewind(self, c, accepted, inp, row)  # also when finishing: the trace shows the rewound cache
         counts = self.spec.note(req.seq_id, c, accepted, len(emitted))
         spec_rec[req.seq_id] = {**counts, "C": c.C, "tokens": list(c.token_ids), "parents": list(c.parents),
                                 "positions": [c.C + d for d in c.depths()], "accepted_nodes": accepted,

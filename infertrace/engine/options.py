@@ -21,6 +21,13 @@ class SamplingParams:
 
     temperature 0 = greedy; top_k 0 = off; top_p 1 = off; min_p 0 = off;
     repetition_penalty 1 = off; ``seed`` seeds the request's generator.
+
+    Penalties (llama.cpp ``llama_sampler_init_penalties``; :func:`~infertrace.engine.sampler.apply_penalties`):
+    ``penalty_last_n`` = how many of the last tokens seen (prompt included) are penalised: ``-1`` the
+    whole context, ``0`` none, ``None`` the order's default (:func:`penalty_window`: 64 in the
+    llama.cpp order, as ``common_params_sampling``; the whole context in the hf order, as HF
+    ``RepetitionPenaltyLogitsProcessor``); ``frequency_penalty`` / ``presence_penalty`` (0 = off)
+    subtract ``count * frequency + presence`` from each such token's logit (llama.cpp order only).
     """
 
     temperature: float = 0.0
@@ -31,11 +38,15 @@ class SamplingParams:
     seed: int = 0
     max_new_tokens: int = 16
     ignore_eos: bool = False
+    penalty_last_n: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def validate(self) -> "SamplingParams":
         """Raise :class:`InfertraceError` for out-of-range values."""
         for name, val in (("temperature", self.temperature), ("top-p", self.top_p), ("min-p", self.min_p),
-                          ("repetition-penalty", self.repetition_penalty)):
+                          ("repetition-penalty", self.repetition_penalty), ("frequency-penalty", self.frequency_penalty),
+                          ("presence-penalty", self.presence_penalty)):
             if not math.isfinite(val):
                 raise InfertraceError(f"--{name} must be a finite number (got {val})")
         if self.temperature < 0 or 0 < self.temperature < 1e-3:
@@ -50,6 +61,12 @@ class SamplingParams:
             raise InfertraceError(f"--min-p must be in [0, 1) (got {self.min_p})")
         if not 0.01 <= self.repetition_penalty <= 100:
             raise InfertraceError(f"--repetition-penalty must be in [0.01, 100] (got {self.repetition_penalty})")
+        for name, val in (("frequency-penalty", self.frequency_penalty), ("presence-penalty", self.presence_penalty)):
+            if not -100 <= val <= 100:
+                raise InfertraceError(f"--{name} must be in [-100, 100] (got {val})")
+        if self.penalty_last_n is not None and not -1 <= self.penalty_last_n <= MAX_PENALTY_LAST_N:
+            raise InfertraceError(f"--penalty-last-n must be -1 (whole context), 0 (off) or up to {MAX_PENALTY_LAST_N} "
+                                  f"(got {self.penalty_last_n})")
         if self.max_new_tokens < 1:
             raise InfertraceError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
         return self
@@ -58,8 +75,46 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether the penalties sampler changes anything (llama.cpp ``llama_sampler_penalties::is_disabled``
+        negated; a window of 0 is checked where the window is resolved)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """All fields; the penalty window and the frequency / presence penalties only when a penalty is
+        on (a trace without penalties reads as before they existed)."""
+        d = asdict(self)
+        if not self.penalized:
+            for k in ("penalty_last_n", "frequency_penalty", "presence_penalty"):
+                d.pop(k)
+        return d
+
+
+#: llama.cpp's default window (``common_params_sampling::penalty_last_n``)
+LLAMACPP_PENALTY_LAST_N = 64
+#: the largest window accepted (any longer window is the whole context of every run here)
+MAX_PENALTY_LAST_N = 1 << 24
+
+
+def check_penalties(params: SamplingParams, order: str) -> None:
+    """Refuse penalties the ``order`` does not have.
+
+    Raises:
+        InfertraceError: frequency / presence penalty in the ``hf`` order (vLLM counts output tokens
+            only for them; not implemented here).
+    """
+    if order == "hf" and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
+        raise InfertraceError("--frequency-penalty/--presence-penalty follow llama.cpp's penalties sampler: use "
+                              "--sampler-order llama.cpp (vLLM's output-only counts in the hf order are not implemented)")
+
+
+def penalty_window(params: SamplingParams, order: str) -> int:
+    """The penalty window a request runs with: its own ``penalty_last_n``, or the order's default
+    (``llama.cpp``: 64, ``common_params_sampling``; ``hf``: -1, the whole context as HF and vLLM)."""
+    if params.penalty_last_n is not None:
+        return params.penalty_last_n
+    return LLAMACPP_PENALTY_LAST_N if order == "llama.cpp" else -1
 
 
 

@@ -9,8 +9,11 @@ Two orders (``order=``):
   same settings keep different sets (logits ``[3, 2, 1]``, top-p 0.8, temperature 0.5: ``hf``
   keeps ``{0}``, ``llama.cpp`` keeps ``{0, 1}``).
 
-HF ``LogitsProcessor`` semantics for the penalty; llama.cpp ``llama-sampling.cpp`` for min-p
-(``p >= min_p * p_max``). ``temperature == 0`` is greedy (first max index) in both.
+Penalties (:func:`apply_penalties`) come first in both orders, on the tokens of the request's
+penalty window: the last ``penalty_last_n`` tokens seen, prompt included (llama.cpp
+``llama_sampler_penalties``, default 64 in the llama.cpp order), or the whole context (HF
+``RepetitionPenaltyLogitsProcessor``, default in the hf order). llama.cpp ``llama-sampling.cpp``
+for min-p (``p >= min_p * p_max``). ``temperature == 0`` is greedy (first max index) in both.
 Each request has its own ``torch.Generator`` seeded from its seed, so its tokens do not
 depend on what else is in the batch.
 """
@@ -18,11 +21,11 @@ depend on what else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
-from infertrace.engine.options import SamplingParams  # noqa: F401 - torch-free home; re-exported
+from infertrace.engine.options import SamplingParams, check_penalties, penalty_window  # noqa: F401 - torch-free home; re-exported
 from infertrace.errors import InfertraceError
 
 
@@ -49,6 +52,48 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: Iterable[int], penalty:
     out = logits.clone()
     sel = out[ids]  # [k]
     out[ids] = torch.where(sel > 0, sel / penalty, sel * penalty)
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, seen: Sequence[int], params: SamplingParams, order: str = "hf") -> torch.Tensor:
+    """The penalties sampler: each token in the window is penalised once, whatever its count, by
+    ``repetition_penalty`` (logit <= 0 multiplied, else divided), then ``count * frequency_penalty
+    + presence_penalty`` is subtracted (``count`` = its occurrences in the window).
+
+    Args:
+        logits: ``[V]`` float32.
+        seen: the request's tokens so far, prompt first (llama.cpp accepts the prompt into the chain).
+        params: ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``, ``penalty_last_n``
+            (:func:`~infertrace.engine.options.penalty_window`: -1 all of ``seen``, 0 none, n the last n).
+        order: ``hf`` or ``llama.cpp`` (the window's default).
+
+    Returns:
+        ``[V]`` float32 (``logits`` itself when nothing is penalised).
+
+    Raises:
+        InfertraceError: frequency / presence penalty in the ``hf`` order (vLLM counts output tokens
+            only there; not implemented).
+
+    Mirrors llama.cpp ``llama_sampler_penalties_accept`` (a ring buffer of the last
+    ``penalty_last_n`` tokens) and ``_apply`` (``src/llama-sampling.cpp``), float32 arithmetic.
+    """
+    check_penalties(params, order)
+    n = penalty_window(params, order)
+    if n == 0 or not params.penalized:
+        return logits
+    window = list(seen) if n < 0 else list(seen)[-n:]
+    if not window:
+        return logits
+    ids, counts = torch.unique(torch.tensor(window, dtype=torch.int64), return_counts=True)  # [k] each
+    out = logits.float().clone()  # [V]
+    sel = out[ids]  # [k]
+    rep = torch.tensor(params.repetition_penalty, dtype=torch.float32)
+    sel = torch.where(sel <= 0, sel * rep, sel / rep)  # [k]
+    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+        sub = (counts.float() * torch.tensor(params.frequency_penalty, dtype=torch.float32)
+               + torch.tensor(params.presence_penalty, dtype=torch.float32))  # [k] float(count)*freq + float(count>0)*present
+        sel = sel - sub
+    out[ids] = sel
     return out
 
 
@@ -102,11 +147,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, seen: Iterable[int], ge
     """Choose the next token from one request's logits ``[V]`` (float32).
 
     Greedy (temperature 0) and ``top_k == 1`` both return the lowest index among tied
-    maxima (case S2). ``order``: ``hf`` or ``llama.cpp`` (:func:`kept_set`). Returns
-    :class:`SampleResult` with the top ``n_top`` candidates.
+    maxima (case S2). ``order``: ``hf`` or ``llama.cpp`` (:func:`kept_set`); ``seen``: the
+    request's tokens, prompt first (:func:`apply_penalties`). Returns :class:`SampleResult`
+    with the top ``n_top`` candidates.
     """
     raw = logits.float()
-    x = apply_repetition_penalty(raw, seen, params.repetition_penalty)  # [V]
+    x = apply_penalties(raw, list(seen), params, order)  # [V]
     if params.greedy:
         probs = torch.softmax(x, -1)  # [V]
         tok = int(torch.argmax(x))  # first max index
@@ -121,3 +167,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, seen: Iterable[int], ge
     tok = int(ids[j])
     top = [(int(ids[r]), float(raw[ids[r]]), float(p[r])) for r in range(min(n_top, ids.numel()))]
     return SampleResult(tok, top)
+
+
+def mask_padded_rows(logits: torch.Tensor, n_tokens: int | None) -> torch.Tensor:
+    """``logits`` (``[M, V]`` float) with columns ``n_tokens..V-1`` set to -inf, a new tensor (the
+    same one when ``n_tokens`` is None): the padded rows of :func:`padded_vocab` can never be
+    sampled, drafted or accepted."""
+    if n_tokens is None or logits.shape[-1] <= n_tokens:
+        return logits
+    pad = torch.arange(logits.shape[-1], device=logits.device) >= n_tokens  # [V] bool
+    return logits.masked_fill(pad, float("-inf"))  # [M, V]

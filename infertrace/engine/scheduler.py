@@ -145,8 +145,8 @@ class Scheduler:
             hit = self.on_admit(req) if self.on_admit is not None and req.num_computed == 0 else 0
             n = self._take(req, budget)
             if not self.kv.can_fit(self._plan(batch, req, n)):
-                if hit:  # undo the prefix attachment; the lookup runs again next step
-                    self.kv.release(req.seq_id)
+                if hit:  # undo the prefix attachment (not retained: cells kept would be a seq_cp no step shows)
+                    self.kv.forget(req.seq_id)
                     req.num_computed = 0
                 if not self.running and not batch.chunks:
                     if not req.output_ids:

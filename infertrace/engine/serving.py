@@ -20,6 +20,7 @@ from typing import Any
 from infertrace.errors import InfertraceError
 from infertrace.kv.audit import Provenance, audit_kv, layer0_k
 from infertrace.kv.seq_ops import seq_rm, shift_out
+from infertrace.model.rope import layer_ropes
 
 
 class Serving:
@@ -32,16 +33,10 @@ class Serving:
         self.shift_on = bool(o.context_shift)
         self.audit_on = bool(o.audit_kv)
         self.active = self.prefix_on or self.shift_on or self.audit_on
-        cfg = engine.model.cfg
-        if self.shift_on and cfg.rope_theta_swa is not None and cfg.windowed_layers and cfg.rope_theta_swa != cfg.rope_theta:
-            # K-shift re-rotates every layer by one inv_freq table; windowed layers here rotate with another base
-            raise InfertraceError(f"--context-shift is not supported for {cfg.family}: its sliding-window layers use RoPE base "
-                                  f"{cfg.rope_theta_swa:g} and the others {cfg.rope_theta:g} (K-shift per layer base not "
-                                  "implemented); drop --context-shift")
-        if self.shift_on and self.audit_on and (cfg.attn_bias or cfg.qk_norm or cfg.embed_scale is not None):
-            # the audit's layer-0 K of shifted entries is recomputed without biases / QK-norm / embedding scale
-            raise InfertraceError(f"--audit-kv with --context-shift is not supported for {cfg.family} (layer-0 K "
-                                  "recomputation covers plain Llama layers only); drop one of them")
+        # each layer's own RoPE (Gemma 3: windowed layers base 10000, global 1e6; YaRN's cos/sin factor)
+        self.ropes = layer_ropes(engine.model.cfg)
+        # llama.cpp server: ``n_keep += add_bos_token`` (the BOS cell is never shifted out)
+        self.add_bos = bool(getattr(engine.tok, "add_bos", False))
         self.prov = Provenance()
         self.hits: dict[int, dict[str, Any]] = {}
         self.pending_ops: list[dict[str, Any]] = []  # done after the previous step (context shifts)
@@ -72,13 +67,12 @@ class Serving:
         """Record the step's token ids and provenance; run the audit when asked."""
         kv = self.eng.kv
         row = 0
-        slots = inp.extra.get("slot_mapping") if inp is not None else None
         for c in batch.chunks:
             req = c.req
             if self.prefix_on and not req.shifts:
                 kv.note_tokens(req.seq_id, c.C, c.token_ids, req.cache_ids[: c.C + c.T])
-            sl = slots[row : row + c.T].tolist() if slots is not None else ()
-            self.prov.on_write(req.seq_id, c.C, c.T, c.phase, c.need_logits, sl, getattr(kv, "B", 0))
+            blocks = kv.written_blocks(inp, row, c.T) if inp is not None else ()
+            self.prov.on_write(req.seq_id, c.C, c.T, c.phase, c.need_logits, blocks)
             row += c.T
         if self.audit_on:
             self.audit = self.run_audit()
@@ -98,10 +92,7 @@ class Serving:
         if batch is not None:
             scheduled = {c.req.seq_id for c in batch.chunks}
             self.hits = {k: v for k, v in self.hits.items() if k in scheduled}
-        kv = self.eng.kv
-        events = list(getattr(kv, "events", []))
-        if events:
-            kv.events.clear()
+        events = self.eng.kv.take_events()
         rec = {"prefix": {str(k): v for k, v in self.hits.items()}, "evictions": events,
                "ops_before_step": self.pending_ops, "audit": self.audit}
         self.hits, self.pending_ops, self.audit = {}, [], None
@@ -122,24 +113,28 @@ class Serving:
 
     def context_shift(self, req: Any) -> dict[str, Any]:
         """Keep the first ``n_keep`` cached tokens, drop the next ``n_discard`` (default half of the
-        rest, as llama.cpp's server), move the others down (K re-rotated). Returns the op record.
+        rest), move the others down (K re-rotated with each layer's RoPE). Returns the op record.
+
+        As llama.cpp's server (``tools/server/server-context.cpp``, context shift in ``update_slots``):
+        ``n_keep = min(n_ctx - 4, --n-keep + add_bos_token)`` (the BOS stays in its cell),
+        ``n_left = n_past - n_keep``, ``n_discard = --n-discard ?: n_left / 2`` clamped to
+        ``0..n_left - 1``; then ``seq_rm(n_keep, n_keep + n_discard)`` and
+        ``seq_add(n_keep + n_discard, n_past, -n_discard)``. The record's ``n_keep`` is the effective one.
 
         Raises:
             InfertraceError: ``n_keep`` leaves nothing to discard.
         """
         o = self.eng.opts
         n_past = req.num_computed
-        n_keep = o.n_keep
+        n_keep = max(0, min(o.ctx_size - 4, o.n_keep + int(self.add_bos)))
         n_left = n_past - n_keep
         n_discard = o.n_discard if o.n_discard else n_left // 2
-        if n_left < 1 or n_discard < 1:
-            raise InfertraceError(f"context shift impossible for request {req.seq_id}: --n-keep {n_keep} keeps the whole "
+        n_discard = min(max(n_discard, 0), max(0, n_left - 1))
+        if n_discard < 1:
+            raise InfertraceError(f"context shift impossible for request {req.seq_id}: --n-keep {o.n_keep} keeps the whole "
                                   f"context of {n_past} tokens; lower --n-keep")
-        n_discard = min(n_discard, n_left)
         kv = self.eng.kv
-        if kv.kind == "cells" and hasattr(kv, "tainted"):
-            kv.tainted.add(req.seq_id)
-        op = shift_out(kv, req.seq_id, n_keep, n_keep + n_discard, self.eng.model.inv_freq)
+        op = shift_out(kv, req.seq_id, n_keep, n_keep + n_discard, self.ropes)  # raises where the memory cannot
         req.shifts.append((n_keep, n_discard))
         req.num_computed -= n_discard
         self.prov.on_shift(req.seq_id, n_keep, n_discard)
@@ -164,6 +159,5 @@ class Serving:
         del req.output_ids[keep - n_prompt + 1 :]
         req.num_computed = keep
         self.prov.on_rewind(req.seq_id, keep)
-        if self.prefix_on and hasattr(self.eng.kv, "tokens"):
-            self.eng.kv.tokens[req.seq_id] = req.cache_ids[:keep]
+        self.eng.kv.note_rewind(req.seq_id, req.cache_ids[:keep])
         return op

@@ -32,7 +32,6 @@ import torch
 from infertrace.engine.drafters import DraftModelDrafter, NgramDrafter, layer_skip, target_probs
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.errors import InfertraceError
-from infertrace.kv.spec_ops import rewind_verify
 
 #: largest draft (tree nodes) per request and step
 MAX_DRAFT = 64
@@ -111,11 +110,11 @@ class Speculator:
             if o.draft_layers:
                 dm = layer_skip(engine.model, o.draft_layers)
             else:
-                from infertrace.runner import load_model
+                from infertrace.loading.model import load_model
 
                 dm = load_model(o.draft_model, device=str(engine.model.device)).model
             size = engine.kv.capacity_tokens + o.n_seq_max * (len(self.parents) + 1)
-            self.drafter = DraftModelDrafter(dm, engine.model, size, o.n_seq_max)
+            self.drafter = DraftModelDrafter(dm, engine.model, size, o.n_seq_max, getattr(engine, "n_sample_rows", None))
         self.target_forwards = 0  # steps that ran the target on at least one decode / verify chunk
         self.decode_tokens = 0  # tokens emitted by those steps
         self.req_stats: dict[int, dict[str, Any]] = {}
@@ -187,10 +186,17 @@ class Speculator:
         out.append(sample(logits[chunk.T - 1], req.params, seen, g, order=order))  # every draft accepted: bonus token
         return out, accepted
 
-    def rewind(self, engine: Any, chunk: Any, accepted: list[int], cell_idx: Any) -> dict[str, Any]:
-        """Free the rejected candidates' K/V; the request's ``num_computed`` becomes ``C + len(accepted)``."""
-        op = rewind_verify(engine.kv, chunk.req.seq_id, chunk.C, chunk.T, accepted, cell_idx,
-                           is_chain=chunk.parents == list(range(-1, chunk.T - 1)))
+    def rewind(self, engine: Any, chunk: Any, accepted: list[int], inp: Any, row: int) -> dict[str, Any]:
+        """Free the rejected candidates' K/V (``kv.rewind``, the chunk's rows ``row..row+T-1`` of ``inp``);
+        the request's ``num_computed`` becomes ``C + len(accepted)``.
+
+        Raises:
+            InfertraceError: the memory cannot rewind (a recurrent state cannot drop tokens).
+        """
+        op = engine.kv.rewind(chunk.req.seq_id, chunk.C, chunk.T, accepted, inp, row,
+                              is_chain=chunk.parents == list(range(-1, chunk.T - 1)))
+        if not op:
+            raise InfertraceError(op["refused"])
         chunk.req.num_computed = chunk.C + len(accepted)
         return op
 

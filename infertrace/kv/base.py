@@ -12,94 +12,342 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from infertrace.kv.chunk import ChunkSpec  # noqa: F401 - re-exported (kv/chunk.py)
 from infertrace.ranges import ranges_text  # noqa: F401 - torch-free home; re-exported for old imports
 
 
 @dataclass
-class ChunkSpec:
-    """One request's share of a step: tokens ``C .. C+T-1`` of ``seq_id``."""
-
-    seq_id: int
-    C: int  # tokens already cached before the step
-    T: int  # tokens computed this step
-    #: speculative verify chunk: chunk-local parent index per token (``parents[0] == -1``: the
-    #: last accepted token; a chain is ``[-1, 0, 1, ..]``). Token i then sits at position
-    #: ``C + depth(i)`` and sees the past plus its ancestors (engine/speculative.py). None = causal.
-    parents: list[int] | None = None
-
-    def depths(self) -> list[int]:
-        """Depth of each token in its draft tree (``0..T-1`` for a plain chunk)."""
-        if self.parents is None:
-            return list(range(self.T))
-        d: list[int] = []
-        for p in self.parents:
-            d.append(0 if p < 0 else d[p] + 1)
-        return d
-
-    def ancestors(self) -> torch.Tensor:
-        """``[T, T]`` bool: (i, j) iff token j is token i or one of its ancestors (the verify mask)."""
-        if self.parents is None:
-            return torch.ones(self.T, self.T, dtype=torch.bool).tril()  # [T, T] causal block
-        a = torch.zeros(self.T, self.T, dtype=torch.bool)  # [T, T]
-        for i, p in enumerate(self.parents):
-            a[i, i] = True
-            if p >= 0:
-                a[i] |= a[p]
-        return a
-
-
-@dataclass
 class AttnInputs:
-    """Per-step attention inputs (a batch of one is still a batch).
+    """Per-step attention inputs common to every memory (a batch of one is still a batch).
 
-    Common: ``chunks`` (packed order), ``positions`` ``[N]`` int64, ``seq_ids`` ``[N]`` int64.
-    ``cells`` backend: ``cell_idx`` ``[N]`` (where each token's K/V goes), ``n_kv`` and
-    ``kq_mask`` ``[n_stream, 1, n_tokens_padded, n_kv]`` (ggml ``ne = [n_kv, n_tokens_padded, 1, n_stream]``).
-    ``paged`` backend: ``slot_mapping`` ``[N]``, ``block_tables`` ``[num_seqs, max_blocks]``,
-    ``seq_lens``/``kv_lens`` ``[num_seqs]``, ``cu_seqlens`` ``[num_seqs+1]``, ``num_contexts``,
-    ``request_types``.
+    ``chunks`` (packed order), ``positions`` ``[N]`` int64, ``seq_ids`` ``[N]`` int64, ``backend``
+    (the convention: ``cells`` / ``paged``); ``state_indices`` ``[num_seqs]``: the recurrent-state
+    slot of each chunk (hybrid memories only, TensorRT-LLM ``state_indices`` / llama.cpp ``s_copy``);
+    ``extra``: annotations a captured runtime adds to its step (llama.cpp's ``kq_mask_ne``,
+    ``out_ids``, ``memory_seq_pos``), never read by the memory. Each convention's inputs are a
+    subclass: :class:`CellsInputs`, :class:`PagedInputs`.
     """
 
     chunks: list[ChunkSpec]
     positions: torch.Tensor
     seq_ids: torch.Tensor
     backend: str
-    extra: dict[str, Any] = field(default_factory=dict)
+    state_indices: list[int] | None = field(default=None, kw_only=True)
+    extra: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
 
 
-class KVBackend(Protocol):
-    """The contract both ``cells`` and ``paged`` implement."""
+@dataclass
+class CellsInputs(AttnInputs):
+    """llama.cpp cells inputs (``llm_graph_input_attn_kv``): ``cell_idx`` ``[N]`` int64 where each
+    token's K/V goes (``k_idxs``), ``n_kv`` cells the graph reads, ``kq_mask``
+    ``[n_stream, 1, n_tokens_pad, n_kv]`` float32 (ggml ``ne = [n_kv, n_tokens_pad, 1, n_stream]``),
+    ``head_before`` / ``head_after``, the cells' ``cell_pos`` ``[n_kv]`` / ``cell_seq``
+    ``[n_kv, n_seq_max]`` when the mask was filled; models with windowed layers add ``kq_mask_swa``
+    (same shape), ``n_swa`` and ``swa_layers``."""
+
+    cell_idx: torch.Tensor = field(kw_only=True)
+    n_kv: int = field(kw_only=True)
+    kq_mask: torch.Tensor = field(kw_only=True)
+    n_tokens_pad: int = field(kw_only=True)
+    head_before: int = field(kw_only=True)
+    head_after: int = field(kw_only=True)
+    cell_pos: torch.Tensor = field(kw_only=True)
+    cell_seq: torch.Tensor = field(kw_only=True)
+    kq_mask_swa: torch.Tensor | None = field(default=None, kw_only=True)
+    n_swa: int = field(default=0, kw_only=True)
+    swa_layers: list[int] = field(default_factory=list, kw_only=True)
+
+    def mask(self, swa: bool = False) -> torch.Tensor:
+        """``kq_mask_swa`` when ``swa`` and the model has windowed layers, else ``kq_mask``."""
+        return self.kq_mask_swa if (swa and self.kq_mask_swa is not None) else self.kq_mask
+
+    # --- what a trace shows of these inputs ---------------------------------------------------------
+    def mask_record(self, max_rows: int, max_cols: int) -> tuple[str, str, dict[str, Any] | None, dict[str, Any] | None]:
+        """``(convention, rule, cells part, paged part)`` of the trace's mask record: a slice of
+        ``kq_mask`` (at most ``max_rows`` x ``max_cols``) with the cells' pos / seq_ids."""
+        m, n_kv = self.kq_mask, self.n_kv  # [1, 1, n_pad, n_kv]
+        sl = m[0, 0, : min(self.n_tokens, max_rows), : min(n_kv, max_cols)]
+        cells = {"ne": [n_kv, self.n_tokens_pad, 1, 1], "torch_shape": list(m.shape), "dtype": _dtype(m), "n_kv": n_kv,
+                 "n_tokens": self.n_tokens, "cell_pos": self.cell_pos[:max_cols].tolist(),
+                 "cell_seq": [row.nonzero().flatten().tolist() for row in self.cell_seq[:max_cols]],
+                 "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]}
+        return "cells", "keep iff cell holds the query's seq_id and cell.pos <= query pos", cells, None
+
+    def swa_record(self, max_rows: int, max_cols: int) -> dict[str, Any]:
+        """The sliding-window part of the mask record: a slice of ``kq_mask_swa`` around the first
+        query's window edge (empty when the model has no windowed layer)."""
+        if self.kq_mask_swa is None:
+            return {}
+        m, n_kv = self.kq_mask_swa, self.n_kv  # [1, 1, n_pad, n_kv]
+        keep0 = (m[0, 0, 0, :n_kv] == 0).nonzero().flatten()  # cells the first query sees
+        c0 = int(keep0[0]) if keep0.numel() else 0
+        start = max(0, min(c0 - max_cols // 2, n_kv - max_cols))  # window edge in view
+        sl = m[0, 0, : min(self.n_tokens, max_rows), start : start + max_cols]
+        return {"kq_mask_swa": {"ne": [n_kv, self.n_tokens_pad, 1, 1], "dtype": _dtype(m), "col_start": start,
+                                "cell_pos": self.cell_pos[start : start + max_cols].tolist(),
+                                "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]}}
+
+    def verify_record(self, chunk_index: int, row: int, T: int) -> dict[str, Any]:
+        """A speculative verify chunk's mask: the chunk's cells and the ``[T, T]`` block of ``kq_mask``
+        over them (llama.cpp has no tree metadata: the verify mask is rows of ``kq_mask``)."""
+        cells = self.cell_idx[row : row + T]  # [T]
+        block = self.kq_mask[0, 0, row : row + T][:, cells]  # [T, T] the verify block of kq_mask
+        return {"cells": cells.tolist(), "kq_mask_block": [["0" if x == 0 else "-inf" for x in r] for r in block.tolist()],
+                "verify_mask": ["".join("1" if x == 0 else "0" for x in r) for r in block.tolist()]}
+
+    def summary(self) -> dict[str, Any]:
+        """What attention got this step, for the backend diff: kq_mask shape, ``n_kv``, ``head_before``."""
+        return {"kq_mask_ne": [self.n_kv, self.n_tokens_pad, 1, 1], "n_kv": self.n_kv, "head_before": self.head_before}
+
+
+@dataclass
+class PagedInputs(AttnInputs):
+    """vLLM / TensorRT-LLM paged inputs: ``slot_mapping`` ``[N]`` int64, ``block_tables``
+    ``[num_seqs, max_blocks]`` int32 (-1 padded), ``seq_lens`` / ``kv_lens`` ``[num_seqs]`` int32,
+    ``cu_seqlens`` ``[num_seqs+1]`` int32, ``request_types``, ``num_contexts``, ``mask_type``,
+    ``tokens_per_block``, ``attention_window`` (layer -> W); a verify step adds TensorRT-LLM's
+    ``spec_decoding_*`` tensors and, for a branching tree, ``spec_tree_mask`` ``[S, T_max, T_max]``
+    bool and ``spec_q_pos`` ``[S, T_max]`` int64 (:func:`~infertrace.kv.spec_meta.spec_metadata`)."""
+
+    slot_mapping: torch.Tensor = field(kw_only=True)
+    block_tables: torch.Tensor = field(kw_only=True)
+    seq_lens: torch.Tensor = field(kw_only=True)
+    kv_lens: torch.Tensor = field(kw_only=True)
+    cu_seqlens: torch.Tensor = field(kw_only=True)
+    request_types: list[str] = field(kw_only=True)
+    num_contexts: int = field(kw_only=True)
+    mask_type: str = field(default="causal", kw_only=True)
+    tokens_per_block: int = field(kw_only=True)
+    attention_window: dict[int, int] = field(default_factory=dict, kw_only=True)
+    spec_decoding_generation_lengths: torch.Tensor | None = field(default=None, kw_only=True)
+    spec_decoding_position_offsets: torch.Tensor | None = field(default=None, kw_only=True)
+    spec_decoding_packed_mask: torch.Tensor | None = field(default=None, kw_only=True)
+    spec_tree_mask: torch.Tensor | None = field(default=None, kw_only=True)
+    spec_q_pos: torch.Tensor | None = field(default=None, kw_only=True)
+    #: the five index tensors on the pool's device, made once per step by the first layer
+    dev: dict[str, torch.Tensor] | None = field(default=None, kw_only=True, repr=False)
+
+    # --- what a trace shows of these inputs ---------------------------------------------------------
+    def mask_record(self, max_rows: int, max_cols: int) -> tuple[str, str, dict[str, Any] | None, dict[str, Any] | None]:
+        """``(convention, rule, cells part, paged part)`` of the trace's mask record: no dense mask, the
+        lengths and block tables attention reads."""
+        return ("paged", "mask_type causal: query at position p of request r sees keys 0..p of r's block-table row", None,
+                {"mask_type": self.mask_type, "seq_lens": self.seq_lens.tolist(), "kv_lens": self.kv_lens.tolist(),
+                 "cu_seqlens": self.cu_seqlens.tolist(), "request_types": list(self.request_types),
+                 "num_contexts": self.num_contexts, "request_ids": [c.seq_id for c in self.chunks],
+                 "block_tables": self.block_tables.tolist(), "dense_mask_tensor": None})
+
+    def swa_record(self, max_rows: int, max_cols: int) -> dict[str, Any]:
+        """The sliding-window part of the mask record: each windowed layer's W (attention metadata)."""
+        return {"attention_window": {str(i): w for i, w in self.attention_window.items()}}
+
+    def verify_record(self, chunk_index: int, row: int, T: int) -> dict[str, Any]:
+        """A speculative verify chunk's metadata: TensorRT-LLM's position offsets and packed tree mask."""
+        from infertrace.kv.spec_meta import unpack_mask
+
+        packed = self.spec_decoding_packed_mask[chunk_index, :T]  # [T, W] int32
+        rows = unpack_mask(packed, T)  # [T, T]
+        return {"position_offsets": self.spec_decoding_position_offsets[chunk_index, :T].tolist(),
+                "packed_mask": packed.tolist(),
+                "verify_mask": ["".join("1" if x else "0" for x in r) for r in rows.tolist()]}
+
+    def summary(self) -> dict[str, Any]:
+        """What attention got this step, for the backend diff: the lengths and the mask type."""
+        return {"seq_lens": self.seq_lens.tolist(), "kv_lens": self.kv_lens.tolist(), "cu_seqlens": self.cu_seqlens.tolist(),
+                "num_contexts": self.num_contexts, "mask_type": self.mask_type}
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+class MemOp(dict):
+    """What a memory operation did: a JSON-ready dict (the engine puts it in the step trace) that is
+    also the operation's answer, as llama.cpp's ``bool llama_memory_seq_rm``: true when done, false
+    when this memory cannot do it (then ``{"op", "refused": reason}`` and nothing was changed)."""
+
+    ok: bool = True
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @classmethod
+    def refused(cls, op: str, reason: str, **fields: Any) -> "MemOp":
+        """A "cannot" answer: nothing changed; ``reason`` says why in one line."""
+        out = cls({"op": op, "refused": reason, **fields})
+        out.ok = False
+        return out
+
+
+class Memory(Protocol):
+    """The one memory protocol every memory kind implements as methods (cells, paged, recurrent state
+    and their hybrid): llama.cpp ``src/llama-memory.h`` ``llama_memory_i`` (``seq_rm`` returning
+    false when it cannot, ``seq_cp``, ``seq_keep``, ``seq_add``, ``seq_div``, ``seq_pos_min/max``,
+    batch preparation, state read) plus what serving and speculative decoding need (context shift,
+    verify rewind, prefix lookup), each with a "not supported" answer where a kind has none, so no
+    caller asks which kind it holds.
+
+    Positions follow llama.cpp: ``p0 < 0`` means 0, ``p1 < 0`` means "to the end". Sequence
+    operations return a :class:`MemOp` (false: refused, nothing changed).
+    """
 
     kind: str
     capacity_tokens: int
 
+    # --- batch preparation and the forward (llama_memory_i::init_batch / the graph inputs) -----------
     def can_fit(self, plan: list[tuple[int, int]]) -> bool:
         """Whether all ``(seq_id, n_new)`` of ``plan`` fit at once."""
 
     def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
-        """Reserve storage for the current tokens and build attention inputs."""
+        """Reserve storage for the current tokens and build the convention's attention inputs."""
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: AttnInputs) -> None:
-        """Store current K/V ``[N, n_kv_heads, head_dim]`` of ``layer``."""
+        """Store current K/V ``[N, n_kv_heads, head_dim]`` of model layer ``layer``."""
 
     def attend(self, layer: int, q: torch.Tensor, inp: AttnInputs, scale: float) -> torch.Tensor:
-        """Attention output ``[N, n_head, head_dim]`` for queries ``q``."""
+        """Attention output ``[N, n_head, head_dim]`` for queries ``q`` of model layer ``layer``."""
 
     def release(self, seq_id: int) -> None:
-        """Free everything ``seq_id`` owns."""
+        """Free everything ``seq_id`` owns (``seq_rm(seq_id, -1, -1)``); a prefix-caching memory may
+        keep it for reuse."""
 
+    def forget(self, seq_id: int) -> None:
+        """Free everything ``seq_id`` owns and keep nothing for reuse (an admission undone)."""
+
+    # --- sequence operations (llama_memory_i) -----------------------------------------------------------
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
+        """Remove ``seq_id``'s positions ``[p0, p1)``; false when this memory cannot (recurrent: a part
+        of a sequence; paged: anything but a tail)."""
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> MemOp:
+        """Let ``dst`` hold ``src``'s positions ``[p0, p1)``."""
+
+    def seq_keep(self, seq_id: int) -> MemOp:
+        """Drop every sequence but ``seq_id``."""
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[Any]) -> MemOp:
+        """Move positions ``[p0, p1)`` by ``delta``, cached K re-rotated with each layer's RoPE."""
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[Any]) -> MemOp:
+        """Divide positions ``[p0, p1)`` by ``d`` (llama.cpp self-extend), K re-rotated."""
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Smallest cached position of ``seq_id`` (-1 when it holds none)."""
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest cached position of ``seq_id`` (-1 when it holds none)."""
+
+    def shift_out(self, seq_id: int, p0: int, p1: int, ropes: Sequence[Any]) -> MemOp:
+        """Context shift: drop ``[p0, p1)`` and move the rest down by ``p1 - p0`` (llama.cpp server's
+        ``seq_rm`` + ``seq_add``)."""
+
+    def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: AttnInputs, row: int,
+               is_chain: bool) -> MemOp:
+        """After a speculative verify chunk (``C``, ``T``, rows ``row..row+T-1`` of ``inp``): keep the
+        accepted candidates, free the rest."""
+
+    # --- prefix reuse ------------------------------------------------------------------------------------
+    def lookup(self, seq_id: int, prompt: Sequence[int]) -> dict[str, Any]:
+        """Attach the longest cached prefix of ``prompt`` to ``seq_id``; ``{"hit": n, ...}``."""
+
+    def note_tokens(self, seq_id: int, C: int, token_ids: Sequence[int], all_ids: Sequence[int]) -> None:
+        """Record the token ids just written for ``seq_id`` (what later lookups match)."""
+
+    def note_rewind(self, seq_id: int, ids: Sequence[int]) -> None:
+        """``seq_id`` now holds exactly ``ids`` (after a rewind)."""
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Cache events since the last call (evictions), oldest first."""
+
+    # --- state read --------------------------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:
         """Tokens of ``seq_id`` currently cached."""
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logical K, V of ``seq_id`` ordered by position: ``[L, n_kv_heads, head_dim]`` each."""
+        """Logical K, V of ``seq_id`` in model layer ``layer`` ordered by position:
+        ``[L, n_kv_heads, head_dim]`` each."""
 
-    def logical_mask(self, inp: AttnInputs) -> list[torch.Tensor]:
+    def logical_mask(self, inp: AttnInputs, swa: bool = False) -> list[torch.Tensor]:
         """Per chunk, bool ``[T, C+T]``: query i may see key position j."""
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-ready description of the physical state (for traces and ``dump-kv``)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Shape of the memory: ``kind``, ``dtype``, ``n_layer`` (physical K/V layers), ``kv_layers`` (model
+        layers with K/V), ``n_kv_heads``, ``head_dim``, ``block_size`` (0 = cells), ``n_seq_max`` (None =
+        unbounded), ``physical_shape`` (per layer), ``tensors`` and ``mask`` (one-line conventions)."""
+
+    kv_layers: list[int]  # model layers holding K/V (a hybrid's attention layers)
+
+    def phys_layer(self, il: int) -> int:
+        """Physical K/V layer of model layer ``il`` (raises for a layer without K/V)."""
+
+    def recurrent_state(self) -> Any:
+        """The recurrent part (:class:`~infertrace.kv.recurrent.RecurrentState`), None without one."""
+
+    def written_blocks(self, inp: AttnInputs, row: int, T: int) -> list[int]:
+        """Blocks the step's rows ``row..row+T-1`` went to (paged; ``[]`` for cells)."""
+
+    def placement(self, inp: AttnInputs | None) -> list[dict[str, Any]]:
+        """Per chunk of the step, where its K/V went, as the trace shows it (cells: ``cells``; paged:
+        ``slot_mapping``, ``block_table``)."""
+
+    def heads(self, inp: AttnInputs | None) -> dict[str, Any]:
+        """What the snapshot adds for the step (cells: ``head_before`` / ``head_after``)."""
+
+    def step_summary(self, inp: AttnInputs | None) -> dict[str, Any]:
+        """The physical side of one step for the backend diff (``diff-backends``)."""
+
+    def dump_writes(self, inp: AttnInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """For ``dump-kv``: per chunk where its rows went, and what the snapshot adds."""
+
+    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
+        """For ``dump-kv``: K/V values of one head of physical layer ``layer`` per sequence and position."""
+
+
+#: the name before the protocol grew sequence operations; same protocol.
+KVBackend = Memory
+
+
+class MemoryDefaults:
+    """The "not supported" answers of the :class:`Memory` protocol, for a memory kind without the
+    operation (a kind overrides what it has): no prefix reuse (a lookup hits nothing), no cache
+    events, no ``seq_div``."""
+
+    kind: str
+
+    def forget(self, seq_id: int) -> None:
+        """Nothing is kept for reuse by this kind: the same as :meth:`release`."""
+        self.release(seq_id)  # type: ignore[attr-defined]
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[Any]) -> MemOp:
+        return MemOp.refused("seq_div", f"seq_div is not supported by the {self.kind} memory")
+
+    def lookup(self, seq_id: int, prompt: Sequence[int]) -> dict[str, Any]:
+        return {"hit": 0, "refused": f"prefix reuse is not enabled on this {self.kind} memory"}
+
+    def note_tokens(self, seq_id: int, C: int, token_ids: Sequence[int], all_ids: Sequence[int]) -> None:
+        return None
+
+    def note_rewind(self, seq_id: int, ids: Sequence[int]) -> None:
+        return None
+
+    def take_events(self) -> list[dict[str, Any]]:
+        return []
+
+    def written_blocks(self, inp: AttnInputs, row: int, T: int) -> list[int]:
+        """Blocks the step's rows ``row..row+T-1`` were written to (none: this memory has no blocks)."""
+        return []
+
+    def recurrent_state(self) -> Any:
+        """The recurrent part of a hybrid memory (llama.cpp ``get_mem_recr``); None: no recurrent state."""
+        return None
+
+    def phys_layer(self, il: int) -> int:
+        """Physical KV layer of model layer ``il`` (every layer holds K/V here)."""
+        return il

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from infertrace.errors import InfertraceError
+from infertrace.fmt import human_bytes as _human_bytes
 
 #: largest --ctx-size / pool in tokens accepted before a model is loaded (2^24 = 16.7M positions).
 MAX_CTX_TOKENS = 1 << 24
@@ -26,12 +27,8 @@ KV_MEMORY_FRACTION = 0.5
 
 
 def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"`` (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"  # pragma: no cover
+    """``1536`` -> ``"1.5 KiB"`` (binary units; :func:`infertrace.fmt.human_bytes`)."""
+    return _human_bytes(n, binary=True)
 
 
 def kv_tokens(opts: Any) -> int:

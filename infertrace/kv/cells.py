@@ -29,7 +29,10 @@ import torch
 
 from infertrace.attention.reference import attention_with_kq_mask
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import AttnInputs, ChunkSpec, ranges_text
+from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, MemoryDefaults, ranges_text
+from infertrace.kv.seq_ops import (cells_defrag, cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep, cells_seq_rm,
+                                   cells_shift_out)
+from infertrace.kv.spec_ops import cells_rewind
 from infertrace.trace.schema import N_KV_PAD_MAX
 
 #: query rows of kq_mask are padded to a multiple of this (llama.cpp once padded to
@@ -41,8 +44,8 @@ KQ_MASK_PAD = 1
 N_PAD = N_KV_PAD_MAX
 
 
-class CellsKV:
-    """Unified cell cache for ``n_layer`` layers.
+class CellsKV(MemoryDefaults):
+    """Unified cell cache for ``n_layer`` layers (the :class:`~infertrace.kv.base.Memory` protocol).
 
     Args:
         n_layer, n_kv_heads, head_dim: model shape.
@@ -63,6 +66,7 @@ class CellsKV:
         self.capacity_tokens = size
         self.n_seq_max = n_seq_max
         self.n_layer = n_layer
+        self.kv_layers = list(range(n_layer))  # model layers with K/V: all of them
         self.k = [torch.zeros(size, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(n_layer)]  # [size, n_kv_heads, hd]
         self.v = [torch.zeros(size, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(n_layer)]  # [size, n_kv_heads, hd]
         self.pos = torch.full((size,), -1, dtype=torch.int64)  # [size]
@@ -122,11 +126,11 @@ class CellsKV:
         return (after + before)[:n_tokens]
 
     # --- per step ----------------------------------------------------------------
-    def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
+    def prepare(self, chunks: Sequence[ChunkSpec]) -> CellsInputs:
         """Find cells for every current token, mark them, and fill ``kq_mask``.
 
-        Returns an :class:`AttnInputs` with ``extra = {cell_idx [N] int64, n_kv, kq_mask
-        [1, 1, n_tokens_pad, n_kv] float32, n_tokens_pad, head_before, head_after}``.
+        Returns :class:`~infertrace.kv.base.CellsInputs` (``cell_idx`` ``[N]`` int64, ``n_kv``,
+        ``kq_mask`` ``[1, 1, n_tokens_pad, n_kv]`` float32, ``head_before`` / ``head_after``, ...).
         """
         positions, seq_ids = [], []
         for c in chunks:
@@ -157,29 +161,28 @@ class CellsKV:
             row += c.T
         mask = torch.full((1, 1, n_pad, n_kv), float("-inf"))  # ne = [n_kv, n_pad, 1, 1]
         mask[0, 0, :N] = torch.where(keep, 0.0, float("-inf"))  # [N, n_kv]
-        extra = {"cell_idx": idx_t, "n_kv": n_kv, "kq_mask": mask, "n_tokens_pad": n_pad,
-                 "head_before": head_before, "head_after": self.head,
-                 "cell_pos": self.pos[:n_kv].clone(), "cell_seq": self.seq[:n_kv].clone()}
+        inp = CellsInputs(list(chunks), pos_t, sid_t, self.kind, cell_idx=idx_t, n_kv=n_kv, kq_mask=mask, n_tokens_pad=n_pad,
+                          head_before=head_before, head_after=self.head, cell_pos=self.pos[:n_kv].clone(),
+                          cell_seq=self.seq[:n_kv].clone())
         if self.n_swa:
             in_win = (pos_t.unsqueeze(1) - self.pos[:n_kv].unsqueeze(0)) < self.n_swa  # [N, n_kv] not is_masked_swa
             mask_swa = torch.full((1, 1, n_pad, n_kv), float("-inf"))  # ne = [n_kv, n_pad, 1, 1]
             mask_swa[0, 0, :N] = torch.where(keep & in_win, 0.0, float("-inf"))  # [N, n_kv]
-            extra.update({"kq_mask_swa": mask_swa, "n_swa": self.n_swa,
-                          "swa_layers": [i for i, w in enumerate(self.windows) if w]})
-        return AttnInputs(list(chunks), pos_t, sid_t, self.kind, extra)
+            inp.kq_mask_swa, inp.n_swa = mask_swa, self.n_swa
+            inp.swa_layers = [i for i, w in enumerate(self.windows) if w]
+        return inp
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: AttnInputs) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: CellsInputs) -> None:
         """Copy current K/V ``[N, n_kv_heads, hd]`` into the chosen cells (``cpy_k``/``cpy_v``)."""
-        idx = inp.extra["cell_idx"]
+        idx = inp.cell_idx
         self.k[layer][idx] = k.to(self.k[layer].dtype)
         self.v[layer][idx] = v.to(self.v[layer].dtype)
 
-    def attend(self, layer: int, q: torch.Tensor, inp: AttnInputs, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, inp: CellsInputs, scale: float) -> torch.Tensor:
         """Attention of ``q`` ``[N, n_head, hd]`` over cells ``0..n_kv-1`` with the kq_mask
         (``kq_mask_swa`` on sliding-window layers)."""
-        n_kv, N = inp.extra["n_kv"], q.shape[0]
-        name = "kq_mask_swa" if self.windows[layer] else "kq_mask"
-        mask = inp.extra[name][0, 0, :N].to(q.device)  # [N, n_kv]
+        n_kv, N = inp.n_kv, q.shape[0]
+        mask = (inp.kq_mask_swa if self.windows[layer] else inp.kq_mask)[0, 0, :N].to(q.device)  # [N, n_kv]
         return attention_with_kq_mask(q, self.k[layer][:n_kv], self.v[layer][:n_kv], mask, scale)
 
     def release(self, seq_id: int) -> None:
@@ -193,6 +196,99 @@ class CellsKV:
         if freed.numel() and int(freed[0]) < self.head:  # llama_kv_cache::seq_rm: head back to the first freed cell
             self.head = int(freed[0])
 
+    # --- sequence operations (llama_kv_cache::seq_*; algorithms in kv/seq_ops.py) ------------------
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
+        """``llama_kv_cache::seq_rm``: any range of any sequence (``seq_id < 0``: every owner)."""
+        return MemOp(cells_seq_rm(self, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> MemOp:
+        """``llama_kv_cache::seq_cp``: ``dst`` joins the owners of ``src``'s cells in range."""
+        return MemOp(cells_seq_cp(self, src, dst, p0, p1))
+
+    def seq_keep(self, seq_id: int) -> MemOp:
+        return MemOp(cells_seq_keep(self, seq_id))
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[Any]) -> MemOp:
+        return MemOp(cells_seq_add(self, seq_id, p0, p1, delta, ropes))
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[Any]) -> MemOp:
+        return MemOp(cells_seq_div(self, seq_id, p0, p1, d, ropes))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """``llama_memory_seq_pos_min`` (-1 when ``seq_id`` holds no cell)."""
+        p = self.pos[self.seq[:, seq_id]]
+        return int(p.min()) if p.numel() else -1
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """``llama_memory_seq_pos_max`` (-1 when ``seq_id`` holds no cell)."""
+        p = self.pos[self.seq[:, seq_id]]
+        return int(p.max()) if p.numel() else -1
+
+    def shift_out(self, seq_id: int, p0: int, p1: int, ropes: Sequence[Any]) -> MemOp:
+        return MemOp(cells_shift_out(self, seq_id, p0, p1, ropes))
+
+    def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: CellsInputs, row: int,
+               is_chain: bool) -> MemOp:
+        """Speculative rollback: ``seq_rm`` of the rejected candidates' cells (rows ``row..row+T-1``)."""
+        return MemOp(cells_rewind(self, seq_id, C, T, accepted, inp.cell_idx[row : row + T], is_chain))
+
+    def defrag(self) -> MemOp:
+        """llama.cpp's defragmentation: used cells moved down into the holes."""
+        return MemOp(cells_defrag(self))
+
+    # --- description ---------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """``kind``, ``dtype`` (torch name), ``n_layer`` (physical), ``kv_layers``, ``n_kv_heads``, ``head_dim``,
+        ``block_size`` 0, ``n_seq_max``, ``physical_shape`` ``[size, n_kv_heads, head_dim]`` per layer."""
+        k = self.k[0]
+        return {"kind": self.kind, "dtype": str(k.dtype).replace("torch.", ""), "n_layer": self.n_layer,
+                "kv_layers": list(self.kv_layers), "n_kv_heads": int(k.shape[1]), "head_dim": int(k.shape[2]),
+                "block_size": 0, "n_seq_max": self.n_seq_max, "physical_shape": [self.size, *k.shape[1:]],
+                "tensors": "k_l, v_l per layer", "mask": "explicit kq_mask ne = [n_kv, n_tokens_pad, 1, n_stream], 0 / -inf"}
+
+    def placement(self, inp: CellsInputs | None) -> list[dict[str, Any]]:
+        """Per chunk of the step (packed order), where its K/V went: ``{"cells": ranges}``."""
+        if inp is None:
+            return []
+        idx, out, r = inp.cell_idx.tolist(), [], 0
+        for c in inp.chunks:
+            out.append({"cells": ranges_text(idx[r : r + c.T])})
+            r += c.T
+        return out
+
+    def heads(self, inp: CellsInputs | None) -> dict[str, Any]:
+        """``head_before`` / ``head_after`` of the step (llama.cpp's next-slot search start)."""
+        return {"head_before": inp.head_before, "head_after": inp.head_after} if inp is not None else \
+            {"head_before": self.head, "head_after": self.head}
+
+    def step_summary(self, inp: CellsInputs | None) -> dict[str, Any]:
+        """For the backend diff: storage shape, used cells, ``head``, each request's cells this step
+        and what attention got (``kq_mask`` shape, ``n_kv``)."""
+        per = {str(c.seq_id): p["cells"] for c, p in zip(inp.chunks if inp is not None else [], self.placement(inp))}
+        d = {"storage": [self.size, *self.k[0].shape[1:]], "used": self.used, "head": self.head, "cells": per}
+        if inp is not None:
+            d.update(inp.summary())
+        return d
+
+    def dump_writes(self, inp: CellsInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """For ``dump-kv``: per chunk ``{"seq_id", "pos", "cells"}``, and the heads to add to the snapshot."""
+        idx = inp.cell_idx.tolist() if inp is not None else []
+        writes = [{"seq_id": c.seq_id, "pos": list(range(c.C, c.C + c.T)), "cells": [idx[i] for i in rows[c.seq_id]]}
+                  for c in (inp.chunks if inp is not None else [])]
+        return writes, {"head_before": inp.head_before if inp is not None else self.head, "head_after": self.head}
+
+    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
+        """For ``dump-kv``: per sequence holding cells, ``{"seq_id", "len", "rows": [{"pos", "cell", "k", "v"}]}``
+        with the first ``n`` values (all when None) of KV head ``head`` in physical layer ``layer``."""
+        reqs = []
+        for sid in sorted({s for c in self.snapshot()["cells"] for s in c["seq_ids"]}):
+            cells = self.cells_of(sid)  # [(cell, pos)] ordered by pos
+            rows = [{"pos": p, "cell": cell, "k": self.k[layer][cell, head, :n].float().tolist(),
+                     "v": self.v[layer][cell, head, :n].float().tolist()}
+                    for cell, p in cells if wanted is None or p in wanted]
+            reqs.append({"seq_id": sid, "len": len(cells), "rows": rows})
+        return reqs
+
     # --- views -------------------------------------------------------------------
     def cells_of(self, seq_id: int) -> list[tuple[int, int]]:
         """``[(cell, pos)]`` owned by ``seq_id``, ordered by pos."""
@@ -204,15 +300,15 @@ class CellsKV:
         cells = torch.tensor([c for c, _ in self.cells_of(seq_id)], dtype=torch.int64)
         return self.k[layer][cells], self.v[layer][cells]  # [L, n_kv_heads, hd] each
 
-    def logical_mask(self, inp: AttnInputs, swa: bool = False) -> list[torch.Tensor]:
+    def logical_mask(self, inp: CellsInputs, swa: bool = False) -> list[torch.Tensor]:
         """Per chunk, bool ``[T, C+T]`` keep-matrix read back from the real kq_mask (``kq_mask_swa``
         when ``swa`` and the model has windowed layers):
         entry (i, j) is True iff some cell with pos j owned by the chunk's seq is 0 in row i.
         If a query could see a cell its sequence does not own (a broken mask), one extra
         last column is appended and set for that query, so comparisons fail loudly."""
-        mask = inp.extra["kq_mask_swa" if (swa and "kq_mask_swa" in inp.extra) else "kq_mask"][0, 0]  # [n_pad, n_kv]
-        n_kv = inp.extra["n_kv"]
-        cell_pos, cell_seq = inp.extra["cell_pos"], inp.extra["cell_seq"]  # state when the mask was filled
+        mask = inp.mask(swa)[0, 0]  # [n_pad, n_kv]
+        n_kv = inp.n_kv
+        cell_pos, cell_seq = inp.cell_pos, inp.cell_seq  # state when the mask was filled
         out, row = [], 0
         for c in inp.chunks:
             m = torch.zeros(c.T, c.C + c.T, dtype=torch.bool)

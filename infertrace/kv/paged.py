@@ -16,14 +16,16 @@ import torch
 from infertrace.attention.reference import paged_attention_torch
 from infertrace.attention.select import paged_attention, write_kv_paged
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import AttnInputs, ChunkSpec, ranges_text
+from infertrace.kv.base import ChunkSpec, MemOp, MemoryDefaults, PagedInputs, ranges_text
+from infertrace.kv.seq_ops import paged_seq_cp, paged_seq_keep, paged_seq_rm, paged_shift_out
+from infertrace.kv.spec_ops import paged_rewind
 
 #: TensorRT-LLM's default ``tokens_per_block`` (vLLM uses 16).
 DEFAULT_TOKENS_PER_BLOCK = 32
 
 
-class PagedKV:
-    """Paged pool for ``n_layer`` layers.
+class PagedKV(MemoryDefaults):
+    """Paged pool for ``n_layer`` layers (the :class:`~infertrace.kv.base.Memory` protocol).
 
     Args:
         n_layer, n_kv_heads, head_dim: model shape.
@@ -44,6 +46,8 @@ class PagedKV:
                  device: str | torch.device = "cpu", attn_impl: str = "torch", windows: Sequence[int] | None = None):
         if num_blocks < 1 or tokens_per_block < 1:
             raise InfertraceError("--num-blocks and --tokens-per-block must be >= 1")
+        self.n_layer = n_layer
+        self.kv_layers = list(range(n_layer))  # model layers with K/V: all of them
         self.B = tokens_per_block
         self.num_blocks = num_blocks
         self.capacity_tokens = num_blocks * tokens_per_block
@@ -86,10 +90,10 @@ class PagedKV:
         self.lens[seq_id] = self.lens.get(seq_id, 0) + n_new
 
     # --- per step ----------------------------------------------------------------
-    def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
+    def prepare(self, chunks: Sequence[ChunkSpec]) -> PagedInputs:
         """Grow each request's block table for its current tokens and build the metadata.
 
-        ``extra``: ``slot_mapping`` ``[N]`` int64, ``block_tables`` ``[num_seqs, max_blocks]``
+        Returns :class:`~infertrace.kv.base.PagedInputs`: ``slot_mapping`` ``[N]`` int64, ``block_tables`` ``[num_seqs, max_blocks]``
         int32 (-1 padded), ``seq_lens``/``kv_lens`` ``[num_seqs]`` int32, ``cu_seqlens``
         ``[num_seqs+1]`` int32, ``num_contexts``, ``request_types``, ``mask_type="causal"``.
         Context requests (T > 1 or first chunk) are packed first as TensorRT-LLM does only
@@ -118,36 +122,35 @@ class PagedKV:
         from infertrace.kv.spec_meta import spec_metadata
 
         spec = spec_metadata(chunks)  # {} unless the step verifies drafts
-        return AttnInputs(
+        return PagedInputs(
             list(chunks), torch.tensor(positions, dtype=torch.int64), torch.tensor(seq_ids, dtype=torch.int64), self.kind,
-            {**spec, "slot_mapping": torch.tensor(slots, dtype=torch.int64), "block_tables": bt, "seq_lens": seq_lens,
-             "kv_lens": kv_lens, "cu_seqlens": cu, "request_types": types,
-             "num_contexts": sum(t == "context" for t in types), "mask_type": "causal",
-             "tokens_per_block": self.B, "attention_window": {i: w for i, w in enumerate(self.windows) if w}},
+            **spec, slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=bt, seq_lens=seq_lens,
+            kv_lens=kv_lens, cu_seqlens=cu, request_types=types, num_contexts=sum(t == "context" for t in types),
+            mask_type="causal", tokens_per_block=self.B, attention_window={i: w for i, w in enumerate(self.windows) if w},
         )
 
-    def _dev(self, inp: AttnInputs) -> dict[str, torch.Tensor]:
-        cache = inp.extra.get("_dev")
-        if cache is None:
-            cache = {k: inp.extra[k].to(self.device) for k in ("slot_mapping", "block_tables", "seq_lens", "kv_lens", "cu_seqlens")}
-            inp.extra["_dev"] = cache
-        return cache
+    def _dev(self, inp: PagedInputs) -> dict[str, torch.Tensor]:
+        if inp.dev is None:
+            dev = self.device
+            inp.dev = {"slot_mapping": inp.slot_mapping.to(dev), "block_tables": inp.block_tables.to(dev),
+                       "seq_lens": inp.seq_lens.to(dev), "kv_lens": inp.kv_lens.to(dev), "cu_seqlens": inp.cu_seqlens.to(dev)}
+        return inp.dev
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: AttnInputs) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: PagedInputs) -> None:
         """Scatter current K/V ``[N, n_kv_heads, hd]`` to ``slot_mapping`` (``update_kv_cache``)."""
         d = self._dev(inp)
         write_kv_paged(self.attn_impl, self.pool[layer], k, v, d["slot_mapping"])
 
-    def attend(self, layer: int, q: torch.Tensor, inp: AttnInputs, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, inp: PagedInputs, scale: float) -> torch.Tensor:
         """Causal varlen attention read through block tables; no dense mask."""
         d = self._dev(inp)
-        tree = inp.extra.get("spec_tree_mask")  # [S, T_max, T_max] bool, only when a step verifies a branching tree
+        tree = inp.spec_tree_mask  # [S, T_max, T_max] bool, only when a step verifies a branching tree
         if tree is not None:
             if self.attn_impl != "torch":
                 raise InfertraceError("tree verification needs --attention torch (the Triton kernel reads causal lengths only)")
             return paged_attention_torch(q, self.pool[layer], d["block_tables"], d["seq_lens"], d["kv_lens"],
                                          d["cu_seqlens"], scale, self.windows[layer], tree_mask=tree,
-                                         q_pos=inp.extra["spec_q_pos"])
+                                         q_pos=inp.spec_q_pos)
         return paged_attention(self.attn_impl, q, self.pool[layer], d["block_tables"], d["seq_lens"], d["kv_lens"],
                                d["cu_seqlens"], scale, self.windows[layer])
 
@@ -158,6 +161,124 @@ class PagedKV:
         self.free.sort()
         self.lens.pop(seq_id, None)
 
+    def free_blocks(self, blocks: Sequence[int]) -> None:
+        """Return ``blocks`` to the free list (a pool that shares blocks counts references instead)."""
+        self.free.extend(blocks)
+        self.free.sort()
+
+    def make_private(self, seq_id: int, first: int) -> list[dict[str, Any]]:
+        """Copy-on-write of ``seq_id``'s shared blocks from block ``first`` on: nothing is shared here."""
+        return []
+
+    # --- sequence operations (vLLM / TensorRT-LLM block free and fork; algorithms in kv/seq_ops.py) ---------
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
+        """Remove positions ``p0..`` of ``seq_id``: a tail only (false for a middle range: a block table
+        cannot hold a hole; a context shift closes the gap instead)."""
+        L = self.lens.get(seq_id, 0)
+        if 0 <= p1 < L:
+            return MemOp.refused("seq_rm", f"paged seq_rm({seq_id}, {p0}, {p1}): only a tail can be removed from a block "
+                                 f"table (sequence holds 0..{L - 1}); use a context shift to drop a middle range")
+        return MemOp(paged_seq_rm(self, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> MemOp:
+        """Fork ``dst`` from ``src``'s prefix ``0..p1-1`` (false unless ``p0 <= 0``)."""
+        if p0 > 0:
+            return MemOp.refused("seq_cp", "paged seq_cp copies a prefix: p0 must be 0 (or -1)")
+        return MemOp(paged_seq_cp(self, src, dst, p0, p1))
+
+    def seq_keep(self, seq_id: int) -> MemOp:
+        return MemOp(paged_seq_keep(self, seq_id))
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[Any]) -> MemOp:
+        """Positions are slot order in a block table: moving some alone is not representable (false);
+        :meth:`shift_out` moves the K/V with them."""
+        return MemOp.refused("seq_add", "paged memory: positions are block-table order, a shift moves the K/V "
+                             "(shift_out), seq_add alone is not supported")
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return 0 if self.lens.get(seq_id, 0) else -1
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.lens.get(seq_id, 0) - 1
+
+    def shift_out(self, seq_id: int, p0: int, p1: int, ropes: Sequence[Any]) -> MemOp:
+        return MemOp(paged_shift_out(self, seq_id, p0, p1, ropes))
+
+    def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: PagedInputs, row: int,
+               is_chain: bool) -> MemOp:
+        """Speculative rollback: accepted candidates moved to ``C + depth``, the tail freed."""
+        return MemOp(paged_rewind(self, seq_id, C, T, accepted))
+
+    def written_blocks(self, inp: PagedInputs, row: int, T: int) -> list[int]:
+        """Blocks of ``slot_mapping[row : row + T]``."""
+        return [int(s) // self.B for s in inp.slot_mapping[row : row + T].tolist()]
+
+    # --- description ---------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """``kind``, ``dtype``, ``n_layer`` (physical), ``kv_layers``, ``n_kv_heads``, ``head_dim``, ``block_size``
+        B, ``n_seq_max`` None (no limit), ``physical_shape`` ``[num_blocks, 2, n_kv_heads, B, head_dim]`` per layer."""
+        p = self.pool[0]
+        return {"kind": self.kind, "dtype": str(p.dtype).replace("torch.", ""), "n_layer": self.n_layer,
+                "kv_layers": list(self.kv_layers), "n_kv_heads": int(p.shape[2]), "head_dim": int(p.shape[4]),
+                "block_size": self.B, "n_seq_max": None, "physical_shape": list(p.shape), "tensors": "pool per layer",
+                "mask": "no dense tensor: mask_type causal + seq_lens, kv_lens, cu_seqlens, block tables"}
+
+    def placement(self, inp: PagedInputs | None) -> list[dict[str, Any]]:
+        """Per chunk of the step (packed order), where its K/V went: ``{"slot_mapping", "block_table"}``
+        (a verify chunk: the table its slots were written through)."""
+        if inp is None:
+            return []
+        sm, out, r = inp.slot_mapping.tolist(), [], 0
+        for i, c in enumerate(inp.chunks):
+            out.append({"slot_mapping": sm[r : r + c.T],
+                        "block_table": (list(self.tables[c.seq_id]) if c.parents is None else
+                                        [b for b in inp.block_tables[i].tolist() if b >= 0])})
+            r += c.T
+        return out
+
+    def heads(self, inp: PagedInputs | None) -> dict[str, Any]:
+        """A pool has no head (cells only)."""
+        return {}
+
+    def step_summary(self, inp: PagedInputs | None) -> dict[str, Any]:
+        """For the backend diff: storage shape, used blocks, each request's slots this step, the block
+        tables and what attention got (lengths, mask type)."""
+        sm = inp.slot_mapping.tolist() if inp is not None else []
+        per, r = {}, 0
+        for c in inp.chunks if inp is not None else []:
+            per[str(c.seq_id)] = ranges_text(sm[r : r + c.T])
+            r += c.T
+        d = {"storage": list(self.pool[0].shape), "used_blocks": self.num_blocks - len(self.free), "slots": per,
+             "block_tables": {str(s): list(t) for s, t in sorted(self.tables.items())}}
+        if inp is not None:
+            d.update(inp.summary())
+        return d
+
+    def dump_writes(self, inp: PagedInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """For ``dump-kv``: per chunk ``{"seq_id", "pos", "slots"}`` (nothing to add to the snapshot)."""
+        sm = inp.slot_mapping.tolist() if inp is not None else []
+        writes = [{"seq_id": c.seq_id, "pos": list(range(c.C, c.C + c.T)), "slots": [sm[i] for i in rows[c.seq_id]]}
+                  for c in (inp.chunks if inp is not None else [])]
+        return writes, {}
+
+    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
+        """For ``dump-kv``: per sequence, ``{"seq_id", "len", "rows": [{"pos", "slot", "block", "offset", "k",
+        "v"}]}`` with the first ``n`` values (all when None) of KV head ``head`` in layer ``layer``."""
+        reqs = []
+        for sid in sorted(self.tables):
+            L = self.seq_len(sid)
+            rows = []
+            for p in range(L):
+                if wanted is not None and p not in wanted:
+                    continue
+                slot = self.slot(sid, p)
+                blk, off = divmod(slot, self.B)
+                rows.append({"pos": p, "slot": slot, "block": blk, "offset": off,
+                             "k": self.pool[layer][blk, 0, head, off, :n].float().tolist(),
+                             "v": self.pool[layer][blk, 1, head, off, :n].float().tolist()})
+            reqs.append({"seq_id": sid, "len": L, "rows": rows})
+        return reqs
+
     # --- views -------------------------------------------------------------------
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         L = self.lens.get(seq_id, 0)
@@ -167,14 +288,14 @@ class PagedKV:
         v = pool[slots // self.B, 1, :, slots % self.B, :]  # [L, n_kv_heads, hd]
         return k, v
 
-    def logical_mask(self, inp: AttnInputs, swa: bool = False) -> list[torch.Tensor]:
+    def logical_mask(self, inp: PagedInputs, swa: bool = False) -> list[torch.Tensor]:
         """Per request, the keep-matrix ``[T, kv_len]`` implied by mask type ``causal`` and
         the lengths: query j (position ``kv_len - T + j``) sees keys ``0..kv_len-T+j`` of its
         own block-table row (isolation by construction); with ``swa``, the windowed layers'
         view (keys ``p-W+1..p``)."""
         W = max(self.windows) if swa else 0
         out = []
-        for c, T, L in zip(inp.chunks, inp.extra["seq_lens"].tolist(), inp.extra["kv_lens"].tolist()):
+        for c, T, L in zip(inp.chunks, inp.seq_lens.tolist(), inp.kv_lens.tolist()):
             q = (L - T + torch.tensor(c.depths())).unsqueeze(1)  # [T, 1] query positions (past + depth for a draft tree)
             k = torch.arange(L).unsqueeze(0)  # [1, L] key positions; a tree row sees its ancestors, one per position
             m = k <= q  # [T, L]

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from typing import Any, Sequence
 
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import ranges_text
+from infertrace.kv.base import MemOp, ranges_text
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.paged import PagedKV
 from infertrace.kv.seq_ops import cells_seq_cp, cells_seq_rm
@@ -71,6 +71,11 @@ class SharedPagedKV(PagedKV):
         self.events: list[dict[str, Any]] = []
 
     # --- allocation ----------------------------------------------------------------
+    def take_events(self) -> list[dict[str, Any]]:
+        """Evictions since the last call."""
+        out, self.events = self.events, []
+        return out
+
     def _pop_free(self) -> int:
         if not self.free:
             raise InfertraceError(f"KV pool exhausted: no free block for a copy (all {self.num_blocks} blocks in use); "
@@ -292,6 +297,25 @@ class CachingCellsKV(CellsKV):
             return
         self.retained[seq_id] = None
         self.retained.move_to_end(seq_id)
+
+    def forget(self, seq_id: int) -> None:
+        """Free ``seq_id``'s cells without retaining them (an admission undone: its prefix attachment
+        through ``seq_cp`` is taken back, so nothing is cached under it that the trace never showed)."""
+        self._drop(seq_id)
+
+    def shift_out(self, seq_id: int, p0: int, p1: int, ropes: Sequence[Any]) -> MemOp:
+        """A context shift, and ``seq_id`` is no prefix source any more (its positions moved)."""
+        self.tainted.add(seq_id)
+        return super().shift_out(seq_id, p0, p1, ropes)
+
+    def note_rewind(self, seq_id: int, ids: Sequence[int]) -> None:
+        """After a rewind ``seq_id`` holds exactly ``ids``."""
+        self.tokens[seq_id] = list(ids)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Evictions since the last call."""
+        out, self.events = self.events, []
+        return out
 
     def _drop(self, seq_id: int) -> None:
         super().release(seq_id)

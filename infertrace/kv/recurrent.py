@@ -5,7 +5,8 @@ and the hybrid memory that pairs it with a KV cache.
   ``size`` recurrent cells, each owned by one sequence (``seq_id``), per layer a conv state
   ``r_l`` ``[size, conv_dim * (K-1)]`` and an SSM state ``s_l`` ``[size, n_embd_s]``; a new
   sequence gets a free cell that is cleared (``rs_z``: the cell zeroed in this ubatch); sequence
-  operations copy the cell (``seq_cp``) or free it (``seq_rm`` of the whole sequence).
+  operations copy the cell (``seq_cp``) or free it (``seq_rm`` of the whole sequence; a part of a
+  sequence is refused: ``seq_rm`` answers False).
 * ``paged`` — TensorRT-LLM ``MambaHybridCacheManager`` (``_torch/pyexecutor/mamba_cache_manager.py``):
   a pool of state slots per layer (``conv_states [slots, conv_dim, K-1]``, ``ssm_states
   [slots, Hv, dk, dv]``), a request is given a slot on admission and keeps it until
@@ -24,11 +25,17 @@ from typing import Any, Sequence
 import torch
 
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import AttnInputs, ChunkSpec
+from infertrace.kv.base import AttnInputs, ChunkSpec, MemOp, MemoryDefaults
 
 #: why prefix / block reuse is disabled for hybrid models (stated in traces).
 NO_REUSE_REASON = ("prefix/block reuse disabled: a GDN layer's state is one fixed-size summary of the whole prefix, "
                    "with no per-block pieces to share (TensorRT-LLM turns block reuse off for hybrid models)")
+
+
+def _dt(t: torch.Tensor) -> str:
+    """GGUF-style dtype name (``F32``, ``BF16``, ...)."""
+    return {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+            torch.int32: "I32"}.get(t.dtype, str(t.dtype).replace("torch.", ""))
 
 
 class RecurrentState:
@@ -126,11 +133,50 @@ class RecurrentState:
             self.conv[il][d].copy_(self.conv[il][s])
             self.rec[il][d].copy_(self.rec[il][s])
 
+    def seq_rm(self, seq_id: int, p0: int, p1: int, n_cached: int) -> bool:
+        """``llama_memory_recurrent::seq_rm``: a state is one summary of all the sequence's tokens, so
+        only the whole sequence can go (its slot is freed) or a range past its end (nothing to do);
+        a range cutting into it answers False and nothing changes. ``n_cached``: the sequence's length."""
+        if p0 >= n_cached >= 0 and p0 > 0:
+            return True
+        if p0 <= 0 and (p1 < 0 or p1 >= n_cached):
+            self.release(seq_id)
+            return True
+        return False
+
+    def seq_keep(self, seq_id: int) -> None:
+        """``llama_memory_recurrent::seq_keep``: every other sequence's slot is freed."""
+        for s in [s for s in self.owner if s != seq_id]:
+            self.release(s)
+
     # --- reading ------------------------------------------------------------------
     def state_of(self, il: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Conv ``[conv_dim, K-1]`` and recurrent ``[Hv, dk, dv]`` state of ``seq_id`` in layer ``il``."""
         slot = self.owner[seq_id]
         return self.conv[il][slot], self.rec[il][slot]
+
+    def describe_state(self, active: bool = True) -> dict[str, Any]:
+        """JSON-ready view for traces and ``dump-kv``: convention, slots, shapes, dtype (GGUF-style name),
+        bytes per request, ``state_indices`` / ``rs_z`` of the last step (when ``active``) and, per
+        request holding a slot, the L2 norm and sum (checksum) of the conv and recurrent state of the
+        first two and the last GDN layer."""
+        per = []
+        shown = self.layers[:2] + ([self.layers[-1]] if len(self.layers) > 2 else [])
+        for sid, slot in sorted(self.owner.items()):
+            rows = []
+            for il in shown:
+                c, r = self.conv[il][slot].float(), self.rec[il][slot].float()
+                rows.append({"layer": il, "conv_norm": round(float(c.norm()), 6), "conv_sum": round(float(c.sum()), 6),
+                             "rec_norm": round(float(r.norm()), 6), "rec_sum": round(float(r.sum()), 6)})
+            per.append({"seq_id": sid, "slot": slot, "layers": rows})
+        any_rec = next(iter(self.rec.values()), None)
+        size = self.conv_shape[0] * self.conv_shape[1] + self.rec_shape[0] * self.rec_shape[1] * self.rec_shape[2]
+        return {"convention": self.convention, "n_slots": self.n_slots, "n_layers": len(self.layers),
+                "conv_shape": list(self.conv_shape), "rec_shape": list(self.rec_shape),
+                "dtype": _dt(any_rec) if any_rec is not None else "",
+                "state_indices": list(self.last_indices) if active else [], "rs_z": self.rs_z if active else -1,
+                "free": list(self.free)[:64], "per_seq": per,
+                "bytes_per_seq": int(len(self.layers) * size * (any_rec.element_size() if any_rec is not None else 4))}
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready view: shapes, slots, owners and per (layer, seq) L2 norm + checksum (sum)."""
@@ -148,23 +194,32 @@ class RecurrentState:
                 "state_indices": list(self.last_indices), "rs_z": self.rs_z, "per_seq": per}
 
 
-class HybridKV:
-    """A KV backend plus recurrent state: llama.cpp ``llama_memory_hybrid`` (attention KV cache +
-    ``memory_recurrent``) / TensorRT-LLM ``MambaHybridCacheManager`` (KVCacheManager + state slots).
+def _partial(op: str, seq_id: int, p0: int, p1: int) -> str:
+    return (f"{op} of positions {max(p0, 0)}..{'end' if p1 < 0 else p1 - 1} of seq {seq_id} on a hybrid model: its "
+            "recurrent (GDN) state cannot drop or copy part of a sequence (llama.cpp's memory_recurrent refuses it too)")
 
-    The wrapped backend stores K/V of the attention layers only (``kv_layers``, model layer indices;
-    physical layer j holds model layer ``kv_layers[j]``), as llama.cpp's ``memory_hybrid`` gives its
-    KV cache only the non-recurrent layers and TensorRT-LLM's KV pools cover the attention layers.
-    ``write`` / ``attend`` / ``read`` take model layer indices. Every other KV method is the wrapped
-    backend's; ``can_fit``, ``prepare`` and ``release`` also handle the state
-    (``inp.extra["state_indices"]`` holds each chunk's slot).
+
+class HybridKV(MemoryDefaults):
+    """An attention memory plus recurrent state: llama.cpp ``llama_memory_hybrid`` (``mem_attn`` KV
+    cache + ``mem_recr`` ``memory_recurrent``) / TensorRT-LLM ``MambaHybridCacheManager``
+    (KVCacheManager + state slots), implementing the :class:`~infertrace.kv.base.Memory` protocol by
+    composition: each operation runs on both parts, the recurrent part first where it may refuse (as
+    ``llama_memory_hybrid::seq_rm`` does), so a refused operation changes nothing.
+
+    ``attn`` stores K/V of the attention layers only (``kv_layers``, model layer indices; physical
+    layer j holds model layer ``kv_layers[j]``), as llama.cpp's ``memory_hybrid`` gives its KV cache
+    only the non-recurrent layers and TensorRT-LLM's KV pools cover the attention layers.
+    ``write`` / ``attend`` / ``read`` take model layer indices; ``prepare`` adds each chunk's state
+    slot (``inp.state_indices``). Prefix / block reuse is off (:data:`NO_REUSE_REASON`).
     """
 
     def __init__(self, attn: Any, state: RecurrentState, kv_layers: Sequence[int]):
-        self.__dict__["attn"] = attn
-        self.__dict__["state"] = state
-        self.__dict__["kv_layers"] = list(kv_layers)
-        self.__dict__["kv_index"] = {il: j for j, il in enumerate(kv_layers)}
+        self.attn = attn
+        self.state = state
+        self.kv_layers = list(kv_layers)
+        self.kv_index = {il: j for j, il in enumerate(kv_layers)}
+        self.kind = attn.kind
+        self.capacity_tokens = attn.capacity_tokens
 
     def phys_layer(self, il: int) -> int:
         """Physical KV layer of model layer ``il``.
@@ -178,29 +233,100 @@ class HybridKV:
                                   f"(K/V layers: {', '.join(map(str, self.kv_layers))})")
         return j
 
+    def recurrent_state(self) -> RecurrentState:
+        """The recurrent part (llama.cpp ``get_mem_recr``)."""
+        return self.state
+
+    # --- batch preparation and the forward ---------------------------------------------------------------
+    def can_fit(self, plan: list[tuple[int, int]]) -> bool:
+        return self.attn.can_fit(plan) and self.state.can_fit(plan)
+
+    def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
+        inp = self.attn.prepare(chunks)
+        inp.state_indices = self.state.prepare(chunks)
+        return inp
+
     def write(self, layer: int, k: Any, v: Any, inp: AttnInputs) -> None:
         self.attn.write(self.phys_layer(layer), k, v, inp)
 
     def attend(self, layer: int, q: Any, inp: AttnInputs, scale: float) -> Any:
         return self.attn.attend(self.phys_layer(layer), q, inp, scale)
 
-    def read(self, layer: int, seq_id: int) -> Any:
-        return self.attn.read(self.phys_layer(layer), seq_id)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["attn"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self.__dict__["attn"], name, value)
-
-    def can_fit(self, plan: list[tuple[int, int]]) -> bool:
-        return self.attn.can_fit(plan) and self.state.can_fit(plan)
-
-    def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
-        inp = self.attn.prepare(chunks)
-        inp.extra["state_indices"] = self.state.prepare(chunks)
-        return inp
-
     def release(self, seq_id: int) -> None:
         self.attn.release(seq_id)
         self.state.release(seq_id)
+
+    def forget(self, seq_id: int) -> None:
+        self.attn.forget(seq_id)
+        self.state.release(seq_id)
+
+    # --- sequence operations: recurrent part first (it may refuse), then the attention part ---------------
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
+        if not self.state.seq_rm(seq_id, p0, p1, self.attn.seq_len(seq_id)):
+            return MemOp.refused("seq_rm", _partial("seq_rm", seq_id, p0, p1))
+        return self.attn.seq_rm(seq_id, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> MemOp:
+        if not (p0 <= 0 and p1 < 0):
+            return MemOp.refused("seq_cp", _partial("seq_cp", src, p0, p1))
+        self.state.seq_cp(src, dst)
+        return self.attn.seq_cp(src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> MemOp:
+        self.state.seq_keep(seq_id)
+        return self.attn.seq_keep(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[Any]) -> MemOp:
+        """Positions of the attention part move (a state has none); ``ropes`` per model layer."""
+        return self.attn.seq_add(seq_id, p0, p1, delta, [ropes[il] for il in self.kv_layers])
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return self.attn.seq_pos_min(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.attn.seq_pos_max(seq_id)
+
+    def shift_out(self, seq_id: int, p0: int, p1: int, ropes: Sequence[Any]) -> MemOp:
+        return MemOp.refused("shift_out", _partial("shift_out", seq_id, p0, p1))
+
+    def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: AttnInputs, row: int,
+               is_chain: bool) -> MemOp:
+        return MemOp.refused("rewind", _partial("rewind", seq_id, C + len(accepted), -1))
+
+    def lookup(self, seq_id: int, prompt: Sequence[int]) -> dict[str, Any]:
+        return {"hit": 0, "refused": NO_REUSE_REASON}
+
+    # --- state read ----------------------------------------------------------------------------------------
+    def seq_len(self, seq_id: int) -> int:
+        return self.attn.seq_len(seq_id)
+
+    def read(self, layer: int, seq_id: int) -> Any:
+        return self.attn.read(self.phys_layer(layer), seq_id)
+
+    def logical_mask(self, inp: AttnInputs, swa: bool = False) -> list[Any]:
+        return self.attn.logical_mask(inp, swa)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.attn.snapshot()
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.attn.describe(), "kv_layers": list(self.kv_layers)}
+
+    def written_blocks(self, inp: AttnInputs, row: int, T: int) -> list[int]:
+        return self.attn.written_blocks(inp, row, T)
+
+    def placement(self, inp: AttnInputs | None) -> list[dict[str, Any]]:
+        return self.attn.placement(inp)
+
+    def heads(self, inp: AttnInputs | None) -> dict[str, Any]:
+        return self.attn.heads(inp)
+
+    def step_summary(self, inp: AttnInputs | None) -> dict[str, Any]:
+        return self.attn.step_summary(inp)
+
+    def dump_writes(self, inp: AttnInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        return self.attn.dump_writes(inp, rows)
+
+    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
+        """``layer``: physical (``phys_layer`` of a model layer)."""
+        return self.attn.dump_values(layer, head, n, wanted)

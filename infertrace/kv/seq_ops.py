@@ -9,20 +9,25 @@ sequence by sharing its full blocks with reference counts and copying the partia
 
 Positions follow llama.cpp: ``p0 < 0`` means 0, ``p1 < 0`` means "to the end". The K-shift is
 applied eagerly (llama.cpp applies it at the next ``update``): RoPE is a rotation, so
-``R(p + d) k = R(d) R(p) k`` and the cached (already rotated) K is rotated once more by ``d``.
-V is never touched. Functions take the backend object and mutate it; every function returns a
-small JSON-ready dict describing what it did (the engine puts it in the step trace).
+``R(p + d) k = R(d) R(p) k`` and the cached (already rotated) K is rotated once more by ``d``, in
+each layer with that layer's own RoPE (:func:`~infertrace.model.rope.layer_ropes`: Gemma 3's windowed
+layers rotate with base 10000, its global layers with 1e6; llama.cpp ``build_rope_shift`` per layer).
+V is never touched. The ``cells_*`` / ``paged_*`` functions are the algorithms each memory kind's
+methods run (``CellsKV.seq_rm`` ... :class:`~infertrace.kv.base.Memory`); each takes the memory and
+mutates it and returns a small JSON-ready dict describing what it did (the engine puts it in the step
+trace). The unprefixed functions (``seq_rm(kv, ...)``) call the memory's method and raise where it
+answers "cannot".
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import ranges_text
-from infertrace.model.rope import apply_rope_neox, cos_sin
+from infertrace.kv.base import MemOp, Memory, ranges_text
+from infertrace.model.rope import LayerRope, apply_rope_neox, cos_sin
 
 _END = 1 << 62
 
@@ -37,13 +42,32 @@ def rotate_k(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> to
     Args:
         k: ``[M, n_kv_heads, head_dim]`` cached K (already rotated at their old positions).
         delta: ``[M]`` int64 shift per row (llama.cpp ``k_shift`` input of ``build_graph_shift``).
-        inv_freq: ``[rope_dim/2]`` float64 (the model's :func:`~infertrace.model.rope.inv_freq_table`).
+        inv_freq: ``[rope_dim/2]`` the layer's frequencies (:attr:`~infertrace.model.rope.LayerRope.inv_freq`).
+            No cos/sin factor: the cached K already carries YaRN's ``mscale`` from its first rotation.
 
     Returns:
         ``[M, n_kv_heads, head_dim]`` K rotated as if computed at ``old_pos + delta``, dtype of ``k``.
     """
     cos, sin = cos_sin(delta.to(k.device), inv_freq.to(k.device), torch.float32)  # [M, rope_dim/2] each
     return apply_rope_neox(k.float(), cos, sin).to(k.dtype)  # [M, n_kv_heads, head_dim]
+
+
+def _shift_tables(kv: Any, ropes: Sequence[LayerRope | None]) -> list[torch.Tensor]:
+    """``inv_freq`` of each physical KV layer of ``kv`` from the model's per-layer RoPE.
+
+    Raises:
+        InfertraceError: ``ropes`` is not one entry per layer (a single table for every layer is the
+            bug this guards against), or a KV layer has no RoPE.
+    """
+    if isinstance(ropes, torch.Tensor) or len(ropes) != kv.n_layer:
+        raise InfertraceError(f"a K-shift needs one RoPE per layer ({kv.n_layer}; model.rope.layer_ropes(cfg)), "
+                              f"got {'one table' if isinstance(ropes, torch.Tensor) else len(ropes)}")
+    out = []
+    for il, r in enumerate(ropes):
+        if r is None:
+            raise InfertraceError(f"K-shift: layer {il} has no RoPE")
+        out.append(r.inv_freq)
+    return out
 
 
 # ----------------------------------------------------------------------------- cells (llama.cpp)
@@ -72,15 +96,17 @@ def cells_seq_rm(kv: Any, seq_id: int, p0: int = -1, p1: int = -1) -> dict[str, 
             "pos": ranges_text(removed), "cells": ranges_text(idx.tolist()), "freed": ranges_text(freed.tolist())}
 
 
-def cells_seq_add(kv: Any, seq_id: int, p0: int, p1: int, delta: int, inv_freq: torch.Tensor) -> dict[str, Any]:
+def cells_seq_add(kv: Any, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
     """Add ``delta`` to the position of ``seq_id``'s cells with ``p0 <= pos < p1`` and re-rotate
-    their K in every layer (K-shift). A cell whose position becomes negative is removed.
+    their K in every layer with that layer's RoPE (``ropes``, one per layer: K-shift). A cell whose
+    position becomes negative is removed.
 
     Note (as llama.cpp): a cell shared with other sequences moves for all of them.
     Mirrors ``llama_kv_cache::seq_add`` + ``build_graph_shift``.
     Returns ``{"op", "seq_id", "range", "delta", "cells", "from", "to", "removed"}``.
     """
     a, b = _range(p0, p1)
+    tables = _shift_tables(kv, ropes)
     if delta == 0:
         return {"op": "seq_add", "seq_id": seq_id, "delta": 0, "cells": "-"}
     idx = ((kv.pos >= a) & (kv.pos < b) & (kv.pos >= 0) & kv.seq[:, seq_id]).nonzero().flatten()  # [M]
@@ -90,7 +116,7 @@ def cells_seq_add(kv: Any, seq_id: int, p0: int, p1: int, delta: int, inv_freq: 
     keep = idx[new >= 0]
     d = torch.full((keep.numel(),), delta, dtype=torch.int64)  # [M']
     for layer in range(kv.n_layer):
-        kv.k[layer][keep] = rotate_k(kv.k[layer][keep], d, inv_freq)  # [M', n_kv_heads, hd]
+        kv.k[layer][keep] = rotate_k(kv.k[layer][keep], d, tables[layer])  # [M', n_kv_heads, hd]
     kv.pos[keep] = new[new >= 0]
     kv.seq[gone] = False
     kv.pos[gone] = -1
@@ -184,45 +210,38 @@ def paged_seq_rm(kv: Any, seq_id: int, p0: int = -1, p1: int = -1) -> dict[str, 
         tab = list(kv.tables.get(seq_id, []))
         kv.release(seq_id)
         return {"op": "seq_rm", "seq_id": seq_id, "range": "[0, end)", "pos": ranges_text(range(L)), "freed_blocks": tab}
-    if a % kv.B and hasattr(kv, "make_private"):
+    if a % kv.B:
         kv.make_private(seq_id, a // kv.B)  # the kept partial block will be rewritten: copy-on-write / unhash
     keep_blocks = -(-a // kv.B)
     tab = kv.tables[seq_id]
     dropped = tab[keep_blocks:]
     kv.tables[seq_id] = tab[:keep_blocks]
     kv.lens[seq_id] = a
-    _free_blocks(kv, dropped)
+    kv.free_blocks(dropped)  # reference counted when the pool shares blocks (kv/prefix_cache.py)
     return {"op": "seq_rm", "seq_id": seq_id, "range": f"[{a}, end)", "pos": ranges_text(range(a, L)),
             "freed_blocks": dropped}
 
 
-def _free_blocks(kv: Any, blocks: list[int]) -> None:
-    if hasattr(kv, "free_blocks"):
-        kv.free_blocks(blocks)  # reference-counted pool (kv/prefix_cache.py)
-    else:
-        kv.free.extend(blocks)
-        kv.free.sort()
-
-
-def paged_shift_out(kv: Any, seq_id: int, p0: int, p1: int, inv_freq: torch.Tensor) -> dict[str, Any]:
+def paged_shift_out(kv: Any, seq_id: int, p0: int, p1: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
     """Drop positions ``p0 <= p < p1`` of ``seq_id`` and close the gap: the K/V of ``p1..L-1`` move
-    to ``p0..`` and their K is re-rotated by ``-(p1 - p0)`` (K-shift), then the tail is freed.
+    to ``p0..`` and their K is re-rotated by ``-(p1 - p0)`` with each layer's RoPE (``ropes``, one
+    per layer: K-shift), then the tail is freed.
     This is llama.cpp's ``seq_rm`` + ``seq_add`` pair (server context shift) in block-table form.
     Blocks shared with another sequence are never written: they are replaced by private copies first.
 
     Returns ``{"op": "shift_out", "seq_id", "removed", "from", "to", "delta", "freed_blocks"}``.
     """
+    tables = _shift_tables(kv, ropes)
     L = kv.lens.get(seq_id, 0)
     p1 = min(p1, L)
     n = p1 - p0
     if n <= 0:
         return {"op": "shift_out", "seq_id": seq_id, "removed": "-", "delta": 0, "freed_blocks": []}
-    if hasattr(kv, "make_private"):
-        kv.make_private(seq_id, p0 // kv.B)  # copy-on-write of shared blocks that will be rewritten
+    kv.make_private(seq_id, p0 // kv.B)  # copy-on-write of shared blocks that will be rewritten
     src = torch.tensor([kv.slot(seq_id, p) for p in range(p1, L)], dtype=torch.int64)  # [M]
     dst = torch.tensor([kv.slot(seq_id, p) for p in range(p0, L - n)], dtype=torch.int64)  # [M]
     d = torch.full((src.numel(),), -n, dtype=torch.int64)  # [M]
-    for pool in kv.pool:
+    for pool, inv_freq in zip(kv.pool, tables):
         sb, so, db, do = src // kv.B, src % kv.B, dst // kv.B, dst % kv.B
         k = pool[sb, 0, :, so, :].clone()  # [M, n_kv_heads, hd]
         v = pool[sb, 1, :, so, :].clone()  # [M, n_kv_heads, hd]
@@ -234,75 +253,99 @@ def paged_shift_out(kv: Any, seq_id: int, p0: int, p1: int, inv_freq: torch.Tens
             "freed_blocks": rm["freed_blocks"]}
 
 
-# ----------------------------------------------------------------------------- one entry point per operation
+def paged_seq_cp(kv: Any, src: int, dst: int, p0: int = -1, p1: int = -1) -> dict[str, Any]:
+    """Fork ``dst`` from ``src``'s prefix ``0..p1-1`` (shared full blocks reference counted, the partial
+    last block copied: vLLM / TensorRT-LLM fork).
 
-
-def _recurrent(kv: Any, op: str, seq_id: int, p0: int, p1: int) -> Any:
-    """The recurrent state of a hybrid memory (None otherwise). A range that cuts into a sequence is
-    refused there, as llama.cpp's ``llama_memory_recurrent::seq_rm`` refuses it: a GDN state is one
-    summary of all the sequence's tokens and cannot drop some of them (TensorRT-LLM keeps per-step
-    intermediate states for speculative rewind; not implemented here)."""
-    st = getattr(kv, "state", None)
-    if st is None or not hasattr(st, "seq_cp"):
-        return None
-    whole = p0 <= 0 and p1 < 0
-    if not whole and p0 < kv.seq_len(seq_id):
-        raise InfertraceError(f"{op} of positions {max(p0, 0)}..{'end' if p1 < 0 else p1 - 1} of seq {seq_id} on a hybrid "
-                              "model: its recurrent (GDN) state cannot drop or copy part of a sequence (llama.cpp's "
-                              "memory_recurrent refuses it too)")
-    return st if whole else None
-
-
-def seq_rm(kv: Any, seq_id: int, p0: int = -1, p1: int = -1) -> dict[str, Any]:
-    """``llama_memory_seq_rm`` on either backend (paged: tail only; hybrid: whole sequences only)."""
-    st = _recurrent(kv, "seq_rm", seq_id, p0, p1)
-    out = cells_seq_rm(kv, seq_id, p0, p1) if kv.kind == "cells" else paged_seq_rm(kv, seq_id, p0, p1)
-    if st is not None:
-        st.release(seq_id)
-    return out
-
-
-def seq_cp(kv: Any, src: int, dst: int, p0: int = -1, p1: int = -1) -> dict[str, Any]:
-    """``llama_memory_seq_cp`` (cells) / fork (paged: a prefix ``0..p1-1`` only, shared blocks
-    reference counted, partial last block copied); hybrid: whole sequences, the state copied too."""
-    st = _recurrent(kv, "seq_cp", src, p0, p1)
-    if st is not None:
-        st.seq_cp(src, dst)
-    if kv.kind == "cells":
-        return cells_seq_cp(kv, src, dst, p0, p1)
+    Raises:
+        InfertraceError: ``p0 > 0`` (a block table can only share a prefix).
+    """
     if p0 > 0:
         raise InfertraceError("paged seq_cp copies a prefix: p0 must be 0 (or -1)")
     L = kv.lens.get(src, 0)
-    n = L if p1 < 0 else min(p1, L)
-    return kv.fork(src, dst, n)
+    return kv.fork(src, dst, L if p1 < 0 else min(p1, L))
 
 
-def seq_keep(kv: Any, seq_id: int) -> dict[str, Any]:
-    """``llama_memory_seq_keep``: everything but ``seq_id`` is released."""
-    st = getattr(kv, "state", None)
-    if st is not None and hasattr(st, "owner"):
-        for s in [s for s in st.owner if s != seq_id]:
-            st.release(s)
-    if kv.kind == "cells":
-        return cells_seq_keep(kv, seq_id)
+def paged_seq_keep(kv: Any, seq_id: int) -> dict[str, Any]:
+    """Release every sequence but ``seq_id``."""
     others = [s for s in list(kv.tables) if s != seq_id]
     for s in others:
         kv.release(s)
     return {"op": "seq_keep", "seq_id": seq_id, "released": others}
 
 
-def shift_out(kv: Any, seq_id: int, p0: int, p1: int, inv_freq: torch.Tensor) -> dict[str, Any]:
-    """Drop ``p0..p1-1`` and shift ``p1..`` down by ``p1 - p0`` (K re-rotated): llama.cpp server's
-    context shift ``seq_rm(seq, n_keep, n_keep + n_discard)`` + ``seq_add(seq, n_keep + n_discard,
-    n_past, -n_discard)``, on either backend. Returns the list of operation dicts done.
+def cells_seq_div(kv: Any, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
+    """Divide the positions of ``seq_id``'s cells with ``p0 <= pos < p1`` by ``d`` (integer division)
+    and re-rotate their K by ``new - old`` in every layer with that layer's RoPE. Mirrors
+    ``llama_kv_cache::seq_div`` (self-extend / group attention) + the K-shift.
 
     Raises:
-        InfertraceError: a hybrid model (its recurrent state cannot forget tokens).
+        InfertraceError: ``d < 1``.
     """
-    _recurrent(kv, "shift_out", seq_id, p0, p1)
-    if kv.kind == "cells":
-        return {"op": "shift_out", "seq_id": seq_id, "steps": [cells_make_private(kv, seq_id, p1),
-                                                              cells_seq_rm(kv, seq_id, p0, p1),
-                                                              cells_seq_add(kv, seq_id, p1, -1, -(p1 - p0), inv_freq)],
-                "removed": ranges_text(range(p0, p1)), "delta": -(p1 - p0)}
-    return paged_shift_out(kv, seq_id, p0, p1, inv_freq)
+    if d < 1:
+        raise InfertraceError(f"seq_div by {d}: the divisor must be >= 1")
+    a, b = _range(p0, p1)
+    tables = _shift_tables(kv, ropes)
+    idx = ((kv.pos >= a) & (kv.pos < b) & (kv.pos >= 0) & kv.seq[:, seq_id]).nonzero().flatten()  # [M]
+    old = kv.pos[idx].clone()  # [M]
+    new = old // d  # [M]
+    if d > 1 and idx.numel():
+        for layer in range(kv.n_layer):
+            kv.k[layer][idx] = rotate_k(kv.k[layer][idx], new - old, tables[layer])  # [M, n_kv_heads, hd]
+        kv.pos[idx] = new
+    return {"op": "seq_div", "seq_id": seq_id, "range": f"[{a}, {'end' if b == _END else b})", "d": d,
+            "cells": ranges_text(idx.tolist()), "from": ranges_text(old.tolist()), "to": ranges_text(new.tolist())}
+
+
+def cells_shift_out(kv: Any, seq_id: int, p0: int, p1: int, ropes: Sequence[LayerRope | None]) -> dict[str, Any]:
+    """Context shift on cells: copy-on-write of the cells shared with other sequences, ``seq_rm(p0, p1)``,
+    ``seq_add(p1, end, -(p1 - p0))`` (llama.cpp server's pair)."""
+    _shift_tables(kv, ropes)
+    return {"op": "shift_out", "seq_id": seq_id, "steps": [cells_make_private(kv, seq_id, p1),
+                                                          cells_seq_rm(kv, seq_id, p0, p1),
+                                                          cells_seq_add(kv, seq_id, p1, -1, -(p1 - p0), ropes)],
+            "removed": ranges_text(range(p0, p1)), "delta": -(p1 - p0)}
+
+
+# ----------------------------------------------------------------------------- entry points that raise on "cannot"
+
+
+def _done(op: MemOp) -> MemOp:
+    if not op:
+        raise InfertraceError(op["refused"])
+    return op
+
+
+def seq_rm(kv: Memory, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
+    """``kv.seq_rm`` (``llama_memory_seq_rm``; paged: tail only; hybrid: whole sequences only).
+
+    Raises:
+        InfertraceError: the memory cannot remove that range (its one-line reason).
+    """
+    return _done(kv.seq_rm(seq_id, p0, p1))
+
+
+def seq_cp(kv: Memory, src: int, dst: int, p0: int = -1, p1: int = -1) -> MemOp:
+    """``kv.seq_cp`` (cells: shared cells; paged: fork of a prefix; hybrid: whole sequences, state copied).
+
+    Raises:
+        InfertraceError: the memory cannot copy that range.
+    """
+    return _done(kv.seq_cp(src, dst, p0, p1))
+
+
+def seq_keep(kv: Memory, seq_id: int) -> MemOp:
+    """``kv.seq_keep`` (``llama_memory_seq_keep``): everything but ``seq_id`` is released."""
+    return _done(kv.seq_keep(seq_id))
+
+
+def shift_out(kv: Memory, seq_id: int, p0: int, p1: int, ropes: Sequence[LayerRope | None]) -> MemOp:
+    """``kv.shift_out``: drop ``p0..p1-1`` and shift ``p1..`` down by ``p1 - p0`` (K re-rotated with each
+    layer's RoPE, ``ropes`` = :func:`~infertrace.model.rope.layer_ropes`): llama.cpp server's context
+    shift ``seq_rm(seq, n_keep, n_keep + n_discard)`` + ``seq_add(seq, n_keep + n_discard, n_past,
+    -n_discard)``.
+
+    Raises:
+        InfertraceError: the memory cannot (a hybrid model: its recurrent state cannot forget tokens).
+    """
+    return _done(kv.shift_out(seq_id, p0, p1, ropes))

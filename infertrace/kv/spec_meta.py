@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from infertrace.kv.base import ChunkSpec
+from infertrace.kv.chunk import ChunkSpec
 
 
 def pack_mask(rows: torch.Tensor) -> torch.Tensor:

@@ -24,35 +24,43 @@ from infertrace.kv.base import ranges_text
 from infertrace.kv.seq_ops import cells_seq_rm, paged_seq_rm
 
 
-def rewind_verify(kv: Any, seq_id: int, C: int, T: int, accepted: Sequence[int], cell_idx: torch.Tensor | None = None,
-                  is_chain: bool = True) -> dict[str, Any]:
+def cells_rewind(kv: Any, seq_id: int, C: int, T: int, accepted: Sequence[int], cell_idx: torch.Tensor,
+                 is_chain: bool = True) -> dict[str, Any]:
     """Keep the accepted candidates ``accepted`` (chunk-local node indices, root 0 first, depth
-    ``0..len-1`` in order) of a verify chunk ``C, T`` of ``seq_id``; free the rest.
+    ``0..len-1`` in order) of a verify chunk ``C, T`` of ``seq_id`` in a cells cache; free the rest.
 
     Args:
-        kv: the target's KV backend (state right after the verify forward).
-        cell_idx: ``[T]`` cells the chunk's candidates went to (cells backend; ``inp.extra["cell_idx"]`` rows).
-        is_chain: the chunk was a chain (accepted is then ``0..a``).
+        cell_idx: ``[T]`` cells the chunk's candidates went to (rows of ``CellsInputs.cell_idx``).
+        is_chain: the chunk was a chain (accepted is then ``0..a``): one ``seq_rm(seq, C + a, -1)``.
 
     Returns:
-        ``{"op", "seq_id", "kept_pos", "removed_pos", ...}``: cells ``freed`` (cells) or
-        ``moved`` slot pairs and ``freed_blocks`` (paged).
+        ``{"op", "seq_id", "kept_pos", "removed_pos", "n_removed", "freed", ...}``.
     """
     keep = C + len(accepted)
     rec: dict[str, Any] = {"seq_id": seq_id, "kept_pos": ranges_text(range(C, keep)), "n_removed": T - len(accepted)}
-    if kv.kind == "cells":
-        if is_chain:
-            op = cells_seq_rm(kv, seq_id, keep, -1)
-            return {**rec, "op": "seq_rm", "range": op["range"], "removed_pos": op["pos"], "freed": op["freed"]}
-        acc = set(accepted)
-        rej = torch.tensor([int(cell_idx[i]) for i in range(T) if i not in acc], dtype=torch.int64)  # [T - a]
-        removed = kv.pos[rej].tolist()
-        kv.seq[rej, seq_id] = False
-        freed = rej[~kv.seq[rej].any(dim=1)]
-        kv.pos[freed] = -1
-        if freed.numel():
-            kv.head = min(kv.head, int(freed.min()))
-        return {**rec, "op": "seq_rm_cells", "removed_pos": ranges_text(removed), "freed": ranges_text(freed.tolist())}
+    if is_chain:
+        op = cells_seq_rm(kv, seq_id, keep, -1)
+        return {**rec, "op": "seq_rm", "range": op["range"], "removed_pos": op["pos"], "freed": op["freed"]}
+    acc = set(accepted)
+    rej = torch.tensor([int(cell_idx[i]) for i in range(T) if i not in acc], dtype=torch.int64)  # [T - a]
+    removed = kv.pos[rej].tolist()
+    kv.seq[rej, seq_id] = False
+    freed = rej[~kv.seq[rej].any(dim=1)]
+    kv.pos[freed] = -1
+    if freed.numel():
+        kv.head = min(kv.head, int(freed.min()))
+    return {**rec, "op": "seq_rm_cells", "removed_pos": ranges_text(removed), "freed": ranges_text(freed.tolist())}
+
+
+def paged_rewind(kv: Any, seq_id: int, C: int, T: int, accepted: Sequence[int]) -> dict[str, Any]:
+    """The same on a paged pool: the accepted path's K/V move to positions ``C + depth`` (TensorRT-LLM
+    ``update_kv_cache_draft_token_location``), then the tail is freed.
+
+    Returns:
+        ``{"op", "seq_id", "kept_pos", "removed_pos", "n_removed", "moved_slots", "freed_blocks", ...}``.
+    """
+    keep = C + len(accepted)
+    rec: dict[str, Any] = {"seq_id": seq_id, "kept_pos": ranges_text(range(C, keep)), "n_removed": T - len(accepted)}
     moves = []
     for depth, node in enumerate(accepted):
         if node != depth:  # candidate `node` was stored at position C + node; it belongs at C + depth

@@ -1,4 +1,5 @@
-"""One frozen :class:`ModelConfig`, built once from GGUF metadata or an HF ``config.json``.
+"""One frozen :class:`ModelConfig`, built once from GGUF metadata or an HF ``config.json`` by the
+family layer (:func:`infertrace.model.families.config_from_gguf` / ``config_from_hf``).
 
 Nothing after the loader reads raw metadata (design rule 1). Key names follow llama.cpp's
 GGUF constants (``llama.block_count`` ...; gguf-py ``gguf/constants.py``) and HF
@@ -11,11 +12,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from infertrace.errors import InfertraceError
-
-#: GGUF architectures with a family module (``infertrace.model.families``).
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-#: HF ``architectures`` entries with a family module.
-SUPPORTED_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 
 DEFAULT_ROPE_THETA = 10000.0
 #: ModelConfig fields of hybrid (Qwen3.5) models, left out of ``to_dict`` for other models
@@ -68,7 +64,8 @@ class ModelConfig:
             ``neox`` after the loader un-permutes GGUF Q/K rows.
 
     Family features (set by :mod:`infertrace.model.families`; defaults are plain Llama):
-        family: ``llama`` / ``mistral`` / ``qwen2`` / ``qwen3`` / ``gemma3``.
+        family: ``llama`` / ``mistral`` / ``qwen2`` / ``qwen3`` / ``gemma3`` / ``qwen35`` (names the
+            :class:`~infertrace.model.families.base.Family` that built it; read only to find its definitions).
         attn_bias, attn_out_bias, mlp_bias: q/k/v, output and gate/up/down projection biases.
         qk_norm: RMSNorm over ``head_dim`` on each Q and K head before RoPE (Qwen3, Gemma 3).
         post_norms: RMSNorm on the attention and FFN outputs before the residual add (Gemma 3).
@@ -192,11 +189,11 @@ class ModelConfig:
     def validate(self) -> "ModelConfig":
         """Check types, bounds and shape consistency; raise :class:`InfertraceError` on a broken config.
 
-        Integers must be ints within :mod:`infertrace.model.limits` (no bools), floats finite,
-        RoPE scaling factors finite and > 0 (see also :mod:`infertrace.model.hparams_check`,
+        Integers must be ints within :mod:`infertrace.loading.limits` (no bools), floats finite,
+        RoPE scaling factors finite and > 0 (see also :mod:`infertrace.loading.hparams_check`,
         which checks the raw file values before conversion).
         """
-        from infertrace.model.hparams_check import check_config_bounds
+        from infertrace.loading.hparams_check import check_config_bounds
 
         check_config_bounds(self)
         for name, val in (("block_count", self.n_layer), ("embedding_length", self.n_embd), ("feed_forward_length", self.n_ff),
@@ -216,55 +213,3 @@ class ModelConfig:
                 f"rope.dimension_count {self.rope_dim} must be even and <= head_dim {self.head_dim}"
             )
         return self
-
-
-def config_from_gguf_fields(meta: dict[str, Any], tensor_names: set[str], freq_factors: tuple[float, ...] | None) -> ModelConfig:
-    """See :func:`_config_from_gguf_fields`; wrong value types become :class:`InfertraceError`."""
-    try:
-        return _config_from_gguf_fields(meta, tensor_names, freq_factors)
-    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
-        raise InfertraceError(f"GGUF metadata has an invalid value ({type(e).__name__}: {e}); the file is broken") from None
-
-
-def _config_from_gguf_fields(meta: dict[str, Any], tensor_names: set[str], freq_factors: tuple[float, ...] | None) -> ModelConfig:
-    """Build a :class:`ModelConfig` from decoded GGUF key/values through the family layer.
-
-    Args:
-        meta: ``{key: python value}`` of the GGUF header.
-        tensor_names: names of the tensors in the file (output head, optional biases ...).
-        freq_factors: contents of ``rope_freqs.weight`` if present.
-
-    Raises:
-        InfertraceError: unknown architecture or a required key missing. Settings the engine
-        does not implement are recorded as ``refused`` in ``settings`` (the loader raises).
-
-    Mirrors llama.cpp ``src/llama-model.cpp`` ``load_hparams`` (see :mod:`infertrace.model.families`).
-    """
-    from infertrace.model.families import config_from_gguf
-
-    return config_from_gguf(meta, tensor_names, freq_factors)
-
-
-def config_from_hf(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
-    """See :func:`_config_from_hf`; wrong value types become :class:`InfertraceError`."""
-    try:
-        return _config_from_hf(cfg, tie_default)
-    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
-        raise InfertraceError(f"config.json has an invalid value ({type(e).__name__}: {e}); fix the checkpoint's config") from None
-
-
-def _config_from_hf(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
-    """Build a :class:`ModelConfig` from an HF ``config.json`` dict through the family layer.
-
-    Args:
-        cfg: parsed ``config.json``.
-        tie_default: whether the checkpoint lacks ``lm_head.weight`` (tied head).
-
-    Raises:
-        InfertraceError: unsupported ``architectures`` or missing keys (refusals are recorded).
-
-    Mirrors HF ``PretrainedConfig`` subclasses (see :mod:`infertrace.model.families`).
-    """
-    from infertrace.model.families import config_from_hf_dict
-
-    return config_from_hf_dict(cfg, tie_default)

@@ -1,129 +1,71 @@
-"""One decoder skeleton for every family, with named features, over a packed batch.
+"""One decoder skeleton for every family: embeddings -> blocks -> final norm -> lm head, over a packed batch.
 
-Mirrors llama.cpp ``src/models/{llama,qwen2,qwen3,gemma3}.cpp`` and HF ``modeling_*.py``:
-``build_inp_embd`` (x sqrt(H) when ``embed_scale``) -> per layer: RMSNorm, Q/K/V (+ biases),
-QK-norm, RoPE on Q and K (per-layer base: sliding-window layers may use their own),
-``build_attn`` with the KV cache (per-layer sliding window), output projection (+ bias,
-+ post-attention norm), RMSNorm, SwiGLU / GeGLU FFN (+ biases, + post-FFN norm) -> final norm
--> lm head for the rows that need logits (-> soft-cap). Only the current tokens are computed;
-history lives in the cache. Which feature a family switches on: :mod:`infertrace.model.families`.
+Mirrors llama.cpp ``src/models/{llama,qwen2,qwen3,gemma3,qwen35}.cpp`` and HF ``modeling_*.py``:
+``build_inp_embd`` (x sqrt(H) when ``embed_scale``) -> per layer ``x + mixer(norm(x))`` then
+``x + ffn(norm(x))`` (:class:`~infertrace.model.layers.Block`; the mixer per layer from
+``layer_types``: attention or Gated DeltaNet) -> final norm -> lm head for the rows that need logits
+(-> soft-cap). Which features a model has is data in its :class:`ModelConfig` (set by its family,
+:mod:`infertrace.model.families`); nothing here asks which family it runs. Only the current tokens
+are computed; history lives in the memory (``kv``). Every linear layer goes through ``self.ops``
+(:mod:`infertrace.model.ops`); the taps it fires are :mod:`infertrace.model.taps`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import copy
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
-from infertrace.kv.base import AttnInputs, KVBackend
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig
-from infertrace.model.rope import apply_rope_neox, cos_sin, inv_freq_f32, rope_attention_factor
+from infertrace.model.families import family_of
+from infertrace.model.layers import ACTIVATIONS, Block, Step, build_block, norm_of, on_device
+from infertrace.model.ops import TORCH_OPS, Ops
+from infertrace.model.rope import cos_sin, inv_freq_f32, rope_attention_factor
+from infertrace.model.taps import EMBED, NULL_TRACER, Tracer, layer_taps
 
-
-class Tracer(Protocol):
-    """Read-only observer of named tap points (TransformerLens ``HookPoint`` style).
-
-    ``enabled`` False means the engine never calls ``tap`` (no cost). ``layers`` is the set
-    of layer indices whose per-layer taps (``"rope"``) are wanted.
-    """
-
-    enabled: bool
-    layers: frozenset[int]
-
-    def tap(self, name: str, **tensors: Any) -> None: ...
-
-
-class NullTracer:
-    """The default tracer: records nothing."""
-
-    enabled = False
-    layers: frozenset[int] = frozenset()
-
-    def tap(self, name: str, **tensors: Any) -> None:  # pragma: no cover - never called
-        return None
-
-
-NULL_TRACER = NullTracer()
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32: ``x / sqrt(mean(x^2) + eps) * w``; ``x`` ``[N, H]`` -> ``[N, H]``."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [N, H]
-    return (y.to(x.dtype)) * w
-
-
-def rms_norm_f32w(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm multiplied by ``w`` in float32, then cast (HF ``Qwen3_5RMSNorm`` with ``w`` = 1 + weight);
-    ``x`` ``[..., H]`` -> ``[..., H]`` in ``x``'s dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)  # [..., H]
-
-
-ACTIVATIONS = {
-    "silu": F.silu,  # SwiGLU (llama.cpp LLM_FFN_SILU + LLM_FFN_PAR)
-    "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),  # GeGLU (HF gelu_pytorch_tanh, llama.cpp LLM_FFN_GELU)
-}
+if TYPE_CHECKING:
+    from infertrace.kv.base import AttnInputs, KVBackend
 
 
 class DecoderModel:
-    """Engine-side weights (Q/K/V and gate/up fused) and the forward pass of any supported family.
+    """Engine-side weights (typed blocks, Q/K/V and gate/up fused) and the forward pass of any supported family.
 
     Args:
-        config: the frozen :class:`ModelConfig` (its family features decide the optional steps).
-        weights: engine-named tensors from :func:`infertrace.model.weights.load_checkpoint`
-            (Q/K in half-split order; Gemma norms already ``1 + w``).
+        config: the frozen :class:`ModelConfig` (its features decide the optional steps).
+        weights: engine-named tensors from :func:`infertrace.loading.weights.load_checkpoint`
+            (Q/K in half-split order; zero-centred norms already ``1 + w``).
         device: torch device for compute.
+        ops: the linear-op implementation (:class:`~infertrace.model.ops.Ops`; default ``F.linear``).
+
+    Attributes:
+        layers: one :class:`~infertrace.model.layers.Block` per layer (a layer-skip draft keeps a prefix).
+        tok_embd ``[V, H]``, output ``[V, H]`` (tied: the same tensor), output_norm ``[H]``; the
+        embedding table and the head may be weight objects (:class:`~infertrace.model.ops.LinearWeight`).
 
     Raises:
-        InfertraceError: the config has a ``refused`` setting or an unknown activation (no silent math).
+        InfertraceError: the config has a ``refused`` setting, an unknown activation or lacks a tensor
+            it implies (no silent math).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
+    def __init__(self, config: ModelConfig, weights: dict[str, Any], device: str | torch.device = "cpu",
+                 ops: Ops = TORCH_OPS):
         if config.refusals:
             raise InfertraceError(f"{config.refusals[0]}; infertrace refuses to run math it would get wrong")
         if config.act not in ACTIVATIONS:
             raise InfertraceError(f"activation {config.act!r} is not implemented (supported: {', '.join(ACTIVATIONS)})")
         self.cfg = config
-        self.device = torch.device(device)
+        self.device = dev = torch.device(device)
+        self.ops = ops
         w = weights
-        dev = self.device
-        self.dtype = w["token_embd"].dtype
-        self.tok_embd = w["token_embd"].to(dev)  # [V, H]
-        self.output = w.get("output", w["token_embd"]).to(dev)  # [V, H] (tied when absent)
+        self.dtype = w["output_norm"].dtype  # the compute dtype (every float tensor of a checkpoint has it)
+        self.tok_embd = on_device(w["token_embd"], dev)  # [V, H]
+        self.output = on_device(w.get("output", w["token_embd"]), dev)  # [V, H] (tied when absent)
         self.output_norm = w["output_norm"].to(dev)  # [H]
-        self.act = ACTIVATIONS[config.act]
-        self.layers = []
-        for i in range(config.n_layer):
-            p = f"blk.{i}."
-            opt = lambda n: w[p + n].to(dev) if (p + n) in w else None  # noqa: E731
-            if config.family == "qwen35":
-                from infertrace.model.hybrid import qwen35_layer
-
-                self.layers.append(qwen35_layer(config, w, i, dev))
-                continue
-            L = {
-                "attn_norm": w[p + "attn_norm"].to(dev),  # [H]
-                "wqkv": torch.cat([w[p + "attn_q"], w[p + "attn_k"], w[p + "attn_v"]]).to(dev),  # [(nh+2nkv)*hd, H]
-                "wo": w[p + "attn_output"].to(dev),  # [H, nh*hd]
-                "ffn_norm": w[p + "ffn_norm"].to(dev),  # [H]
-                "w_gate_up": torch.cat([w[p + "ffn_gate"], w[p + "ffn_up"]]).to(dev),  # [2*ff, H]
-                "w_down": w[p + "ffn_down"].to(dev),  # [H, ff]
-                "bqkv": (torch.cat([w[p + "attn_q.bias"], w[p + "attn_k.bias"], w[p + "attn_v.bias"]]).to(dev)
-                         if config.attn_bias else None),  # [(nh+2nkv)*hd]
-                "bo": opt("attn_output.bias") if config.attn_out_bias else None,  # [H]
-                "b_gate_up": (torch.cat([w[p + "ffn_gate.bias"], w[p + "ffn_up.bias"]]).to(dev)
-                              if config.mlp_bias else None),  # [2*ff]
-                "b_down": opt("ffn_down.bias") if config.mlp_bias else None,  # [H]
-                "q_norm": opt("attn_q_norm") if config.qk_norm else None,  # [hd]
-                "k_norm": opt("attn_k_norm") if config.qk_norm else None,  # [hd]
-                "post_attn_norm": opt("post_attention_norm") if config.post_norms else None,  # [H]
-                "post_ffw_norm": opt("post_ffw_norm") if config.post_norms else None,  # [H]
-                "window": config.layer_window(i),
-            }
-            self.layers.append(L)
+        self.norm = norm_of(config)
+        names = family_of(config).block_names
+        self.layers: list[Block] = [build_block(config, w, il, names, ops, dev) for il in range(config.n_layer)]
         self.inv_freq = inv_freq_f32(config)  # [rope_dim/2] float32 (full-attention layers)
         self.inv_freq_swa = (inv_freq_f32(config, swa=True) if config.windowed_layers and config.rope_theta_swa is not None
                              else self.inv_freq)  # [rope_dim/2] float32 (sliding-window layers)
@@ -132,6 +74,12 @@ class DecoderModel:
         self.embed_scale = (torch.tensor(config.embed_scale, dtype=self.dtype, device=dev)
                             if config.embed_scale is not None else None)  # scalar, model dtype (as HF)
 
+    def with_ops(self, ops: Ops) -> "DecoderModel":
+        """The same model (weights shared, not copied) computing its linear layers with ``ops``."""
+        m = copy.copy(self)
+        m.ops = ops
+        return m
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attn: AttnInputs, kv: KVBackend, logits_rows: torch.Tensor,
                 tracer: Tracer = NULL_TRACER) -> torch.Tensor:
@@ -139,75 +87,59 @@ class DecoderModel:
 
         Args:
             input_ids: ``[N]`` int64 current token ids (packed, request after request).
-            attn: the backend's :class:`AttnInputs` for this step (positions ``[N]`` inside).
-            kv: the KV backend (written with current K/V, read for attention; it applies each
-                layer's sliding window).
+            attn: the memory's :class:`AttnInputs` for this step (positions ``[N]`` inside).
+            kv: the memory (written with current K/V, read for attention; it applies each
+                layer's sliding window; GDN layers advance its recurrent state).
             logits_rows: ``[M]`` int64 rows of the packed batch that need logits
                 (last prompt token of a finished prefill, each decode token).
-            tracer: tap observer; taps ``embed`` (hidden ``[N, H]``) and, for layers in
-                ``tracer.layers``, ``rope`` (layer input x, q/k before and after RoPE, v).
+            tracer: tap observer; ``embed`` every step, the block taps (:data:`~infertrace.model.taps.BLOCK_TAPS`)
+                it subscribes to for the layers in ``tracer.layers``.
 
         Returns:
             ``[M, vocab]`` float32 logits.
         """
-        cfg = self.cfg
-        N = int(input_ids.shape[0])
-        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         ids = input_ids.to(self.device)
-        x = self.tok_embd[ids]  # [N, H]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale  # [N, H] Gemma: x sqrt(H)
+        x = self.embed(ids)  # [N, H]
         if tracer.enabled:
-            tracer.tap("embed", hidden=x, ids=ids)
+            tracer.tap(EMBED, value=x, ids=ids)
+        s = self.step_inputs(attn, kv)
+        if tracer.enabled:
+            for il, block in enumerate(self.layers):
+                x = block.forward(x, s, il, layer_taps(tracer, il))  # [N, H]
+        else:
+            for il, block in enumerate(self.layers):
+                x = block.forward(x, s, il, None)  # [N, H]
+        return self.head(x[logits_rows.to(self.device)])  # [M, V]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[N, H]`` of ``ids`` ``[N]`` (x ``embed_scale`` in the model dtype: Gemma's sqrt(H))."""
+        x = self.ops.embed(self.tok_embd, ids)  # [N, H]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale  # [N, H]
+        return x
+
+    def step_inputs(self, attn: AttnInputs, kv: KVBackend) -> Step:
+        """What every layer of this step shares: the RoPE tables of the step's positions, ops, memory.
+
+        Raises:
+            InfertraceError: a position reaches ``n_ctx_train`` of a ``dynamic`` RoPE model.
+        """
+        cfg = self.cfg
         pos = attn.positions.to(self.device)
-        if cfg.rope_scaling.type == "dynamic" and N and int(pos.max()) >= cfg.n_ctx_train:
+        if cfg.rope_scaling.type == "dynamic" and pos.numel() and int(pos.max()) >= cfg.n_ctx_train:
             raise InfertraceError(f"position {int(pos.max())} reaches max_position_embeddings {cfg.n_ctx_train} of a 'dynamic' "
                                   "RoPE model: HF rescales the base per forward there (stateful), which infertrace does not "
                                   "implement; keep prompts + new tokens below it")
-        cos_g, sin_g = cos_sin(pos, self.inv_freq.to(self.device), self.dtype, self.rope_mscale)  # [N, rope_dim/2] each
-        cos_l, sin_l = ((cos_g, sin_g) if self.inv_freq_swa is self.inv_freq else
-                        cos_sin(pos, self.inv_freq_swa.to(self.device), self.dtype))  # [N, rope_dim/2] each
-        if cfg.family == "qwen35":
-            from infertrace.model.hybrid import qwen35_forward
+        rope = cos_sin(pos, self.inv_freq.to(self.device), self.dtype, self.rope_mscale)  # [N, rope_dim/2] each
+        rope_swa = (rope if self.inv_freq_swa is self.inv_freq else
+                    cos_sin(pos, self.inv_freq_swa.to(self.device), self.dtype))  # [N, rope_dim/2] each
+        return Step(cfg, self.ops.linear, self.norm, attn, kv, rope, rope_swa, self.scale)
 
-            x = qwen35_forward(self, x, attn, kv, (cos_g, sin_g), tracer)  # [N, H]
-            xs = x[logits_rows.to(self.device)]  # [M, H]
-            xs = rms_norm_f32w(xs, self.output_norm, cfg.rms_eps)  # [M, H]
-            return F.linear(xs, self.output).float()  # [M, V]
-        for il, L in enumerate(self.layers):
-            h = rms_norm(x, L["attn_norm"], cfg.rms_eps)  # [N, H]
-            qkv = F.linear(h, L["wqkv"], L["bqkv"])  # [N, (nh+2nkv)*hd]
-            q = qkv[:, : nh * hd].view(N, nh, hd)  # [N, nh, hd]
-            k = qkv[:, nh * hd : (nh + nkv) * hd].view(N, nkv, hd)  # [N, nkv, hd]
-            v = qkv[:, (nh + nkv) * hd :].view(N, nkv, hd)  # [N, nkv, hd]
-            if L["q_norm"] is not None:
-                q = rms_norm(q, L["q_norm"], cfg.rms_eps)  # [N, nh, hd] per-head RMSNorm
-                k = rms_norm(k, L["k_norm"], cfg.rms_eps)  # [N, nkv, hd]
-            cos, sin = (cos_l, sin_l) if L["window"] else (cos_g, sin_g)
-            q_r = apply_rope_neox(q, cos, sin)  # [N, nh, hd]
-            k_r = apply_rope_neox(k, cos, sin)  # [N, nkv, hd]
-            if tracer.enabled and il in tracer.layers:
-                tracer.tap("rope", layer=il, x=x, q=q, k=k, v=v, q_rot=q_r, k_rot=k_r, cos=cos, sin=sin)
-            kv.write(il, k_r, v, attn)
-            o = kv.attend(il, q_r, attn, self.scale)  # [N, nh, hd]
-            a = F.linear(o.reshape(N, nh * hd), L["wo"], L["bo"])  # [N, H]
-            if L["post_attn_norm"] is not None:
-                a = rms_norm(a, L["post_attn_norm"], cfg.rms_eps)  # [N, H]
-            x = x + a  # [N, H]
-            h = rms_norm(x, L["ffn_norm"], cfg.rms_eps)  # [N, H]
-            gu = F.linear(h, L["w_gate_up"], L["b_gate_up"])  # [N, 2*ff]
-            g, u = gu.chunk(2, dim=-1)  # [N, ff] each
-            f = F.linear(self.act(g) * u, L["w_down"], L["b_down"])  # [N, H]
-            if L["post_ffw_norm"] is not None:
-                f = rms_norm(f, L["post_ffw_norm"], cfg.rms_eps)  # [N, H]
-            x = x + f  # [N, H]
-        xs = x[logits_rows.to(self.device)]  # [M, H]
-        xs = rms_norm(xs, self.output_norm, cfg.rms_eps)  # [M, H]
-        logits = F.linear(xs, self.output).float()  # [M, V]
+    def head(self, xs: torch.Tensor) -> torch.Tensor:
+        """Final norm, lm head and soft-cap of the rows that need logits: ``[M, H]`` -> ``[M, V]`` float32."""
+        cfg = self.cfg
+        xs = self.norm(xs, self.output_norm, cfg.rms_eps)  # [M, H]
+        logits = self.ops.linear(xs, self.output).float()  # [M, V]
         if cfg.final_logit_softcap:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap  # [M, V]
         return logits
-
-
-#: the name the engine used before the family layer; same class.
-LlamaModel = DecoderModel

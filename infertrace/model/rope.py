@@ -12,6 +12,7 @@ llama.cpp ``rope_freqs.weight`` (``theta_i = pos * base^(-2i/d) / freq_factor_i`
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -139,6 +140,49 @@ def inv_freq_f32(cfg: ModelConfig, swa: bool = False) -> torch.Tensor:
         d = cfg.rope_dim
         return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [d/2] float32
     return inv_freq_table(cfg, swa).float()  # [d/2] float32
+
+
+@dataclass(frozen=True)
+class LayerRope:
+    """The RoPE one attention layer applies (what a K-shift of that layer must rotate with).
+
+    Attributes:
+        inv_freq: ``[rope_dim/2]`` float32 frequencies (:func:`inv_freq_f32`: the layer's base, scaling
+            and ``rope_dim`` -- partial rotary leaves dims ``rope_dim..head_dim`` unrotated).
+        mscale: factor on cos/sin (YaRN ``attention_scaling``; 1.0 otherwise and on windowed layers
+            with their own base).
+        theta: the layer's RoPE base.
+        scaled: whether the model's ``rope_scaling`` / ``rope_freqs.weight`` applies to this layer.
+
+    Mirrors llama.cpp ``build_rope_shift`` called per layer with the layer's ``freq_base`` /
+    ``freq_scale`` (``hparams.is_swa(il)`` picks ``rope_freq_base_train_swa``, PR 12373) and HF
+    Gemma 3's two rotary embeddings (``rotary_emb`` / ``rotary_emb_local``).
+    """
+
+    inv_freq: torch.Tensor
+    mscale: float
+    theta: float
+    scaled: bool
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` each ``[N, rope_dim/2]`` in ``dtype`` for ``positions`` ``[N]`` int64 (mscale applied)."""
+        return cos_sin(positions, self.inv_freq.to(positions.device), dtype, self.mscale)
+
+
+def layer_ropes(cfg: ModelConfig) -> list[LayerRope | None]:
+    """The RoPE of every layer, by model layer index (None for a layer without RoPE: a Gated DeltaNet layer).
+
+    Windowed layers of a model with ``rope_theta_swa`` rotate with that base, unscaled unless
+    ``rope_scaling_swa``, and without YaRN's cos/sin factor; every other attention layer rotates with
+    the model's table (:func:`inv_freq_f32`) times :func:`rope_attention_factor`. This is the table the
+    decoder applies (``DecoderModel.forward``: ``cos_l, sin_l`` on windowed layers, ``cos_g, sin_g``
+    elsewhere) and the one the sequence operations re-rotate cached K with.
+    """
+    glob = LayerRope(inv_freq_f32(cfg), rope_attention_factor(cfg), cfg.rope_theta, True)
+    local = glob
+    if cfg.windowed_layers and cfg.rope_theta_swa is not None:
+        local = LayerRope(inv_freq_f32(cfg, swa=True), 1.0, cfg.rope_theta_swa, cfg.rope_scaling_swa)
+    return [None if cfg.is_linear(il) else (local if cfg.layer_window(il) else glob) for il in range(cfg.n_layer)]
 
 
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,

@@ -24,37 +24,20 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from infertrace.fmt import human_bytes  # noqa: F401 - also imported from here by older code
 from infertrace.ranges import ranges_text
-from infertrace.safe_text import has_unsafe, visible
 from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
+from infertrace.present.text import piece_text  # noqa: F401 - used here and re-exported
 from infertrace.present.render_serving import serving_mark, serving_view
 from infertrace.present.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_output_text,
                                             spec_tokens_text, with_extra)
 
-_VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
 KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"
 #: what an idle step (nothing scheduled, N = 0) shows
 IDLE_TEXT = "nothing scheduled (waiting for arrivals)"
 
 
 # ----------------------------------------------------------------------------- small formatters
-
-
-def piece_text(piece: str | None) -> str:
-    """Quoted, visible form of a token piece: ``' Paris'``, ``'⏎⏎'``; control bytes as ``\\xNN``
-    (C1 and bidi controls too, as :func:`infertrace.safe_text.visible`)."""
-    if piece is None:
-        return "-"
-    out = []
-    for ch in piece:
-        if ch in _VISIBLE:
-            out.append(_VISIBLE[ch])
-        elif has_unsafe(ch):  # C0, DEL, C1, bidi controls: visible escapes (safe_text.visible)
-            out.append(visible(ch))
-        else:
-            out.append(ch)
-    body = "".join(out)
-    return f'"{body}"' if "'" in body and '"' not in body else f"'{body}'"
 
 
 def short(items: Sequence[str], head: int = 3, tail: int = 1, sep: str = " ") -> str:
@@ -84,14 +67,6 @@ def int_list(xs: Sequence[int], head: int = 6, tail: int = 2) -> str:
 
 def floats(xs: Iterable[float], nd: int = 4) -> str:
     return "[" + ", ".join(f"{x:+.{nd}f}" for x in xs) + "]"
-
-
-def human_bytes(n: int, nd: int = 1) -> str:
-    """``98362432`` -> ``"98.4 MB"`` (decimal units)."""
-    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= k:
-            return f"{n / k:.{nd}f} {unit}"
-    return f"{n} B"
 
 
 def _kv(label: str, value: str | Text, style: str = "bold") -> Table:
@@ -149,7 +124,9 @@ def render_header(console: Console, trace: RunTrace) -> None:
     if getattr(trace, "engine", "infertrace") == "llama.cpp":
         lc = o.get("llama_cpp", {}) if isinstance(o.get("llama_cpp"), dict) else {}
         conv = (f"computed by llama.cpp itself (llama-cpp-python {lc.get('version', '?')}, n_ctx {lc.get('n_ctx', '?')}"
-                f"{', teacher-forced' if lc.get('teacher_forced') else ''}): every variable read from its graph")
+                f"{', teacher-forced' if lc.get('teacher_forced') else ''}, flash attention "
+                f"{lc.get('flash_attn') or 'not recorded'}, K/V cache {lc.get('type_k', '?')}/{lc.get('type_v', '?')}, "
+                f"n_ubatch {lc.get('n_ubatch', '?')}, threads {lc.get('n_threads', '?')}): every variable read from its graph")
     lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))
@@ -490,6 +467,12 @@ def _sampler_text(s: dict[str, Any]) -> str:
             desc += " · order hf (temperature, then top-k/top-p/min-p)"
     if s.get("repetition_penalty", 1.0) != 1.0:
         desc += f" · repetition_penalty {s['repetition_penalty']:g}"
+    for k in ("frequency_penalty", "presence_penalty"):
+        if s.get(k, 0.0) != 0.0:
+            desc += f" · {k} {s[k]:g}"
+    if "penalty_last_n" in s:  # recorded only when a penalty is on
+        n = s["penalty_last_n"]
+        desc += f" · penalty window {'whole context' if n == -1 else 'off' if n == 0 else f'last {n} tokens'}"
     return desc + f" · max_new_tokens {s['max_new_tokens']}" + (" · ignore_eos" if s.get("ignore_eos") else "")
 
 

@@ -1,5 +1,5 @@
 """Rich rendering of the ``diff-backends`` reports (pure functions of the JSON-ready dicts of
-:mod:`infertrace.engine.compare` and :mod:`infertrace.engine.against`).
+:mod:`infertrace.compare.backends` and :mod:`infertrace.compare.hf`).
 
 Backends: a header with both storage layouts side by side, one table row per step with the
 logical checks (``=`` equal / ``≠`` with the value) beside each backend's physical view,
@@ -77,7 +77,7 @@ def _requests_facts(reqs: list[dict[str, Any]]) -> list[tuple[str, Text]]:
 
 
 def render_backends_diff(console: Console, rep: dict[str, Any]) -> None:
-    """Print a :func:`infertrace.engine.compare.diff_backends` report."""
+    """Print a :func:`infertrace.compare.backends.diff_backends` report."""
     na, nb = rep["backends"]
     head = [(f"{na} ({_CONV.get(na, '?')})", _storage_text(rep["storage"][na])),
             (f"{nb} ({_CONV.get(nb, '?')})", _storage_text(rep["storage"][nb])),
@@ -133,7 +133,7 @@ def _verdict_backends(console: Console, rep: dict[str, Any]) -> None:
 
 
 def render_reference_diff(console: Console, rep: dict[str, Any]) -> None:
-    """Print a :func:`infertrace.engine.against.compare_with_reference` report."""
+    """Print a :func:`infertrace.compare.hf.compare_with_reference` report."""
     ref = rep["against"]
     who = "HF transformers, float32, one request at a time with its own cache" if ref == "hf" else \
         "llama.cpp (llama-cpp-python), quantised compute, one request at a time"

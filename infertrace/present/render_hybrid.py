@@ -16,7 +16,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from infertrace.present.report_views import int_list_text
+from infertrace.present.text import int_list_text
 from infertrace.ranges import ranges_text
 
 _DIM = "bright_black"

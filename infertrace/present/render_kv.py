@@ -17,7 +17,8 @@ from rich.panel import Panel
 from rich.text import Text
 
 from infertrace.ranges import ranges_text
-from infertrace.present.render import DIM, _facts, _table, floats, human_bytes
+from infertrace.fmt import human_bytes
+from infertrace.present.render import DIM, _facts, _table, floats
 from infertrace.trace.schema import N_KV_PAD_MAX
 
 _ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -160,7 +161,7 @@ def _block_note(b: dict[str, Any]) -> str:
 
 
 def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
-    """Print a dump dict (from :func:`infertrace.kv.dump.dump_kv_at_step` or
+    """Print a dump dict (from :func:`infertrace.runner.dump_kv_at_step` or
     :func:`infertrace.trace.kv_dump.dump_from_step`) as one panel: storage and step facts, the
     window line, the cells map and stretches (as llama.cpp's ``LLAMA_KV_CACHE_DEBUG`` print) or
     the pool, free list and block tables (TensorRT-LLM ``KVCacheManager``), then K/V values when

@@ -1,4 +1,4 @@
-"""Text of ``diff-backends --against llama.cpp`` (:func:`infertrace.engine.llamacpp_compare.compare_with_llamacpp`):
+"""Text of ``diff-backends --against llama.cpp`` (:func:`infertrace.compare.llamacpp.compare_with_llamacpp`):
 the exact structural checks, then the float agreement against the measured noise floor."""
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def llamacpp_diff_lines(rep: dict[str, Any]) -> tuple[list[Text], Table, list[Te
             _t(f"structure: {st['checked']} exact checks (inp_pos, n_kv, kq_mask ne and cells, out_ids, ownership, head): ",
                ("all equal", "green") if ok else (f"{len(st['mismatches'])} differ", "red")),
             _t(f"cell placement: {visible(st['placement'])}")]
+    if isinstance(rep.get("llama_cpp"), dict):
+        head.append(_t(settings_text(rep["llama_cpp"])))
     md = st.get("mask_dtype", {})
     head.append(_t(f"kq_mask dtype: ours {visible(', '.join(md.get('ours', [])))}, llama.cpp "
                    f"{visible(', '.join(md.get('llama.cpp', [])))}"
@@ -78,6 +80,31 @@ def render_llamacpp_diff(con: Console, rep: dict[str, Any]) -> None:
 def _plain(x: Any) -> str:
     """Terminal-safe text of a value read from a trace (control characters escaped)."""
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(x))
+
+
+def settings_text(st: dict[str, Any]) -> str:
+    """One line of llama.cpp's context settings that change its numbers (report header, ``show``)."""
+    fa = st.get("flash_attn")
+    asked = st.get("flash_attn_type")
+    return (f"llama.cpp context: flash attention {_plain(fa if fa is not None else 'not recorded')}"
+            + (f" (asked {_plain(asked)})" if asked is not None else "")
+            + f", K/V cache {_plain(st.get('type_k', '?'))}/{_plain(st.get('type_v', '?'))}, n_ctx {_plain(st.get('n_ctx', '?'))}, "
+            f"n_batch {_plain(st.get('n_batch', '?'))}, n_ubatch {_plain(st.get('n_ubatch', '?'))}, "
+            f"threads {_plain(st.get('n_threads', '?'))}/{_plain(st.get('n_threads_batch', '?'))}")
+
+
+def settings_lines(diffs: list[dict[str, Any]], cross: bool) -> list[str]:
+    """``diff``: the llama.cpp settings two traces differ in, each named (they change llama.cpp's numbers;
+    ``cross``: only one side is a llama.cpp trace, its settings listed)."""
+    if cross:
+        return ["llama.cpp settings (one side only): " + ", ".join(
+            f"{_plain(d['setting'])} {_plain(d['a'] if d['a'] is not None else d['b'])}" for d in diffs
+            if d["setting"] != "system_info")]
+    lines = [f"llama.cpp settings differ ({len(diffs)}; they change llama.cpp's numbers):"]
+    for d in diffs:
+        lines.append(f"  {_plain(d['setting'])}: A {_plain(d['a'] if d['a'] is not None else 'not recorded')[:200]}"
+                     f" vs B {_plain(d['b'] if d['b'] is not None else 'not recorded')[:200]}")
+    return lines
 
 
 def cross_engine_lines(res: Any, cross: dict[str, Any]) -> list[str]:

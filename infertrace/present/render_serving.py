@@ -91,9 +91,10 @@ def audit_table(a: dict[str, Any]) -> Table:
     """One row per provenance: entries and the largest |Δ| of K and V against a from-scratch recomputation."""
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False,
               title=Text(f"KV audit (cache vs recomputed from scratch): max |Δ| {_s(a.get('max_abs_exact', a.get('max_abs')))} "
-                         "where it must match" + ("; shifted entries must match in layer 0 only (deeper layers saw the "
-                                                  "dropped tokens)" if any("shifted" in str(g.get("provenance")) for g in
-                                                                             _list(a.get("by_provenance"))) else ""),
+                         "where it must match" + ("; shifted entries and those computed after a shift must match in "
+                                                  "layer 0 only (deeper layers saw the dropped tokens)"
+                                                  if any("shift" in str(g.get("provenance")) for g in
+                                                         _list(a.get("by_provenance"))) else ""),
                          style="italic"),
               title_justify="left")
     for h in ("provenance", "entries", "max |ΔK|", "max |ΔV|", "layer 0 max |Δ|"):

@@ -17,7 +17,8 @@ from markupsafe import Markup
 
 from infertrace.present import report_views as v
 from infertrace.trace.records import RunTrace, StepTrace
-from infertrace.present.render import _sampler_text, _step_title, human_bytes, piece_text
+from infertrace.fmt import human_bytes
+from infertrace.present.render import _sampler_text, _step_title, piece_text
 from infertrace.present.report_assets import BODY_JS, CSS, HEAD_JS
 
 # Autoescape discipline: every fragment is a markupsafe.Markup built from a literal template;

@@ -20,7 +20,7 @@ from markupsafe import Markup
 from typing import Any, Sequence
 
 from infertrace.trace.records import StepTrace
-from infertrace.present.render import piece_text
+from infertrace.present.text import int_list_text, piece_text  # noqa: F401 - int_list_text re-exported
 
 MAX_COLS, MAX_ROWS = 128, 64
 
@@ -105,16 +105,6 @@ def clipped_note(n_rows: int, n_cols: int) -> Markup:
         return Markup("")
     return Markup('<span class="dim more">drawn {}×{} of {}×{} (… {} more rows, {} more columns)</span>').format(
         min(n_rows, MAX_ROWS), min(n_cols, MAX_COLS), n_rows, n_cols, max(0, n_rows - MAX_ROWS), max(0, n_cols - MAX_COLS))
-
-
-def int_list_text(xs: Sequence[int] | None, most: int = 64) -> str:
-    """``str(list(xs))`` (``[0, 1, 2]``), or ``[0, 1, …, 99] (100)`` beyond ``most`` items."""
-    if xs is None:
-        return "None"
-    xs = list(xs)
-    if len(xs) <= most:
-        return str(xs)
-    return "[" + ", ".join([str(x) for x in xs[:most - 2]] + ["…", str(xs[-1])]) + f"] ({len(xs)})"
 
 
 def simulate_cells(trace: Any, n_steps: int | None = None) -> list[dict[int, tuple[int, list[int]]]]:

@@ -97,8 +97,8 @@ class GGUFQuantSource:
     """Quantised linear layers and float vectors of one GGUF file, built on request.
 
     Args:
-        path: the GGUF file (already checked by :func:`infertrace.model.weights.load_checkpoint`).
-        header: its :class:`infertrace.model.gguf_meta.GGUFHeader`.
+        path: the GGUF file (already checked by :func:`infertrace.loading.weights.load_checkpoint`).
+        header: its :class:`infertrace.loading.gguf_meta.GGUFHeader`.
         act_dtype: activation dtype (``torch.float32`` or ``torch.bfloat16``).
         permuted_heads: engine name -> head count for tensors stored in llama.cpp ``norm`` row order
             (``attn_q``: ``head_count``, ``attn_k``: ``head_count_kv``); empty when the file is ``neox``.
@@ -108,7 +108,7 @@ class GGUFQuantSource:
     """
 
     def __init__(self, path: Path, header: Any, act_dtype: torch.dtype, permuted_heads: dict[str, int] | None = None):
-        from infertrace.model.limits import open_regular
+        from infertrace.loading.limits import open_regular
 
         self.path, self.act_dtype = Path(path), act_dtype
         self.entries = {(t.name[:-7] if t.name.endswith(".weight") else t.name): t for t in header.tensors}
@@ -293,16 +293,16 @@ class GGUFQuantSource:
 
 
 def open_gguf_quant(path: str | Path, act_dtype: torch.dtype) -> tuple[Any, GGUFQuantSource]:
-    """The header-only :class:`~infertrace.model.weights.Checkpoint` (config, tokenizer, tensor
+    """The header-only :class:`~infertrace.loading.weights.Checkpoint` (config, tokenizer, tensor
     table, notes) of a GGUF file and a :class:`GGUFQuantSource` over its tensor data.
 
     Raises:
-        InfertraceError: anything :func:`~infertrace.model.weights.load_checkpoint` refuses, a
+        InfertraceError: anything :func:`~infertrace.loading.weights.load_checkpoint` refuses, a
             refused setting, a family whose GGUF layout needs more than a row permutation
             (Qwen3.5's V-head reorder), or an unsupported tensor type (``--weights float``).
     """
-    from infertrace.model.gguf_meta import load_header
-    from infertrace.model.weights import _read_checked_gguf, load_checkpoint, raise_refusals
+    from infertrace.loading.gguf_meta import load_header
+    from infertrace.loading.weights import _read_checked_gguf, load_checkpoint, raise_refusals
 
     p = Path(path)
     ck = load_checkpoint(p, header_only=True)
@@ -310,8 +310,11 @@ def open_gguf_quant(path: str | Path, act_dtype: torch.dtype) -> tuple[Any, GGUF
         raise InfertraceError(f"{p.name} is an HF directory; --weights quant reads GGUF files only (use --weights float)")
     raise_refusals(ck.config, p.name)
     cfg = ck.config
-    if cfg.family == "qwen35":
-        raise InfertraceError("--weights quant does not implement the Qwen3.5 GGUF V-head reorder yet; run with --weights float")
+    from infertrace.model.families import family_of
+
+    if family_of(cfg).gguf_weights is not None:  # e.g. Qwen3.5's V-head reorder: more than moving Q/K rows
+        raise InfertraceError(f"--weights quant does not implement the {cfg.family} GGUF weight conversions yet; "
+                              "run with --weights float")
     with open(p, "rb") as fh:
         head = fh.read(8)
     if int.from_bytes(head[4:8], "little") not in (2, 3):  # a big-endian GGUF: version 3 reads 0x03000000

@@ -6,7 +6,11 @@ variable):
 
 1. **positions** -- each request's positions are ``C .. C+T-1``, continuing where its previous
    chunk stopped (restarting at 0 only after a preemption); ``inp_pos`` is the packed
-   concatenation of them.
+   concatenation of them. Serving events move the start: a prefix-cache hit at admission
+   (``ReqStep.prefix``: the chunk starts where the hit ends, ``0 <= hit < prompt_len``, vLLM /
+   llama.cpp server recompute at least the last prompt token) and a context shift before the step
+   (``serving.ops_before_step``: it shifts the ``n_past`` positions the sequence held, drops
+   ``n_discard >= 1`` after ``n_keep``, and positions continue at ``n_past_after = n_past - n_discard``).
 2. **positions (RoPE)** -- every recorded ``cos``/``sin`` is ``cos(pos * inv_freq[i])`` /
    ``sin(...)`` for its position (1e-5: values are stored rounded to 6 digits).
 3. **mask (causality)** -- no query sees a later position, and each query sees its own.
@@ -14,10 +18,16 @@ variable):
    holds the query's seq_id at a position <= the query's; the materialised logical mask has
    no leak column.
 5. **kv (ownership)** -- cells: no two cells hold the same (seq, pos); the cells written this
-   step were free or released before; after the step each computed request owns exactly
+   step were free or released before (finished, preempted, past the sequence's cached length, or
+   dropped by a context shift); a sequence joins a cell only by writing it or through its prefix
+   hit (``seq_cp`` of a cell the hit's source held at that position); a finished sequence is in
+   no cell unless the cache lists it as retained (prefix cache: llama.cpp server keeps a finished
+   slot's cells for reuse); after the step each computed request owns exactly
    positions ``0 .. C+T-1`` (after a speculative verify: ``0 .. C + accepted path - 1``, and the
    verify row's positions are ``C + depth(node)`` of its draft tree); a finished request owns nothing later. paged: a block belongs to
-   one request; the slot mapping is ``table[p // B] * B + p % B``; a finished request has no
+   one request, unless it is a shared prefix block (vLLM automatic prefix caching: in every
+   table at the same index, with ``ref`` = the number of tables, joined only through a prefix hit's
+   ``shared_blocks``); the slot mapping is ``table[p // B] * B + p % B``; a finished request has no
    table later. llama.cpp traces: ``llama_memory_seq_pos_min/max`` agree with the cells.
 6. **spec** -- a speculative verify row agrees with its tree (:func:`verify_row_problem`: counts,
    emitted tokens, every recorded verify-mask form); the run's summary is consistent
@@ -29,10 +39,10 @@ Every field is validated before use: a malformed trace is a violation of "schema
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from infertrace.ranges import parse_ranges  # the range grammar lives in ranges.py (still importable from here)
 from infertrace.trace.schema import Bad, spec_positions
 
 
@@ -56,26 +66,6 @@ class _Bad(Exception):
         self.v = v
 
 
-def parse_ranges(text: Any) -> list[int]:
-    """``"0..2,5"`` -> ``[0, 1, 2, 5]``; ``"-"`` -> ``[]``. ValueError on anything else (bounded:
-    at most 1_000_000 values)."""
-    if not isinstance(text, str):
-        raise ValueError(f"expected range text, got {type(text).__name__}")
-    if text == "-":
-        return []
-    out: list[int] = []
-    for part in text.split(","):
-        m = re.fullmatch(r"(\d+)(?:\.\.(\d+))?", part.strip())
-        if not m:
-            raise ValueError(f"bad range {part!r}")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) else lo
-        if hi < lo or hi - lo > 1_000_000 or len(out) > 1_000_000:
-            raise ValueError(f"bad range {part!r}")
-        out.extend(range(lo, hi + 1))
-    return out
-
-
 def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -86,7 +76,15 @@ class _Checker:
         self.next_pos: dict[int, int] = {}
         self.finished: set[int] = set()
         self.prev_cells: dict[int, tuple[int, list[int]]] = {}
+        self.prev_blocks: dict[int, set[int]] = {}  # paged: block -> seqs whose table held it after the previous step
+        self.prev_kv_step: int | None = None  # the step prev_cells / prev_blocks come from
         self.n_checks = 0
+        # per step: prefix hits (seq -> hit record), shifts done before it (seq -> op), where each
+        # sequence's valid cache ended when the step began (cells past it are released)
+        self.hits: dict[int, dict[str, Any]] = {}
+        self.shifts: dict[int, dict[str, Any]] = {}
+        self.start: dict[int, int] = {}
+        self.preempted: set[int] = set()
 
     def fail(self, step: Any, sid: Any, var: str, rule: str, detail: str) -> None:
         raise _Bad(Violation(step if _int(step) else None, sid if _int(sid) else None, var, rule, detail))
@@ -107,6 +105,7 @@ class _Checker:
         self.need(isinstance(preempted, list) and all(_int(x) for x in preempted), s, None, "schema", "preempted is not a list of ints")
         for sid in preempted:
             self.next_pos[sid] = 0
+        self.preempted = set(preempted)
         reqs = []
         for r in batch:
             self.need(isinstance(r, dict) and _int(r.get("seq_id")) and _int(r.get("C")) and _int(r.get("T")), s, None,
@@ -114,6 +113,7 @@ class _Checker:
             self.need(isinstance(r.get("positions"), list) and all(_int(p) for p in r["positions"]), s, r["seq_id"],
                       "schema", "positions is not a list of ints")
             reqs.append(r)
+        self._serving(s, st, reqs)
         self._positions(s, st, reqs)
         self._rope(s, st)
         self._causal(s, st, reqs)
@@ -122,6 +122,48 @@ class _Checker:
         for r in reqs:
             if r.get("finished"):
                 self.finished.add(r["seq_id"])
+
+    def _serving(self, s: int, st: dict, reqs: list[dict]) -> None:
+        """Serving events of the step: context shifts done before it (``serving.ops_before_step``, or
+        a request's ``shift``) move the sequence's next position to ``n_past_after``; prefix hits
+        (a request's ``prefix``, or ``serving.prefix``) are kept for the position and ownership
+        checks. Each record must be consistent with the sequence the checker has followed."""
+        sv = st.get("serving") if isinstance(st.get("serving"), dict) else {}
+        ops = sv.get("ops_before_step") if isinstance(sv.get("ops_before_step"), list) else []
+        shifts: dict[int, dict[str, Any]] = {}
+        for op in ops:
+            self.need(isinstance(op, dict), s, None, "serving", "an op before the step is not an object")
+            if op.get("op") == "context_shift":
+                self.need(_int(op.get("seq_id")), s, None, "serving", "context_shift without an int seq_id")
+                shifts[op["seq_id"]] = op
+        for r in reqs:
+            if isinstance(r.get("shift"), dict) and r["seq_id"] not in shifts:
+                shifts[r["seq_id"]] = r["shift"]
+        self.shifts = shifts
+        for sid, op in shifts.items():
+            n_past, n_keep, n_disc, after = op.get("n_past"), op.get("n_keep"), op.get("n_discard"), op.get("n_past_after")
+            self.need(all(_int(x) for x in (n_past, n_keep, n_disc, after)), s, sid, "serving",
+                      "context_shift needs int n_past, n_keep, n_discard, n_past_after")
+            have = self.next_pos.get(sid, 0)
+            self.n_checks += 1
+            if sid in self.finished or n_past != have:
+                self.fail(s, sid, "positions", "context shift of the cached positions",
+                          f"the shift says n_past {n_past} but the sequence holds positions 0..{have - 1}"
+                          if sid not in self.finished else "a finished sequence is shifted")
+            self.n_checks += 1
+            if not (0 <= n_keep and n_disc >= 1 and n_keep + n_disc <= n_past and after == n_past - n_disc):
+                self.fail(s, sid, "positions", "context shift of the cached positions",
+                          f"n_keep {n_keep}, n_discard {n_disc} of n_past {n_past} cannot leave n_past_after {after} "
+                          f"(= n_past - n_discard, with n_keep + n_discard <= n_past)")
+            self.next_pos[sid] = after
+        prefix = sv.get("prefix") if isinstance(sv.get("prefix"), dict) else {}
+        hits: dict[int, dict[str, Any]] = {}
+        for r in reqs:
+            h = r.get("prefix") if isinstance(r.get("prefix"), dict) else prefix.get(str(r["seq_id"]))
+            if isinstance(h, dict):
+                hits[r["seq_id"]] = h
+        self.hits = hits
+        self.start = dict(self.next_pos)
 
     def _positions(self, s: int, st: dict, reqs: list[dict]) -> None:
         packed = []
@@ -144,9 +186,28 @@ class _Checker:
                           f"positions {pos[:8]} are not {'C..C+T-1 = ' if not r.get('spec') else 'C + depth = '}"
                           f"{expect[:8] if r.get('spec') else f'{C}..{C + T - 1}'}")
             want = self.next_pos.get(sid, 0)
+            hit = self.hits.get(sid)
+            if hit is not None:  # admitted this step through the prefix cache: computing starts where the hit ends
+                h, n = hit.get("hit"), hit.get("prompt_len")
+                self.n_checks += 1
+                if not _int(h) or h < 0 or (_int(n) and h >= n):
+                    self.fail(s, sid, "positions", "prefix hit inside the prompt",
+                              f"hit {h!r} of a {n!r}-token prompt (a hit covers at most prompt_len - 1 tokens: "
+                              "the last prompt token is computed for its logits)")
+                if h and want != 0:
+                    self.fail(s, sid, "positions", "prefix hit at admission",
+                              f"a prefix hit of {h} tokens for a sequence that already holds positions 0..{want - 1}")
+                if h and C != h:
+                    self.fail(s, sid, "positions", "chunk starts where the prefix hit ends",
+                              f"chunk starts at position {C}, the prefix-cache hit of this sequence covers 0..{h - 1}")
+                want = h or want
             if C != want:
+                after_shift = sid in self.shifts
                 self.fail(s, sid, "positions", "contiguous across chunks",
-                          f"chunk starts at position {C}, the previous chunk of this sequence ended at {want - 1}")
+                          f"chunk starts at position {C}, " + (f"after the context shift the sequence holds 0..{want - 1}"
+                                                               if after_shift else
+                                                               f"the previous chunk of this sequence ended at {want - 1}"))
+            self.start[sid] = C
             self.next_pos[sid] = kept_len(r)
             packed += pos
         p = st.get("positions")
@@ -249,6 +310,7 @@ class _Checker:
         self.need(isinstance(cells, list), s, None, "kv", "physical.cells is not a list")
         now: dict[int, tuple[int, list[int]]] = {}
         held: dict[tuple[int, int], int] = {}
+        retained = phys.get("retained") if phys.get("prefix_cache") is True and isinstance(phys.get("retained"), list) else []
         for c in cells:
             self.need(isinstance(c, dict) and _int(c.get("cell")) and _int(c.get("pos")) and isinstance(c.get("seq_ids"), list),
                       s, None, "kv", "a cell entry is malformed")
@@ -258,8 +320,9 @@ class _Checker:
                 if (sid, c["pos"]) in held:
                     self.fail(s, sid, "kv", "one cell per (seq, pos)", f"pos {c['pos']} is in cells {held[(sid, c['pos'])]} and {c['cell']}")
                 held[(sid, c["pos"])] = c["cell"]
-                if sid in self.finished:
-                    self.fail(s, sid, "kv", "freed when finished", f"cell {c['cell']} still holds the finished sequence")
+                if sid in self.finished and sid not in retained:
+                    self.fail(s, sid, "kv", "freed when finished", f"cell {c['cell']} still holds the finished sequence"
+                              + (" (not listed as retained by the prefix cache)" if phys.get("prefix_cache") is True else ""))
         mem = phys.get("llama_memory_seq_pos")  # --engine llama.cpp: llama_memory_seq_pos_min/max per seq
         if isinstance(mem, dict):
             for k, rng in mem.items():
@@ -270,6 +333,7 @@ class _Checker:
                     self.fail(s, sid, "kv", "memory API agrees with the cells",
                               f"llama_memory_seq_pos_min/max {rng} but the cells hold pos {own[0]}..{own[-1]}")
         per = {d.get("seq_id"): d for d in kv.get("per_request", []) if isinstance(d, dict)}
+        wrote: dict[int, set[int]] = {}
         for r in reqs:
             sid = r["seq_id"]
             d = per.get(sid)
@@ -278,33 +342,90 @@ class _Checker:
                     written = parse_ranges(d["cells"])
                 except ValueError as e:
                     self.fail(s, sid, "kv", "schema", f"cells: {e}")
+                wrote[sid] = set(written)
                 for cell in written:
                     self.n_checks += 1
-                    if cell in self.prev_cells and not set(self.prev_cells[cell][1]) <= self.finished:
+                    if cell in self.prev_cells and not self._released(*self.prev_cells[cell]):
                         self.fail(s, sid, "kv", "written cells were free",
                                   f"cell {cell} held pos {self.prev_cells[cell][0]} of seq {self.prev_cells[cell][1]} and was overwritten")
+        # every request's written cells are known and the previous step's cells too: who joined which cell, and how
+        if len(wrote) == len(reqs) and self.prev_kv_step == s - 1:
+            for cell, (pos, seqs) in now.items():
+                before = self.prev_cells.get(cell)
+                for sid in seqs:
+                    self.n_checks += 1
+                    if (before is not None and sid in before[1]) or cell in wrote.get(sid, ()):
+                        continue
+                    h = self.hits.get(sid)
+                    hit = h.get("hit") if isinstance(h, dict) else None
+                    src = h.get("src") if isinstance(h, dict) else None
+                    if not (_int(hit) and pos < hit and before is not None and before[0] == pos and src in before[1]):
+                        self.fail(s, sid, "kv", "cells joined by a write or a prefix hit",
+                                  f"cell {cell} (pos {pos}) joins seq {sid} without a write of it or a prefix hit "
+                                  f"sharing it (seq_cp from {f'seq {src}' if _int(src) else 'no source'}, hit {hit!r})")
+        for r in reqs:
+            sid = r["seq_id"]
             own = sorted(p for (q, p) in held if q == sid)
             self.n_checks += 1
             if own != list(range(kept_len(r))):  # a verify step: the rejected candidates were rewound
                 self.fail(s, sid, "kv", "cache holds 0..C+T-1" if not r.get("spec") else "cache holds the accepted positions",
                           f"after the step the cells of seq {sid} hold pos {own[:8]}{'...' if len(own) > 8 else ''}, expected 0..{kept_len(r) - 1}")
-        self.prev_cells = now
+        self.prev_cells, self.prev_kv_step = now, s
+
+    def _released(self, pos: Any, seqs: Any) -> bool:
+        """Whether a cell that held ``pos`` of ``seqs`` after the previous step is free for a write:
+        every holder finished (a retained one is evicted first), was preempted, no longer caches
+        ``pos`` (the step began with fewer positions: a preemption, a rewind), or dropped it in a
+        context shift before this step."""
+        for q in seqs if isinstance(seqs, list) else ():
+            if q in self.finished or q in self.preempted:
+                continue
+            sh = self.shifts.get(q)
+            if sh is not None:  # pos is a position before the shift (checked consistent in _serving)
+                if _int(pos) and (sh["n_keep"] <= pos < sh["n_keep"] + sh["n_discard"] or pos >= sh["n_past"]):
+                    continue
+            elif _int(pos) and pos >= self.start.get(q, 0):
+                continue
+            return False
+        return True
 
     def _paged(self, s: int, kv: dict, phys: dict, reqs: list[dict]) -> None:
         B = phys.get("tokens_per_block")
         reqmap = phys.get("requests")
         self.need(_int(B) and B > 0 and isinstance(reqmap, dict), s, None, "kv", "paged physical malformed")
         owner: dict[int, int] = {}
+        where: dict[int, int] = {}  # block -> its index in the tables holding it
+        tables: dict[int, set[int]] = {}
+        refs: dict[int, Any] = {}
         for k, d in reqmap.items():
             self.need(isinstance(d, dict) and isinstance(d.get("block_table"), list), s, None, "kv", "block table malformed")
             sid = int(k) if str(k).isdigit() else -1
             if sid in self.finished:
                 self.fail(s, sid, "kv", "freed when finished", "a finished request still has a block table")
-            for b in d["block_table"]:
+            for b in d.get("blocks") if isinstance(d.get("blocks"), list) else ():
+                if isinstance(b, dict) and _int(b.get("block")):
+                    refs[b["block"]] = b.get("ref")
+            for i, b in enumerate(d["block_table"]):
                 self.n_checks += 1
+                self.need(_int(b), s, sid, "kv", "a block table entry is not an int")
+                tables.setdefault(b, set()).add(sid)
                 if b in owner:
-                    self.fail(s, sid, "kv", "one owner per block", f"block {b} is in the tables of seq {owner[b]} and {sid}")
-                owner[b] = sid
+                    # a shared prefix block (vLLM prefix caching): same table index, joined through a hit
+                    h = self.hits.get(sid)
+                    shared = h.get("shared_blocks") if isinstance(h, dict) else None
+                    joined = (isinstance(shared, list) and b in shared) or (  # unknown without the previous step's tables
+                        sid in self.prev_blocks.get(b, set()) if self.prev_kv_step == s - 1 else True)
+                    if phys.get("prefix_cache") is not True or where[b] != i or not joined:
+                        self.fail(s, sid, "kv", "one owner per block",
+                                  f"block {b} is in the tables of seq {owner[b]} and {sid}"
+                                  + (" (not a prefix block this sequence shares through a hit)" if phys.get("prefix_cache") is True else ""))
+                    continue
+                owner[b], where[b] = sid, i
+        for b, sids in tables.items():
+            self.n_checks += 1
+            if len(sids) > 1 and b in refs and refs[b] != len(sids):
+                self.fail(s, min(sids), "kv", "one owner per block", f"block {b} is in {len(sids)} tables but its ref_cnt is {refs[b]!r}")
+        self.prev_blocks, self.prev_kv_step = tables, s
         per = {d.get("seq_id"): d for d in kv.get("per_request", []) if isinstance(d, dict)}
         for r in reqs:
             d = per.get(r["seq_id"])
@@ -424,5 +545,6 @@ def iter_rules() -> Iterator[str]:
     """Names of the rules, for help texts."""
     yield from ("contiguous", "contiguous across chunks", "inp_pos = packed positions", "RoPE angle consistent with position",
                 "causality", "no cross-sequence visibility", "one cell per (seq, pos)", "written cells were free",
-                "cache holds 0..C+T-1", "freed when finished", "memory API agrees with the cells", "one owner per block", "slot = table[p // B] * B + p % B",
+                "cache holds 0..C+T-1", "freed when finished", "chunk starts where the prefix hit ends", "prefix hit inside the prompt",
+                "prefix hit at admission", "context shift of the cached positions", "cells joined by a write or a prefix hit", "memory API agrees with the cells", "one owner per block", "slot = table[p // B] * B + p % B",
                 "verify row consistent with its tree", "run summary consistent")

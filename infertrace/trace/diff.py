@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+from infertrace.fmt import clip
+
 #: step keys compared first, in this order (the rest follow sorted)
 STEP_ORDER = ("step", "N", "backend", "attention", "admitted", "preempted", "batch",
               "hidden", "positions", "mask", "kv", "decode")
@@ -268,8 +270,8 @@ def diff_traces(a: dict[str, Any], b: dict[str, Any], atol: float = DEFAULT_ATOL
 
 
 def _short(v: Any, width: int = 160) -> str:
-    s = v if isinstance(v, str) and v.startswith("(missing") else json.dumps(v, ensure_ascii=False, sort_keys=True)
-    return s if len(s) <= width else s[: width - 1] + "…"
+    """A trace value as JSON (a ``(missing ...)`` note as is), :func:`~infertrace.fmt.clip`-ped to ``width``."""
+    return clip(v if isinstance(v, str) and v.startswith("(missing") else json.dumps(v, ensure_ascii=False, sort_keys=True), width)
 
 
 def _row_text(step: dict[str, Any] | None, seq_id: int | None) -> str:

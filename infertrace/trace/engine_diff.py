@@ -124,6 +124,32 @@ def floats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "max_abs": mx, "first_different_top": first_diff_token}
 
 
+#: llama.cpp context settings a ``run --engine llama.cpp`` header records (``options.llama_cpp``) that
+#: change its numbers (:meth:`infertrace.runtimes.llamacpp.capture.LlamaCppContext.settings`)
+LLAMACPP_SETTINGS = ("version", "flash_attn", "flash_attn_type", "type_k", "type_v", "n_ctx", "n_batch", "n_ubatch",
+                     "n_seq_max", "n_threads", "n_threads_batch", "kv_unified", "offload_kqv", "op_offload", "swa_full",
+                     "n_gpu_layers", "gpu_offload", "use_extra_bufts", "system_info")
+
+
+def llamacpp_settings(m: dict[str, Any]) -> dict[str, Any] | None:
+    """The recorded llama.cpp settings of a trace (``None``: not computed by llama.cpp); a key an
+    older trace did not record is absent."""
+    lc = (m.get("options") or {}).get("llama_cpp") if isinstance(m.get("options"), dict) else None
+    if not isinstance(lc, dict):
+        return None
+    return {k: lc[k] for k in LLAMACPP_SETTINGS if k in lc}
+
+
+def settings_differences(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """The llama.cpp settings two traces differ in: ``[{"setting", "a", "b"}]`` (``None`` = not recorded,
+    or not a llama.cpp trace). Empty when neither trace was computed by llama.cpp."""
+    sa, sb = llamacpp_settings(a), llamacpp_settings(b)
+    if sa is None and sb is None:
+        return []
+    sa, sb = sa or {}, sb or {}
+    return [{"setting": k, "a": sa.get(k), "b": sb.get(k)} for k in LLAMACPP_SETTINGS if sa.get(k) != sb.get(k)]
+
+
 def cross_engine_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = ()) -> tuple[DiffResult, dict[str, Any]]:
     """Structure of ``a`` and ``b`` exactly (a :class:`DiffResult` over the projections, tolerance 0)
     plus the float summary and representation notes."""

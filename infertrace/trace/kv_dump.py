@@ -3,7 +3,7 @@
 Two sources build the same dict with :func:`build_dump` (so one renderer,
 :func:`infertrace.present.render_kv.render_kv_dump`, prints both):
 
-* a live run: :func:`infertrace.kv.dump.dump_kv_at_step` steps an engine up to and including
+* a live run: :func:`infertrace.runner.dump_kv_at_step` steps an engine up to and including
   step N and describes the backend at the end of that step (before requests finishing at N are
   freed, the same moment :class:`~infertrace.trace.records.KVRec` ``physical`` is taken);
 * a saved trace: :func:`dump_from_step` rebuilds it from one :class:`StepTrace` (no K/V
@@ -22,6 +22,7 @@ import bisect
 from typing import Any
 
 from infertrace.errors import InfertraceError
+from infertrace.ranges import parse_ranges
 
 #: leading values of head_dim shown per K/V row unless ``full``
 N_FIRST = 4
@@ -95,7 +96,7 @@ def cells_layout(physical: dict[str, Any]) -> dict[str, Any]:
 
 
 def _span(a: int, b: int) -> str:
-    """:func:`ranges_text` of ``range(a, b + 1)`` without building it: ``"a..b"`` or ``"a"``."""
+    """:func:`infertrace.ranges.ranges_text` of ``range(a, b + 1)`` without building it: ``"a..b"`` or ``"a"``."""
     return f"{a}..{b}" if b > a else f"{a}"
 
 
@@ -146,7 +147,7 @@ def dump_from_step(st: Any) -> dict[str, Any]:
         d = by_sid.get(r.seq_id, {})
         w: dict[str, Any] = {"seq_id": r.seq_id, "pos": list(r.positions)}
         if kv.backend == "cells":
-            w["cells"] = _expand(d.get("cells", ""))
+            w["cells"] = parse_ranges(d["cells"]) if d.get("cells") else []  # validated range text (schema Range)
         else:
             w["slots"] = list(d.get("slot_mapping", []))
         writes.append(w)
@@ -167,18 +168,6 @@ def dump_from_step(st: Any) -> dict[str, Any]:
     if getattr(st, "hybrid", None) and isinstance(st.hybrid.get("state"), dict):  # hybrid: GDN state beside the KV
         d["state"] = st.hybrid["state"]
     return d
-
-
-def _expand(text: str) -> list[int]:
-    """Inverse of :func:`ranges_text`: ``"0..2,5"`` -> ``[0, 1, 2, 5]`` (``"-"``/empty -> [])."""
-    out: list[int] = []
-    for part in (text or "").split(","):
-        part = part.strip()
-        if not part or part == "-":
-            continue
-        a, _, b = part.partition("..")
-        out += list(range(int(a), int(b or a) + 1))
-    return out
 
 
 #: upper bound for position arguments (no context here is longer; keeps ranges small).

@@ -27,6 +27,8 @@ import re
 from typing import Any, Callable
 
 from infertrace.errors import InfertraceError
+from infertrace.fmt import clip
+from infertrace.ranges import range_count as _range_count
 from infertrace.safe_text import visible
 
 #: bounds on what a trace may ask a consumer to loop over or allocate (name -> value)
@@ -59,10 +61,12 @@ class Bad(Exception):
 
 
 def _short(v: Any) -> str:
+    """An offending value for a schema message: containers by type name, huge integers by their
+    digit count, else ``repr`` :func:`~infertrace.fmt.clip`-ped to 40 characters, escaped."""
     if isinstance(v, (dict, list)):
         return type(v).__name__
     s = repr(v) if not isinstance(v, int) or abs(v) < 10 ** 30 else f"an integer of {len(str(abs(v)))} digits"
-    return visible(s if len(s) <= 40 else s[:37] + "…")
+    return visible(clip(s, 40))
 
 
 # ----------------------------------------------------------------------------- primitive specs
@@ -194,27 +198,14 @@ def Any_(v: Any, p: str, depth: int = 0) -> None:
         raise Bad(p, f"unexpected value {_short(v)}")
 
 
-_RANGE_RE = re.compile(r"-|(?:0|[1-9][0-9]{0,8})(?:\.\.(?:0|[1-9][0-9]{0,8}))?(?:,(?:0|[1-9][0-9]{0,8})(?:\.\.(?:0|[1-9][0-9]{0,8}))?)*")
-
-
 def range_count(text: str) -> int:
-    """How many integers a range text (``"0..2,5"``, ``"-"``) stands for; -1 when malformed."""
-    if len(text) > L["MAX_STR"] or not _RANGE_RE.fullmatch(text):
-        return -1
-    if text == "-":
-        return 0
-    n = 0
-    for part in text.split(","):
-        a, _, b = part.partition("..")
-        lo, hi = int(a), int(b or a)
-        if hi < lo or hi >= L["MAX_CTX"]:
-            return -1
-        n += hi - lo + 1
-    return n
+    """How many integers a range text (``"0..2,5"``, ``"-"``) stands for; -1 when malformed
+    (:func:`infertrace.ranges.range_count` with values below MAX_CTX, at most MAX_STR characters)."""
+    return _range_count(text, L["MAX_CTX"], L["MAX_STR"])
 
 
 def Range(null: bool = False) -> Spec:
-    """A range text as :func:`infertrace.kv.base.ranges_text` writes it, values below MAX_CTX."""
+    """A range text as :func:`infertrace.ranges.ranges_text` writes it, values below MAX_CTX."""
     def check(v: Any, p: str) -> None:
         if v is None and null:
             return
@@ -236,7 +227,8 @@ SHAPE = List(DIM, 8)
 S = Str()
 F = Num()
 SAMPLER = Obj({}, {"temperature": F, "top_k": Int(0, L["MAX_ID"]), "top_p": F, "min_p": F, "repetition_penalty": F,
-                   "seed": Int(0, 2 ** 64), "max_new_tokens": Int(0, L["MAX_CTX"]), "ignore_eos": Bool()}, extra=True)
+                   "seed": Int(0, 2 ** 64), "max_new_tokens": Int(0, L["MAX_CTX"]), "ignore_eos": Bool(),
+                   "penalty_last_n": Int(-1, 1 << 24, null=True), "frequency_penalty": F, "presence_penalty": F}, extra=True)
 
 # serving mechanisms (engine/serving.py): prefix-cache lookups, context shifts, evictions, KV audit
 OPT_RANGE = Range(null=True)
@@ -382,8 +374,17 @@ ENGINE = Obj({}, {"backend": Str(choices=("cells", "paged")), "ctx_size": Int(1,
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], null=True, limit="MAX_TOKENS_PER_BLOCK"),
                   "max_batch_tokens": Int(1, L["MAX_CTX"], null=True), "prefill_chunk": Int(1, L["MAX_CTX"], null=True),
                   "n_seq_max": Int(0, L["MAX_SEQ_ID"], null=True), "attention": S}, extra=True)
+#: ``run --engine llama.cpp``: the llama.cpp context settings that change its numbers (runtimes/llamacpp/capture.py)
+N_THREADS = Int(0, 1 << 16)
+LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "off")),
+                     "flash_attn_type": Str(choices=("auto", "on", "off")), "type_k": Str(max_len=32),
+                     "type_v": Str(max_len=32), "n_ctx": Int(0, 2 * L["MAX_CTX"]), "n_batch": Int(0, 2 * L["MAX_CTX"]),
+                     "n_ubatch": Int(0, 2 * L["MAX_CTX"]), "n_seq_max": Int(0, L["MAX_SEQ_ID"] + 1),
+                     "n_threads": N_THREADS, "n_threads_batch": N_THREADS, "kv_unified": Bool(), "offload_kqv": Bool(),
+                     "op_offload": Bool(), "swa_full": Bool(), "n_gpu_layers": Int(-(2 ** 31), 2 ** 31 - 1),
+                     "gpu_offload": Bool(), "use_extra_bufts": Bool(), "system_info": Str(max_len=4096), "teacher_forced": Bool()}, extra=True)
 OPTIONS = Obj({}, {"backend": Str(choices=("cells", "paged")), "attention": S, "device": S, "dtype": S, "layer": DIM,
-                   "show": List(S, 64), "engine": ENGINE}, extra=True)
+                   "show": List(S, 64), "engine": ENGINE, "llama_cpp": LLAMA_CPP}, extra=True)
 MODEL = Obj({}, {"file": S, "name": Str(null=True), "size": Int(0, 1 << 62), "source": S, "metadata_sha256": Str(null=True)},
             extra=True)
 CONFIG = Obj({}, {"arch": S, "name": Str(null=True), "source": S, "n_layer": DIM, "n_embd": DIM, "n_head": DIM,

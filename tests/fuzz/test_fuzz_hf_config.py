@@ -35,7 +35,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from infertrace.cli.app import app  # noqa: E402
 from infertrace.errors import InfertraceError  # noqa: E402
-from infertrace.model.weights import load_checkpoint  # noqa: E402
+from infertrace.loading.weights import load_checkpoint  # noqa: E402
 from tests.tiny import make_weights, write_hf  # noqa: E402
 
 SETTINGS = fuzz_settings()

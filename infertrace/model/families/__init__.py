@@ -18,6 +18,7 @@ from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig
 from infertrace.model.families import gemma3, llama, mistral, qwen2, qwen3, qwen35
 from infertrace.model.families.base import Family, Ledger
+from infertrace.model.layout import expected_tensors as layout_tensors
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY,
                                                 qwen35.FAMILY)}
@@ -39,9 +40,25 @@ def engine_name(gguf_name: str) -> str:
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], freq_factors: tuple[float, ...] | None) -> ModelConfig:
     """Decoded GGUF header + tensor names -> validated :class:`ModelConfig` (refusals recorded, not raised).
 
+    Args:
+        meta: ``{key: python value}`` of the GGUF header.
+        tensor_names: names of the tensors in the file (output head, optional biases ...).
+        freq_factors: contents of ``rope_freqs.weight`` if present.
+
     Raises:
-        InfertraceError: unknown architecture, a required key missing, an inconsistent shape.
+        InfertraceError: unknown architecture, a required key missing, an inconsistent shape, a
+        value of the wrong type. Settings the engine does not implement are recorded as ``refused``
+        in ``settings`` (the loader raises).
+
+    Mirrors llama.cpp ``src/llama-model.cpp`` ``load_hparams``.
     """
+    try:
+        return _config_from_gguf(meta, tensor_names, freq_factors)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise InfertraceError(f"GGUF metadata has an invalid value ({type(e).__name__}: {e}); the file is broken") from None
+
+
+def _config_from_gguf(meta: dict[str, Any], tensor_names: set[str], freq_factors: tuple[float, ...] | None) -> ModelConfig:
     arch = meta.get("general.architecture")
     fam = GGUF_ARCHS.get(arch) if isinstance(arch, str) else None
     if fam is None or fam.from_gguf is None:
@@ -85,14 +102,31 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
     )
 
 
-def config_from_hf_dict(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
-    """HF ``config.json`` dict -> validated :class:`ModelConfig` (refusals recorded, not raised)."""
+def config_from_hf(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
+    """HF ``config.json`` dict -> validated :class:`ModelConfig` (refusals recorded, not raised).
+
+    Args:
+        cfg: parsed ``config.json``.
+        tie_default: whether the checkpoint lacks ``lm_head.weight`` (tied head).
+
+    Raises:
+        InfertraceError: unsupported ``architectures``, missing keys, a value of the wrong type.
+
+    Mirrors HF ``PretrainedConfig`` subclasses.
+    """
+    try:
+        return _config_from_hf(cfg, tie_default)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise InfertraceError(f"config.json has an invalid value ({type(e).__name__}: {e}); fix the checkpoint's config") from None
+
+
+def _config_from_hf(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
     fam = family_for_hf(cfg)
-    if fam.name == "qwen35":
-        cfg = qwen35.text_config(cfg)
+    if fam.hf_text_config is not None:
+        cfg = fam.hf_text_config(cfg)
     led = Ledger()
     kw = fam.from_hf(cfg, led, set())
-    tie = bool(cfg.get("tie_word_embeddings", fam.name == "gemma3")) or tie_default
+    tie = bool(cfg.get("tie_word_embeddings", fam.hf_tie_default)) or tie_default
     return ModelConfig(
         arch=fam.name, source="hf", tie_embeddings=tie, rope_pairing_in_file="neox", rope_freq_factors=None,
         name=str(cfg.get("_name_or_path", "")), settings=tuple(led.rows), **kw,
@@ -100,40 +134,20 @@ def config_from_hf_dict(cfg: dict[str, Any], tie_default: bool) -> ModelConfig:
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the decoder reads, engine-named, with its torch shape ``[out, in]`` / ``[n]``.
+    """Every tensor the decoder reads, engine-named, with its torch shape ``[out, in]`` / ``[n]``
+    (:func:`infertrace.model.layout.expected_tensors` under the family's tensor names).
 
     Global: ``token_embd [V, H]``, ``output_norm [H]``, ``output [V, H]`` unless tied. Per layer
-    ``blk.{i}.``: norms, ``attn_q/k/v/output``, ``ffn_gate/up/down``, plus the family's biases,
+    ``blk.{i}.``: norms, the mixer's projections, ``ffn_gate/up/down``, plus the config's biases,
     QK-norms (``[head_dim]``) and post norms.
     """
-    if cfg.family == "qwen35":
-        return qwen35.expected_tensors(cfg)
-    H, V, ff, hd = cfg.n_embd, cfg.vocab_size, cfg.n_ff, cfg.head_dim
-    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
-    exp: dict[str, tuple[int, ...]] = {"token_embd": (V, H), "output_norm": (H,)}
-    if not cfg.tie_embeddings:
-        exp["output"] = (V, H)
-    per = {"attn_norm": (H,), "attn_q": (q, H), "attn_k": (kv, H), "attn_v": (kv, H), "attn_output": (H, q),
-           "ffn_norm": (H,), "ffn_gate": (ff, H), "ffn_up": (ff, H), "ffn_down": (H, ff)}
-    if cfg.attn_bias:
-        per.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
-    if cfg.attn_out_bias:
-        per["attn_output.bias"] = (H,)
-    if cfg.mlp_bias:
-        per.update({"ffn_gate.bias": (ff,), "ffn_up.bias": (ff,), "ffn_down.bias": (H,)})
-    if cfg.qk_norm:
-        per.update({"attn_q_norm": (hd,), "attn_k_norm": (hd,)})
-    if cfg.post_norms:
-        per.update({"post_attention_norm": (H,), "post_ffw_norm": (H,)})
-    for i in range(cfg.n_layer):
-        exp.update({f"blk.{i}.{n}": s for n, s in per.items()})
-    return exp
+    return layout_tensors(cfg, family_of(cfg).block_names)
 
 
 def hf_to_engine_name(fam: Family, hf_name: str) -> str | None:
     """HF state-dict key -> engine name, or None when the family has no such tensor."""
-    if fam.name == "qwen35":
-        hf_name = qwen35.hf_key(hf_name)
+    if fam.hf_key is not None:
+        hf_name = fam.hf_key(hf_name)
     k = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
     if k == "embed_tokens.weight":
         return "token_embd"
@@ -142,8 +156,8 @@ def hf_to_engine_name(fam: Family, hf_name: str) -> str | None:
     if hf_name == "lm_head.weight":
         return "output"
     parts = k.split(".")
-    if fam.name == "qwen35" and len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
-        bare = qwen35.BARE_NAMES.get(".".join(parts[2:]))
+    if fam.hf_bare_names and len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
+        bare = fam.hf_bare_names.get(".".join(parts[2:]))
         if bare:
             return f"blk.{int(parts[1])}.{bare}"
     if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit() and parts[-1] in ("weight", "bias"):
@@ -154,5 +168,5 @@ def hf_to_engine_name(fam: Family, hf_name: str) -> str | None:
     return None
 
 
-__all__ = ["FAMILIES", "config_from_gguf", "config_from_hf_dict", "engine_name", "expected_tensors", "family_for_hf",
+__all__ = ["FAMILIES", "config_from_gguf", "config_from_hf", "engine_name", "expected_tensors", "family_for_hf",
            "family_of", "hf_to_engine_name"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from infertrace.errors import InfertraceError
+from infertrace.fmt import short
 from infertrace.model.config import DEFAULT_ROPE_THETA, RopeScaling
 
 HONOURED, NOT_APPLICABLE, REFUSED = "honoured", "not applicable", "refused"
@@ -29,10 +30,11 @@ GGUF_HARMLESS = {
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: where its settings live and which decoder features it switches on.
+    """One model family: where its settings live, which decoder features it switches on, and the
+    load-time conversions its files need (each a hook: the loader and decoder never ask which family).
 
     Attributes:
-        name: family name (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma3``).
+        name: family name (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma3``, ``qwen35``).
         gguf_archs: ``general.architecture`` values it reads (llama.cpp ``LLM_ARCH_*``).
         hf_archs / hf_model_types: ``config.json`` ``architectures`` / ``model_type`` values.
         gguf_rope_pairing: ``"norm"`` when llama.cpp's converter permutes Q/K rows (and biases)
@@ -40,6 +42,17 @@ class Family:
         hf_layer_names: HF sub-module name -> engine tensor name (llama.cpp's ``blk.N.*`` names).
         from_gguf / from_hf: ``(fields, ledger, tensor names) -> ModelConfig kwargs``.
         features: one line per feature and where the trace shows it (README / inspect).
+        block_names: decoder slot -> this family's tensor name where it differs from llama.cpp's
+            default (:mod:`infertrace.model.layout`).
+        hf_tie_default: ``tie_word_embeddings`` when config.json omits it (HF's per-family default).
+        hf_text_config: ``config.json`` -> its text-decoder part (multimodal layouts), or None.
+        hf_key: HF state-dict key -> the key :func:`hf_to_engine_name` maps (layout aliases), or None.
+        hf_bare_names: bare HF parameters (no ``.weight``; key after ``layers.N.``) -> engine names.
+        hf_skip: HF key -> why it is not loaded (None: load it), or None when everything is loaded.
+        gguf_weights: ``(config, weights)`` in place after dequantisation and the Q/K un-permutation.
+        hf_weights: ``(config, weights) -> weights`` converting HF tensors into the convention the
+            decoder runs (llama.cpp's converter's), or None.
+        load_notes: ``(config, source, config.json or GGUF metadata) -> notes`` for the trace.
     """
 
     name: str
@@ -51,6 +64,15 @@ class Family:
     from_gguf: Callable[..., dict[str, Any]] | None
     from_hf: Callable[..., dict[str, Any]]
     features: tuple[str, ...] = ()
+    block_names: dict[str, str] = field(default_factory=dict)
+    hf_tie_default: bool = False
+    hf_text_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    hf_key: Callable[[str], str] | None = None
+    hf_bare_names: dict[str, str] = field(default_factory=dict)
+    hf_skip: Callable[[str], str | None] | None = None
+    gguf_weights: Callable[[Any, dict[str, Any]], None] | None = None
+    hf_weights: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
+    load_notes: Callable[[Any, str, dict[str, Any]], list[str]] | None = None
 
 
 #: HF decoder-layer sub-modules of the Llama layout -> llama.cpp tensor names.
@@ -68,8 +90,7 @@ LLAMA_LAYER_NAMES = {
 
 
 def _short(v: Any) -> str:
-    s = repr(v) if isinstance(v, str) else str(v)
-    return s if len(s) <= 60 else s[:57] + "..."
+    return short(v, 60, tail="...")
 
 
 @dataclass
@@ -308,8 +329,9 @@ def hf_rope_scaling(rs: dict[str, Any], key: str, led: Ledger, allowed=("linear"
         raise InfertraceError(f"config.json {key} has a non-numeric value; fix the checkpoint's config") from None
 
 
-def hf_common(cfg: dict[str, Any], led: Ledger, family: str) -> dict[str, Any]:
-    """Shape, RoPE and norm fields of an HF decoder ``config.json``."""
+def hf_common(cfg: dict[str, Any], led: Ledger, eps_default: float = 1e-5) -> dict[str, Any]:
+    """Shape, RoPE and norm fields of an HF decoder ``config.json`` (``eps_default``: the family's
+    ``rms_norm_eps`` when the file omits it)."""
     try:
         n_embd = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
@@ -338,7 +360,7 @@ def hf_common(cfg: dict[str, Any], led: Ledger, family: str) -> dict[str, Any]:
         n_head_kv=int(cfg.get("num_key_value_heads") or n_head), head_dim=head_dim, vocab_size=vocab,
         n_ctx_train=int(cfg.get("max_position_embeddings") or 2048),
         rope_theta=float(theta) if theta is not None else DEFAULT_ROPE_THETA, rope_theta_is_default=theta is None,
-        rope_dim=head_dim, rms_eps=float(cfg.get("rms_norm_eps") or (1e-6 if family == "gemma3" else 1e-5)),
+        rope_dim=head_dim, rms_eps=float(cfg.get("rms_norm_eps") or eps_default),
         rope_scaling=hf_rope_scaling(rs, rkey, led),
     )
 

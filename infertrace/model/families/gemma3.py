@@ -9,7 +9,7 @@ i.e. every 6th layer global; ``rope_freq_base_train_swa = 10000``; attention sca
 
 Gemma RMSNorm multiplies by ``(1 + w)``. llama.cpp's converter stores ``w + 1`` in the GGUF
 (HF's GGUF loader subtracts 1 again), so GGUF norm weights are used as they are and HF
-checkpoints get ``+1`` folded in at load (see :mod:`infertrace.model.weights`).
+checkpoints get ``+1`` folded in at load (see :mod:`infertrace.loading.weights`).
 """
 
 from __future__ import annotations
@@ -81,14 +81,14 @@ def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, A
 
 
 def _ranges(flags: tuple[bool, ...], want: bool) -> str:
-    from infertrace.kv.base import ranges_text
+    from infertrace.ranges import ranges_text
 
     return ranges_text([i for i, s in enumerate(flags) if s == want])
 
 
 def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]:
     """HF ``Gemma3TextConfig`` -> ModelConfig kwargs."""
-    kw = hf_common(cfg, led, "gemma3")
+    kw = hf_common(cfg, led, eps_default=1e-6)
     act = hf_act(cfg, led, "gelu_pytorch_tanh", ("gelu_tanh",))
     n = kw["n_layer"]
     pattern = int(cfg.get("sliding_window_pattern", SWA_PATTERN) or SWA_PATTERN)
@@ -119,10 +119,24 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
                 rope_theta_swa=local_theta, rope_scaling_swa=False)
 
 
+def hf_weights(cfg: Any, w: dict[str, Any]) -> dict[str, Any]:
+    """Gemma RMSNorm multiplies by ``(1 + w)``: fold the 1 into every ``*norm`` weight once (float32),
+    as llama.cpp's converter does, so the decoder always uses ``x_hat * w``."""
+    return {k: (v.float() + 1.0 if k.split(".")[-1].endswith("norm") else v) for k, v in w.items()}
+
+
+def load_notes(cfg: Any, source: str, raw: dict[str, Any]) -> list[str]:
+    """Where the Gemma norm's ``+1`` comes from in this file."""
+    if source == "gguf":
+        return ["Gemma RMSNorm (1 + w): llama.cpp's converter stored w + 1 in every *norm.weight; used as stored"]
+    return ["Gemma RMSNorm (1 + w): +1 folded into every *norm weight at load (llama.cpp's converter does the same)"]
+
+
 FAMILY = Family(
     name="gemma3", gguf_archs=("gemma3",), hf_archs=("Gemma3ForCausalLM",), hf_model_types=("gemma3_text",),
     gguf_rope_pairing="neox", hf_layer_names=LAYER_NAMES, from_gguf=from_gguf, from_hf=from_hf,
     features=("embeddings x sqrt(H) (model dtype)", "Gemma RMSNorm (1 + w; +1 already in GGUF)",
               "pre/post attention and FFN norms", "QK-norm", "GeGLU (gelu tanh)", "query_pre_attn_scalar",
               "5 sliding-window layers : 1 global, local RoPE base 10000", "final logit soft-cap when set"),
+    hf_tie_default=True, hf_weights=hf_weights, load_notes=load_notes,
 )

@@ -60,7 +60,7 @@ def hf_biases(cfg: dict[str, Any], led: Ledger, mlp: bool = True) -> dict[str, b
 
 def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]:
     """HF ``LlamaConfig`` -> ModelConfig kwargs."""
-    kw = hf_common(cfg, led, "llama")
+    kw = hf_common(cfg, led)
     feats = hf_biases(cfg, led)
     act = hf_act(cfg, led, "silu", ("silu",))
     if cfg.get("sliding_window") is not None:

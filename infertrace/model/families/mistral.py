@@ -18,7 +18,7 @@ HF_DEFAULT_WINDOW = 4096
 
 def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]:
     """HF ``MistralConfig`` -> ModelConfig kwargs (no biases: HF's Mistral has none)."""
-    kw = hf_common(cfg, led, "mistral")
+    kw = hf_common(cfg, led)
     act = hf_act(cfg, led, "silu", ("silu",))
     w = cfg.get("sliding_window", HF_DEFAULT_WINDOW)
     if w is None:

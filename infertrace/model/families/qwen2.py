@@ -47,7 +47,7 @@ def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, A
 
 def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]:
     """HF ``Qwen2Config`` -> ModelConfig kwargs."""
-    kw = hf_common(cfg, led, "qwen2")
+    kw = hf_common(cfg, led)
     act = hf_act(cfg, led, "silu", ("silu",))
     led.honour("(family) q/k/v biases", True, "Qwen2Attention: q/k/v bias=True, o_proj bias=False")
     return dict(kw, family="qwen2", act=act, attn_bias=True, **hf_sliding(cfg, led, kw["n_layer"]))

@@ -30,7 +30,7 @@ def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, A
 
 def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]:
     """HF ``Qwen3Config`` -> ModelConfig kwargs."""
-    kw = hf_common(cfg, led, "qwen3")
+    kw = hf_common(cfg, led)
     act = hf_act(cfg, led, "silu", ("silu",))
     feats = hf_biases(cfg, led, mlp=False)
     led.honour("(family) q_norm / k_norm", True, "RMSNorm over head_dim on each Q/K head before RoPE")

@@ -109,7 +109,7 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
     """HF ``Qwen3_5TextConfig`` (or the ``text_config`` of ``Qwen3_5Config``) -> ModelConfig kwargs."""
     cfg = dict(text_config(cfg))
     partial = cfg.pop("partial_rotary_factor", None)  # HF_FOREIGN would refuse it; honoured here
-    kw = hf_common(cfg, led, "qwen35")
+    kw = hf_common(cfg, led)
     rp, rkey = hf_rope_params(cfg, "full_attention")
     # HF ``convert_rope_params_to_dict``: the top-level value (default 0.25) is only a default for rope_parameters'
     partial = rp.get("partial_rotary_factor", 0.25 if partial is None else partial)
@@ -164,7 +164,7 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
                     ("vision_start_token_id", "vision input"), ("vision_end_token_id", "vision input")):
         if k in cfg:
             led.na(k, cfg[k], note)
-    from infertrace.model.synth import RANDOM_KEY, RANDOM_NOTE
+    from infertrace.loading.synth import RANDOM_KEY, RANDOM_NOTE
 
     if cfg.get(RANDOM_KEY):
         led.na(RANDOM_KEY, "yes", RANDOM_NOTE)
@@ -241,28 +241,6 @@ def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, A
     return dict(kw, family="qwen35", act="silu", qk_norm=True, **hybrid)
 
 
-def expected_tensors(cfg: Any) -> dict[str, tuple[int, ...]]:
-    """Every tensor the Qwen3.5 forward reads (engine names, torch shapes ``[out, in]``)."""
-    H, V, ff, hd = cfg.n_embd, cfg.vocab_size, cfg.n_ff, cfg.head_dim
-    exp: dict[str, tuple[int, ...]] = {"token_embd": (V, H), "output_norm": (H,)}
-    if not cfg.tie_embeddings:
-        exp["output"] = (V, H)
-    nv, dk, dv = cfg.ssm_n_v_heads, cfg.ssm_k_head_dim, cfg.ssm_v_head_dim
-    vd = nv * dv
-    for i in range(cfg.n_layer):
-        p = f"blk.{i}."
-        per = {"attn_norm": (H,), "post_attention_norm": (H,), "ffn_gate": (ff, H), "ffn_up": (ff, H), "ffn_down": (H, ff)}
-        if cfg.is_linear(i):
-            per.update({"attn_qkv": (cfg.conv_dim, H), "attn_gate": (vd, H), "ssm_beta": (nv, H), "ssm_alpha": (nv, H),
-                        "ssm_conv1d": (cfg.conv_dim, cfg.ssm_conv_kernel), "ssm_a": (nv,), "ssm_dt.bias": (nv,),
-                        "ssm_norm": (dv,), "ssm_out": (H, vd)})
-        else:
-            per.update({"attn_q": (2 * cfg.n_head * hd, H), "attn_k": (cfg.n_head_kv * hd, H), "attn_v": (cfg.n_head_kv * hd, H),
-                        "attn_output": (H, cfg.n_head * hd), "attn_q_norm": (hd,), "attn_k_norm": (hd,)})
-        exp.update({p + n: s for n, s in per.items()})
-    return exp
-
-
 def v_heads_tiled_to_grouped(t: Any, dim: int, n_k: int, n_v: int, head: int) -> Any:
     """Undo llama.cpp's ``_reorder_v_heads`` along ``dim``: tiled ``[r, n_k]`` head order -> HF's
     grouped ``[n_k, r]`` (``r = n_v // n_k``); ``head`` = elements per head along ``dim``."""
@@ -300,9 +278,9 @@ def _cat_rows(a: Any, b: Any) -> Any:
     return torch.cat([a, b], dim=0)
 
 
-def fix_hf_weights(cfg: Any, w: dict[str, Any]) -> None:
-    """In place, as llama.cpp's converter does once: ``ssm_a = -exp(A_log)`` (float32), conv1d
-    ``[C, 1, K] -> [C, K]``, zero-centred norms ``w -> 1 + w`` (the gated GDN norm excluded)."""
+def fix_hf_weights(cfg: Any, w: dict[str, Any]) -> dict[str, Any]:
+    """As llama.cpp's converter does once (in place, ``w`` returned): ``ssm_a = -exp(A_log)`` (float32),
+    conv1d ``[C, 1, K] -> [C, K]``, zero-centred norms ``w -> 1 + w`` (the gated GDN norm excluded)."""
     for k in list(w):
         last = k.split(".")[-1]
         if last == "ssm_a":
@@ -311,6 +289,21 @@ def fix_hf_weights(cfg: Any, w: dict[str, Any]) -> None:
             w[k] = w[k].squeeze(1)  # [conv_dim, K]
         elif last.endswith("norm") and last != "ssm_norm":
             w[k] = w[k].float() + 1.0  # (1 + w)
+    return w
+
+
+def load_notes(cfg: Any, source: str, raw: dict[str, Any]) -> list[str]:
+    """What the loader did to this file's tensors (and whether the weights are random)."""
+    if source == "gguf":
+        if cfg.ssm_n_k_heads != cfg.ssm_n_v_heads:
+            return ["Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm), ssm_a = -exp(A_log) and GDN "
+                    "V heads in tiled order; norms and ssm_a used as stored, V heads put back in HF's grouped order"]
+        return ["Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm) and ssm_a = -exp(A_log); used as stored"]
+    from infertrace.loading.synth import RANDOM_KEY, RANDOM_NOTE
+
+    notes = [RANDOM_NOTE] if raw.get(RANDOM_KEY) else []
+    return notes + ["Qwen3.5 zero-centred RMSNorm (1 + w): +1 folded into every norm but the gated ssm_norm at load; "
+                    "A_log -> ssm_a = -exp(A_log) (as llama.cpp's converter)"]
 
 
 def hf_skip(key: str) -> str | None:
@@ -335,5 +328,7 @@ FAMILY = Family(
               "GDN: causal conv + L2-normed q/k + gated delta rule + gated RMSNorm; fixed-size state per request",
               "full attention: Q+gate projection, QK-norm, partial RoPE (M-RoPE sections), out * sigmoid(gate)",
               "zero-centred RMSNorm (1 + w)"),
+    block_names={"ffn_norm": "post_attention_norm"},  # llama.cpp LLM_TENSOR_ATTN_POST_NORM is the pre-FFN norm here
+    hf_text_config=text_config, hf_key=hf_key, hf_bare_names=BARE_NAMES, hf_skip=hf_skip,
+    gguf_weights=fix_gguf_weights, hf_weights=fix_hf_weights, load_notes=load_notes,
 )
-

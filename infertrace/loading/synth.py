@@ -48,7 +48,7 @@ CONFIG_08B = {
 
 def _byte_tokens() -> list[str]:
     """GPT-2 byte-to-unicode table (the byte-level pre-tokenizer's alphabet), token i = byte i."""
-    from infertrace.model.tokenizer import _BYTE_ENCODER  # the table the tokenizer decodes with
+    from infertrace.tokenizer.vocab import _BYTE_ENCODER  # the table the tokenizer decodes with
 
     return [_BYTE_ENCODER[b] for b in range(256)]
 

@@ -36,7 +36,7 @@ def dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
 
     Args:
         data: the tensor's data as gguf-py's ``GGUFReader`` exposes it (and
-            :meth:`infertrace.model.gguf_meta.GGUFHeader.tensor_data` rebuilds it): for a quantised
+            :meth:`infertrace.loading.gguf_meta.GGUFHeader.tensor_data` rebuilds it): for a quantised
             type ``uint8 [..., bytes_per_row]`` (rows of blocks, ggml ``ne`` reversed); for F32/F16
             the values.
         qtype: a ``gguf.GGMLQuantizationType``.
@@ -63,3 +63,49 @@ def dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
     for r0 in range(0, rows.shape[0], step):
         out[r0: r0 + step] = q.dequantize_rows(rows[r0: r0 + step])  # [chunk_rows, values_per_row]
     return out.reshape(out_shape)
+
+
+#: quantised types of a big-endian GGUF whose blocks hold fp16 fields, and the byte offsets of those
+#: fields in a block (gguf-py ``scripts/gguf_convert_endian.py``: ``byteswap_q4_0`` / ``_q8_0`` / ``_q4_k``
+#: / ``_q6_k``; the int8 / packed nibble parts are byte-sized and stay as they are)
+_BE_FP16_FIELDS = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def blocks_to_little_endian(data: np.ndarray, qtype: Any, tensor: str, file: str) -> np.ndarray:
+    """The tensor data of a big-endian GGUF rewritten in little-endian block layout, the one gguf-py's
+    dequantisers read (the inverse of gguf-py's ``gguf_convert_endian.py``, which swaps each block's
+    fp16 scale fields and BF16 values and nothing else).
+
+    Args:
+        data: ``uint8 [..., bytes_per_row]`` as ``GGUFReader`` gives a quantised or BF16 tensor.
+        qtype: its ``gguf.GGMLQuantizationType``; tensor / file: names for the error.
+
+    Returns:
+        a fresh ``uint8`` array of the same shape.
+
+    Raises:
+        InfertraceError: a type whose big-endian block layout is not defined by gguf-py's converter
+            (one line naming the big-endian byte order and how to convert the file).
+    """
+    from gguf import GGML_QUANT_SIZES
+
+    from infertrace.errors import InfertraceError
+
+    name = getattr(qtype, "name", str(qtype))
+    out = np.array(data, dtype=np.uint8, copy=True)  # [..., bytes_per_row]
+    if name == "BF16":
+        flat = out.reshape(-1, 2)  # [n_values, 2]
+        flat[:, [0, 1]] = flat[:, [1, 0]]
+        return out
+    if name == "MXFP4":  # byte-sized fields only (byteswap_noop)
+        return out
+    fields = _BE_FP16_FIELDS.get(name)
+    if fields is None:
+        raise InfertraceError(f"cannot read {file}: tensor {tensor} is {name} in a big-endian GGUF, whose block byte order "
+                              "is not defined (gguf-py converts F32/F16/BF16/Q4_0/Q8_0/Q4_K/Q6_K); convert the file to "
+                              "little-endian (gguf-py gguf_convert_endian.py FILE little) or requantise it")
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    blocks = out.reshape(-1, type_size)  # [n_blocks, type_size]
+    for off in fields:
+        blocks[:, [off, off + 1]] = blocks[:, [off + 1, off]]  # fp16 field: big-endian -> little-endian
+    return out

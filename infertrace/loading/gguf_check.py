@@ -5,9 +5,13 @@ file: an array count of 2^62 in a 49-byte file makes it loop (and allocate) with
 and misaligned, wrapping or overlapping tensor offsets become garbage values. This module
 walks the header cheaply with :mod:`struct` over a read-only ``mmap`` of the file and checks
 every count, length and offset against the bytes actually left, and against the limits of
-:mod:`infertrace.model.limits`, before a single array is built.
+:mod:`infertrace.loading.limits`, before a single array is built.
 
-Layout checked (GGUF v2/v3, little-endian; llama.cpp ``ggml/src/gguf.cpp`` ``gguf_init_from_file_impl``)::
+Layout checked (GGUF v2/v3; llama.cpp ``ggml/src/gguf.cpp`` ``gguf_init_from_file_impl``). Every
+number is little-endian, or every number big-endian (a file written for a big-endian host, e.g.
+gguf-py's ``GGUFWriter(endianess=GGUFEndian.BIG)`` or ``gguf_convert_endian.py``): the byte order is
+told from the version field as gguf-py's ``GGUFReader`` tells it (a version whose low 16 bits are 0
+is byte-swapped) and the whole walk reads in that order::
 
     magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
     n_kv x  (string key | u32 value_type | value)
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infertrace.errors import InfertraceError
-from infertrace.model.limits import (MAX_GGUF_ARRAY_DEPTH, MAX_GGUF_ARRAY_ELEMENTS, MAX_GGUF_DIMS, MAX_GGUF_KEY_BYTES,
+from infertrace.loading.limits import (MAX_GGUF_ARRAY_DEPTH, MAX_GGUF_ARRAY_ELEMENTS, MAX_GGUF_DIMS, MAX_GGUF_KEY_BYTES,
                                      MAX_GGUF_KV, MAX_GGUF_TENSOR_NAME_BYTES, MAX_GGUF_TENSORS, open_regular)
 
 GGUF_DEFAULT_ALIGNMENT = 32
@@ -36,6 +40,17 @@ _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _TYPE_NAMES = {0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32", 7: "BOOL",
                8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64"}
 _HEADER = struct.Struct("<4sIQQ")
+
+
+def gguf_byte_order(version_le: int) -> str | None:
+    """The byte order of a GGUF file from its version field read little-endian: ``"<"`` for a
+    supported version (2, 3), ``">"`` when the byte-swapped value is one (a big-endian file: gguf-py's
+    ``GGUFReader`` test, ``version & 0xFFFF == 0``), None otherwise."""
+    if version_le in (2, 3):
+        return "<"
+    if version_le & 0xFFFF == 0 and int.from_bytes(version_le.to_bytes(4, "little"), "big") in (2, 3):
+        return ">"
+    return None
 
 
 @dataclass
@@ -61,6 +76,7 @@ class GGUFHeaderFacts:
     file_size: int
     tensors: list[GGUFTensorEntry] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
+    byte_order: str = "<"  # "<" little-endian, ">" big-endian (every number of the file)
 
 
 class _Broken(Exception):
@@ -70,9 +86,10 @@ class _Broken(Exception):
 class _Walker:
     """Bounded cursor over the header bytes; every read checks the bytes left first."""
 
-    def __init__(self, buf: mmap.mmap | bytes, size: int):
+    def __init__(self, buf: mmap.mmap | bytes, size: int, order: str = "<"):
         self.buf, self.size, self.pos = buf, size, 0
         self.array_elements = 0
+        self.u32_fmt, self.u64_fmt = order + "I", order + "Q"
 
     def left(self) -> int:
         return self.size - self.pos
@@ -83,13 +100,13 @@ class _Walker:
 
     def u32(self, what: str) -> int:
         self.need(4, what)
-        (v,) = struct.unpack_from("<I", self.buf, self.pos)
+        (v,) = struct.unpack_from(self.u32_fmt, self.buf, self.pos)
         self.pos += 4
         return v
 
     def u64(self, what: str) -> int:
         self.need(8, what)
-        (v,) = struct.unpack_from("<Q", self.buf, self.pos)
+        (v,) = struct.unpack_from(self.u64_fmt, self.buf, self.pos)
         self.pos += 8
         return v
 
@@ -141,6 +158,15 @@ class _Walker:
             self.value(itype, f"{what}[{i}]", depth + 1)
 
 
+def gguf_file_byte_order(path: str | Path) -> str | None:
+    """:func:`gguf_byte_order` of the file at ``path`` (reads its first 8 bytes; None: not GGUF v2/v3)."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    if len(head) < 8 or head[:4] != b"GGUF":
+        return None
+    return gguf_byte_order(int.from_bytes(head[4:8], "little"))
+
+
 def _fail(p: Path, reason: str) -> InfertraceError:
     return InfertraceError(f"cannot read GGUF {p.name}: {reason}; the file is truncated or corrupt - download it again")
 
@@ -148,7 +174,7 @@ def _fail(p: Path, reason: str) -> InfertraceError:
 def check_gguf_header(path: str | Path) -> GGUFHeaderFacts:
     """Walk the GGUF header of ``path`` and check it against the file size and the limits.
 
-    Checks, in file order: magic, version 2 or 3; ``n_tensors`` <= ``MAX_GGUF_TENSORS`` and
+    Checks, in file order: magic, version 2 or 3 (in either byte order); ``n_tensors`` <= ``MAX_GGUF_TENSORS`` and
     ``n_kv`` <= ``MAX_GGUF_KV`` (and each fits the bytes left at their minimum encoded size);
     each key: length, UTF-8, unique, known value type; each string length and array count
     (times its element size, nested arrays recursively) against the bytes left, total array
@@ -186,13 +212,16 @@ def check_gguf_header(path: str | Path) -> GGUFHeaderFacts:
 def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    w = _Walker(buf, size)
     magic, version, n_tensors, n_kv = _HEADER.unpack_from(buf, 0)
-    w.pos = _HEADER.size
     if magic != b"GGUF":
         raise _Broken(f"magic {magic!r}, expected b'GGUF'")
-    if version not in (2, 3):
+    order = gguf_byte_order(version)
+    if order is None:
         raise _Broken(f"version {version} (supported: 2, 3)")
+    if order == ">":
+        version, n_tensors, n_kv = struct.unpack_from(">IQQ", buf, 4)
+    w = _Walker(buf, size, order)
+    w.pos = _HEADER.size
     if n_kv > MAX_GGUF_KV:
         raise _Broken(f"the header claims {n_kv} key/value pairs, over the limit of {MAX_GGUF_KV}")
     if n_tensors > MAX_GGUF_TENSORS:
@@ -201,7 +230,7 @@ def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
     if n_kv * 13 + n_tensors * 24 > w.left():
         raise _Broken(f"the header claims {n_kv} key/value pairs and {n_tensors} tensors, which cannot fit in the "
                       f"{w.left()} bytes left")
-    facts = GGUFHeaderFacts(version, n_tensors, n_kv, GGUF_DEFAULT_ALIGNMENT, 0, size)
+    facts = GGUFHeaderFacts(version, n_tensors, n_kv, GGUF_DEFAULT_ALIGNMENT, 0, size, byte_order=order)
     seen: set[str] = set()
     for i in range(n_kv):
         raw = w.string(f"key #{i}", MAX_GGUF_KEY_BYTES)
@@ -291,7 +320,7 @@ def check_gguf_tokenizer_fields(reader: object, name: str) -> None:
     Raises:
         InfertraceError: one line naming the key.
     """
-    from infertrace.model.limits import MAX_TOKEN_BYTES, MAX_TOKEN_WORK, MAX_VOCAB
+    from infertrace.loading.limits import MAX_TOKEN_BYTES, MAX_TOKEN_WORK, MAX_VOCAB
 
     fields = getattr(reader, "fields")
 

@@ -35,6 +35,7 @@ import json
 import math
 import pathlib
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -190,7 +191,7 @@ def _gguf_value(reader: "gguf.GGUFReader", key: str) -> Any:
     String arrays are decoded leniently (invalid UTF-8 -> U+FFFD) so a bad token cannot make
     the whole file unreadable.
     """
-    if isinstance(reader, dict):  # already decoded by this function (infertrace.model.gguf_meta's cache)
+    if isinstance(reader, dict):  # already decoded by this function (infertrace.loading.gguf_meta's cache)
         return reader.get(key)
     field = reader.fields.get(key)
     if field is None:
@@ -239,6 +240,288 @@ def _looks_unigram(scores: list[float], types: list[int]) -> bool:
         return False
     fractional = sum(1 for s in normal if not math.isfinite(s) or abs(s - round(s)) > 1e-4)
     return fractional > len(normal) // 2
+
+
+# ----------------------------------------------------------------------------- from_gguf, by part
+
+
+def _gguf_vocab(reader: Any) -> tuple[str, str | None, list[str], list[int], list[float]]:
+    """``(model, pre, tokens, token_types, scores)`` of ``tokenizer.ggml.*``, checked: a supported
+    model, tokens present, arrays of one length, token texts unique (empty ones renamed
+    ``[EMPTY_i]`` as llama.cpp does). Missing types: all normal; missing scores: all 0.
+
+    Raises:
+        InfertraceError: no or an unsupported ``tokenizer.ggml.model``, no tokens, lengths that
+            disagree, a duplicate token text.
+    """
+    model = _gguf_value(reader, "tokenizer.ggml.model")
+    if model is None:
+        raise InfertraceError(
+            "GGUF has no tokenizer.ggml.model key; this file carries no tokenizer "
+            "(use --hf-dir with tokenizer.json, or re-convert with llama.cpp's convert_hf_to_gguf.py)"
+        )
+    if model not in SUPPORTED_MODELS:
+        raise InfertraceError(
+            f"unsupported tokenizer model '{model}' in GGUF (supported: {', '.join(SUPPORTED_MODELS)}); "
+            "infertrace only handles Llama-family byte-level BPE and SentencePiece vocabularies"
+        )
+    pre = _gguf_value(reader, "tokenizer.ggml.pre")
+    tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise InfertraceError("GGUF has no tokenizer.ggml.tokens; cannot build the tokenizer")
+    n = len(tokens)
+    types = _gguf_value(reader, "tokenizer.ggml.token_type")
+    if types is None:
+        types = [TOKEN_TYPE_NORMAL] * n
+    scores = _gguf_value(reader, "tokenizer.ggml.scores")
+    if scores is None:
+        scores = [0.0] * n
+    if len(types) != n or len(scores) != n:
+        raise InfertraceError(
+            f"GGUF tokenizer arrays disagree: {n} tokens, {len(types)} token types, {len(scores)} scores"
+        )
+    types = [int(t) for t in types]
+    scores = [float(s) for s in scores]
+    # llama.cpp renames empty tokens so every text is unique.
+    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    if len(set(tokens)) != n:
+        seen: set[str] = set()
+        dup = next(t for t in tokens if t in seen or seen.add(t))  # type: ignore[func-returns-value]
+        raise InfertraceError(f"GGUF tokenizer.ggml.tokens has duplicate token {dup!r}; the file is corrupt")
+    return model, pre, tokens, types, scores
+
+
+def _gguf_special_ids(reader: Any, model: str, n: int, warnings: list[str]) -> dict[str, int | None]:
+    """Special token ids (``bos``, ``eos``, ``unk``, ``pad``, ``eot``, ``eom``, ``fim_*``) from
+    ``tokenizer.ggml.*_token_id``; defaults as llama.cpp for SPM (bos 1, eos 2, unk 0). An id
+    outside the vocabulary of ``n`` tokens falls back to the default, with a warning."""
+    if model == "llama":
+        defaults: dict[str, int | None] = {"bos": 1, "eos": 2, "unk": 0, "pad": None}
+    else:
+        defaults = {"bos": None, "eos": None, "unk": None, "pad": None}
+    ids: dict[str, int | None] = {}
+    for name, key in (
+        ("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"), ("pad", "padding_token_id"),
+        ("eot", "eot_token_id"), ("eom", "eom_token_id"), ("fim_pad", "fim_pad_token_id"),
+        ("fim_rep", "fim_rep_token_id"), ("fim_sep", "fim_sep_token_id"),
+    ):
+        value = _gguf_value(reader, f"tokenizer.ggml.{key}")
+        default = defaults.get(name)
+        if default is not None and default >= n:
+            default = None
+        if value is None:
+            ids[name] = default
+        elif not 0 <= int(value) < n:
+            warnings.append(f"bad special token tokenizer.ggml.{key} = {value} (vocab has {n}); using {default}")
+            ids[name] = default
+        else:
+            ids[name] = int(value)
+    return ids
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    """The pre-tokenizer of a GGUF vocabulary and the flags that come with it (llama.cpp
+    ``llama_vocab::impl::load``, per ``tokenizer.ggml.pre``)."""
+
+    regexes: tuple[str, ...]
+    add_space_prefix: bool
+    clean_spaces: bool
+    ignore_merges: bool
+    add_bos_default: bool
+
+
+def _gguf_pre_tokenizer(reader: Any, model: str, pre: str | None, warnings: list[str]) -> _PreTokenizer:
+    """``gpt2``: the regexes and flags of :data:`PRE_TOKENIZERS` for ``pre`` (``default`` with a
+    warning when unknown, as llama.cpp); ``llama``: no regexes, space prefix and BOS on.
+    ``tokenizer.ggml.add_space_prefix`` overrides the space prefix."""
+    add_space_prefix = model == "llama"
+    clean_spaces = False
+    ignore_merges = False
+    add_bos_default = model == "llama"
+    regexes: tuple[str, ...] = ()
+    if model == "gpt2":
+        spec = PRE_TOKENIZERS.get(pre) if pre else None
+        if spec is None:
+            warnings.append(
+                f"missing or unrecognized pre-tokenizer type {pre!r} (tokenizer.ggml.pre); using 'default' "
+                "as llama.cpp does; token ids may differ from the model's own tokenizer"
+            )
+            spec = PRE_TOKENIZERS["default"]
+        regexes = spec["regexes"]
+        add_bos_default = spec["add_bos"]
+        ignore_merges = spec["ignore_merges"]
+        clean_spaces = spec["clean_spaces"]
+    asp = _gguf_value(reader, "tokenizer.ggml.add_space_prefix")
+    if asp is not None:
+        add_space_prefix = bool(asp)
+    return _PreTokenizer(regexes, add_space_prefix, clean_spaces, ignore_merges, add_bos_default)
+
+
+def _gguf_add_bos(reader: Any, add_bos_default: bool, bos_id: int | None, warnings: list[str]) -> bool:
+    """The BOS rule: ``tokenizer.ggml.add_bos_token`` when present, else ``add_bos_default``
+    (off, with a warning, when there is no BOS id).
+
+    Raises:
+        InfertraceError: ``add_bos_token`` true without a valid BOS id.
+    """
+    add_bos_key = _gguf_value(reader, "tokenizer.ggml.add_bos_token")
+    if add_bos_key is not None:
+        add_bos = bool(add_bos_key)
+        if add_bos and bos_id is None:
+            raise InfertraceError(
+                "GGUF sets tokenizer.ggml.add_bos_token=true but has no valid tokenizer.ggml.bos_token_id"
+            )
+        return add_bos
+    add_bos = add_bos_default
+    if add_bos and bos_id is None:
+        warnings.append("no BOS token id in the GGUF; not adding BOS")
+        add_bos = False
+    return add_bos
+
+
+# ----------------------------------------------------------------------------- from_hf_dir, by part
+
+
+def _hf_read_files(path: pathlib.Path) -> tuple[pathlib.Path, dict[str, Any], _HFTokenizer, dict[str, Any]]:
+    """``(tokenizer.json path, its JSON, the tokenizers backend, tokenizer_config.json or {})``, bounded.
+
+    Raises:
+        InfertraceError: ``tokenizer.json`` missing, over :data:`~infertrace.loading.limits.MAX_TOKENIZER_JSON_BYTES`,
+            unreadable, or either file not a JSON object.
+    """
+    tj = path / "tokenizer.json"
+    if not tj.is_file():
+        raise InfertraceError(f"no tokenizer.json in {path}; an HF model directory needs one")
+    from infertrace.loading.limits import MAX_TOKENIZER_JSON_BYTES
+
+    if tj.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
+        raise InfertraceError(f"{tj} is {tj.stat().st_size} bytes, over the limit of {MAX_TOKENIZER_JSON_BYTES}")
+    try:
+        raw = json.loads(tj.read_text(encoding="utf-8"))
+        backend = _HFTokenizer.from_file(str(tj))
+    except Exception as exc:
+        raise InfertraceError(f"cannot read {tj}: {exc}") from exc
+    cfg: dict[str, Any] = {}
+    cfg_path = path / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except Exception as exc:
+            raise InfertraceError(f"cannot read {cfg_path}: {exc}") from exc
+
+    if not isinstance(raw, dict) or not isinstance(cfg, dict):
+        raise InfertraceError(f"{tj if not isinstance(raw, dict) else cfg_path} must hold a JSON object")
+    return tj, raw, backend, cfg
+
+
+def _hf_model_kind(raw: dict[str, Any], tj: pathlib.Path) -> tuple[str, str, bool]:
+    """``(model, algorithm, byte_fallback)``: ``gpt2`` for a byte-level BPE, ``llama`` for a
+    SentencePiece-style BPE or Unigram.
+
+    Raises:
+        InfertraceError: any other tokenizer model (e.g. WordPiece).
+    """
+    model_type = (raw.get("model") or {}).get("type")
+    pipeline = json.dumps([raw.get("pre_tokenizer"), raw.get("decoder")])
+    if model_type == "BPE" and "ByteLevel" in pipeline:
+        model = "gpt2"
+    elif model_type in ("BPE", "Unigram"):
+        model = "llama"
+    else:
+        raise InfertraceError(
+            f"unsupported tokenizer model '{model_type}' in {tj} (supported: byte-level BPE, SentencePiece BPE/Unigram)"
+        )
+    algorithm = "unigram" if model_type == "Unigram" else "bpe"
+    byte_fallback = bool((raw.get("model") or {}).get("byte_fallback"))
+    return model, algorithm, byte_fallback
+
+
+def _hf_vocab(backend: _HFTokenizer, raw: dict[str, Any], tj: pathlib.Path, model: str,
+              byte_fallback: bool) -> tuple[list[str], list[int]]:
+    """Token texts and llama.cpp token types by id: added tokens marked ``special`` are control
+    tokens, other added tokens user-defined, ``<0xXX>`` byte tokens (``llama`` with byte
+    fallback) byte tokens, ids without a token unused.
+
+    Raises:
+        InfertraceError: token ids beyond :data:`~infertrace.loading.limits.MAX_VOCAB`.
+    """
+    from infertrace.loading.limits import MAX_VOCAB
+
+    vocab = backend.get_vocab(with_added_tokens=True)
+    size = max(backend.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+    if size > MAX_VOCAB:
+        raise InfertraceError(f"{tj} has token ids up to {size - 1}, over the vocabulary limit of {MAX_VOCAB}")
+    tokens = [""] * size
+    types = [TOKEN_TYPE_UNUSED] * size
+    for text, i in vocab.items():
+        tokens[i] = text
+        types[i] = TOKEN_TYPE_NORMAL
+        if model == "llama" and byte_fallback and _BYTE_TOKEN_RE.match(text):
+            types[i] = TOKEN_TYPE_BYTE
+    for added in raw.get("added_tokens") or []:
+        i = added.get("id")
+        if isinstance(i, int) and 0 <= i < size:
+            tokens[i] = added.get("content", tokens[i])
+            types[i] = TOKEN_TYPE_CONTROL if added.get("special") else TOKEN_TYPE_USER_DEFINED
+    return tokens, types
+
+
+def _hf_special_ids(cfg: dict[str, Any], raw: dict[str, Any], backend: _HFTokenizer,
+                    types: list[int]) -> tuple[int | None, int | None, int | None, int | None]:
+    """``(bos, eos, unk, pad)`` ids named in ``tokenizer_config.json`` (unk: else the model's
+    ``unk_token``); a normal unk token is marked unknown in ``types`` (changed in place)."""
+
+    def tok_id(name: str) -> int | None:
+        value = cfg.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if not isinstance(value, str):
+            return None
+        return backend.token_to_id(value)
+
+    bos_id, eos_id, unk_id, pad_id = (tok_id(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token"))
+    if unk_id is None:
+        unk_name = (raw.get("model") or {}).get("unk_token")
+        unk_id = backend.token_to_id(unk_name) if isinstance(unk_name, str) else None
+    if unk_id is not None and types[unk_id] == TOKEN_TYPE_NORMAL:
+        types[unk_id] = TOKEN_TYPE_UNKNOWN
+    return bos_id, eos_id, unk_id, pad_id
+
+
+def _hf_add_bos(cfg: dict[str, Any], backend: _HFTokenizer, bos_id: int | None, warnings: list[str]) -> bool:
+    """The BOS rule: ``add_bos_token`` of the config, else what the ``tokenizer.json``
+    post-processor does to an empty text (off, with a warning, when no BOS is configured)."""
+    if "add_bos_token" in cfg:
+        add_bos = bool(cfg["add_bos_token"])
+    else:
+        probe = backend.encode("", add_special_tokens=True).ids
+        add_bos = bos_id is not None and bool(probe) and probe[0] == bos_id
+    if add_bos and bos_id is None:
+        warnings.append("add_bos_token is true but no bos_token is configured; not adding BOS")
+        add_bos = False
+    return add_bos
+
+
+def _hf_chat_template(path: pathlib.Path, cfg: dict[str, Any]) -> str | None:
+    """``chat_template.jinja`` when present (bounded), else ``chat_template`` of the config (a
+    list of named templates: ``default``, else the first).
+
+    Raises:
+        InfertraceError: ``chat_template.jinja`` over :data:`~infertrace.loading.limits.MAX_TEMPLATE_FILE_BYTES`.
+    """
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        from infertrace.loading.limits import MAX_TEMPLATE_FILE_BYTES
+
+        if jinja_file.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
+            raise InfertraceError(f"{jinja_file} is over the limit of {MAX_TEMPLATE_FILE_BYTES} bytes")
+        return jinja_file.read_text(encoding="utf-8")
+    tmpl = cfg.get("chat_template")
+    if isinstance(tmpl, list):
+        named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+        tmpl = named.get("default") or next(iter(named.values()), None)
+    return tmpl if isinstance(tmpl, str) else None
 
 
 class Tokenizer:
@@ -354,7 +637,7 @@ class Tokenizer:
 
         Args:
             reader: an open ``gguf.GGUFReader``, or the ``tokenizer.*`` values it decodes to
-                (:attr:`infertrace.model.gguf_meta.GGUFHeader.values`, e.g. from the cache).
+                (:attr:`infertrace.loading.gguf_meta.GGUFHeader.values`, e.g. from the cache).
 
         Returns:
             Tokenizer
@@ -365,109 +648,21 @@ class Tokenizer:
                 that disagree, duplicate token texts, or ``add_bos_token`` true without a BOS id.
         """
         warnings: list[str] = []
-        model = _gguf_value(reader, "tokenizer.ggml.model")
-        if model is None:
-            raise InfertraceError(
-                "GGUF has no tokenizer.ggml.model key; this file carries no tokenizer "
-                "(use --hf-dir with tokenizer.json, or re-convert with llama.cpp's convert_hf_to_gguf.py)"
-            )
-        if model not in SUPPORTED_MODELS:
-            raise InfertraceError(
-                f"unsupported tokenizer model '{model}' in GGUF (supported: {', '.join(SUPPORTED_MODELS)}); "
-                "infertrace only handles Llama-family byte-level BPE and SentencePiece vocabularies"
-            )
-        pre = _gguf_value(reader, "tokenizer.ggml.pre")
-        tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
-        if not tokens:
-            raise InfertraceError("GGUF has no tokenizer.ggml.tokens; cannot build the tokenizer")
-        n = len(tokens)
-        types = _gguf_value(reader, "tokenizer.ggml.token_type")
-        if types is None:
-            types = [TOKEN_TYPE_NORMAL] * n
-        scores = _gguf_value(reader, "tokenizer.ggml.scores")
-        if scores is None:
-            scores = [0.0] * n
-        if len(types) != n or len(scores) != n:
-            raise InfertraceError(
-                f"GGUF tokenizer arrays disagree: {n} tokens, {len(types)} token types, {len(scores)} scores"
-            )
-        types = [int(t) for t in types]
-        scores = [float(s) for s in scores]
-        # llama.cpp renames empty tokens so every text is unique.
-        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        if len(set(tokens)) != n:
-            seen: set[str] = set()
-            dup = next(t for t in tokens if t in seen or seen.add(t))  # type: ignore[func-returns-value]
-            raise InfertraceError(f"GGUF tokenizer.ggml.tokens has duplicate token {dup!r}; the file is corrupt")
-
-        # --- special ids (defaults as llama.cpp for SPM) ---
-        if model == "llama":
-            defaults: dict[str, int | None] = {"bos": 1, "eos": 2, "unk": 0, "pad": None}
-        else:
-            defaults = {"bos": None, "eos": None, "unk": None, "pad": None}
-        ids: dict[str, int | None] = {}
-        for name, key in (
-            ("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"), ("pad", "padding_token_id"),
-            ("eot", "eot_token_id"), ("eom", "eom_token_id"), ("fim_pad", "fim_pad_token_id"),
-            ("fim_rep", "fim_rep_token_id"), ("fim_sep", "fim_sep_token_id"),
-        ):
-            value = _gguf_value(reader, f"tokenizer.ggml.{key}")
-            default = defaults.get(name)
-            if default is not None and default >= n:
-                default = None
-            if value is None:
-                ids[name] = default
-            elif not 0 <= int(value) < n:
-                warnings.append(f"bad special token tokenizer.ggml.{key} = {value} (vocab has {n}); using {default}")
-                ids[name] = default
-            else:
-                ids[name] = int(value)
-
-        # --- pre-tokenizer and flags ---
-        add_space_prefix = model == "llama"
-        clean_spaces = False
-        ignore_merges = False
-        add_bos_default = model == "llama"
-        regexes: tuple[str, ...] = ()
-        if model == "gpt2":
-            spec = PRE_TOKENIZERS.get(pre) if pre else None
-            if spec is None:
-                warnings.append(
-                    f"missing or unrecognized pre-tokenizer type {pre!r} (tokenizer.ggml.pre); using 'default' "
-                    "as llama.cpp does; token ids may differ from the model's own tokenizer"
-                )
-                spec = PRE_TOKENIZERS["default"]
-            regexes = spec["regexes"]
-            add_bos_default = spec["add_bos"]
-            ignore_merges = spec["ignore_merges"]
-            clean_spaces = spec["clean_spaces"]
-        asp = _gguf_value(reader, "tokenizer.ggml.add_space_prefix")
-        if asp is not None:
-            add_space_prefix = bool(asp)
-
-        add_bos_key = _gguf_value(reader, "tokenizer.ggml.add_bos_token")
-        if add_bos_key is not None:
-            add_bos = bool(add_bos_key)
-            if add_bos and ids["bos"] is None:
-                raise InfertraceError(
-                    "GGUF sets tokenizer.ggml.add_bos_token=true but has no valid tokenizer.ggml.bos_token_id"
-                )
-        else:
-            add_bos = add_bos_default
-            if add_bos and ids["bos"] is None:
-                warnings.append("no BOS token id in the GGUF; not adding BOS")
-                add_bos = False
+        model, pre, tokens, types, scores = _gguf_vocab(reader)
+        ids = _gguf_special_ids(reader, model, len(tokens), warnings)
+        pt = _gguf_pre_tokenizer(reader, model, pre, warnings)
+        add_bos = _gguf_add_bos(reader, pt.add_bos_default, ids["bos"], warnings)
 
         # --- backend ---
         merges_raw = _gguf_value(reader, "tokenizer.ggml.merges")
         if model == "gpt2":
             if merges_raw is None:
                 raise InfertraceError("GGUF tokenizer model 'gpt2' has no tokenizer.ggml.merges; cannot build BPE")
-            backend, dropped = cls._byte_level_backend(tokens, merges_raw, regexes, ignore_merges)
+            backend, dropped = cls._byte_level_backend(tokens, merges_raw, pt.regexes, pt.ignore_merges)
             algorithm = "bpe"
         else:
             backend, dropped, algorithm = cls._spm_backend(
-                tokens, scores, types, merges_raw, ids["unk"], add_space_prefix
+                tokens, scores, types, merges_raw, ids["unk"], pt.add_space_prefix
             )
         if dropped:
             warnings.append(f"ignored {dropped} merges whose parts are not in the vocabulary")
@@ -486,10 +681,10 @@ class Tokenizer:
             pad_id=ids["pad"],
             eog_ids=eog,
             add_bos=add_bos,
-            add_space_prefix=add_space_prefix,
+            add_space_prefix=pt.add_space_prefix,
             chat_template=chat_template,
             algorithm=algorithm,
-            clean_spaces=clean_spaces,
+            clean_spaces=pt.clean_spaces,
             warnings=warnings,
         )
 
@@ -587,101 +782,18 @@ class Tokenizer:
                 neither byte-level BPE nor SentencePiece-style (e.g. WordPiece).
         """
         path = pathlib.Path(path)
-        tj = path / "tokenizer.json"
-        if not tj.is_file():
-            raise InfertraceError(f"no tokenizer.json in {path}; an HF model directory needs one")
-        from infertrace.model.limits import MAX_TOKENIZER_JSON_BYTES, MAX_VOCAB
-
-        if tj.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
-            raise InfertraceError(f"{tj} is {tj.stat().st_size} bytes, over the limit of {MAX_TOKENIZER_JSON_BYTES}")
-        try:
-            raw = json.loads(tj.read_text(encoding="utf-8"))
-            backend = _HFTokenizer.from_file(str(tj))
-        except Exception as exc:
-            raise InfertraceError(f"cannot read {tj}: {exc}") from exc
-        cfg: dict[str, Any] = {}
-        cfg_path = path / "tokenizer_config.json"
-        if cfg_path.is_file():
-            try:
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except Exception as exc:
-                raise InfertraceError(f"cannot read {cfg_path}: {exc}") from exc
-
-        if not isinstance(raw, dict) or not isinstance(cfg, dict):
-            raise InfertraceError(f"{tj if not isinstance(raw, dict) else cfg_path} must hold a JSON object")
-        model_type = (raw.get("model") or {}).get("type")
-        pipeline = json.dumps([raw.get("pre_tokenizer"), raw.get("decoder")])
-        if model_type == "BPE" and "ByteLevel" in pipeline:
-            model = "gpt2"
-        elif model_type in ("BPE", "Unigram"):
-            model = "llama"
-        else:
-            raise InfertraceError(
-                f"unsupported tokenizer model '{model_type}' in {tj} (supported: byte-level BPE, SentencePiece BPE/Unigram)"
-            )
-        algorithm = "unigram" if model_type == "Unigram" else "bpe"
-        byte_fallback = bool((raw.get("model") or {}).get("byte_fallback"))
-
-        vocab = backend.get_vocab(with_added_tokens=True)
-        size = max(backend.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
-        if size > MAX_VOCAB:
-            raise InfertraceError(f"{tj} has token ids up to {size - 1}, over the vocabulary limit of {MAX_VOCAB}")
-        tokens = [""] * size
-        types = [TOKEN_TYPE_UNUSED] * size
-        for text, i in vocab.items():
-            tokens[i] = text
-            types[i] = TOKEN_TYPE_NORMAL
-            if model == "llama" and byte_fallback and _BYTE_TOKEN_RE.match(text):
-                types[i] = TOKEN_TYPE_BYTE
-        for added in raw.get("added_tokens") or []:
-            i = added.get("id")
-            if isinstance(i, int) and 0 <= i < size:
-                tokens[i] = added.get("content", tokens[i])
-                types[i] = TOKEN_TYPE_CONTROL if added.get("special") else TOKEN_TYPE_USER_DEFINED
-
-        def tok_id(name: str) -> int | None:
-            value = cfg.get(name)
-            if isinstance(value, dict):
-                value = value.get("content")
-            if not isinstance(value, str):
-                return None
-            return backend.token_to_id(value)
-
-        bos_id, eos_id, unk_id, pad_id = (tok_id(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token"))
-        if unk_id is None:
-            unk_name = (raw.get("model") or {}).get("unk_token")
-            unk_id = backend.token_to_id(unk_name) if isinstance(unk_name, str) else None
-        if unk_id is not None and types[unk_id] == TOKEN_TYPE_NORMAL:
-            types[unk_id] = TOKEN_TYPE_UNKNOWN
+        tj, raw, backend, cfg = _hf_read_files(path)
+        model, algorithm, byte_fallback = _hf_model_kind(raw, tj)
+        tokens, types = _hf_vocab(backend, raw, tj, model, byte_fallback)
+        bos_id, eos_id, unk_id, pad_id = _hf_special_ids(cfg, raw, backend, types)
 
         warnings: list[str] = []
-        if "add_bos_token" in cfg:
-            add_bos = bool(cfg["add_bos_token"])
-        else:
-            probe = backend.encode("", add_special_tokens=True).ids
-            add_bos = bos_id is not None and bool(probe) and probe[0] == bos_id
-        if add_bos and bos_id is None:
-            warnings.append("add_bos_token is true but no bos_token is configured; not adding BOS")
-            add_bos = False
+        add_bos = _hf_add_bos(cfg, backend, bos_id, warnings)
 
         # Special tokens are cut out by Tokenizer._partition; the backend must treat them as text.
         backend.encode_special_tokens = True
 
-        chat_template = None
-        jinja_file = path / "chat_template.jinja"
-        if jinja_file.is_file():
-            from infertrace.model.limits import MAX_TEMPLATE_FILE_BYTES
-
-            if jinja_file.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
-                raise InfertraceError(f"{jinja_file} is over the limit of {MAX_TEMPLATE_FILE_BYTES} bytes")
-            chat_template = jinja_file.read_text(encoding="utf-8")
-        else:
-            tmpl = cfg.get("chat_template")
-            if isinstance(tmpl, list):
-                named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
-                tmpl = named.get("default") or next(iter(named.values()), None)
-            chat_template = tmpl if isinstance(tmpl, str) else None
-
+        chat_template = _hf_chat_template(path, cfg)
         ids = {"bos": bos_id, "eos": eos_id, "unk": unk_id, "pad": pad_id}
         eog, types = _eog_ids(tokens, types, ids, warnings)
         return cls(
@@ -846,7 +958,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's jinja chat template, as HF ``apply_chat_template(tokenize=False)``.
 
-        Uses :func:`infertrace.model.chat_env.chat_environment` (HF's sandboxed environment:
+        Uses :func:`infertrace.tokenizer.chat_env.chat_environment` (HF's sandboxed environment:
         ``{% generation %}`` tag, ``loopcontrols``, ``raise_exception``, ``strftime_now``,
         ``dict``, ``namespace``, a ``tojson`` filter that does not HTML-escape); variables ``messages``, ``add_generation_prompt``,
         ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``, ``tools`` (None),
@@ -860,7 +972,7 @@ class Tokenizer:
             raise InfertraceError("this model has no chat template (tokenizer.chat_template); pass a raw prompt instead")
         import jinja2
 
-        from infertrace.model.chat_env import chat_environment
+        from infertrace.tokenizer.chat_env import chat_environment
 
         if self._compiled_template is None:
             env = chat_environment()  # HF's: {% generation %}, loopcontrols, dict, namespace, tojson ...

@@ -26,6 +26,7 @@ through a ctypes mirror of its layout in ``ggml/include/ggml.h``).
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,24 @@ class Captured:
     n_ubatch_calls: int = 0
 
 
+#: ``--llamacpp-flash-attn`` -> ``llama_flash_attn_type`` (``include/llama.h``)
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+#: ggml_type names of the K/V cache types llama.cpp accepts (``ggml/include/ggml.h``)
+CACHE_TYPE_NAME = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 20: "iq4_nl", 30: "bf16"}
+
+
+def check_flash_attn(value: str) -> str:
+    """``auto``, ``on`` or ``off`` (case-insensitive).
+
+    Raises:
+        InfertraceError: anything else, naming ``--llamacpp-flash-attn``.
+    """
+    v = str(value).strip().lower()
+    if v not in FLASH_ATTN:
+        raise InfertraceError(f"--llamacpp-flash-attn must be one of auto, on, off (got {value!r})")
+    return v
+
+
 #: the no-op log callback llama.cpp holds a pointer to (see LlamaCppContext._silence)
 _QUIET_LOG_CB: Any = None
 
@@ -108,13 +127,22 @@ class LlamaCppContext:
         n_batch: ``n_batch`` = ``n_ubatch`` (>= the largest step, so one step = one ubatch).
         n_seq_max: distinct sequences.
         layer: the layer whose Q/K/V and cache are captured.
-        n_threads: CPU threads.
+        n_threads: CPU threads (``n_threads`` = ``n_threads_batch``).
+        flash_attn: ``auto`` (llama.cpp's default: on where the backend supports it), ``on`` or
+            ``off`` (``llama_context_params.flash_attn_type``). Flash attention changes the numbers
+            (ggml-cpu: Q rounded to F16 and an F16 output accumulator for fewer than 64 queries,
+            ``ggml_compute_forward_flash_attn_ext_f16``; without it the softmax output is rounded
+            to F16 for ``kqv = V·softmax(KQ)``); which one ran is read back from the graph
+            (:attr:`flash_attn_used`: ``attn_inp_kq_mask`` is F16 iff ``cparams.flash_attn``).
 
     Raises:
-        InfertraceError: package missing, the file is not GGUF, llama.cpp refuses the file.
+        InfertraceError: package missing, the file is not GGUF, llama.cpp refuses the file, an
+            unknown ``flash_attn``.
     """
 
-    def __init__(self, path: Path, n_ctx: int, n_batch: int, n_seq_max: int, layer: int = 0, n_threads: int = 2):
+    def __init__(self, path: Path, n_ctx: int, n_batch: int, n_seq_max: int, layer: int = 0, n_threads: int = 2,
+                 flash_attn: str = "auto"):
+        flash_attn = check_flash_attn(flash_attn)
         llama_cpp = import_llama_cpp()
         self.L = llama_cpp
         p = Path(path)
@@ -126,6 +154,12 @@ class LlamaCppContext:
         mp = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(p).encode(), mp)
         if not self.model:
+            from infertrace.loading.gguf_check import gguf_file_byte_order
+
+            if gguf_file_byte_order(p) == ">" and sys.byteorder == "little":  # case G2: gguf.cpp reads host order only
+                raise InfertraceError(f"llama.cpp cannot load {p.name}: it is a big-endian GGUF and llama.cpp reads only its "
+                                      "host's (little-endian) byte order; convert it (gguf-py gguf_convert_endian.py FILE "
+                                      "little) or run without --engine llama.cpp")
             raise InfertraceError(f"llama.cpp cannot load {p.name}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
@@ -142,6 +176,7 @@ class LlamaCppContext:
         cp.cb_eval = self._cb
         cp.cb_eval_user_data = None
         cp.no_perf = True
+        cp.flash_attn_type = FLASH_ATTN[flash_attn]
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
@@ -149,6 +184,35 @@ class LlamaCppContext:
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
         self.n_batch = n_batch
         self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.flash_attn = flash_attn
+        #: whether flash attention ran (None before the first decode; from the kq_mask type)
+        self.flash_attn_used: bool | None = None
+        L = llama_cpp
+        self._settings = {
+            "flash_attn_type": flash_attn, "type_k": CACHE_TYPE_NAME.get(int(cp.type_k), str(int(cp.type_k))),
+            "type_v": CACHE_TYPE_NAME.get(int(cp.type_v), str(int(cp.type_v))), "n_ctx": self.n_ctx,
+            "n_batch": int(L.llama_n_batch(self.ctx)), "n_ubatch": int(L.llama_n_ubatch(self.ctx)),
+            "n_seq_max": int(L.llama_n_seq_max(self.ctx)), "n_threads": int(L.llama_n_threads(self.ctx)),
+            "n_threads_batch": int(L.llama_n_threads_batch(self.ctx)), "kv_unified": bool(cp.kv_unified),
+            "offload_kqv": bool(cp.offload_kqv), "op_offload": bool(cp.op_offload), "swa_full": bool(cp.swa_full),
+            "n_gpu_layers": int(mp.n_gpu_layers), "gpu_offload": bool(L.llama_supports_gpu_offload()),
+            "use_extra_bufts": bool(mp.use_extra_bufts),
+            "system_info": L.llama_print_system_info().decode("utf-8", "replace").strip()[:1000],
+        }
+
+    def settings(self) -> dict[str, Any]:
+        """The context settings that change llama.cpp's numbers, as the trace header records them.
+
+        Returns:
+            ``{"flash_attn": "on" | "off" | None (no decode yet), "flash_attn_type": "auto" | "on" |
+            "off" (asked), "type_k"/"type_v": cache ggml types, "n_ctx", "n_batch", "n_ubatch",
+            "n_seq_max", "n_threads", "n_threads_batch", "kv_unified", "offload_kqv", "op_offload",
+            "swa_full", "n_gpu_layers", "gpu_offload": bool (a GPU backend is built in), "use_extra_bufts":
+            bool (CPU weight repacking: other matmul kernels),
+            "system_info": llama_print_system_info (the CPU features ggml-cpu computes with)}``.
+        """
+        used = self.flash_attn_used
+        return {"flash_attn": None if used is None else ("on" if used else "off"), **self._settings}
 
     def _silence(self) -> None:
         """Install a no-op llama.cpp log callback. It is process-global in llama.cpp, so the ctypes
@@ -247,6 +311,8 @@ class LlamaCppContext:
                     ptr = L.llama_get_logits_ith(self.ctx, i)
                     rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
             self.cap.tensors["logits"] = np.stack(rows) if rows else np.zeros((0, self.n_vocab), np.float32)
+            if self.flash_attn_used is None and "attn_inp_kq_mask" in self.cap.dtype:  # F16 iff cparams.flash_attn
+                self.flash_attn_used = self.cap.dtype["attn_inp_kq_mask"] == "f16"
         finally:
             L.llama_batch_free(batch)
         return self.cap

@@ -1,6 +1,6 @@
 """``diff-backends --against hf``: our engine (one backend, continuous batching) against HF transformers
 recomputing each request alone with its own cache. (``--against llama.cpp`` is
-:mod:`infertrace.engine.llamacpp_compare`: llama.cpp on the same schedule, its graph inputs captured.)
+:mod:`infertrace.compare.llamacpp`: llama.cpp on the same schedule, its graph inputs captured.)
 
 Our run records, per step, the logits row of every request that samples (its context length
 ``L = C + T`` at that step). The reference is fed the same token sequence (prompt + our
@@ -42,6 +42,7 @@ class LogitsCapture:
 
     enabled = True
     layers: frozenset[int] = frozenset()
+    taps: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -134,32 +135,34 @@ def compare_with_reference(loaded: Any, prompts: list[Any], opts: EngineOptions,
     Returns:
         ``{"against", "backend", "atol", "rows": [{"step", "seq_id", "pos", "phase", "max_abs", "ours", "ref",
         "sampled", "ok"}], "requests": [{"seq_id", "greedy_ours", "greedy_ref", "tokens_equal", "max_abs"}],
-        "mismatches": [{"step", "variable", "detail"}], "identical": bool}``.
+        "mismatches": [{"step", "variable", "detail"}], "identical": bool, "padded_vocab": dict | None}``; with a
+        padded vocabulary (``Engine.padded_vocab``) logits and argmax over the tokenizer's rows only (ours
+        are -inf past them).
 
     Raises:
         InfertraceError: unknown ``against``, reference package missing, engine errors.
     """
-    from infertrace.runner import encode_prompt
+    from infertrace.engine.drive import drive, encode_requests
 
     if against not in AGAINST:
         raise InfertraceError(f"--against must be one of {', '.join(AGAINST)} (got {against!r})")
     atol = ATOL[against] if atol is None else atol
     cap = LogitsCapture()
     eng = Engine(loaded.model, loaded.tokenizer, opts, cap)
-    for s in prompts:
-        eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
-    eng.run()
+    drive(eng, encode_requests(loaded.tokenizer, prompts))
     ref = hf_reference(loaded.ckpt.path)
     ref_logits = {}
     for sid, r in sorted(eng.requests.items()):
         ids = r.all_ids[:-1] if r.output_ids else r.all_ids  # the last sampled token is never fed back
         ref_logits[sid] = ref(ids, len(r.prompt_ids))  # [len(ids), V]
     rows, mismatches, per_req = [], [], {}
+    n = eng.n_sample_rows  # padded vocabulary: compared (and argmax taken) over the tokenizer's rows only
     for row in cap.rows:
         sid, L = row["seq_id"], row["L"]
-        theirs = ref_logits[sid][L - 1]  # [V]
-        d = float((row["logits"] - theirs).abs().max())
-        ours_arg, ref_arg = int(row["logits"].argmax()), int(theirs.argmax())
+        theirs = ref_logits[sid][L - 1][:n]  # [V] (or [n_tokens])
+        ours = row["logits"][:n]
+        d = float((ours - theirs).abs().max())
+        ours_arg, ref_arg = int(ours.argmax()), int(theirs.argmax())
         ok = d <= atol and ours_arg == ref_arg
         rows.append({"step": row["step"], "seq_id": sid, "pos": L - 1, "phase": row["phase"], "max_abs": d,
                      "ours": ours_arg, "ref": ref_arg, "sampled": row["sampled"], "ok": ok})
@@ -180,5 +183,5 @@ def compare_with_reference(loaded: Any, prompts: list[Any], opts: EngineOptions,
         pr["text"] = loaded.tokenizer.decode(eng.requests[sid].output_ids)
         reqs.append(pr)
     return {"against": against, "backend": opts.backend, "atol": atol, "rows": rows, "requests": reqs,
-            "mismatches": mismatches, "identical": not mismatches,
+            "mismatches": mismatches, "identical": not mismatches, "padded_vocab": eng.padded_vocab,
             "max_abs": max((r["max_abs"] for r in rows), default=0.0)}

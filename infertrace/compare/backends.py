@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
+from infertrace.engine.drive import encode_requests, submit
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.kv.base import ranges_text
+from infertrace.kv.base import Memory
+from infertrace.ranges import ranges_text
 
 #: default tolerance on logits and K/V: float32 vs reduced precision
 ATOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
@@ -46,6 +48,7 @@ class StepCapture:
 
     enabled = True
     layers: frozenset[int] = frozenset()
+    taps: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.last: dict[str, Any] | None = None
@@ -70,12 +73,11 @@ class StepCapture:
                 logits[c.req.seq_id] = ctx["logits"][j]  # [V]
                 j += 1
         holders = sorted(sid for sid, r in ctx["requests"].items() if r.num_computed > 0 and r.status == "running")
-        n_layer = len(kv.k) if kv.kind == "cells" else len(kv.pool)
         kvs = {}
         for sid in holders:
-            ks, vs = zip(*(kv.read(layer, sid) for layer in getattr(kv, "kv_layers", range(n_layer))))
+            ks, vs = zip(*(kv.read(layer, sid) for layer in kv.kv_layers))
             kvs[sid] = (torch.stack(ks), torch.stack(vs))  # [n_layer, L, n_kv_heads, hd] each
-        st = getattr(kv, "state", None)  # hybrid: GDN conv + recurrent state of each holder, compared with K/V
+        st = kv.recurrent_state()  # hybrid: GDN conv + recurrent state of each holder, compared with K/V
         states = {sid: (torch.stack([st.state_of(il, sid)[0] for il in st.layers]),  # [n_gdn, conv_dim, K-1]
                         torch.stack([st.state_of(il, sid)[1] for il in st.layers]))  # [n_gdn, Hv, dk, dv]
                   for sid in holders if st is not None and st.slot_of(sid) is not None}
@@ -84,32 +86,10 @@ class StepCapture:
         self.last = cap
 
 
-def physical_summary(kv: Any, inp: Any) -> dict[str, Any]:
-    """JSON-ready physical side of one step: where the step's K/V went and what attention got."""
-    chunks = inp.chunks if inp is not None else []
-    if kv.kind == "cells":
-        idx = inp.extra["cell_idx"].tolist() if inp is not None else []
-        per, r = {}, 0
-        for c in chunks:
-            per[str(c.seq_id)] = ranges_text(idx[r:r + c.T])
-            r += c.T
-        d = {"storage": [kv.size, *kv.k[0].shape[1:]], "used": kv.used, "head": kv.head, "cells": per}
-        if inp is not None:
-            d.update(kq_mask_ne=[inp.extra["n_kv"], inp.extra["n_tokens_pad"], 1, 1], n_kv=inp.extra["n_kv"],
-                     head_before=inp.extra["head_before"])
-        return d
-    sm = inp.extra["slot_mapping"].tolist() if inp is not None else []
-    per, r = {}, 0
-    for c in chunks:
-        per[str(c.seq_id)] = ranges_text(sm[r:r + c.T])
-        r += c.T
-    d = {"storage": list(kv.pool[0].shape), "used_blocks": kv.num_blocks - len(kv.free), "slots": per,
-         "block_tables": {str(s): list(t) for s, t in sorted(kv.tables.items())}}
-    if inp is not None:
-        e = inp.extra
-        d.update(seq_lens=e["seq_lens"].tolist(), kv_lens=e["kv_lens"].tolist(), cu_seqlens=e["cu_seqlens"].tolist(),
-                 num_contexts=e["num_contexts"], mask_type=e["mask_type"])
-    return d
+def physical_summary(kv: Memory, inp: Any) -> dict[str, Any]:
+    """JSON-ready physical side of one step: where the step's K/V went and what attention got
+    (the memory's ``step_summary``)."""
+    return kv.step_summary(inp)
 
 
 def _mask_text(m: torch.Tensor, C: int, row: int) -> str:
@@ -135,10 +115,18 @@ def compare_step(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], a
            "checks": checks, "physical": {na: a["physical"], nb: b["physical"]}}
     if not same_sched or a["idle"]:
         return out
-    # positions
     ok = a["positions"] == b["positions"]
     checks["positions"] = {"ok": ok, "detail": "" if ok else f"{na} {a['positions']} vs {nb} {b['positions']}"}
-    # mask: visible-key sets per query
+    checks["mask"] = _check_mask(a, b, na, nb)
+    checks["kv"] = _check_kv(a, b, na, nb, atol)
+    ok = a["tokens"] == b["tokens"]
+    checks["tokens"] = {"ok": ok, "detail": "" if ok else f"{na} {a['tokens']} vs {nb} {b['tokens']}"}
+    checks["logits"] = _check_logits(a, b, atol)
+    return out
+
+
+def _check_mask(a: dict[str, Any], b: dict[str, Any], na: str, nb: str) -> dict[str, Any]:
+    """The visible-key sets of every query (``[T, n_keys]`` bool per chunk) agree."""
     bad = []
     for (sid, _, C, T), ma, mb in zip(a["chunks"], a["masks"], b["masks"]):
         if ma.shape == mb.shape and torch.equal(ma, mb):
@@ -148,9 +136,13 @@ def compare_step(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], a
             if ta != tb:
                 bad.append(f"seq {sid} query pos {C + i}: {na} sees {ta}, {nb} sees {tb}")
     n_q = sum(T for *_, T in a["chunks"])
-    checks["mask"] = {"ok": not bad, "detail": f"{n_q} queries, same visible keys" if not bad else
-                      "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")}
-    # K/V of every layer for every request holding cache
+    return {"ok": not bad, "detail": f"{n_q} queries, same visible keys" if not bad else
+            "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")}
+
+
+def _check_kv(a: dict[str, Any], b: dict[str, Any], na: str, nb: str, atol: float) -> dict[str, Any]:
+    """K/V of every layer for every request holding cache (``[n_layer, L, n_kv_heads, hd]``), max |Δ|
+    within ``atol``; on a hybrid model the GDN state too (:func:`_check_state`)."""
     worst, why = 0.0, []
     if set(a["kv"]) != set(b["kv"]):
         why.append(f"requests holding cache differ: {na} {sorted(a['kv'])} vs {nb} {sorted(b['kv'])}")
@@ -171,27 +163,36 @@ def compare_step(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], a
     n_layer = next(iter(a["kv"].values()))[0].shape[0] if a["kv"] else 0
     detail = f"{len(a['kv'])} seq(s) × {n_layer} layers, max |Δ| {worst:.3g}"
     sa, sb = a.get("state") or {}, b.get("state") or {}
+    state_abs = None
     if sa or sb:  # hybrid: fixed-size GDN state (conv + recurrent) must agree like K/V does
-        sworst, cworst, rworst = 0.0, 0.0, 0.0
-        if set(sa) != set(sb):
-            why.append(f"requests holding GDN state differ: {na} {sorted(sa)} vs {nb} {sorted(sb)}")
-        for sid in sorted(set(sa) & set(sb)):
-            dc = float((sa[sid][0].float() - sb[sid][0].float()).abs().max())  # conv state [n_gdn, conv_dim, K-1]
-            dr = float((sa[sid][1].float() - sb[sid][1].float()).abs().max())  # recurrent state [n_gdn, Hv, dk, dv]
-            d = max(dc, dr)
-            sworst, cworst, rworst = max(sworst, d), max(cworst, dc), max(rworst, dr)
-            if d > atol:
-                why.append(f"seq {sid}: GDN state max |Δ| = {d:.3g}")
+        sworst, state_abs = _check_state(sa, sb, na, nb, atol, why)
         worst = max(worst, sworst)
         detail += f"; GDN conv+recurrent state of {len(sa)} seq(s), max |Δ| {sworst:.3g}"
-        state_abs = {"conv": cworst, "recurrent": rworst}
-    checks["kv"] = {"ok": not why, "max_abs": worst, "detail": detail if not why else "; ".join(why)}
-    if sa or sb:
-        checks["kv"]["state_max_abs"] = state_abs  # GDN state alone: conv and recurrent max |Δ|
-    # tokens
-    ok = a["tokens"] == b["tokens"]
-    checks["tokens"] = {"ok": ok, "detail": "" if ok else f"{na} {a['tokens']} vs {nb} {b['tokens']}"}
-    # logits
+    out = {"ok": not why, "max_abs": worst, "detail": detail if not why else "; ".join(why)}
+    if state_abs is not None:
+        out["state_max_abs"] = state_abs  # GDN state alone: conv and recurrent max |Δ|
+    return out
+
+
+def _check_state(sa: dict[int, Any], sb: dict[int, Any], na: str, nb: str, atol: float,
+                 why: list[str]) -> tuple[float, dict[str, float]]:
+    """GDN conv state ``[n_gdn, conv_dim, K-1]`` and recurrent state ``[n_gdn, Hv, dk, dv]`` per
+    sequence; appends what differs to ``why``. Returns ``(max |Δ|, {"conv", "recurrent"} max |Δ|)``."""
+    sworst, cworst, rworst = 0.0, 0.0, 0.0
+    if set(sa) != set(sb):
+        why.append(f"requests holding GDN state differ: {na} {sorted(sa)} vs {nb} {sorted(sb)}")
+    for sid in sorted(set(sa) & set(sb)):
+        dc = float((sa[sid][0].float() - sb[sid][0].float()).abs().max())  # conv state [n_gdn, conv_dim, K-1]
+        dr = float((sa[sid][1].float() - sb[sid][1].float()).abs().max())  # recurrent state [n_gdn, Hv, dk, dv]
+        d = max(dc, dr)
+        sworst, cworst, rworst = max(sworst, d), max(cworst, dc), max(rworst, dr)
+        if d > atol:
+            why.append(f"seq {sid}: GDN state max |Δ| = {d:.3g}")
+    return sworst, {"conv": cworst, "recurrent": rworst}
+
+
+def _check_logits(a: dict[str, Any], b: dict[str, Any], atol: float) -> dict[str, Any]:
+    """The logits rows used for sampling (``[V]`` per sampling request), max |Δ| within ``atol``."""
     worst, why = 0.0, []
     for sid in sorted(set(a["logits"]) | set(b["logits"])):
         if sid not in a["logits"] or sid not in b["logits"]:
@@ -201,9 +202,8 @@ def compare_step(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], a
         worst = max(worst, d)
         if d > atol:
             why.append(f"seq {sid}: max |Δlogits| = {d:.3g}")
-    checks["logits"] = {"ok": not why, "max_abs": worst, "rows": len(a["logits"]),
-                        "detail": f"{len(a['logits'])} row(s), max |Δ| {worst:.3g}" if not why else "; ".join(why)}
-    return out
+    return {"ok": not why, "max_abs": worst, "rows": len(a["logits"]),
+            "detail": f"{len(a['logits'])} row(s), max |Δ| {worst:.3g}" if not why else "; ".join(why)}
 
 
 def _chunks_text(chunks: list[tuple]) -> str:
@@ -229,8 +229,6 @@ def diff_backends(loaded: Any, prompts: list[Any], opts: EngineOptions, atol: fl
     Raises:
         InfertraceError: as the engine does (prompt too long, cache too small, ...).
     """
-    from infertrace.runner import encode_prompt
-
     dtype = str(loaded.model.dtype).replace("torch.", "")
     atol = ATOL.get(dtype, 1e-4) if atol is None else atol
     engines, caps = [], []
@@ -239,8 +237,7 @@ def diff_backends(loaded: Any, prompts: list[Any], opts: EngineOptions, atol: fl
                     sampler_order=opts.sampler_order or "hf")  # one order for both: the caches are compared
         cap = StepCapture()
         e = Engine(loaded.model, loaded.tokenizer, o, cap)
-        for s in prompts:
-            e.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
+        submit(e, encode_requests(loaded.tokenizer, prompts))
         engines.append(e)
         caps.append(cap)
     steps, mismatches = [], []
@@ -278,15 +275,10 @@ def _storage(e: Engine) -> dict[str, Any]:
     """Storage facts: ``layers`` counts the layers holding K/V (hybrid models: the attention layers only,
     named in ``kv_layers``); ``state`` (hybrid only) the GDN conv and recurrent state per layer."""
     kv, cfg = e.kv, e.model.cfg
-    kv_layers = list(getattr(kv, "kv_layers", range(cfg.n_layer)))
-    if kv.kind == "cells":
-        out = {"kind": "cells", "shape": [kv.size, cfg.n_head_kv, cfg.head_dim], "tensors": "k_l, v_l per layer",
-               "mask": "explicit kq_mask ne = [n_kv, n_tokens_pad, 1, n_stream], 0 / -inf"}
-    else:
-        out = {"kind": "paged", "shape": [kv.num_blocks, 2, cfg.n_head_kv, kv.B, cfg.head_dim], "tensors": "pool per layer",
-               "mask": "no dense tensor: mask_type causal + seq_lens, kv_lens, cu_seqlens, block tables"}
-    out.update(layers=len(kv_layers), n_layer=cfg.n_layer, kv_layers=kv_layers)
-    st = getattr(kv, "state", None)
+    mem = kv.describe()
+    out = {"kind": mem["kind"], "shape": mem["physical_shape"], "tensors": mem["tensors"], "mask": mem["mask"]}
+    out.update(layers=len(mem["kv_layers"]), n_layer=cfg.n_layer, kv_layers=mem["kv_layers"])
+    st = kv.recurrent_state()
     if st is not None:
         out["state"] = {"layers": list(st.layers), "conv": [st.n_slots, *st.conv_shape], "recurrent": [st.n_slots, *st.rec_shape]}
     return out

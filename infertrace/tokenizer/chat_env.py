@@ -23,7 +23,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from infertrace.model.template_limits import LimitedSandbox
+from infertrace.tokenizer.template_limits import LimitedSandbox
 
 
 class GenerationTag(jinja2.ext.Extension):
@@ -82,7 +82,7 @@ def chat_environment() -> ImmutableSandboxedEnvironment:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    # the sandbox with render limits (time, loop iterations, call depth, sizes: model/template_limits.py)
+    # the sandbox with render limits (time, loop iterations, call depth, sizes: tokenizer/template_limits.py)
     env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception

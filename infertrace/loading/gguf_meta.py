@@ -109,7 +109,7 @@ def header_from_reader(p: Path, reader: Any) -> GGUFHeader:
     """Build the :class:`GGUFHeader` from an open ``gguf.GGUFReader`` (the reader of record)."""
     from gguf import GGMLQuantizationType
 
-    from infertrace.model.tokenizer import _gguf_value
+    from infertrace.tokenizer.vocab import _gguf_value
 
     display: dict[str, Any] = {}
     values: dict[str, Any] = {}

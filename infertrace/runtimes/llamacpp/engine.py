@@ -4,7 +4,7 @@ computed by llama.cpp itself; every variable of the trace is what llama.cpp buil
 One engine step = one ``llama_batch`` = one ubatch (``n_ubatch`` >= the step's N, unified KV
 cache, so llama.cpp's ``split_simple`` keeps the packed order). Per step the batch carries each
 token's ``seq_id``, position and ``logits`` flag, exactly as our engine packs it; the eval
-callback of :mod:`infertrace.engine.llamacpp_capture` then gives:
+callback of :mod:`infertrace.runtimes.llamacpp.capture` then gives:
 
 ========================  ==================================================================
 trace field               llama.cpp source
@@ -32,12 +32,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from infertrace.engine.drive import drive, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SampleResult, sample
-from infertrace.engine.llamacpp_capture import Captured, LlamaCppContext
+from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import AttnInputs, ChunkSpec
+from infertrace.kv.base import AttnInputs, CellsInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
+from infertrace.model.taps import EMBED, K, K_ROT, Q, Q_ROT, V
 
 ENGINE = "llama.cpp"
 
@@ -75,8 +77,10 @@ class LlamaCppKV(CellsKV):
             self._check_seq(c.seq_id)
             positions += list(range(c.C, c.C + c.T))
             seq_ids += [c.seq_id] * c.T
-        return AttnInputs(list(chunks), torch.tensor(positions, dtype=torch.int64), torch.tensor(seq_ids, dtype=torch.int64),
-                          self.kind, {})
+        none = torch.zeros(0, dtype=torch.int64)  # filled from llama.cpp's graph inputs by after_decode
+        return CellsInputs(list(chunks), torch.tensor(positions, dtype=torch.int64), torch.tensor(seq_ids, dtype=torch.int64),
+                           self.kind, cell_idx=none, n_kv=0, kq_mask=torch.zeros(1, 1, 0, 0), n_tokens_pad=0,
+                           head_before=self.head, head_after=self.head, cell_pos=none, cell_seq=none)
 
     def after_decode(self, inp: AttnInputs, cap: Captured, step: int) -> None:
         """Apply llama.cpp's placement and fill ``inp`` with its tensors (see the module table).
@@ -100,10 +104,11 @@ class LlamaCppKV(CellsKV):
         m = t["attn_inp_kq_mask"].reshape(ne[3], ne[2], ne[1], ne[0])  # [n_stream, 1, n_tokens, n_kv]
         mask = torch.from_numpy(m.copy())
         inp.positions = pos
-        inp.extra.update({
-            "cell_idx": idx, "n_kv": self._n_kv, "kq_mask": mask, "n_tokens_pad": int(ne[1]), "kq_mask_ne": list(ne),
-            "kq_mask_dtype": cap.dtype["attn_inp_kq_mask"], "head_before": head_before, "head_after": self.head,
-            "cell_pos": self.pos[: self._n_kv].clone(), "cell_seq": self.seq[: self._n_kv].clone(),
+        inp.cell_idx, inp.n_kv, inp.kq_mask, inp.n_tokens_pad = idx, self._n_kv, mask, int(ne[1])
+        inp.head_before, inp.head_after = head_before, self.head
+        inp.cell_pos, inp.cell_seq = self.pos[: self._n_kv].clone(), self.seq[: self._n_kv].clone()
+        inp.extra.update({  # what only a captured llama.cpp step has
+            "kq_mask_ne": list(ne), "kq_mask_dtype": cap.dtype["attn_inp_kq_mask"],
             "out_ids": t["out_ids"].reshape(-1).astype(int).tolist() if "out_ids" in t else None,
             "inp_tokens": t["inp_tokens"].reshape(-1).astype(int).tolist() if "inp_tokens" in t else None,
         })
@@ -168,7 +173,7 @@ class LlamaCppKV(CellsKV):
 
 
 class LlamaCppModel:
-    """Stands in for :class:`~infertrace.model.llama.LlamaModel` in the engine loop: ``forward``
+    """Stands in for :class:`~infertrace.model.decoder.DecoderModel` in the engine loop: ``forward``
     decodes the step with llama.cpp and returns its logits rows."""
 
     def __init__(self, base: Any, lctx: LlamaCppContext):
@@ -200,7 +205,7 @@ class LlamaCppModel:
     def _taps(self, cap: Captured, N: int, tracer: Any) -> None:
         cfg, t, il = self.cfg, cap.tensors, self.lctx.layer
         if "embd" in t:
-            tracer.tap("embed", hidden=torch.from_numpy(t["embd"].reshape(N, -1).astype(np.float32)))  # [N, H]
+            tracer.tap(EMBED, value=torch.from_numpy(t["embd"].reshape(N, -1).astype(np.float32)))  # [N, H]
         names = (f"Qcur-{il}", f"Kcur-{il}", f"Vcur-{il}")
         if all(n in t for n in names):
             nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -208,33 +213,37 @@ class LlamaCppModel:
             def qk(a: np.ndarray, heads: int) -> torch.Tensor:
                 return torch.from_numpy(norm_to_neox(a.reshape(N, heads, hd).astype(np.float32)))  # [N, heads, hd]
 
-            tracer.tap("rope", layer=il, q=qk(cap.first[names[0]], nh), q_rot=qk(t[names[0]], nh),
-                       k=qk(cap.first[names[1]], nkv), k_rot=qk(t[names[1]], nkv),
-                       v=torch.from_numpy(t[names[2]].reshape(N, nkv, hd).astype(np.float32)))
+            got = {Q: qk(cap.first[names[0]], nh), Q_ROT: qk(t[names[0]], nh), K: qk(cap.first[names[1]], nkv),
+                   K_ROT: qk(t[names[1]], nkv), V: torch.from_numpy(t[names[2]].reshape(N, nkv, hd).astype(np.float32))}
+            for name, value in got.items():  # the block taps llama.cpp's graph lets us read (Qcur/Kcur/Vcur)
+                if il in tracer.layers and name in tracer.taps:
+                    tracer.tap(name, layer=il, value=value)
 
 
 class LlamaCppEngine(Engine):
     """:class:`Engine` whose forward pass and cache are llama.cpp's.
 
     Args:
-        loaded: :class:`~infertrace.runner.Loaded` (tokenizer, config; the GGUF path).
+        loaded: :class:`~infertrace.loading.model.Loaded` (tokenizer, config; the GGUF path).
         opts: engine options (backend must be ``cells``: llama.cpp's convention).
         tracer: recorder or null tracer.
         layer: the layer whose Q/K/V and cache are captured.
         forced: teacher forcing, ``{seq_id: [token, ...]}``: the i-th sampled token of a request
             is replaced by ``forced[seq_id][i]`` (llama.cpp's own choice is kept in ``top``).
         n_seq_max: sequences llama.cpp must hold (the number of requests).
+        flash_attn: ``auto`` | ``on`` | ``off`` (``--llamacpp-flash-attn``; see :class:`LlamaCppContext`).
 
     Raises:
         InfertraceError: llama-cpp-python missing, non-GGUF model, ``--backend paged``.
     """
 
     def __init__(self, loaded: Any, opts: EngineOptions, tracer: Any, layer: int = 0,
-                 forced: dict[int, list[int]] | None = None, n_seq_max: int = 1, n_threads: int = 2):
+                 forced: dict[int, list[int]] | None = None, n_seq_max: int = 1, n_threads: int = 2,
+                 flash_attn: str = "auto"):
         if opts.backend != "cells":
             raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
         n_batch = max(1, min(opts.max_batch_tokens, opts.ctx_size))
-        self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads)
+        self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads, flash_attn)
         self.lmodel = LlamaCppModel(loaded.model, self.lctx)
         super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)
         self.kv = self.scheduler.kv = LlamaCppKV(loaded.config, self.lctx, opts.n_seq_max, layer)
@@ -256,27 +265,31 @@ class LlamaCppEngine(Engine):
 
 def run_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, recorder: Any, layer: int = 0,
                  forced: dict[int, list[int]] | None = None, on_step: Callable[[Any], None] | None = None,
-                 keep_captures: bool = False) -> tuple[LlamaCppEngine, list[str]]:
-    """Run ``prompts`` through llama.cpp with our scheduler; returns the finished engine and notes.
+                 keep_captures: bool = False, flash_attn: str = "auto") -> tuple[LlamaCppEngine, list[str]]:
+    """Run ``prompts`` through llama.cpp with our scheduler; returns the finished engine and notes
+    (``flash_attn``: ``auto`` | ``on`` | ``off``, llama.cpp's ``flash_attn_type``).
 
     Raises:
         InfertraceError: as :class:`LlamaCppEngine`, or a llama_decode failure.
     """
-    from infertrace.runner import encode_prompt
-
-    eng = LlamaCppEngine(loaded, opts, recorder, layer, forced, n_seq_max=max(1, len(prompts)))
+    eng = LlamaCppEngine(loaded, opts, recorder, layer, forced, n_seq_max=max(1, len(prompts)), flash_attn=flash_attn)
     eng.lmodel.keep_captures = keep_captures
-    for s in prompts:
-        eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
     emitted = 0
-    while eng.step() is not None:
+
+    def emit(_batch: Any) -> None:  # hand each new StepTrace of the recorder to on_step as it is made
+        nonlocal emitted
         steps = getattr(recorder, "steps", None)
-        if on_step is not None and steps is not None:
+        if steps is not None:
             for st in steps[emitted:]:
-                on_step(st)
+                on_step(st)  # type: ignore[misc]
             emitted = len(steps)
+
+    drive(eng, encode_requests(loaded.tokenizer, prompts), emit if on_step is not None else None, max_steps=None)
+    st = eng.lctx.settings()
     notes = [f"engine llama.cpp (llama-cpp-python {_version()}): n_ctx {eng.lctx.n_ctx}, n_ubatch = n_batch "
-             f"{min(opts.max_batch_tokens, opts.ctx_size)}, kv_unified, one llama_batch per step"]
+             f"{min(opts.max_batch_tokens, opts.ctx_size)}, kv_unified, one llama_batch per step",
+             f"llama.cpp flash attention {st['flash_attn'] or '?'} (asked {st['flash_attn_type']}), K/V cache "
+             f"{st['type_k']}/{st['type_v']}, {st['n_threads']} threads: these change its numbers"]
     if eng.lctx.n_ctx != opts.ctx_size:
         notes.append(f"llama.cpp pads n_ctx to a multiple of 256: {opts.ctx_size} -> {eng.lctx.n_ctx} cells")
     notes += eng.kv.notes
@@ -296,7 +309,7 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
                           show: tuple[str, ...] | None = None, on_step: Callable[[Any], None] | None = None,
                           options_for_record: dict[str, Any] | None = None,
                           tensors: dict[str, torch.Tensor] | None = None,
-                          forced: dict[int, list[int]] | None = None) -> Any:
+                          forced: dict[int, list[int]] | None = None, flash_attn: str = "auto") -> Any:
     """:func:`infertrace.runner.run_requests` with llama.cpp computing: the same records, with
     ``engine = "llama.cpp"`` in the header.
 
@@ -304,11 +317,12 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         loaded: the GGUF model (our tokenizer and config; llama.cpp loads the same file).
         tensors: as ``run_requests`` (layer ``layer`` only: K/V cache, Q/K/V, hidden, top-k logits).
         forced: teacher forcing (see :class:`LlamaCppEngine`).
+        flash_attn: ``auto`` | ``on`` | ``off`` (``--llamacpp-flash-attn``); what ran is in the header.
 
     Raises:
         InfertraceError: bad layer, llama-cpp-python missing, non-GGUF model, decode failure.
     """
-    from infertrace.runner import model_identity
+    from infertrace.loading.model import model_identity
     from infertrace.capture.recorder import VARIABLES, Recorder
     from infertrace.trace.records import RunTrace
 
@@ -319,7 +333,7 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
     show = tuple(show or VARIABLES)
     rec = Recorder(loaded.tokenizer, cfg, layer=layer, show=show, layers=[layer], tensors=tensors)
-    eng, notes = run_llamacpp(loaded, prompts, opts, rec, layer, forced, on_step)
+    eng, notes = run_llamacpp(loaded, prompts, opts, rec, layer, forced, on_step, flash_attn=flash_attn)
     try:
         tok = loaded.tokenizer
         reqs = [{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
@@ -327,8 +341,7 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
                  "num_preemptions": r.num_preemptions, "params": r.params.to_dict()} for r in eng.requests.values()]
         options = {"backend": "cells", "attention": "llama.cpp", **(options_for_record or {}), "engine": asdict(opts),
                    "layer": layer, "show": list(show), "sampler_order": eng.sampler_order,
-                   "llama_cpp": {"version": _version(), "n_ctx": eng.lctx.n_ctx, "n_ubatch": eng.lctx.n_batch,
-                                 "kv_unified": True, "teacher_forced": bool(forced)}}
+                   "llama_cpp": {"version": _version(), **eng.lctx.settings(), "teacher_forced": bool(forced)}}
         return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
                         notes=list(loaded.ckpt.notes) + notes, steps=list(rec.steps), requests=reqs, engine=ENGINE)
     finally:

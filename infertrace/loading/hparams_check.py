@@ -3,7 +3,7 @@
 The config builders convert with ``int()`` / ``float()``, which would truncate ``2.5`` layers to 2,
 turn ``true`` into 1 and accept ``Infinity`` (Python's ``json`` parses ``Infinity`` and ``NaN``).
 These checks run on the raw values first: integer fields must be integers (not floats, bools or
-strings), float fields finite real numbers, sizes within :mod:`infertrace.model.limits`, and the
+strings), float fields finite real numbers, sizes within :mod:`infertrace.loading.limits`, and the
 layer count no larger than the layers whose tensors are actually present — so a ``block_count``
 of 2^31 is refused before any per-layer name is built.
 
@@ -18,7 +18,7 @@ import re
 from typing import Any, Iterable
 
 from infertrace.errors import InfertraceError
-from infertrace.model.limits import MAX_CTX_TRAIN, MAX_DIM, MAX_LAYERS, MAX_VOCAB
+from infertrace.loading.limits import MAX_CTX_TRAIN, MAX_DIM, MAX_LAYERS, MAX_VOCAB
 
 _INF = float("inf")
 #: HF int fields: (name, min, max). None is accepted where HF allows null.
