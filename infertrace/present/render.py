@@ -122,6 +122,10 @@ def render_header(console: Console, trace: RunTrace) -> None:
     if eng.get("prefill_chunk"):
         detail += f" · prefill_chunk {eng['prefill_chunk']}"
     extra = " · ".join(f"{k} {o[k]}" for k in ("dtype", "device") if k in o)
+    wq = o.get("weights")
+    if isinstance(wq, dict) and wq.get("weights") == "quant":  # --weights quant: the kernel of each GGUF type
+        ks = wq.get("kernels") if isinstance(wq.get("kernels"), dict) else {}
+        extra += " · weights quant (" + ", ".join(f"{t} {k}" for t, k in list(ks.items())[:16]) + ")"
     if getattr(trace, "engine", "infertrace") == "llama.cpp":
         lc = o.get("llama_cpp", {}) if isinstance(o.get("llama_cpp"), dict) else {}
         conv = (f"computed by llama.cpp itself (llama-cpp-python {lc.get('version', '?')}, n_ctx {lc.get('n_ctx', '?')}"

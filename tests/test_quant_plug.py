@@ -1,0 +1,47 @@
+"""``--weights quant`` through the decoder's linear-op point (issue 20): recorded in the trace,
+shown in the header, the same greedy tokens as the float path in float32 (whose quantised
+kernel multiplies gguf-py's exact weights), refused where it cannot run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infertrace.errors import InfertraceError
+from infertrace.loading.model import resolve_weights
+
+
+def _run(tmp_path, name, *args):
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+
+    out = tmp_path / name
+    r = CliRunner().invoke(app, ["run", "--prompt", "The capital of France is", "-n", "4", "--save", str(out), *args])
+    assert r.exit_code == 0, r.output
+    return json.loads((out / "trace.json").read_text()), r.output
+
+
+def test_quant_float32_matches_float_and_is_recorded(tmp_path):
+    q, out_q = _run(tmp_path, "q", "--weights", "quant")
+    f, _ = _run(tmp_path, "f", "--weights", "float")
+    assert q["options"]["weights"] == {"weights": "quant", "kernels": {"Q4_1": "dequant", "Q8_0": "dequant"}}
+    assert "weights" not in f["options"]  # the float path's options (and goldens) are unchanged
+    assert q["requests"][0]["output_ids"] == f["requests"][0]["output_ids"]
+
+
+def test_quant_bf16_header_names_the_kernels(tmp_path):
+    q, out = _run(tmp_path, "b", "--dtype", "bfloat16")  # auto: a GGUF in bf16 on the CPU -> quant
+    assert q["options"]["weights"]["kernels"] == {"Q4_1": "int4pack", "Q8_0": "int4x2"}
+    assert "weights quant (Q4_1 int4pack, Q8_0 int4x2)" in " ".join(out.split())
+
+
+def test_weights_choice(tmp_path, smol_path):
+    assert resolve_weights("auto", smol_path, "float32", "cpu") == "float"
+    assert resolve_weights("auto", smol_path, "bfloat16", "cpu") == "quant"
+    assert resolve_weights("auto", tmp_path, "bfloat16", "cpu") == "float"  # an HF directory
+    with pytest.raises(InfertraceError, match="reads GGUF files"):
+        resolve_weights("quant", tmp_path, "float32", "cpu")
+    with pytest.raises(InfertraceError, match="--weights must be one of"):
+        resolve_weights("int3", smol_path, "float32", "cpu")
