@@ -1,0 +1,123 @@
+"""Issue 22, tried as a hostile but realistic user would: each fix checked against an independent value.
+
+* context shift (C1, C2) against llama.cpp itself: llama-cpp-python's own KV cache driven with the
+  server's rule (``n_keep = min(n_ctx - 4, --n-keep + add_bos)``, ``n_discard = (n_past - n_keep) / 2``,
+  ``llama_memory_seq_rm`` + ``llama_memory_seq_add``) gives the same shifts, tokens and logits as ours;
+* llama.cpp's ``--repeat-last-n -1`` is ``n_ctx`` (``common_init_from_params`` / the server's
+  ``params_from_json_cmpl``: "setting penalty_last_n to ctx_size"), which differs from "every token
+  seen" once a context shift lets a request see more than ``n_ctx`` tokens (S4);
+* hostile traces and files (L2, X3, G2, T3).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from infertrace.engine.engine import EngineOptions
+from infertrace.engine.sampler import SamplingParams
+from infertrace.loading.weights import load_checkpoint
+from infertrace.model.llama import LlamaModel
+from infertrace.runner import Loaded, PromptSpec, run_requests
+from tests.tiny import make_weights, write_gguf
+
+PROMPT = [72, 101, 108, 108, 111, 33, 34, 35, 100, 101]
+
+
+def _llamacpp_shift_run(L, path, ids: list[int], n_keep_arg: int, ctx: int, n_new: int, add_bos: bool,
+                        penalties: tuple[int, float] | None = None):
+    """Greedy generation by llama.cpp (F32 K/V, no flash attention) with the server's context shift done
+    through llama.cpp's own ``llama_memory_seq_rm`` / ``llama_memory_seq_add``; ``penalties`` =
+    ``(penalty_last_n, repeat_penalty)`` through ``llama_sampler_init_penalties`` (prompt accepted first).
+    Returns (tokens, per-step logits [V] float32, shifts as (n_past, n_keep, n_discard))."""
+    llm = L.Llama(model_path=str(path), n_ctx=ctx, n_batch=ctx, swa_full=True, verbose=False, type_k=0, type_v=0,
+                  flash_attn=False, n_threads=1)
+    mem = L.llama_get_memory(llm._ctx.ctx)
+    V = llm.n_vocab()
+    smpl = None
+    if penalties is not None:
+        smpl = L.llama_sampler_init_penalties(V, penalties[0], penalties[1], 0.0, 0.0)
+        for t in ids:
+            L.llama_sampler_accept(smpl, t)
+    llm.eval(ids)
+    cache, out, logits, shifts = list(ids), [], [], []
+    for i in range(n_new):
+        lg = np.ctypeslib.as_array(L.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(V,)).copy()  # [V]
+        logits.append(lg)
+        x = lg
+        if smpl is not None:
+            data = (L.llama_token_data * V)(*[L.llama_token_data(j, float(v), 0.0) for j, v in enumerate(lg)])
+            arr = L.llama_token_data_array(data=ctypes.cast(data, L.llama_token_data_p), size=V, selected=-1, sorted=False)
+            L.llama_sampler_apply(smpl, ctypes.byref(arr))
+            x = np.empty(V, dtype=np.float32)
+            for j in range(arr.size):
+                x[arr.data[j].id] = arr.data[j].logit
+        t = int(np.argmax(x))
+        out.append(t)
+        if smpl is not None:
+            L.llama_sampler_accept(smpl, t)
+        if i == n_new - 1:
+            break
+        n_past = len(cache)
+        if n_past + 1 >= ctx:  # server update_slots / pre_decode
+            n_keep = min(ctx - 4, n_keep_arg + int(add_bos))
+            n_left = n_past - n_keep
+            n_discard = max(0, min(n_left // 2, n_left - 1))
+            shifts.append((n_past, n_keep, n_discard))
+            L.llama_memory_seq_rm(mem, 0, n_keep, n_keep + n_discard)
+            L.llama_memory_seq_add(mem, 0, n_keep + n_discard, n_past, -n_discard)
+            cache = cache[:n_keep] + cache[n_keep + n_discard:]
+            llm.n_tokens = len(cache)
+            llm.input_ids[: len(cache)] = cache
+        llm.eval([t])
+        cache.append(t)
+    if smpl is not None:
+        L.llama_sampler_free(smpl)
+    return out, logits, shifts
+
+
+def _ours(path, ids, n_keep, ctx, n_new, backend, **params):
+    ck = load_checkpoint(path)
+    loaded = Loaded(ck, LlamaModel(ck.config, ck.weights))
+    tr = run_requests(loaded, [PromptSpec("", SamplingParams(max_new_tokens=n_new, ignore_eos=True, **params), ids=ids)],
+                      EngineOptions(backend=backend, ctx_size=ctx, tokens_per_block=4, context_shift=True, n_keep=n_keep,
+                                    sampler_order="llama.cpp"), show=("positions", "decode"))
+    tops = [pr["top"] for st in tr.steps for pr in st.decode.per_request]
+    shifts = [(r.shift["n_past"], r.shift["n_keep"], r.shift["n_discard"]) for st in tr.steps for r in st.batch if r.shift]
+    return tr, tr.requests[0]["output_ids"], tops, shifts
+
+
+@pytest.fixture(scope="module")
+def bos_gguf(tmp_path_factory):
+    w, s = make_weights(seed=3)
+    return write_gguf(tmp_path_factory.mktemp("bos") / "m.gguf", w, s, add_bos=True)
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+@pytest.mark.parametrize("n_keep, shifts", [(0, [(11, 1, 5)]), (2, [(11, 3, 4)]), (8, [(11, 8, 1)] * 4)])
+def test_context_shift_equals_llamacpps_own_kv_cache(llama_cpp, bos_gguf, backend, n_keep, shifts):
+    """Case C1 against llama.cpp itself: [BOS, "abcde"], ctx 12, 10 greedy tokens. --n-keep 8 is n_ctx - 4:
+    with the BOS it would be 9, clamped to 8 (llama.cpp's min(n_ctx - 4, n_keep)), one token dropped per
+    shift. Same shifts, same tokens, top-5 logits within 1e-4 of llama.cpp's (measured 6.5e-6)."""
+    ids = [257, 97, 98, 99, 100, 101]
+    ref, ref_logits, ref_shifts = _llamacpp_shift_run(llama_cpp, bos_gguf, ids, n_keep, 12, 10, add_bos=True)
+    assert ref_shifts == shifts
+    _, out, tops, ours_shifts = _ours(bos_gguf, ids, n_keep, 12, 10, backend)
+    assert ours_shifts == shifts and out == ref
+    assert max(abs(t["logit"] - float(ref_logits[i][t["id"]])) for i, top in enumerate(tops) for t in top) <= 1e-4
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_gemma3_context_shift_equals_llamacpps_own_k_shift(llama_cpp, tmp_path, backend):
+    """Case C2 against llama.cpp's own K-shift (build_rope_shift per layer: windowed layers base 10000,
+    global 1e6): 6-layer tiny Gemma 3, window 4, ctx 16, --n-keep 2, two shifts of 6. Top-5 logits
+    within 2e-3 of llama.cpp's at every step (the floor before any shift is already 3e-4 on this model:
+    GELU-tanh and norms in ggml's order; measured max 8.2e-4, unchanged by the shifts)."""
+    w, s = make_weights(family="gemma3", n_layer=6, seed=5)
+    path = write_gguf(tmp_path / "g.gguf", w, s, kv={"attention.sliding_window": 4})
+    ref, ref_logits, ref_shifts = _llamacpp_shift_run(llama_cpp, path, PROMPT, 2, 16, 14, add_bos=False)
+    _, out, tops, ours_shifts = _ours(path, PROMPT, 2, 16, 14, backend)
+    assert ref_shifts == ours_shifts == [(15, 2, 6)] * 2 and out == ref
+    assert max(abs(t["logit"] - float(ref_logits[i][t["id"]])) for i, top in enumerate(tops) for t in top) <= 2e-3
