@@ -121,3 +121,17 @@ def test_gemma3_context_shift_equals_llamacpps_own_k_shift(llama_cpp, tmp_path, 
     _, out, tops, ours_shifts = _ours(path, PROMPT, 2, 16, 14, backend)
     assert ref_shifts == ours_shifts == [(15, 2, 6)] * 2 and out == ref
     assert max(abs(t["logit"] - float(ref_logits[i][t["id"]])) for i, top in enumerate(tops) for t in top) <= 2e-3
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_penalty_window_minus_one_is_n_ctx_under_context_shift(llama_cpp, bos_gguf, backend):
+    """Case S4, -1 past the context: llama.cpp turns --repeat-last-n -1 into n_ctx (common_init_from_params,
+    server params_from_json_cmpl) before building the chain, so with a context shift the window is the
+    last 12 tokens, not every token seen. [BOS, "abcde"], ctx 12, --n-keep 0, 24 tokens, repetition 3:
+    the same tokens as llama.cpp's own penalties sampler (window 12) over its own shifted cache."""
+    ids = [257, 97, 98, 99, 100, 101]
+    ref, _, ref_shifts = _llamacpp_shift_run(llama_cpp, bos_gguf, ids, 0, 12, 24, add_bos=True, penalties=(12, 3.0))
+    tr, out, _, shifts = _ours(bos_gguf, ids, 0, 12, 24, backend, repetition_penalty=3.0, penalty_last_n=-1)
+    assert shifts == ref_shifts and len(shifts) >= 2
+    assert out == ref
+    assert tr.requests[0]["params"]["penalty_last_n"] == 12  # recorded as run, as llama.cpp logs it
