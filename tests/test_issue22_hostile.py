@@ -135,3 +135,53 @@ def test_penalty_window_minus_one_is_n_ctx_under_context_shift(llama_cpp, bos_gg
     assert shifts == ref_shifts and len(shifts) >= 2
     assert out == ref
     assert tr.requests[0]["params"]["penalty_last_n"] == 12  # recorded as run, as llama.cpp logs it
+
+
+# ----------------------------------------------------------------------------- X3: a shift record that lies
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_check_catches_a_shift_whose_shown_ranges_lie(tmp_path, backend):
+    """A real context-shift trace ("abcde", ctx 12, --n-keep 1: n_past 11, drop 1..5, move 6..10 -> 1..5)
+    passes check; tampered so that what ``show`` prints is not what n_keep / n_discard did, it fails with
+    step, seq and variable: ``removed`` claiming the BOS range 0..4, ``moved`` elsewhere, n_keep moved by
+    one with the ranges left (paged: nothing else catches it, no cell identity), and the request's copy of
+    the shift differing from the step's op."""
+    import copy
+    import json
+
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+    from infertrace.trace.check import check_trace
+
+    w, s = make_weights(seed=5)
+    g = write_gguf(tmp_path / "m.gguf", w, s)
+    d = tmp_path / "t"
+    r = CliRunner().invoke(app, ["run", "-m", str(g), "--ignore-eos", "--save", str(d), "-p", "abcde", "--ctx-size", "12",
+                                 "-n", "10", "--context-shift", "--n-keep", "1", "--backend", backend,
+                                 "--tokens-per-block", "4", "--keep", "summary"])
+    assert r.exit_code == 0, r.output
+    m = json.loads((d / "trace.json").read_text(encoding="utf-8"))
+    assert check_trace(m)[0] is None
+    st_i = next(i for i, st in enumerate(m["steps"]) if any(x.get("shift") for x in st["batch"]))
+    sh = m["steps"][st_i]["batch"][0]["shift"]
+    assert (sh["n_past"], sh["n_keep"], sh["n_discard"], sh["removed"], sh["moved"]) == (11, 1, 5, "1..5", "6..10 -> 1..5")
+
+    def tampered(edit, both=True):
+        bad = copy.deepcopy(m)
+        st = bad["steps"][st_i]
+        targets = [st["batch"][0]["shift"]] + ([o for o in st["serving"]["ops_before_step"]] if both else [])
+        for t in targets:
+            edit(t)
+        return check_trace(bad)[0]
+
+    for edit, rule, text in (
+            (lambda t: t.update(removed="0..4"), "context shift of the cached positions", "removed '0..4' is not '1..5'"),
+            (lambda t: t.update(moved="1..2 -> 7..8"), "context shift of the cached positions", "is not '6..10 -> 1..5'"),
+            (lambda t: t.update(n_keep=2), "context shift of the cached positions", "removed '1..5' is not '2..6'")):
+        v = tampered(edit)
+        assert v and (v.step, v.seq_id, v.variable, v.rule) == (m["steps"][st_i]["step"], 0, "positions", rule)
+        assert text in v.detail
+    v = tampered(lambda t: t.update(k_shift_max_abs_layer0=0.5), both=False)  # the row alone: show prints the row's
+    assert v and (v.seq_id, v.variable, v.rule) == (0, "serving", "context shift recorded once")

@@ -10,7 +10,9 @@ variable):
    (``ReqStep.prefix``: the chunk starts where the hit ends, ``0 <= hit < prompt_len``, vLLM /
    llama.cpp server recompute at least the last prompt token) and a context shift before the step
    (``serving.ops_before_step``: it shifts the ``n_past`` positions the sequence held, drops
-   ``n_discard >= 1`` after ``n_keep``, and positions continue at ``n_past_after = n_past - n_discard``).
+   ``n_discard >= 1`` after ``n_keep``, and positions continue at ``n_past_after = n_past - n_discard``;
+   its ``removed`` / ``moved`` ranges are the ones ``n_keep`` / ``n_discard`` imply, and a request's
+   copy of the shift equals the step's op).
 2. **positions (RoPE)** -- every recorded ``cos``/``sin`` is ``cos(pos * inv_freq[i])`` /
    ``sin(...)`` for its position (1e-5: values are stored rounded to 6 digits).
 3. **mask (causality)** -- no query sees a later position, and each query sees its own.
@@ -159,6 +161,11 @@ class _Checker:
         for r in reqs:
             if isinstance(r.get("shift"), dict) and r["seq_id"] not in shifts:
                 shifts[r["seq_id"]] = r["shift"]
+            elif isinstance(r.get("shift"), dict):  # the row's copy of the op must be the op (show prints the row's)
+                self.n_checks += 1
+                if r["shift"] != shifts[r["seq_id"]]:
+                    self.fail(s, r["seq_id"], "serving", "context shift recorded once",
+                              "the request's shift differs from the step's ops_before_step record of it")
         self.shifts = shifts
         for sid, op in shifts.items():
             n_past, n_keep, n_disc, after = op.get("n_past"), op.get("n_keep"), op.get("n_discard"), op.get("n_past_after")
@@ -175,6 +182,14 @@ class _Checker:
                 self.fail(s, sid, "positions", "context shift of the cached positions",
                           f"n_keep {n_keep}, n_discard {n_disc} of n_past {n_past} cannot leave n_past_after {after} "
                           f"(= n_past - n_discard, with n_keep + n_discard <= n_past)")
+            self.n_checks += 1
+            want = {"removed": f"{n_keep}..{n_keep + n_disc - 1}",
+                    "moved": f"{n_keep + n_disc}..{n_past - 1} -> {n_keep}..{after - 1}" if n_keep + n_disc < n_past else None}
+            for key, text in want.items():  # the ranges shown are the ones n_keep / n_discard imply
+                if op.get(key) is not None and text is not None and op.get(key) != text:
+                    self.fail(s, sid, "positions", "context shift of the cached positions",
+                              f"the shift's {key} {op.get(key)!r} is not {text!r} (n_keep {n_keep}, n_discard {n_disc}, "
+                              f"n_past {n_past})")
             self.next_pos[sid] = after
         prefix = sv.get("prefix") if isinstance(sv.get("prefix"), dict) else {}
         hits: dict[int, dict[str, Any]] = {}
