@@ -185,3 +185,54 @@ def test_check_catches_a_shift_whose_shown_ranges_lie(tmp_path, backend):
         assert text in v.detail
     v = tampered(lambda t: t.update(k_shift_max_abs_layer0=0.5), both=False)  # the row alone: show prints the row's
     assert v and (v.seq_id, v.variable, v.rule) == (0, "serving", "context shift recorded once")
+
+
+# ----------------------------------------------------------------------------- --audit-kv on a hybrid model
+
+
+def test_audit_recomputation_of_a_hybrid_equals_hfs_cache(tmp_path):
+    """--audit-kv on Qwen3.5 (GDN + attention layers, partial rotary) crashed with an internal error
+    (the from-scratch recomputation built a plain cells cache the hybrid forward cannot use). Its
+    recomputation now runs the hybrid memory, and the attention layers' K/V equal HF's own hybrid cache
+    (DynamicCache layers 1 and 3; measured 3.6e-6); GDN layers have no K/V (None)."""
+    import torch
+
+    pytest.importorskip("transformers")
+    from infertrace.kv.audit import recompute_kv
+    from infertrace.model.decoder import DecoderModel
+    from tests.tiny_qwen35 import hf_model, make_weights as q35_weights, write_hf_dir
+
+    w, s = q35_weights(seed=3)
+    ck = load_checkpoint(write_hf_dir(tmp_path / "q35", w, s))
+    m = DecoderModel(ck.config, ck.weights)
+    ids = [72, 101, 108, 108, 111, 33, 34, 35]
+    with torch.no_grad():
+        cache = hf_model(w, s)(torch.tensor([ids]), use_cache=True).past_key_values
+    fk, fv = recompute_kv(m, ids)
+    attn = [i for i in range(m.cfg.n_layer) if not m.cfg.is_linear(i)]
+    assert attn == [1, 3] and [i for i, k in enumerate(fk) if k is None] == [0, 2]
+    for i in attn:
+        hk, hv = cache.layers[i].keys[0].transpose(0, 1), cache.layers[i].values[0].transpose(0, 1)  # [L, n_kv, hd]
+        assert (fk[i] - hk).abs().max() <= 1e-5 and (fv[i] - hv).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_audit_kv_runs_on_a_hybrid_model(tmp_path, backend):
+    """`run --audit-kv` on a hybrid model: exit 0 (was "internal error: AttributeError"), and every step's
+    audit of the attention layers' cache is exact (<= 1e-5; measured 5.6e-6)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+    from tests.tiny_qwen35 import make_weights as q35_weights, write_gguf as q35_gguf
+
+    w, s = q35_weights(seed=1)
+    g = q35_gguf(tmp_path / "q35.gguf", w, s)
+    r = CliRunner().invoke(app, ["run", "-m", str(g), "-p", "Hello world", "--ctx-size", "16", "-n", "4", "--audit-kv",
+                                 "--backend", backend, "--tokens-per-block", "4", "--ignore-eos", "--json"])
+    assert r.exit_code == 0, r.output
+    t = json.loads(r.output)
+    audits = [st["serving"]["audit"] for st in t["steps"]]
+    assert len(audits) == 4 and all(a["max_abs_exact"] <= 1e-5 for a in audits)
+    assert sum(g["entries"] for g in audits[-1]["by_provenance"]) == 11 + 3  # every cached position audited
