@@ -236,3 +236,50 @@ def test_audit_kv_runs_on_a_hybrid_model(tmp_path, backend):
     audits = [st["serving"]["audit"] for st in t["steps"]]
     assert len(audits) == 4 and all(a["max_abs_exact"] <= 1e-5 for a in audits)
     assert sum(g["entries"] for g in audits[-1]["by_provenance"]) == 11 + 3  # every cached position audited
+
+
+def test_check_catches_a_kept_cell_that_moves(tmp_path):
+    """Cells (llama.cpp): a cell a sequence keeps without writing it holds the same position, or the
+    position the step's context shift moved it to (pos - n_discard past the dropped range). Tampered:
+    a retained finished sequence's cell moved to pos 40 (passed check before), and a shifted cell put at
+    pos 11 instead of 1. Both fail with step, seq and variable kv; the real traces pass."""
+    import copy
+    import json
+
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+    from infertrace.trace.check import check_trace
+
+    w, s = make_weights(seed=5)
+    g = str(write_gguf(tmp_path / "m.gguf", w, s))
+
+    def save(d, *args):
+        r = CliRunner().invoke(app, ["run", "-m", g, "--ignore-eos", "--save", str(d), "--keep", "summary", *args])
+        assert r.exit_code == 0, r.output
+        return json.loads((d / "trace.json").read_text(encoding="utf-8"))
+
+    # seq 0 "abcdefgh" finishes at step 10 and is retained; seq 1 arrives at step 20 and hits its prefix
+    m = save(tmp_path / "ret", "-p", "abcdefgh", "-p", "abcdefxy", "--ctx-size", "20", "-n", "10", "--prefix-cache", "on",
+             "--arrival", "0", "--arrival", "20")
+    assert check_trace(m)[0] is None
+    i = next(i for i, st in enumerate(m["steps"]) if st["kv"]["physical"].get("retained") == [0])
+    i += 1  # a step after the finish: seq 0 is retained and nobody writes its cells
+    bad = copy.deepcopy(m)
+    cell = next(c for c in bad["steps"][i]["kv"]["physical"]["cells"] if c["seq_ids"] == [0] and c["pos"] == 3)
+    cell["pos"] = 40
+    v = check_trace(bad)[0]
+    assert (v.step, v.seq_id, v.variable, v.rule) == (m["steps"][i]["step"], 0, "kv", "a kept cell keeps its position")
+    assert f"cell {cell['cell']} held pos 3 of seq 0 and now holds pos 40, expected 3" in v.detail
+
+    # "abcde", ctx 12, --n-keep 1: the shift moves pos 6..10 to 1..5
+    m = save(tmp_path / "sh", "-p", "abcde", "--ctx-size", "12", "-n", "10", "--context-shift", "--n-keep", "1")
+    assert check_trace(m)[0] is None
+    i = next(i for i, st in enumerate(m["steps"]) if any(r.get("shift") for r in st["batch"]))
+    bad = copy.deepcopy(m)
+    cells = bad["steps"][i]["kv"]["physical"]["cells"]
+    moved = next(c for c in cells if c["pos"] == 1)  # was pos 6 before the shift
+    moved["pos"] = 11  # moved the wrong way (pos 11 is free: the step writes pos 6)
+    v = check_trace(bad)[0]
+    assert (v.step, v.seq_id, v.variable, v.rule) == (m["steps"][i]["step"], 0, "kv", "a kept cell keeps its position")
+    assert "held pos 6 of seq 0 and now holds pos 11, expected 1 after the context shift" in v.detail

@@ -22,7 +22,8 @@ variable):
 5. **kv (ownership)** -- cells: no two cells hold the same (seq, pos); the cells written this
    step were free or released before (finished, preempted, past the sequence's cached length, or
    dropped by a context shift); a sequence joins a cell only by writing it or through its prefix
-   hit (``seq_cp`` of a cell the hit's source held at that position); a finished sequence is in
+   hit (``seq_cp`` of a cell the hit's source held at that position); a cell a sequence keeps without
+   writing it keeps its position (or moves by ``-n_discard`` in the step's context shift); a finished sequence is in
    no cell unless the cache lists it as retained (prefix cache: llama.cpp server keeps a finished
    slot's cells for reuse); after the step each computed request owns exactly
    positions ``0 .. C+T-1`` (after a speculative verify: ``0 .. C + accepted path - 1``, and the
@@ -389,7 +390,16 @@ class _Checker:
                 before = self.prev_cells.get(cell)
                 for sid in seqs:
                     self.n_checks += 1
-                    if (before is not None and sid in before[1]) or cell in wrote.get(sid, ()):
+                    if cell in wrote.get(sid, ()):
+                        continue
+                    if before is not None and sid in before[1]:  # kept: same position, or moved by this step's shift
+                        sh, want = self.shifts.get(sid), before[0]
+                        if sh is not None and _int(want) and want >= sh["n_keep"] + sh["n_discard"]:
+                            want -= sh["n_discard"]
+                        if pos != want:
+                            self.fail(s, sid, "kv", "a kept cell keeps its position",
+                                      f"cell {cell} held pos {before[0]} of seq {sid} and now holds pos {pos}, expected {want}"
+                                      + (" after the context shift" if sh is not None else " (no write, no context shift)"))
                         continue
                     h = self.hits.get(sid)
                     hit = h.get("hit") if isinstance(h, dict) else None
