@@ -283,3 +283,34 @@ def test_check_catches_a_kept_cell_that_moves(tmp_path):
     v = check_trace(bad)[0]
     assert (v.step, v.seq_id, v.variable, v.rule) == (m["steps"][i]["step"], 0, "kv", "a kept cell keeps its position")
     assert "held pos 6 of seq 0 and now holds pos 11, expected 1 after the context shift" in v.detail
+
+
+def test_check_catches_a_retained_sequence_that_is_not_finished(tmp_path):
+    """The prefix cache's retained list names finished sequences (llama.cpp server keeps a finished slot's
+    cells). Tampered to name a sequence never computed (77), or seq 1 while it runs: both passed check
+    before; now each is a kv violation naming the seq."""
+    import copy
+    import json
+
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+    from infertrace.trace.check import check_trace
+
+    w, s = make_weights(seed=5)
+    g = str(write_gguf(tmp_path / "m.gguf", w, s))
+    d = tmp_path / "ret"
+    r = CliRunner().invoke(app, ["run", "-m", g, "--ignore-eos", "--save", str(d), "--keep", "summary", "-p", "abcdefgh",
+                                 "-p", "abcdefxy", "--ctx-size", "20", "-n", "10", "--prefix-cache", "on",
+                                 "--arrival", "0", "--arrival", "20"])
+    assert r.exit_code == 0, r.output
+    m = json.loads((d / "trace.json").read_text(encoding="utf-8"))
+    assert check_trace(m)[0] is None
+    i = next(i for i, st in enumerate(m["steps"]) if st["kv"]["physical"].get("retained") == [0])
+    j = next(j for j, st in enumerate(m["steps"]) if any(x["seq_id"] == 1 for x in st["batch"]))
+    for at, ids, sid, why in ((i, [0, 77], 77, "was never computed"), (j, [0, 1], 1, "is running in this step")):
+        bad = copy.deepcopy(m)
+        bad["steps"][at]["kv"]["physical"]["retained"] = ids
+        v = check_trace(bad)[0]
+        assert (v.step, v.seq_id, v.variable, v.rule) == (m["steps"][at]["step"], sid, "kv", "retained sequences are finished ones")
+        assert why in v.detail

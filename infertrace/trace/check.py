@@ -25,7 +25,7 @@ variable):
    hit (``seq_cp`` of a cell the hit's source held at that position); a cell a sequence keeps without
    writing it keeps its position (or moves by ``-n_discard`` in the step's context shift); a finished sequence is in
    no cell unless the cache lists it as retained (prefix cache: llama.cpp server keeps a finished
-   slot's cells for reuse); after the step each computed request owns exactly
+   slot's cells for reuse; a retained id is a sequence already computed, not one running); after the step each computed request owns exactly
    positions ``0 .. C+T-1`` (after a speculative verify: ``0 .. C + accepted path - 1``, and the
    verify row's positions are ``C + depth(node)`` of its draft tree); a finished request owns nothing later. paged: a block belongs to
    one request, unless it is a shared prefix block (vLLM automatic prefix caching: in every
@@ -359,6 +359,13 @@ class _Checker:
                 if sid in self.finished and sid not in retained:
                     self.fail(s, sid, "kv", "freed when finished", f"cell {c['cell']} still holds the finished sequence"
                               + (" (not listed as retained by the prefix cache)" if phys.get("prefix_cache") is True else ""))
+        running = {r["seq_id"] for r in reqs if not r.get("finished")}
+        for sid in retained:  # kept for reuse: a finished (or preempted) sequence the trace has computed
+            self.n_checks += 1
+            if not _int(sid) or sid not in self.next_pos or sid in running:
+                self.fail(s, sid if _int(sid) else None, "kv", "retained sequences are finished ones",
+                          f"the prefix cache lists seq {sid!r} as retained, but it "
+                          + ("is running in this step" if sid in running else "was never computed"))
         mem = phys.get("llama_memory_seq_pos")  # --engine llama.cpp: llama_memory_seq_pos_min/max per seq
         if isinstance(mem, dict):
             for k, rng in mem.items():
