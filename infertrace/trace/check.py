@@ -22,10 +22,11 @@ variable):
 5. **kv (ownership)** -- cells: no two cells hold the same (seq, pos); the cells written this
    step were free or released before (finished, preempted, past the sequence's cached length, or
    dropped by a context shift); a sequence joins a cell only by writing it or through its prefix
-   hit (``seq_cp`` of a cell the hit's source held at that position); a cell a sequence keeps without
-   writing it keeps its position (or moves by ``-n_discard`` in the step's context shift); a finished sequence is in
-   no cell unless the cache lists it as retained (prefix cache: llama.cpp server keeps a finished
-   slot's cells for reuse; a retained id is a sequence already computed, not one running); after the step each computed request owns exactly
+   hit (``seq_cp`` of a cell the hit's source held at that position); a cell a sequence keeps
+   without writing it keeps its position (or moves by ``-n_discard`` in the step's context shift);
+   a finished sequence is in no cell unless the cache lists it as retained (prefix cache: llama.cpp
+   server keeps a finished slot's cells for reuse; a retained id is a sequence already computed, not
+   one running); after the step each computed request owns exactly
    positions ``0 .. C+T-1`` (after a speculative verify: ``0 .. C + accepted path - 1``, and the
    verify row's positions are ``C + depth(node)`` of its draft tree); a finished request owns nothing later. paged: a block belongs to
    one request, unless it is a shared prefix block (vLLM automatic prefix caching: in every
