@@ -62,7 +62,7 @@ def _llamacpp_shift_run(L, path, ids: list[int], n_keep_arg: int, ctx: int, n_ne
             break
         n_past = len(cache)
         if n_past + 1 >= ctx:  # server update_slots / pre_decode
-            n_keep = min(ctx - 4, n_keep_arg + int(add_bos))
+            n_keep = min(ctx - 4, (len(ids) if n_keep_arg < 0 else n_keep_arg) + int(add_bos))  # -1: the prompt
             n_left = n_past - n_keep
             n_discard = max(0, min(n_left // 2, n_left - 1))
             shifts.append((n_past, n_keep, n_discard))
@@ -96,11 +96,13 @@ def bos_gguf(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["cells", "paged"])
-@pytest.mark.parametrize("n_keep, shifts", [(0, [(11, 1, 5)]), (2, [(11, 3, 4)]), (8, [(11, 8, 1)] * 4)])
+@pytest.mark.parametrize("n_keep, shifts", [(0, [(11, 1, 5)]), (2, [(11, 3, 4)]), (8, [(11, 8, 1)] * 4),
+                                            (-1, [(11, 7, 2)] * 2)])
 def test_context_shift_equals_llamacpps_own_kv_cache(llama_cpp, bos_gguf, backend, n_keep, shifts):
     """Case C1 against llama.cpp itself: [BOS, "abcde"], ctx 12, 10 greedy tokens. --n-keep 8 is n_ctx - 4:
     with the BOS it would be 9, clamped to 8 (llama.cpp's min(n_ctx - 4, n_keep)), one token dropped per
-    shift. Same shifts, same tokens, top-5 logits within 1e-4 of llama.cpp's (measured 6.5e-6)."""
+    shift. --n-keep -1 (llama.cpp's --keep -1, refused before) keeps the prompt: its 6 tokens + add_bos = 7
+    (llama.cpp counts the BOS twice), n_discard (11 - 7) / 2 = 2. Same shifts, same tokens, top-5 logits within 1e-4 of llama.cpp's (measured 6.5e-6)."""
     ids = [257, 97, 98, 99, 100, 101]
     ref, ref_logits, ref_shifts = _llamacpp_shift_run(llama_cpp, bos_gguf, ids, n_keep, 12, 10, add_bos=True)
     assert ref_shifts == shifts
