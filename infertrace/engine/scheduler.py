@@ -146,7 +146,7 @@ class Scheduler:
             n = self._take(req, budget)
             if not self.kv.can_fit(self._plan(batch, req, n)):
                 if hit:  # undo the prefix attachment (not retained: cells kept would be a seq_cp no step shows)
-                    getattr(self.kv, "forget", self.kv.release)(req.seq_id)
+                    self.kv.forget(req.seq_id)
                     req.num_computed = 0
                 if not self.running and not batch.chunks:
                     if not req.output_ids:
