@@ -193,7 +193,8 @@ def test_s4_penalty_window_real_model(smol, llama_cpp, tmp_path) -> None:
     res = r.invoke(app, [*base, "--penalty-last-n", "-1"])
     assert res.exit_code == 0, res.output
     t = json.loads(res.output)
-    assert t["requests"][0]["output_ids"] == [whole] and t["requests"][0]["params"]["penalty_last_n"] == -1
+    # -1 runs as llama.cpp runs it: n_ctx (common_init_from_params "setting penalty_last_n to ctx_size"), the default 2048 here
+    assert t["requests"][0]["output_ids"] == [whole] and t["requests"][0]["params"]["penalty_last_n"] == 2048
     # the hf order penalises the whole context by default (HF RepetitionPenaltyLogitsProcessor)
     res = r.invoke(app, ["run", "-p", S4_PROMPT, "-n", "1", "--repetition-penalty", "3", "--sampler-order", "hf", "--json"])
     assert json.loads(res.output)["requests"][0]["output_ids"] == [whole]

@@ -52,7 +52,7 @@ Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on 
 # serving mechanisms (engine/serving.py)
 PrefixCache = Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")]
 ContextShift = Annotated[bool, typer.Option("--context-shift", help="When a request fills --ctx-size, drop cached tokens after --n-keep and continue (llama.cpp server), instead of stopping with ctx_full.")]
-NKeep = Annotated[int, typer.Option("--n-keep", help="Context shift: cached tokens kept at the start.")]
+NKeep = Annotated[int, typer.Option("--n-keep", help="Context shift: cached tokens kept at the start (-1 = the whole prompt, as llama.cpp's --keep -1).")]
 NDiscard = Annotated[int, typer.Option("--n-discard", help="Context shift: tokens dropped after --n-keep (0 = half of the rest).")]
 AuditKv = Annotated[bool, typer.Option("--audit-kv", help="Record each cached K/V entry's provenance and recompute the cache from scratch every step (max |Δ| per provenance).")]
 
@@ -98,7 +98,7 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     device = check_choice("--device", device, DEVICES)
     parse_dtype(dtype)
     prefix_on = check_choice("--prefix-cache", prefix_cache, ("on", "off")) == "on"
-    check_min("--n-keep", n_keep, 0)
+    check_min("--n-keep", n_keep, -1)  # -1: the whole prompt (llama.cpp --keep -1)
     check_min("--n-discard", n_discard, 0)
     if (n_keep or n_discard) and not context_shift:
         raise InfertraceError("--n-keep / --n-discard set how a context shift works: add --context-shift")

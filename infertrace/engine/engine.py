@@ -182,11 +182,15 @@ class Engine:
                 than the context, or a penalty the sampler order lacks
                 (:func:`~infertrace.engine.options.check_penalties`).
 
-        The request's ``penalty_last_n`` is resolved here (the order's default when unset), so the
-        trace records the window it ran with.
+        The request's ``penalty_last_n`` is resolved here (the order's default when unset; ``-1`` in the
+        llama.cpp order is ``ctx_size``, as llama.cpp's ``common_init_from_params`` sets it to ``n_ctx``),
+        so the trace records the window it ran with.
         """
         params = (params or SamplingParams()).validate()
-        params = replace(params, penalty_last_n=penalty_window(params, self.sampler_order))  # recorded as run
+        window = penalty_window(params, self.sampler_order)
+        if window < 0 and self.sampler_order == "llama.cpp":  # llama.cpp: -1 -> n_ctx (common_init_from_params,
+            window = self.opts.ctx_size  # server params_from_json_cmpl); differs from "all seen" after a context shift
+        params = replace(params, penalty_last_n=window)  # recorded as run
         check_penalties(params, self.sampler_order)
         if not prompt_ids:
             raise InfertraceError("the prompt is empty after tokenization; pass some text with --prompt")

@@ -132,7 +132,8 @@ class EngineOptions:
         :func:`~infertrace.engine.sampler.default_order`).
     prefix_cache: reuse cached K/V of a shared prompt prefix (kv/prefix_cache.py).
     context_shift / n_keep / n_discard: when a request fills ``ctx_size``, keep the first
-        ``n_keep`` cached tokens, drop the next ``n_discard`` (0 = half of the rest) and continue
+        ``n_keep`` cached tokens (-1: the whole prompt, llama.cpp's ``--keep -1``), drop the next
+        ``n_discard`` (0 = half of the rest) and continue
         (llama.cpp server); off: the request stops with ``ctx_full``.
     audit_kv: record each cached entry's provenance and recompute the cache every step.
     speculative: ``None`` (off), ``ngram`` (prompt lookup) or ``draft`` (a draft model: ``draft_model``

@@ -116,7 +116,8 @@ class Serving:
         rest), move the others down (K re-rotated with each layer's RoPE). Returns the op record.
 
         As llama.cpp's server (``tools/server/server-context.cpp``, context shift in ``update_slots``):
-        ``n_keep = min(n_ctx - 4, --n-keep + add_bos_token)`` (the BOS stays in its cell),
+        ``n_keep = min(n_ctx - 4, --n-keep + add_bos_token)`` (the BOS stays in its cell; ``--n-keep -1``
+        is the prompt's token count, BOS included, before that ``+ add_bos_token``, as llama.cpp's),
         ``n_left = n_past - n_keep``, ``n_discard = --n-discard ?: n_left / 2`` clamped to
         ``0..n_left - 1``; then ``seq_rm(n_keep, n_keep + n_discard)`` and
         ``seq_add(n_keep + n_discard, n_past, -n_discard)``. The record's ``n_keep`` is the effective one.
@@ -126,7 +127,8 @@ class Serving:
         """
         o = self.eng.opts
         n_past = req.num_computed
-        n_keep = max(0, min(o.ctx_size - 4, o.n_keep + int(self.add_bos)))
+        keep = len(req.prompt_ids) if o.n_keep < 0 else o.n_keep  # llama.cpp: n_keep < 0 keeps the whole prompt
+        n_keep = max(0, min(o.ctx_size - 4, keep + int(self.add_bos)))
         n_left = n_past - n_keep
         n_discard = o.n_discard if o.n_discard else n_left // 2
         n_discard = min(max(n_discard, 0), max(0, n_left - 1))

@@ -80,12 +80,28 @@ def recompute_kv(model: Any, token_ids: Sequence[int]) -> tuple[list[torch.Tenso
     """K and V of every layer for ``token_ids`` at positions ``0..L-1``, computed from scratch (each
     layer with its own sliding window, as the engine's cache applies it).
 
-    Returns: per layer ``[L, n_kv_heads, head_dim]`` K (rotated) and V, in the model dtype.
+    Returns: per model layer ``[L, n_kv_heads, head_dim]`` K (rotated) and V, in the model dtype; None
+    for a Gated DeltaNet layer of a hybrid model (it keeps a state, no K/V; the recurrent state is not
+    audited).
     """
     from infertrace.kv.cells import CellsKV
 
     cfg = model.cfg
     L = len(token_ids)
+    if cfg.is_hybrid:  # the engine's hybrid memory: K/V of the attention layers plus the GDN state
+        from infertrace.kv.recurrent import HybridKV, RecurrentState
+
+        attn_layers = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
+        attn = CellsKV(len(attn_layers), cfg.n_head_kv, cfg.head_dim, L, 1, model.dtype, model.device,
+                       windows=[0] * len(attn_layers))
+        state = RecurrentState([i for i in range(cfg.n_layer) if cfg.is_linear(i)], cfg.conv_dim, cfg.ssm_conv_kernel,
+                               cfg.ssm_n_v_heads, cfg.ssm_k_head_dim, cfg.ssm_v_head_dim, 1, "cells", model.dtype,
+                               model.device)
+        kv = HybridKV(attn, state, attn_layers)
+        inp = kv.prepare([ChunkSpec(0, 0, L)])
+        model.forward(torch.tensor(list(token_ids), dtype=torch.int64), inp, kv, torch.tensor([L - 1]))
+        reads = [kv.read(i, 0) if i in attn_layers else (None, None) for i in range(cfg.n_layer)]
+        return [k for k, _ in reads], [v for _, v in reads]
     kv = CellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, L, 1, model.dtype, model.device,
                  windows=[cfg.layer_window(i) for i in range(cfg.n_layer)])  # each layer's own window (Gemma 3)
     inp = kv.prepare([ChunkSpec(0, 0, L)])
@@ -160,11 +176,14 @@ def audit_kv(model: Any, kv: Memory, seqs: dict[int, Sequence[int]], prov: Prove
         dv_all = torch.zeros(L)
         d0 = torch.zeros(L)
         worst_layer = torch.zeros(L, dtype=torch.int64)
+        first = next(i for i, k in enumerate(fk) if k is not None)  # layer 0, or a hybrid's first attention layer
         for layer in range(len(fk)):
+            if fk[layer] is None:  # a Gated DeltaNet layer: no K/V
+                continue
             ck, cv = kv.read(layer, sid)  # [L, n_kv_heads, hd] each
             dk = (ck[:L].float() - fk[layer].float()).abs().flatten(1).amax(1)  # [L]
             dv = (cv[:L].float() - fv[layer].float()).abs().flatten(1).amax(1)  # [L]
-            if layer == 0:
+            if layer == first:
                 d0 = torch.maximum(dk, dv)
             worst_layer = torch.where(torch.maximum(dk, dv) > torch.maximum(dk_all, dv_all), layer, worst_layer)
             dk_all, dv_all = torch.maximum(dk_all, dk), torch.maximum(dv_all, dv)

@@ -218,6 +218,10 @@ class Memory(Protocol):
     def forget(self, seq_id: int) -> None:
         """Free everything ``seq_id`` owns and keep nothing for reuse (an admission undone)."""
 
+    def forget(self, seq_id: int) -> None:
+        """Free ``seq_id`` without keeping anything for reuse (an admission undone: a prefix-caching memory
+        must not retain what the trace never showed); :meth:`release` where nothing is retained."""
+
     # --- sequence operations (llama_memory_i) -----------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
         """Remove ``seq_id``'s positions ``[p0, p1)``; false when this memory cannot (recurrent: a part
@@ -336,6 +340,10 @@ class MemoryDefaults:
 
     def note_rewind(self, seq_id: int, ids: Sequence[int]) -> None:
         return None
+
+    def forget(self, seq_id: int) -> None:
+        """Free ``seq_id``: :meth:`release` (a memory that retains released sequences overrides this)."""
+        self.release(seq_id)
 
     def take_events(self) -> list[dict[str, Any]]:
         return []

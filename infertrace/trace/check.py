@@ -10,7 +10,9 @@ variable):
    (``ReqStep.prefix``: the chunk starts where the hit ends, ``0 <= hit < prompt_len``, vLLM /
    llama.cpp server recompute at least the last prompt token) and a context shift before the step
    (``serving.ops_before_step``: it shifts the ``n_past`` positions the sequence held, drops
-   ``n_discard >= 1`` after ``n_keep``, and positions continue at ``n_past_after = n_past - n_discard``).
+   ``n_discard >= 1`` after ``n_keep``, and positions continue at ``n_past_after = n_past - n_discard``;
+   its ``removed`` / ``moved`` ranges are the ones ``n_keep`` / ``n_discard`` imply, and a request's
+   copy of the shift equals the step's op).
 2. **positions (RoPE)** -- every recorded ``cos``/``sin`` is ``cos(pos * inv_freq[i])`` /
    ``sin(...)`` for its position (1e-5: values are stored rounded to 6 digits).
 3. **mask (causality)** -- no query sees a later position, and each query sees its own.
@@ -20,9 +22,11 @@ variable):
 5. **kv (ownership)** -- cells: no two cells hold the same (seq, pos); the cells written this
    step were free or released before (finished, preempted, past the sequence's cached length, or
    dropped by a context shift); a sequence joins a cell only by writing it or through its prefix
-   hit (``seq_cp`` of a cell the hit's source held at that position); a finished sequence is in
-   no cell unless the cache lists it as retained (prefix cache: llama.cpp server keeps a finished
-   slot's cells for reuse); after the step each computed request owns exactly
+   hit (``seq_cp`` of a cell the hit's source held at that position); a cell a sequence keeps
+   without writing it keeps its position (or moves by ``-n_discard`` in the step's context shift);
+   a finished sequence is in no cell unless the cache lists it as retained (prefix cache: llama.cpp
+   server keeps a finished slot's cells for reuse; a retained id is a sequence already computed, not
+   one running); after the step each computed request owns exactly
    positions ``0 .. C+T-1`` (after a speculative verify: ``0 .. C + accepted path - 1``, and the
    verify row's positions are ``C + depth(node)`` of its draft tree); a finished request owns nothing later. paged: a block belongs to
    one request, unless it is a shared prefix block (vLLM automatic prefix caching: in every
@@ -139,6 +143,11 @@ class _Checker:
         for r in reqs:
             if isinstance(r.get("shift"), dict) and r["seq_id"] not in shifts:
                 shifts[r["seq_id"]] = r["shift"]
+            elif isinstance(r.get("shift"), dict):  # the row's copy of the op must be the op (show prints the row's)
+                self.n_checks += 1
+                if r["shift"] != shifts[r["seq_id"]]:
+                    self.fail(s, r["seq_id"], "serving", "context shift recorded once",
+                              "the request's shift differs from the step's ops_before_step record of it")
         self.shifts = shifts
         for sid, op in shifts.items():
             n_past, n_keep, n_disc, after = op.get("n_past"), op.get("n_keep"), op.get("n_discard"), op.get("n_past_after")
@@ -155,6 +164,14 @@ class _Checker:
                 self.fail(s, sid, "positions", "context shift of the cached positions",
                           f"n_keep {n_keep}, n_discard {n_disc} of n_past {n_past} cannot leave n_past_after {after} "
                           f"(= n_past - n_discard, with n_keep + n_discard <= n_past)")
+            self.n_checks += 1
+            want = {"removed": f"{n_keep}..{n_keep + n_disc - 1}",
+                    "moved": f"{n_keep + n_disc}..{n_past - 1} -> {n_keep}..{after - 1}" if n_keep + n_disc < n_past else None}
+            for key, text in want.items():  # the ranges shown are the ones n_keep / n_discard imply
+                if op.get(key) is not None and text is not None and op.get(key) != text:
+                    self.fail(s, sid, "positions", "context shift of the cached positions",
+                              f"the shift's {key} {op.get(key)!r} is not {text!r} (n_keep {n_keep}, n_discard {n_disc}, "
+                              f"n_past {n_past})")
             self.next_pos[sid] = after
         prefix = sv.get("prefix") if isinstance(sv.get("prefix"), dict) else {}
         hits: dict[int, dict[str, Any]] = {}
@@ -323,6 +340,13 @@ class _Checker:
                 if sid in self.finished and sid not in retained:
                     self.fail(s, sid, "kv", "freed when finished", f"cell {c['cell']} still holds the finished sequence"
                               + (" (not listed as retained by the prefix cache)" if phys.get("prefix_cache") is True else ""))
+        running = {r["seq_id"] for r in reqs if not r.get("finished")}
+        for sid in retained:  # kept for reuse: a finished (or preempted) sequence the trace has computed
+            self.n_checks += 1
+            if not _int(sid) or sid not in self.next_pos or sid in running:
+                self.fail(s, sid if _int(sid) else None, "kv", "retained sequences are finished ones",
+                          f"the prefix cache lists seq {sid!r} as retained, but it "
+                          + ("is running in this step" if sid in running else "was never computed"))
         mem = phys.get("llama_memory_seq_pos")  # --engine llama.cpp: llama_memory_seq_pos_min/max per seq
         if isinstance(mem, dict):
             for k, rng in mem.items():
@@ -354,7 +378,16 @@ class _Checker:
                 before = self.prev_cells.get(cell)
                 for sid in seqs:
                     self.n_checks += 1
-                    if (before is not None and sid in before[1]) or cell in wrote.get(sid, ()):
+                    if cell in wrote.get(sid, ()):
+                        continue
+                    if before is not None and sid in before[1]:  # kept: same position, or moved by this step's shift
+                        sh, want = self.shifts.get(sid), before[0]
+                        if sh is not None and _int(want) and want >= sh["n_keep"] + sh["n_discard"]:
+                            want -= sh["n_discard"]
+                        if pos != want:
+                            self.fail(s, sid, "kv", "a kept cell keeps its position",
+                                      f"cell {cell} held pos {before[0]} of seq {sid} and now holds pos {pos}, expected {want}"
+                                      + (" after the context shift" if sh is not None else " (no write, no context shift)"))
                         continue
                     h = self.hits.get(sid)
                     hit = h.get("hit") if isinstance(h, dict) else None
