@@ -216,9 +216,6 @@ class Memory(Protocol):
         keep it for reuse."""
 
     def forget(self, seq_id: int) -> None:
-        """Free everything ``seq_id`` owns and keep nothing for reuse (an admission undone)."""
-
-    def forget(self, seq_id: int) -> None:
         """Free ``seq_id`` without keeping anything for reuse (an admission undone: a prefix-caching memory
         must not retain what the trace never showed); :meth:`release` where nothing is retained."""
 
@@ -324,10 +321,6 @@ class MemoryDefaults:
     events, no ``seq_div``."""
 
     kind: str
-
-    def forget(self, seq_id: int) -> None:
-        """Nothing is kept for reuse by this kind: the same as :meth:`release`."""
-        self.release(seq_id)  # type: ignore[attr-defined]
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[Any]) -> MemOp:
         return MemOp.refused("seq_div", f"seq_div is not supported by the {self.kind} memory")
