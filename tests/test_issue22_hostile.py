@@ -19,7 +19,7 @@ import pytest
 from infertrace.engine.engine import EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.loading.weights import load_checkpoint
-from infertrace.model.llama import LlamaModel
+from infertrace.model.decoder import DecoderModel
 from infertrace.runner import Loaded, PromptSpec, run_requests
 from tests.tiny import make_weights, write_gguf
 
@@ -80,7 +80,7 @@ def _llamacpp_shift_run(L, path, ids: list[int], n_keep_arg: int, ctx: int, n_ne
 
 def _ours(path, ids, n_keep, ctx, n_new, backend, **params):
     ck = load_checkpoint(path)
-    loaded = Loaded(ck, LlamaModel(ck.config, ck.weights))
+    loaded = Loaded(ck, DecoderModel(ck.config, ck.weights))
     tr = run_requests(loaded, [PromptSpec("", SamplingParams(max_new_tokens=n_new, ignore_eos=True, **params), ids=ids)],
                       EngineOptions(backend=backend, ctx_size=ctx, tokens_per_block=4, context_shift=True, n_keep=n_keep,
                                     sampler_order="llama.cpp"), show=("positions", "decode"))
