@@ -191,8 +191,8 @@ def test_against_hf_without_transformers_message(monkeypatch):
 
 
 def test_against_bad_value():
-    assert "--against must be one of hf, llama.cpp" in _one_error_line(invoke("diff-backends", "--against", "vllm",
-                                                                               "--prompt", "hi"))
+    assert "--against must be one of hf, llama.cpp, vllm" in _one_error_line(invoke("diff-backends", "--against",
+                                                                                     "tensorrt", "--prompt", "hi"))
 
 
 # --against llama.cpp on the real model: tests/test_llamacpp.py (fails by name without llama-cpp-python)

@@ -41,7 +41,7 @@ from infertrace.engine.request import FINISHED, RUNNING, Request
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.engine.scheduler import ScheduledBatch, ScheduledChunk
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import AttnInputs, ChunkSpec, ranges_text
+from infertrace.kv.base import ChunkSpec, PagedInputs, ranges_text
 from infertrace.kv.paged import PagedKV
 from infertrace.runtimes.vllm import ENGINE, import_vllm, vllm_version
 
@@ -408,12 +408,12 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
         bt_ours[i, :n] = torch.from_numpy(rec["block_table"][i, :n].astype(np.int32))
     T_list = [c.T for c in chunks]
     types = ["generation" if c.parents is not None else "context" if (c.C == 0 or c.T > 1) else "generation" for c in chunks]
-    extra = {**spec_metadata(specs), "slot_mapping": torch.from_numpy(rec["slot_mapping"]),
-             "block_tables": bt_ours, "seq_lens": torch.tensor(T_list, dtype=torch.int32),
-             "kv_lens": torch.from_numpy(vseq.astype(np.int32)), "cu_seqlens": torch.from_numpy(qsl.astype(np.int32)),
-             "request_types": types, "num_contexts": sum(t == "context" for t in types), "mask_type": "causal",
-             "tokens_per_block": B, "attention_window": {}}
-    inp = AttnInputs(specs, pos, seq_ids, "paged", extra)
+    inp = PagedInputs(specs, pos, seq_ids, "paged", **spec_metadata(specs),
+                      slot_mapping=torch.from_numpy(rec["slot_mapping"]), block_tables=bt_ours,
+                      seq_lens=torch.tensor(T_list, dtype=torch.int32), kv_lens=torch.from_numpy(vseq.astype(np.int32)),
+                      cu_seqlens=torch.from_numpy(qsl.astype(np.int32)), request_types=types,
+                      num_contexts=sum(t == "context" for t in types), mask_type="causal", tokens_per_block=B,
+                      attention_window={})  # vLLM's metadata in the paged convention's typed inputs
     kv.apply(specs, rec["block_table"], rec["slot_mapping"], rec.get("k_cache", rec.get("k_written")),
              rec.get("v_cache", rec.get("v_written")))
     if free is not None:
