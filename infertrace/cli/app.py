@@ -31,7 +31,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 app = typer.Typer(
     name="infertrace",
     help="Trace the five inference variables (hidden, positions/RoPE, mask, KV cache, decode loop) of a "
-         "Llama-family model step by step, in llama.cpp and TensorRT-LLM/vLLM conventions.",
+         "decoder model (Llama, Mistral, Qwen2/3, Gemma 3, Qwen3.5) step by step, in llama.cpp and TensorRT-LLM/vLLM conventions.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -91,7 +91,7 @@ def _global(
     debug: Annotated[bool, typer.Option("--debug", envvar="INFERTRACE_DEBUG",
                                         help="Show the Python traceback of an error (before the one-line message).")] = False,
 ) -> None:
-    """Trace the five inference variables of a Llama-family model, step by step."""
+    """Trace the five inference variables of a decoder model, step by step, in both runtime conventions."""
     _STATE["debug"] = debug
 
 

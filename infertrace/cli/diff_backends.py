@@ -18,7 +18,7 @@ from infertrace.errors import InfertraceError
 
 HELP = ("Run the same requests through both cache backends (cells and paged) step by step and compare the logical "
         "variables (positions, visible keys, K/V of all layers, tokens, logits) beside the physical layouts; exit 1 on "
-        "a logical mismatch. --against hf|llama.cpp compares our engine with an external implementation instead.")
+        "a logical mismatch. --against hf|llama.cpp|vllm compares our engine with an external implementation instead.")
 
 
 def _jsonable(x: object) -> object:

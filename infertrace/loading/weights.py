@@ -90,7 +90,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, progress
         dtype = torch.float32
     p = Path(path)
     if not p.exists():
-        raise InfertraceError(f"model not found: {p}; pass --model with a .gguf file, an HF model directory or a "
+        raise InfertraceError(f"model not found: {p}; pass a .gguf file, an HF model directory or a "
                               f"registered name ({', '.join(MODEL_NAMES)})")
     if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES:
         raise InfertraceError(
