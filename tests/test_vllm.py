@@ -207,11 +207,23 @@ def test_vllm_missing_names_the_extra(monkeypatch) -> None:
         import_vllm()
 
 
-def test_cli_saved_vllm_and_replayed_paged_traces_diff_clean(tmp_path: Path, vllm_mod) -> None:
-    """run --engine vllm --save A; run --backend paged --replay A --save B; diff A B: zero structural
-    differences; check, show, dump-kv and report read A. (A subprocess: its own vLLM engine.)"""
-    args = ["--prompt", THREE[0], "--prompt", THREE[1], "--arrival", "0", "--arrival", "1", "--prefill-chunk", "3",
-            "-n", "4", "--ignore-eos", "--num-blocks", "8", "--tokens-per-block", "32", "--layer", "2"]
+def test_cli_saved_vllm_and_replayed_paged_traces_diff_clean(tmp_path: Path, smol, vllm_mod) -> None:
+    """Issue 19's "done when", through the CLI: ONE ``run --engine vllm --save A`` of three requests
+    with arrivals 0/1/3, a chunked prefill, a prefix-cache hit and n-gram speculation; ``run --backend
+    paged --replay A --save B``; ``diff A B``: zero structural differences; ``check`` passes on both;
+    show, dump-kv and report read A. (Subprocesses: their own vLLM engine.)
+
+    Why this shape: vLLM caps a prefill at ``long_prefill_token_threshold`` only while more than one
+    request is eligible, so the long prompt arrives second (step 1, seq 0 decoding) and is cut at 16;
+    the third request repeats it at step 3, when its first block (32 tokens) is full and hashed."""
+    from infertrace.engine.options import EngineOptions
+    from infertrace.runner import run_requests
+
+    long = "The quick brown fox jumps over the lazy dog. " * 4
+    prompts = ["def add(a, b):", long, long]
+    args = [x for t, a in zip(prompts, (0, 1, 3)) for x in ("--prompt", t, "--arrival", str(a))]
+    args += ["--prefill-chunk", "16", "-n", "6", "--ignore-eos", "--num-blocks", "8", "--tokens-per-block", "32",
+             "--layer", "2"]
     a, b = tmp_path / "vllm", tmp_path / "paged"
 
     def cli(*xs: str) -> subprocess.CompletedProcess:
@@ -219,21 +231,50 @@ def test_cli_saved_vllm_and_replayed_paged_traces_diff_clean(tmp_path: Path, vll
         return subprocess.run([sys.executable, "-m", "infertrace.cli.app", *xs], capture_output=True, text=True, timeout=900,
                               env=env)
 
-    r = cli("run", *args, "--engine", "vllm", "--save", str(a), "--json")
+    r = cli("run", *args, "--prefix-cache", "on", "--speculative", "ngram", "--engine", "vllm", "--save", str(a), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["engine"] == "vllm"  # --json: stdout holds the JSON only (vLLM logs go to stderr)
     m = json.loads((a / "trace.json").read_text())
-    assert m["engine"] == "vllm" and m["options"]["vllm"]["block_size"] == 32 and m["options"]["vllm"]["null_block"] == 0
+    vl = m["options"]["vllm"]
+    assert m["engine"] == "vllm" and vl["block_size"] == 32 and vl["null_block"] == 0 and vl["num_blocks"] == 8
+    assert vl["enable_prefix_caching"] is True and vl["speculative"]["method"] == "ngram"
+    L = len(smol.tokenizer.encode(long))  # our tokenizer, not vLLM's
+    hit = (L - 1) // 32 * 32  # full blocks only; the last prompt token is always computed
+    assert hit >= 32
+    steps = [s for s in m["steps"] if s["batch"]]
+    admitted = {sid: s["step"] for s in m["steps"] for sid in s["admitted"]}
+    assert admitted == {0: 0, 1: 1, 2: 3}  # arrivals 0/1/3, each admitted at once
+    rows = {(s["step"], r["seq_id"]): r for s in steps for r in s["batch"]}
+    # seq 1's prompt in chunks of 16 while seq 0 decodes: C = 0, 16, 32 ... up to L
+    chunks1 = [(r["C"], r["T"]) for (_, sid), r in sorted(rows.items()) if sid == 1 and r["phase"] == "prefill"]
+    assert chunks1 == [(c, min(16, L - c)) for c in range(0, L, 16)]
+    # seq 2 (the same prompt) hits seq 1's first full block(s), computes the rest
+    r2 = rows[(3, 2)]
+    assert (r2["C"], r2["T"]) == (hit, L - hit) and r2["prefix"]["hit"] == hit
+    t1 = next(s for s in steps if s["step"] == 3)["kv"]["physical"]["requests"]
+    assert r2["prefix"]["shared_blocks"] == t1["1"]["block_table"][: hit // 32] == t1["2"]["block_table"][: hit // 32]
+    assert all(blk["ref"] == 2 for blk in t1["2"]["blocks"][: hit // 32])  # vLLM's own ref_cnt: two tables hold it
+    # n-gram speculation: verify chunks with drafts from the prompt, some accepted, output = plain greedy
+    ver = [r for r in rows.values() if r.get("spec")]
+    assert ver and any(r["spec"]["accepted"] >= 1 for r in ver) and all(r["spec"]["drafted"] >= 1 for r in ver)
+    plain = run_requests(smol, [PromptSpec(t, _p(6)) for t in prompts], EngineOptions(backend="paged"), trace=False)
+    assert [q["output_ids"] for q in m["requests"]] == [q["output_ids"] for q in plain.requests]
+
     r = cli("run", *args, "--backend", "paged", "--replay", str(a), "--save", str(b), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     r = cli("diff", str(a), str(b))
     assert r.returncode == 0, r.stdout[-2000:]
     assert "engines differ (A: vllm, B: infertrace)" in r.stdout and "structure: identical" in r.stdout
-    for cmd in (["check", str(a)], ["show", str(a), "--steps", "0"], ["dump-kv", str(a), "--step", "1"],
+    n_rows = sum(1 for x in rows.values() if x.get("logits_row") is not None)  # one next token per sampling request-step
+    assert f"same top token {n_rows}/{n_rows} (100.0%)" in r.stdout, r.stdout[-1500:]
+    for d in (a, b):
+        r = cli("check", str(d))
+        assert r.returncode == 0 and "no violation" in r.stdout, (d, r.stdout[-1000:])
+    for cmd in (["show", str(a), "--steps", "0"], ["dump-kv", str(a), "--step", "3"],
                 ["report", str(a), "-o", str(tmp_path / "r.html")]):
         r = cli(*cmd)
         assert r.returncode == 0, (cmd, r.stdout[-1000:], r.stderr[-1000:])
-    assert "computed and scheduled by vLLM itself" in cli("show", str(a), "--steps", "0").stdout
+        assert cmd[0] != "show" or "computed and scheduled by vLLM itself" in r.stdout
 
 
 def test_tensor_parallel_2_per_rank_kv(tmp_path: Path, vllm_mod) -> None:
