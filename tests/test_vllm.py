@@ -311,3 +311,76 @@ def test_tensor_parallel_2_per_rank_kv(tmp_path: Path, vllm_mod) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     r = cli("diff", str(a), str(b))
     assert r.returncode == 0 and "structure: identical" in r.stdout, r.stdout[-2000:]
+
+
+def test_diff_vllm_against_llamacpp_per_request_and_position(tmp_path: Path, smol, vllm_run, llama_cpp) -> None:
+    """Issue 19 item 6: ``diff`` of a vLLM trace against a llama.cpp trace of the same requests. The two
+    schedule differently (vLLM here: token budget 64, prefill chunks of 8 while two requests are
+    eligible, n-gram drafts; llama.cpp: infertrace's scheduler, whole prompts), so the comparison is per
+    request and per position: the same greedy tokens (= our own plain greedy run), the same position
+    ids, the same visible keys per query (causal: query j sees 0..j), next-token agreement on every row
+    both runtimes produced; convention fields side by side. llama.cpp computes on the Q4_1 GGUF, vLLM
+    on its dequantised HF copy: the logits really differ (summarised, not held exact)."""
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+    from infertrace.engine.options import EngineOptions
+    from infertrace.runner import run_requests
+    from infertrace.runtimes.vllm.engine import run_requests_vllm
+    from infertrace.trace.runtime_diff import logical_diff
+    from infertrace.trace.store import read_manifest, save_trace
+
+    prompts = ["The capital of France is", "The quick brown fox jumps over the lazy dog. " * 2]
+    n = 4
+    specs = [PromptSpec(t, _p(n)) for t in prompts]
+    b = tmp_path / "vllm"
+    save_trace(run_requests_vllm(smol, specs, OPTS, layer=LAYER, run=vllm_run), b)
+    a = tmp_path / "llamacpp"
+    r = CliRunner()
+    res = r.invoke(app, ["run", *[x for t in prompts for x in ("--prompt", t)], "-n", str(n), "--ignore-eos",
+                         "--engine", "llama.cpp", "--save", str(a), "--keep", "summary", "--json"])
+    assert res.exit_code == 0, res.output
+    ma, mb = read_manifest(a), read_manifest(b)
+    assert (ma["engine"], ma["options"]["backend"], mb["engine"], mb["options"]["backend"]) == ("llama.cpp", "cells", "vllm", "paged")
+    # the schedules really differ: vLLM chunks the long prompt (two requests eligible), llama.cpp does not
+    L1 = len(smol.tokenizer.encode(prompts[1]))
+    assert [(x["C"], x["T"]) for s in ma["steps"] for x in s["batch"] if x["seq_id"] == 1 and x["phase"] == "prefill"] == [(0, L1)]
+    assert len([x for s in mb["steps"] for x in s["batch"] if x["seq_id"] == 1 and x["phase"] == "prefill"]) > 1
+    # independent facts the diff must find: greedy tokens = our own plain greedy run; causal visibility
+    plain = run_requests(smol, specs, EngineOptions(backend="paged"), trace=False)
+    want = [q["output_ids"] for q in plain.requests]
+    assert [q["output_ids"] for q in ma["requests"]] == want == [q["output_ids"] for q in mb["requests"]]
+    for m in (ma, mb):
+        for s in m["steps"]:
+            for x in s["batch"]:
+                if not x.get("spec"):
+                    assert x["positions"] == list(range(x["C"], x["C"] + x["T"]))
+                    assert x["visible"] == [f"0..{p}" if p else "0" for p in x["positions"]]
+
+    res = r.invoke(app, ["diff", str(a), str(b)])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "runtimes differ (A: llama.cpp, cells; B: vllm, paged)" in out and "not per step" in out
+    assert "logical variables: identical" in out and "no logical difference" in out
+    assert "inp_pos 0..4" in out and "kq_mask cells 0..4" in out and "n_kv 256" in out  # llama.cpp's fields, seq 0 prefill
+    blk = mb["steps"][0]["vllm"]["attn_metadata"]["block_table"][0][0]  # seq 0's first block (vLLM's free queue decides)
+    assert "query_start_loc [0, 5, " in out and f"block_table [{blk}]" in out and f"slot_mapping {blk * 32}..{blk * 32 + 4}" in out
+    js = json.loads(r.invoke(app, ["diff", str(a), str(b), "--json"]).output)
+    assert js["equal"] and js["cross_engine"]["mode"] == "logical"
+    for q, p in zip(js["cross_engine"]["requests"], prompts):
+        need = len(smol.tokenizer.encode(p)) + n - 1  # every position before the last output token
+        assert q["required"] == need and q["positions_compared"] >= need
+    nt = js["cross_engine"]["next_token"]
+    assert nt["rows"] >= 4 and nt["same_top_rate"] == 1.0 and nt["disagreements"] == []
+    assert 0.0 < nt["max_abs_logit"] < 3.0  # Q4_1 (llama.cpp) vs its dequantised float32 copy (vLLM): really different
+
+    # a broken runtime is caught where it breaks: one query of B seeing one key less; one position id off
+    bad = json.loads(json.dumps(mb))
+    row = next(x for s in bad["steps"] for x in s["batch"] if x["seq_id"] == 0 and x["phase"] == "prefill")
+    row["visible"][3] = "0..2"
+    got, _ = logical_diff(ma, bad)
+    assert got.count == 1 and (got.first.seq_id, got.first.variable, got.first.field) == (0, "visible keys", "at[3].visible")
+    row["visible"][3] = "0..3"
+    row["positions"][2] = 7
+    got, _ = logical_diff(ma, bad)
+    assert got.count == 1 and (got.first.variable, got.first.field, got.first.a, got.first.b) == ("positions", "at[2].pos", 2, 7)
