@@ -207,11 +207,23 @@ def test_vllm_missing_names_the_extra(monkeypatch) -> None:
         import_vllm()
 
 
-def test_cli_saved_vllm_and_replayed_paged_traces_diff_clean(tmp_path: Path, vllm_mod) -> None:
-    """run --engine vllm --save A; run --backend paged --replay A --save B; diff A B: zero structural
-    differences; check, show, dump-kv and report read A. (A subprocess: its own vLLM engine.)"""
-    args = ["--prompt", THREE[0], "--prompt", THREE[1], "--arrival", "0", "--arrival", "1", "--prefill-chunk", "3",
-            "-n", "4", "--ignore-eos", "--num-blocks", "8", "--tokens-per-block", "32", "--layer", "2"]
+def test_cli_saved_vllm_and_replayed_paged_traces_diff_clean(tmp_path: Path, smol, vllm_mod) -> None:
+    """Issue 19's "done when", through the CLI: ONE ``run --engine vllm --save A`` of three requests
+    with arrivals 0/1/3, a chunked prefill, a prefix-cache hit and n-gram speculation; ``run --backend
+    paged --replay A --save B``; ``diff A B``: zero structural differences; ``check`` passes on both;
+    show, dump-kv and report read A. (Subprocesses: their own vLLM engine.)
+
+    Why this shape: vLLM caps a prefill at ``long_prefill_token_threshold`` only while more than one
+    request is eligible, so the long prompt arrives second (step 1, seq 0 decoding) and is cut at 16;
+    the third request repeats it at step 3, when its first block (32 tokens) is full and hashed."""
+    from infertrace.engine.options import EngineOptions
+    from infertrace.runner import run_requests
+
+    long = "The quick brown fox jumps over the lazy dog. " * 4
+    prompts = ["def add(a, b):", long, long]
+    args = [x for t, a in zip(prompts, (0, 1, 3)) for x in ("--prompt", t, "--arrival", str(a))]
+    args += ["--prefill-chunk", "16", "-n", "6", "--ignore-eos", "--num-blocks", "8", "--tokens-per-block", "32",
+             "--layer", "2"]
     a, b = tmp_path / "vllm", tmp_path / "paged"
 
     def cli(*xs: str) -> subprocess.CompletedProcess:
@@ -219,21 +231,50 @@ def test_cli_saved_vllm_and_replayed_paged_traces_diff_clean(tmp_path: Path, vll
         return subprocess.run([sys.executable, "-m", "infertrace.cli.app", *xs], capture_output=True, text=True, timeout=900,
                               env=env)
 
-    r = cli("run", *args, "--engine", "vllm", "--save", str(a), "--json")
+    r = cli("run", *args, "--prefix-cache", "on", "--speculative", "ngram", "--engine", "vllm", "--save", str(a), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["engine"] == "vllm"  # --json: stdout holds the JSON only (vLLM logs go to stderr)
     m = json.loads((a / "trace.json").read_text())
-    assert m["engine"] == "vllm" and m["options"]["vllm"]["block_size"] == 32 and m["options"]["vllm"]["null_block"] == 0
+    vl = m["options"]["vllm"]
+    assert m["engine"] == "vllm" and vl["block_size"] == 32 and vl["null_block"] == 0 and vl["num_blocks"] == 8
+    assert vl["enable_prefix_caching"] is True and vl["speculative"]["method"] == "ngram"
+    L = len(smol.tokenizer.encode(long))  # our tokenizer, not vLLM's
+    hit = (L - 1) // 32 * 32  # full blocks only; the last prompt token is always computed
+    assert hit >= 32
+    steps = [s for s in m["steps"] if s["batch"]]
+    admitted = {sid: s["step"] for s in m["steps"] for sid in s["admitted"]}
+    assert admitted == {0: 0, 1: 1, 2: 3}  # arrivals 0/1/3, each admitted at once
+    rows = {(s["step"], r["seq_id"]): r for s in steps for r in s["batch"]}
+    # seq 1's prompt in chunks of 16 while seq 0 decodes: C = 0, 16, 32 ... up to L
+    chunks1 = [(r["C"], r["T"]) for (_, sid), r in sorted(rows.items()) if sid == 1 and r["phase"] == "prefill"]
+    assert chunks1 == [(c, min(16, L - c)) for c in range(0, L, 16)]
+    # seq 2 (the same prompt) hits seq 1's first full block(s), computes the rest
+    r2 = rows[(3, 2)]
+    assert (r2["C"], r2["T"]) == (hit, L - hit) and r2["prefix"]["hit"] == hit
+    t1 = next(s for s in steps if s["step"] == 3)["kv"]["physical"]["requests"]
+    assert r2["prefix"]["shared_blocks"] == t1["1"]["block_table"][: hit // 32] == t1["2"]["block_table"][: hit // 32]
+    assert all(blk["ref"] == 2 for blk in t1["2"]["blocks"][: hit // 32])  # vLLM's own ref_cnt: two tables hold it
+    # n-gram speculation: verify chunks with drafts from the prompt, some accepted, output = plain greedy
+    ver = [r for r in rows.values() if r.get("spec")]
+    assert ver and any(r["spec"]["accepted"] >= 1 for r in ver) and all(r["spec"]["drafted"] >= 1 for r in ver)
+    plain = run_requests(smol, [PromptSpec(t, _p(6)) for t in prompts], EngineOptions(backend="paged"), trace=False)
+    assert [q["output_ids"] for q in m["requests"]] == [q["output_ids"] for q in plain.requests]
+
     r = cli("run", *args, "--backend", "paged", "--replay", str(a), "--save", str(b), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     r = cli("diff", str(a), str(b))
     assert r.returncode == 0, r.stdout[-2000:]
     assert "engines differ (A: vllm, B: infertrace)" in r.stdout and "structure: identical" in r.stdout
-    for cmd in (["check", str(a)], ["show", str(a), "--steps", "0"], ["dump-kv", str(a), "--step", "1"],
+    n_rows = sum(1 for x in rows.values() if x.get("logits_row") is not None)  # one next token per sampling request-step
+    assert f"same top token {n_rows}/{n_rows} (100.0%)" in r.stdout, r.stdout[-1500:]
+    for d in (a, b):
+        r = cli("check", str(d))
+        assert r.returncode == 0 and "no violation" in r.stdout, (d, r.stdout[-1000:])
+    for cmd in (["show", str(a), "--steps", "0"], ["dump-kv", str(a), "--step", "3"],
                 ["report", str(a), "-o", str(tmp_path / "r.html")]):
         r = cli(*cmd)
         assert r.returncode == 0, (cmd, r.stdout[-1000:], r.stderr[-1000:])
-    assert "computed and scheduled by vLLM itself" in cli("show", str(a), "--steps", "0").stdout
+        assert cmd[0] != "show" or "computed and scheduled by vLLM itself" in r.stdout
 
 
 def test_tensor_parallel_2_per_rank_kv(tmp_path: Path, vllm_mod) -> None:
@@ -270,3 +311,76 @@ def test_tensor_parallel_2_per_rank_kv(tmp_path: Path, vllm_mod) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     r = cli("diff", str(a), str(b))
     assert r.returncode == 0 and "structure: identical" in r.stdout, r.stdout[-2000:]
+
+
+def test_diff_vllm_against_llamacpp_per_request_and_position(tmp_path: Path, smol, vllm_run, llama_cpp) -> None:
+    """Issue 19 item 6: ``diff`` of a vLLM trace against a llama.cpp trace of the same requests. The two
+    schedule differently (vLLM here: token budget 64, prefill chunks of 8 while two requests are
+    eligible, n-gram drafts; llama.cpp: infertrace's scheduler, whole prompts), so the comparison is per
+    request and per position: the same greedy tokens (= our own plain greedy run), the same position
+    ids, the same visible keys per query (causal: query j sees 0..j), next-token agreement on every row
+    both runtimes produced; convention fields side by side. llama.cpp computes on the Q4_1 GGUF, vLLM
+    on its dequantised HF copy: the logits really differ (summarised, not held exact)."""
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+    from infertrace.engine.options import EngineOptions
+    from infertrace.runner import run_requests
+    from infertrace.runtimes.vllm.engine import run_requests_vllm
+    from infertrace.trace.runtime_diff import logical_diff
+    from infertrace.trace.store import read_manifest, save_trace
+
+    prompts = ["The capital of France is", "The quick brown fox jumps over the lazy dog. " * 2]
+    n = 4
+    specs = [PromptSpec(t, _p(n)) for t in prompts]
+    b = tmp_path / "vllm"
+    save_trace(run_requests_vllm(smol, specs, OPTS, layer=LAYER, run=vllm_run), b)
+    a = tmp_path / "llamacpp"
+    r = CliRunner()
+    res = r.invoke(app, ["run", *[x for t in prompts for x in ("--prompt", t)], "-n", str(n), "--ignore-eos",
+                         "--engine", "llama.cpp", "--save", str(a), "--keep", "summary", "--json"])
+    assert res.exit_code == 0, res.output
+    ma, mb = read_manifest(a), read_manifest(b)
+    assert (ma["engine"], ma["options"]["backend"], mb["engine"], mb["options"]["backend"]) == ("llama.cpp", "cells", "vllm", "paged")
+    # the schedules really differ: vLLM chunks the long prompt (two requests eligible), llama.cpp does not
+    L1 = len(smol.tokenizer.encode(prompts[1]))
+    assert [(x["C"], x["T"]) for s in ma["steps"] for x in s["batch"] if x["seq_id"] == 1 and x["phase"] == "prefill"] == [(0, L1)]
+    assert len([x for s in mb["steps"] for x in s["batch"] if x["seq_id"] == 1 and x["phase"] == "prefill"]) > 1
+    # independent facts the diff must find: greedy tokens = our own plain greedy run; causal visibility
+    plain = run_requests(smol, specs, EngineOptions(backend="paged"), trace=False)
+    want = [q["output_ids"] for q in plain.requests]
+    assert [q["output_ids"] for q in ma["requests"]] == want == [q["output_ids"] for q in mb["requests"]]
+    for m in (ma, mb):
+        for s in m["steps"]:
+            for x in s["batch"]:
+                if not x.get("spec"):
+                    assert x["positions"] == list(range(x["C"], x["C"] + x["T"]))
+                    assert x["visible"] == [f"0..{p}" if p else "0" for p in x["positions"]]
+
+    res = r.invoke(app, ["diff", str(a), str(b)])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "runtimes differ (A: llama.cpp, cells; B: vllm, paged)" in out and "not per step" in out
+    assert "logical variables: identical" in out and "no logical difference" in out
+    assert "inp_pos 0..4" in out and "kq_mask cells 0..4" in out and "n_kv 256" in out  # llama.cpp's fields, seq 0 prefill
+    blk = mb["steps"][0]["vllm"]["attn_metadata"]["block_table"][0][0]  # seq 0's first block (vLLM's free queue decides)
+    assert "query_start_loc [0, 5, " in out and f"block_table [{blk}]" in out and f"slot_mapping {blk * 32}..{blk * 32 + 4}" in out
+    js = json.loads(r.invoke(app, ["diff", str(a), str(b), "--json"]).output)
+    assert js["equal"] and js["cross_engine"]["mode"] == "logical"
+    for q, p in zip(js["cross_engine"]["requests"], prompts):
+        need = len(smol.tokenizer.encode(p)) + n - 1  # every position before the last output token
+        assert q["required"] == need and q["positions_compared"] >= need
+    nt = js["cross_engine"]["next_token"]
+    assert nt["rows"] >= 4 and nt["same_top_rate"] == 1.0 and nt["disagreements"] == []
+    assert 0.0 < nt["max_abs_logit"] < 3.0  # Q4_1 (llama.cpp) vs its dequantised float32 copy (vLLM): really different
+
+    # a broken runtime is caught where it breaks: one query of B seeing one key less; one position id off
+    bad = json.loads(json.dumps(mb))
+    row = next(x for s in bad["steps"] for x in s["batch"] if x["seq_id"] == 0 and x["phase"] == "prefill")
+    row["visible"][3] = "0..2"
+    got, _ = logical_diff(ma, bad)
+    assert got.count == 1 and (got.first.seq_id, got.first.variable, got.first.field) == (0, "visible keys", "at[3].visible")
+    row["visible"][3] = "0..3"
+    row["positions"][2] = 7
+    got, _ = logical_diff(ma, bad)
+    assert got.count == 1 and (got.first.variable, got.first.field, got.first.a, got.first.b) == ("positions", "at[2].pos", 2, 7)

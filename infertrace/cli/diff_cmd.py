@@ -36,7 +36,11 @@ def diff(
     ta = load_tensors(a, ma) if tensors else None
     tb = load_tensors(b, mb) if tensors else None
     cross = None
-    if ma.get("engine", "infertrace") != mb.get("engine", "infertrace"):  # e.g. --engine llama.cpp vs cells
+    from infertrace.trace.runtime_diff import logical_diff, needs_logical_diff
+
+    if needs_logical_diff(ma, mb):  # e.g. --engine llama.cpp (cells) vs --engine vllm (paged): per request and position
+        res, cross = logical_diff(ma, mb, tuple(ignore or ()))
+    elif ma.get("engine", "infertrace") != mb.get("engine", "infertrace"):  # e.g. --engine llama.cpp vs cells
         from infertrace.trace.engine_diff import cross_engine_diff
 
         res, cross = cross_engine_diff(ma, mb, tuple(ignore or ()))
@@ -52,7 +56,12 @@ def diff(
 
         for line in settings_lines(settings, cross is not None):
             typer.echo(line)
-    if cross is not None and not as_json:
+    if cross is not None and cross.get("mode") == "logical" and not as_json:
+        from infertrace.present.render_runtimes import logical_lines
+
+        for line in logical_lines(res, cross, visible(str(a)), visible(str(b))):
+            typer.echo(line)
+    elif cross is not None and not as_json:
         from infertrace.present.render_llamacpp import cross_engine_lines
 
         for line in cross_engine_lines(res, cross):
@@ -66,7 +75,7 @@ def diff(
         if settings:
             out["llama_cpp_settings_differ"] = settings
         typer.echo(json_text(out, default=str))
-    else:
+    elif not (cross is not None and cross.get("mode") == "logical"):  # the logical lines end with their verdict
         for line in format_diff(res, ma, mb, str(a), str(b)):
             typer.echo(visible(line))  # paths and values come from the files
     if not res.equal:

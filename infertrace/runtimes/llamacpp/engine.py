@@ -68,7 +68,7 @@ class LlamaCppKV(CellsKV):
         self.lctx, self.layer, self.cfg = lctx, layer, cfg
         self.k = [self.k[0]] * cfg.n_layer  # one storage; read() refuses the layers not captured
         self.v = [self.v[0]] * cfg.n_layer
-        self.kv_layers = list(range(cfg.n_layer))  # llama.cpp's cache has every layer (one is held here)
+        self.n_layer, self.kv_layers = cfg.n_layer, list(range(cfg.n_layer))  # llama.cpp caches every layer
         self._n_kv = 0
         self.notes: list[str] = []
 

@@ -51,11 +51,13 @@ class KeepRecorder(Recorder):
             self.full.append(None)
             return st
         d: dict[str, torch.Tensor] = {"logits": ctx.logits.double().clone()}  # [M, V]
-        if "embed" in self._taps:
-            d["hidden"] = self._taps["embed"]["hidden"].double().clone()  # [N, H]
-        rope = self._rope.get(self.layer)
-        if rope is not None:
-            d["k"], d["v"] = rope["k_rot"].double().clone(), rope["v"].double().clone()  # [N, nkv, hd]
+        from infertrace.model.taps import EMBED, K_ROT, V
+
+        if (EMBED, None) in self._taps:  # the embedding tap has no layer
+            d["hidden"] = self._taps[(EMBED, None)]["value"].double().clone()  # [N, H]
+        k, v = self._value(K_ROT), self._value(V)  # the evidence layer's K after RoPE and V, as written
+        if k is not None and v is not None:
+            d["k"], d["v"] = k.double().clone(), v.double().clone()  # [N, nkv, hd]
         self.full.append(d)
         return st
 

@@ -64,9 +64,12 @@ class VllmKV(PagedKV):
     def __init__(self, cfg: Any, num_blocks: int, block_size: int, layer: int, n_kv_heads: int):
         super().__init__(1, n_kv_heads, cfg.head_dim, num_blocks, block_size, torch.float32, "cpu")
         self.pool = [self.pool[0]] * cfg.n_layer  # one storage; read() refuses the other layers
+        self.n_layer, self.kv_layers = cfg.n_layer, list(range(cfg.n_layer))  # vLLM caches every layer
         self.layer = layer
         self.free_count = num_blocks - 1
         self.free = []  # vLLM's free queue is not mirrored; free_blocks comes from its block pool
+        self.prefix_cache = False  # vLLM's enable_prefix_caching: tables may share full prefix blocks
+        self.ref_cnt: dict[int, int] = {}  # vLLM's block pool after this step's schedule: block -> ref_cnt
 
     def apply(self, chunks: list[ChunkSpec], bt: np.ndarray, slots: np.ndarray, k: np.ndarray | None,
               v: np.ndarray | None) -> None:
@@ -100,6 +103,11 @@ class VllmKV(PagedKV):
         snap = super().snapshot()
         snap.update({"free_blocks": self.free_count, "used_blocks": self.num_blocks - self.free_count,
                      "free_list_head": []})
+        if self.prefix_cache:  # as PrefixPagedKV marks it: `check` then allows shared prefix blocks
+            snap["prefix_cache"] = True
+            for v in snap["requests"].values():  # vLLM's own ref_cnt of every held block
+                for blk in v["blocks"]:
+                    blk["ref"] = self.ref_cnt.get(blk["block"], 0)
         return snap
 
 
@@ -188,7 +196,10 @@ class VllmRun:
 
         def schedule(*a: Any, **k: Any) -> Any:
             so = orig(*a, **k)
-            self.outs.append((so, int(self.sched.kv_cache_manager.block_pool.get_num_free_blocks())))
+            pool = self.sched.kv_cache_manager.block_pool
+            # after allocation: the free count and each held block's ref_cnt (how many requests hold it)
+            refs = {int(b.block_id): int(b.ref_cnt) for b in pool.blocks if b.ref_cnt > 0 and not b.is_null}
+            self.outs.append((so, int(pool.get_num_free_blocks()), refs))
             return so
 
         self.sched.schedule = schedule
@@ -243,6 +254,7 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
     tag = f"r{run.runs}"
     by_id = {f"{tag}s{r.seq_id}": r for r in requests}
     kv = VllmKV(tracer.cfg, run.num_blocks, run.block_size, run.layer, tracer.cfg.n_head_kv)
+    kv.prefix_cache = bool(run.kw["enable_prefix_caching"])
     future = sorted(requests, key=lambda r: (r.arrival_step, r.seq_id))
     raw_steps: list[dict[str, Any]] = []
     live: set[int] = set()
@@ -267,7 +279,7 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
         n_out = len(run.outs)
         outputs = run.eng.step()
         recs = run.llm.collective_rpc(run.capture.take)
-        so, free = run.outs[-1] if len(run.outs) > n_out else (None, None)
+        so, free, refs = run.outs[-1] if len(run.outs) > n_out else (None, None, None)
         rec = _merge_ranks([r[-1] for r in recs if r]) if recs and recs[0] else None
         finished = {}
         for o in outputs:
@@ -279,6 +291,7 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
             _idle(tracer, step, kv, requests)
             step += 1
             continue
+        kv.ref_cnt = refs or {}
         raw = _record_step(run, tracer, step, so, free, rec, by_id, kv, finished)
         raw_steps.append(raw)
         for sid in finished:
@@ -409,11 +422,11 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
     T_list = [c.T for c in chunks]
     types = ["generation" if c.parents is not None else "context" if (c.C == 0 or c.T > 1) else "generation" for c in chunks]
     inp = PagedInputs(specs, pos, seq_ids, "paged", **spec_metadata(specs),
-                      slot_mapping=torch.from_numpy(rec["slot_mapping"]), block_tables=bt_ours,
-                      seq_lens=torch.tensor(T_list, dtype=torch.int32), kv_lens=torch.from_numpy(vseq.astype(np.int32)),
-                      cu_seqlens=torch.from_numpy(qsl.astype(np.int32)), request_types=types,
-                      num_contexts=sum(t == "context" for t in types), mask_type="causal", tokens_per_block=B,
-                      attention_window={})  # vLLM's metadata in the paged convention's typed inputs
+                      slot_mapping=torch.from_numpy(rec["slot_mapping"].astype(np.int64)),  # [T]
+                      block_tables=bt_ours, seq_lens=torch.tensor(T_list, dtype=torch.int32),  # [R]
+                      kv_lens=torch.from_numpy(vseq.astype(np.int32)), cu_seqlens=torch.from_numpy(qsl.astype(np.int32)),
+                      request_types=types, num_contexts=sum(t == "context" for t in types), mask_type="causal",
+                      tokens_per_block=B, attention_window={})
     kv.apply(specs, rec["block_table"], rec["slot_mapping"], rec.get("k_cache", rec.get("k_written")),
              rec.get("v_cache", rec.get("v_written")))
     if free is not None:
@@ -519,9 +532,13 @@ def _new_blocks(so: Any, by_id: dict[str, Request]) -> dict[str, list[int]]:
 
 
 def _taps(tracer: Any, rec: dict[str, Any], run: VllmRun) -> None:
+    """Hand vLLM's captured tensors to the recorder under the tap vocabulary (:mod:`infertrace.model.taps`):
+    the embedding and, for the captured layer, Q/K before and after RoPE and V as written."""
+    from infertrace.model.taps import EMBED, K, K_ROT, Q, Q_ROT, V
+
     cfg = tracer.cfg
     if rec.get("hidden") is not None:
-        tracer.tap("embed", hidden=torch.from_numpy(rec["hidden"]))  # [T, H]
+        tracer.tap(EMBED, value=torch.from_numpy(rec["hidden"]))  # [T, H]
     if all(rec.get(k) is not None for k in ("q_pre", "q_rot", "k_pre", "k_rot", "v_written")):
         T = rec["q_pre"].shape[0]
         hd = cfg.head_dim
@@ -529,8 +546,10 @@ def _taps(tracer: Any, rec: dict[str, Any], run: VllmRun) -> None:
         def h(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a.reshape(T, -1, hd))  # [T, heads, hd]
 
-        tracer.tap("rope", layer=run.layer, q=h(rec["q_pre"]), q_rot=h(rec["q_rot"]), k=h(rec["k_pre"]),
-                   k_rot=h(rec["k_rot"]), v=h(rec["v_written"]))
+        got = {Q: h(rec["q_pre"]), Q_ROT: h(rec["q_rot"]), K: h(rec["k_pre"]), K_ROT: h(rec["k_rot"]), V: h(rec["v_written"])}
+        for name, value in got.items():
+            if run.layer in tracer.layers and name in tracer.taps:
+                tracer.tap(name, layer=run.layer, value=value)
 
 
 def run_requests_vllm(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: int = 0,

@@ -81,7 +81,8 @@ def plan_from_manifest(m: dict[str, Any], directory: str = "the trace") -> dict[
                              "admitted": list(st.get("admitted", []))}
     reqs = [{"seq_id": r["seq_id"], "prompt_ids": list(r.get("prompt_ids", [])), "arrival_step": r.get("arrival_step", 0)}
             for r in m["requests"]]
-    return {"block_size": B, "num_blocks": nb, "requests": reqs, "steps": steps, "last_step": max(steps, default=-1)}
+    return {"block_size": B, "num_blocks": nb, "requests": reqs, "steps": steps, "last_step": max(steps, default=-1),
+            "prefix_cache": vl.get("enable_prefix_caching") is True}
 
 
 class ReplayPagedKV(PagedKV):
@@ -95,6 +96,7 @@ class ReplayPagedKV(PagedKV):
         super().__init__(*a, **k)
         self.free = list(range(1, self.num_blocks))  # not used for placement; block 0 is vLLM's null block
         self.plan_tables: dict[int, list[int]] = {}
+        self.prefix_cache = False  # vLLM shared prefix blocks between tables (set from the plan)
 
     def _grow(self, seq_id: int, n_new: int) -> None:
         tab = self.plan_tables.get(seq_id)
@@ -124,6 +126,15 @@ class ReplayPagedKV(PagedKV):
     def snapshot(self) -> dict[str, Any]:
         snap = super().snapshot()
         snap["free_list_head"] = []  # placement is replayed: no free list of ours to show
+        if self.prefix_cache:  # a table may hold another request's full prefix blocks (`check` allows exactly those)
+            snap["prefix_cache"] = True
+            held: dict[int, int] = {}
+            for tab in self.tables.values():
+                for blk in tab:
+                    held[blk] = held.get(blk, 0) + 1
+            for v in snap["requests"].values():  # ref_cnt = the tables holding the block (vLLM's records its own)
+                for blk in v["blocks"]:
+                    blk["ref"] = held[blk["block"]]
         return snap
 
 
@@ -152,6 +163,7 @@ class ReplayEngine(Engine):
         cfg = model.cfg
         self.kv = self.scheduler.kv = ReplayPagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, plan["num_blocks"],
                                                     plan["block_size"], model.dtype, model.device, self.attn_impl)
+        self.kv.prefix_cache = bool(plan.get("prefix_cache"))
         self.plan = plan
         self.sampler_order = "hf"
 

@@ -1,0 +1,264 @@
+"""``infertrace diff A B`` across conventions: a ``cells`` trace (llama.cpp, ``run --engine llama.cpp``)
+against a ``paged`` trace (vLLM, ``run --engine vllm``) of the same requests.
+
+The two runtimes schedule differently (llama.cpp here runs infertrace's scheduler, vLLM its own:
+token budget, ``long_prefill_token_threshold``, speculative lookahead), so their steps do not pair
+one to one, and their physical memories are different conventions (cells + ``kq_mask`` vs block
+tables + metadata). What both must agree on is logical, and is compared **per request and per
+position of the request's sequence** (``prompt_ids + output_ids``, index ``j``), never per step:
+
+==================  =====================================================================  ======
+variable            per request, per position j                                            how
+==================  =====================================================================  ======
+tokens              prompt ids, output ids, the token fed at j                             exact
+positions           the position id fed with token j (llama.cpp ``inp_pos``, vLLM           exact
+                    ``positions``)
+visible keys        the key positions query j attends to (llama.cpp: read back from its    exact
+                    ``kq_mask`` and cells; vLLM: its metadata, causal over the block-table
+                    row up to ``seq_lens``)
+logits rows         the row predicting position j+1: top-k ids overlap, max |Δ logit|      summary
+                    over the ids both recorded
+next token          top-1 id of that row in A vs B                                         rate
+==================  =====================================================================  ======
+
+A position is taken from the last chunk that computed it and kept it (a preempted request's
+recomputation replaces the first; a verify chunk contributes its accepted nodes only). Every
+position ``0 .. len(prompt)+len(output)-2`` must have been computed by both runtimes (to
+generate the next token); positions one runtime computed beyond that (accepted drafts past the
+last output) are a note. The convention-specific fields of each request's chunks are listed side
+by side, in each runtime's own steps, and never compared: llama.cpp ``inp_pos``, the cells its
+``kq_mask`` rows cover (``k_idxs``), ``n_kv``, the ubatch (one step = one ubatch here); vLLM
+``query_start_loc``, ``seq_lens``, the ``block_table`` row and ``slot_mapping``.
+
+Torch-free (trace/ reads JSON only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infertrace.ranges import ranges_text
+from infertrace.trace.diff import DiffResult, Divergence
+
+#: how the comparison is described in the output (text and --json)
+NOTE = ("compared per request and per position of its sequence, not per step: the runtimes schedule "
+        "differently (llama.cpp here runs infertrace's scheduler, vLLM its own)")
+#: at most this many chunks per request in the side-by-side listing (per runtime)
+MAX_CHUNKS = 64
+#: at most this many differences / disagreements kept for display (all are counted)
+KEEP = 8
+
+
+def _engine(m: dict[str, Any]) -> str:
+    return str(m.get("engine", "infertrace"))
+
+
+def _convention(m: dict[str, Any]) -> str | None:
+    opts = m.get("options")
+    b = opts.get("backend") if isinstance(opts, dict) else None
+    return b if isinstance(b, str) else None
+
+
+def needs_logical_diff(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """True when ``a`` and ``b`` were computed by different engines with different KV conventions
+    (``cells`` vs ``paged``): their steps and memories cannot be paired, only the logical variables."""
+    ca, cb = _convention(a), _convention(b)
+    return _engine(a) != _engine(b) and ca is not None and cb is not None and ca != cb
+
+
+def _ints(x: Any) -> list[int]:
+    return [v for v in x if isinstance(v, int) and not isinstance(v, bool)] if isinstance(x, list) else []
+
+
+def _conv_fields(m: dict[str, Any], st: dict[str, Any], i: int, r: dict[str, Any]) -> dict[str, Any]:
+    """The convention-specific fields of batch row ``i`` (request ``r``) of step ``st``, in the
+    runtime's own names (read, never compared)."""
+    sid = r.get("seq_id")
+    vl = st.get("vllm")
+    if isinstance(vl, dict) and isinstance(vl.get("attn_metadata"), dict):  # vLLM's own metadata
+        am = vl["attn_metadata"]
+        qsl = _ints(am.get("query_start_loc"))
+        out: dict[str, Any] = {"query_start_loc": qsl}
+        if i + 1 < len(qsl):
+            out["query_range"] = [qsl[i], qsl[i + 1]]
+            out["slot_mapping"] = _ints(am.get("slot_mapping"))[qsl[i]:qsl[i + 1]]
+        sl, bt = am.get("seq_lens"), am.get("block_table")
+        if isinstance(sl, list) and i < len(sl):
+            out["seq_lens"] = sl[i]
+        if isinstance(bt, list) and i < len(bt):
+            out["block_table"] = _ints(bt[i])
+        return out
+    mk = st.get("mask") if isinstance(st.get("mask"), dict) else {}
+    km = mk.get("kq_mask")
+    kv = st.get("kv") if isinstance(st.get("kv"), dict) else {}
+    per = next((p for p in kv.get("per_request", []) or [] if isinstance(p, dict) and p.get("seq_id") == sid), {})
+    if isinstance(km, dict):  # cells: llama.cpp's graph inputs (or infertrace's cells backend)
+        pos = st.get("positions") if isinstance(st.get("positions"), dict) else {}
+        inp = _ints(pos.get("inp_pos"))
+        rows = _ints(r.get("rows"))
+        out = {"inp_pos": [inp[k] for k in rows if k < len(inp)], "cells": per.get("cells"), "n_kv": km.get("n_kv"),
+               "kq_mask_ne": km.get("ne")}
+        opts = m.get("options") if isinstance(m.get("options"), dict) else {}
+        lc = opts.get("llama_cpp") if isinstance(opts.get("llama_cpp"), dict) else {}
+        out["ubatch"] = {"n_tokens": st.get("N"), "n_ubatch": lc.get("n_ubatch")}
+        return out
+    md = mk.get("metadata") if isinstance(mk.get("metadata"), dict) else {}  # paged: our TensorRT-LLM names
+    out = {"cu_seqlens": md.get("cu_seqlens"), "slot_mapping": per.get("slot_mapping")}
+    for k in ("kv_lens", "block_tables"):
+        v = md.get(k)
+        if isinstance(v, list) and i < len(v):
+            out[k] = v[i]
+    return out
+
+
+def _predicted(p: dict[str, Any], r: dict[str, Any] | None) -> int | None:
+    """The sequence position whose token a decode record's logits row chose: ``next_pos`` (where the
+    chosen token is fed next); a request that stopped has none, then its batch row says: ``C + T``
+    (a verify chunk: ``C`` + the tokens it emitted)."""
+    if isinstance(p.get("next_pos"), int) and not isinstance(p.get("next_pos"), bool):
+        return p["next_pos"]
+    if not isinstance(r, dict) or not isinstance(r.get("C"), int) or not isinstance(r.get("T"), int):
+        return None
+    sp = r.get("spec")
+    if isinstance(sp, dict) and isinstance(sp.get("emitted"), list):
+        return r["C"] + len(sp["emitted"])
+    return r["C"] + r["T"]
+
+
+def _per_request(m: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Per seq_id: prompt / output ids, per position j the token, position id and visible keys of
+    the chunk that last computed and kept it, the logits rows by the position they predict, and
+    the chunks (with their convention fields) in step order."""
+    out: dict[int, dict[str, Any]] = {}
+    for q in m.get("requests", []) or []:
+        if isinstance(q, dict) and isinstance(q.get("seq_id"), int):
+            out[q["seq_id"]] = {"prompt_ids": _ints(q.get("prompt_ids")), "output_ids": _ints(q.get("output_ids")),
+                                "at": {}, "next": {}, "chunks": [], "n_chunks": 0}
+    for st in m.get("steps", []) or []:
+        if not isinstance(st, dict):
+            continue
+        for i, r in enumerate(st.get("batch", []) or []):
+            if not isinstance(r, dict) or r.get("seq_id") not in out:
+                continue
+            q = out[r["seq_id"]]
+            C, toks, poss, vis = r.get("C"), _ints(r.get("token_ids")), _ints(r.get("positions")), r.get("visible") or []
+            if not isinstance(C, int):
+                continue
+            sp = r.get("spec") if isinstance(r.get("spec"), dict) else None
+            if sp:  # a verify chunk keeps its accepted nodes; node k sits at sequence index C + depth(k)
+                offs = _ints(sp.get("position_offsets"))
+                nodes = [(k, C + offs[k]) for k in _ints(sp.get("accepted_nodes")) if k < len(offs)]
+            else:
+                nodes = [(k, C + k) for k in range(len(toks))]
+            for k, j in nodes:
+                if k < len(toks) and k < len(poss):
+                    q["at"][j] = {"token": toks[k], "pos": poss[k], "visible": vis[k] if k < len(vis) else None,
+                                  "step": st.get("step")}
+            q["n_chunks"] += 1
+            if len(q["chunks"]) < MAX_CHUNKS:
+                q["chunks"].append({"step": st.get("step"), "phase": r.get("phase"), "C": C, "T": r.get("T"),
+                                    "positions": ranges_text(poss), **_conv_fields(m, st, i, r)})
+        dc = st.get("decode") if isinstance(st.get("decode"), dict) else {}
+        by_seq = {r.get("seq_id"): r for r in st.get("batch", []) or [] if isinstance(r, dict)}
+        for p in dc.get("per_request", []) or []:
+            if not (isinstance(p, dict) and p.get("seq_id") in out and isinstance(p.get("top"), list) and p["top"]):
+                continue
+            j = _predicted(p, by_seq.get(p["seq_id"]))
+            if j is not None:
+                out[p["seq_id"]]["next"][j] = {"step": st.get("step"), "row": p.get("row"),
+                                               "top": [t for t in p["top"] if isinstance(t, dict)]}
+    return out
+
+
+def _div(variable: str, sid: int, field: str, a: Any, b: Any, kind: str = "value", note: str = "") -> Divergence:
+    return Divergence(f"requests[seq {sid}].{field}", variable, field, a, b, kind, None, sid, note=note)
+
+
+def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = ()) -> tuple[DiffResult, dict[str, Any]]:
+    """Compare the logical variables of two traces of the same requests computed by runtimes with
+    different conventions (see the module docstring).
+
+    Args:
+        a, b: validated manifests (``read_manifest``); ``ignore``: variable names (``tokens``,
+            ``positions``, ``visible keys``) or path prefixes to leave out.
+
+    Returns:
+        ``(DiffResult, info)``: the exact differences (tokens, positions, visible keys), and
+        ``info`` = ``{"mode": "logical", "engines", "conventions", "note", "requests": [...],
+        "next_token": {...}}`` with per request the positions compared, the chunks of each runtime
+        side by side, and the logits-row agreement.
+    """
+    pa, pb = _per_request(a), _per_request(b)
+    diffs: list[Divergence] = []
+
+    def add(d: Divergence) -> None:
+        if d.variable in ignore or any(d.path == p or d.path.startswith(p + ".") for p in ignore):
+            return
+        diffs.append(d)
+
+    reqs_info = []
+    rows = same = 0
+    overlap_sum = 0.0
+    max_dlogit = 0.0
+    disagree: list[dict[str, Any]] = []
+    only_rows = {"a": 0, "b": 0}
+    for sid in sorted(set(pa) | set(pb)):
+        if sid not in pa or sid not in pb:
+            add(_div("tokens", sid, "request", "present" if sid in pa else "(missing)", "present" if sid in pb else "(missing)",
+                     "missing"))
+            continue
+        x, y = pa[sid], pb[sid]
+        for f in ("prompt_ids", "output_ids"):
+            if x[f] != y[f]:
+                k = next((i for i, (u, v) in enumerate(zip(x[f], y[f])) if u != v), min(len(x[f]), len(y[f])))
+                add(_div("tokens", sid, f"{f}[{k}]", x[f][k] if k < len(x[f]) else "(missing)",
+                         y[f][k] if k < len(y[f]) else "(missing)", note=f"A {len(x[f])} ids, B {len(y[f])}"))
+        need = len(x["prompt_ids"]) + min(len(x["output_ids"]), len(y["output_ids"])) - 1
+        both = sorted(set(x["at"]) & set(y["at"]))
+        for j in range(max(need, 0)):
+            if j not in x["at"] or j not in y["at"]:
+                add(_div("positions", sid, f"at[{j}]", "computed" if j in x["at"] else "(not computed)",
+                         "computed" if j in y["at"] else "(not computed)", "missing",
+                         "every position before the last output token must be computed"))
+        for j in both:
+            u, v = x["at"][j], y["at"][j]
+            for key, var in (("token", "tokens"), ("pos", "positions"), ("visible", "visible keys")):
+                if u[key] != v[key]:
+                    add(_div(var, sid, f"at[{j}].{key}", u[key], v[key], note=f"A step {u['step']}, B step {v['step']}"))
+        extra = {"a": sorted(set(x["at"]) - set(range(need))), "b": sorted(set(y["at"]) - set(range(need)))}
+        # logits rows: the row that predicts position p (next_pos p), both runtimes
+        nr = {"rows": 0, "same_top": 0}
+        for p in sorted(set(x["next"]) | set(y["next"])):
+            if p not in x["next"] or p not in y["next"]:
+                only_rows["a" if p in x["next"] else "b"] += 1
+                continue
+            ta, tb = x["next"][p]["top"], y["next"][p]["top"]
+            ia, ib = [t.get("id") for t in ta], [t.get("id") for t in tb]
+            k = min(len(ia), len(ib))
+            rows += 1
+            nr["rows"] += 1
+            overlap_sum += len(set(ia[:k]) & set(ib[:k])) / k if k else 0.0
+            la = {t.get("id"): t.get("logit") for t in ta}
+            lb = {t.get("id"): t.get("logit") for t in tb}
+            for i in la.keys() & lb.keys():
+                if isinstance(la[i], (int, float)) and isinstance(lb[i], (int, float)):
+                    max_dlogit = max(max_dlogit, abs(float(la[i]) - float(lb[i])))
+            if ia and ib and ia[0] == ib[0]:
+                same += 1
+                nr["same_top"] += 1
+            elif len(disagree) < KEEP:
+                disagree.append({"seq_id": sid, "next_pos": p, "a": ta[0] if ta else None, "b": tb[0] if tb else None,
+                                 "a_step": x["next"][p]["step"], "b_step": y["next"][p]["step"]})
+        reqs_info.append({"seq_id": sid, "positions_compared": len(both), "required": max(need, 0),
+                          "only_a": ranges_text(extra["a"]) if extra["a"] else None,
+                          "only_b": ranges_text(extra["b"]) if extra["b"] else None,
+                          "logits_rows": nr, "chunks": {"a": x["chunks"], "b": y["chunks"]},
+                          "chunks_total": {"a": x["n_chunks"], "b": y["n_chunks"]}})
+    res = DiffResult(diffs[0] if diffs else None, len(diffs), 0.0, 0.0, cross_engine=True,
+                     tensors_note="tensors not compared across runtimes", differences=diffs[:KEEP])
+    info = {"mode": "logical", "engines": [_engine(a), _engine(b)], "conventions": [_convention(a), _convention(b)],
+            "note": NOTE, "requests": reqs_info,
+            "next_token": {"rows": rows, "same_top": same, "same_top_rate": same / rows if rows else 1.0,
+                           "topk_overlap_mean": overlap_sum / rows if rows else 1.0, "max_abs_logit": max_dlogit,
+                           "rows_only_a": only_rows["a"], "rows_only_b": only_rows["b"], "disagreements": disagree}}
+    return res, info
