@@ -178,12 +178,19 @@ class VllmRun:
         vllm = import_vllm()
         self.opts, self.layer, self.dtype, self.tp = opts, layer, dtype, tp
         self.kw = engine_args(opts, dtype, tp)
+        import torch
+
+        set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide (cpu_worker.py)
         try:
             self.llm = vllm.LLM(model=str(hf_dir), **self.kw)
         except InfertraceError:
             raise
         except Exception as e:  # vLLM raises many kinds for a configuration it refuses
             raise InfertraceError(f"vLLM refused the model or settings ({type(e).__name__}: {str(e)[:200]})") from None
+        finally:
+            # in-process vLLM must not change how the rest of this process (our engine, later runs) sets
+            # torch's thread count: put torch's own function back
+            torch.set_num_threads = set_threads
         from infertrace.runtimes.vllm import capture
 
         self.capture = capture
