@@ -252,9 +252,9 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
     from infertrace.runner import run_requests  # the engine (torch) loads only when a run starts
 
     with progress_display(enabled=not quiet) as progress:
-        loaded = load_with_progress(model, dtype, device, progress, threads,
-                                    weights if engine == "infertrace" else "float")  # llama.cpp and vLLM compute from their own copy
-        record = {"dtype": dtype, "device": device, **({"weights": loaded.weights} if loaded.weights.get("weights") != "float" else {})}
+        ours = engine == "infertrace"  # llama.cpp and vLLM compute from their own copy: header, config, tokenizer only
+        loaded = load_with_progress(model, dtype, device, progress, threads, weights if ours else "float", tensors=ours)
+        record = {"dtype": dtype, "device": device, **({"weights": loaded.weights} if ours and loaded.weights.get("weights") != "float" else {})}
         print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
 

@@ -131,7 +131,7 @@ class Engine:
             if self.opts.prefix_cache:
                 self.opts = replace(self.opts, prefix_cache=False)
         self.attn_impl = self._resolve_attention(self.opts.attention)
-        self.kv = make_kv(model, self.opts, self.attn_impl)
+        self.kv = self.make_memory()
         self.scheduler = Scheduler(self.kv, self.opts.max_batch_tokens, self.opts.prefill_chunk)
         self.tracer = tracer
         self.requests: dict[int, Request] = {}
@@ -153,6 +153,11 @@ class Engine:
     def sample_row(self, logits: torch.Tensor, req: Request) -> SampleResult:
         """The next token of ``req`` from its logits row ``[V]`` (subclasses force tokens here)."""
         return sample(logits, req.params, req.all_ids, req.generator, order=self.sampler_order)
+
+    def make_memory(self) -> Any:
+        """The KV backend of this engine (:func:`make_kv`); an engine whose cache lives elsewhere
+        (``--engine llama.cpp``) overrides it so no unused cache is allocated."""
+        return make_kv(self.model, self.opts, self.attn_impl)
 
     def _resolve_attention(self, req: str) -> str:
         if self.opts.backend == "cells":

@@ -245,11 +245,16 @@ class LlamaCppEngine(Engine):
         n_batch = max(1, min(opts.max_batch_tokens, opts.ctx_size))
         self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads, flash_attn)
         self.lmodel = LlamaCppModel(loaded.model, self.lctx)
-        super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)
-        self.kv = self.scheduler.kv = LlamaCppKV(loaded.config, self.lctx, opts.n_seq_max, layer)
+        self._kv_args = (loaded.config, opts.n_seq_max, layer)
+        super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)  # its cache: make_memory (llama.cpp's, read back)
         self.forced = forced or {}
         self.attn_impl = "llama.cpp"
         self.sampler_order = opts.sampler_order or "llama.cpp"
+
+    def make_memory(self) -> LlamaCppKV:
+        """llama.cpp's cache as read back (no infertrace cache is allocated beside it)."""
+        cfg, n_seq_max, layer = self._kv_args
+        return LlamaCppKV(cfg, self.lctx, n_seq_max, layer)
 
     def sample_row(self, logits: torch.Tensor, req: Any) -> SampleResult:
         res = sample(logits, req.params, req.all_ids, req.generator, order=self.sampler_order)
