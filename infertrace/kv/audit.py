@@ -76,17 +76,19 @@ def _add(label: str, suffix: str) -> str:
 
 
 @torch.inference_mode()
-def recompute_kv(model: Any, token_ids: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def recompute_kv(model: Any, token_ids: Sequence[int], kv_dtype: torch.dtype | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """K and V of every layer for ``token_ids`` at positions ``0..L-1``, computed from scratch (each
-    layer with its own sliding window, as the engine's cache applies it).
+    layer with its own sliding window, as the engine's cache applies it), stored in ``kv_dtype``
+    (``--kv-dtype``; default the model dtype) as the engine's cache stores them.
 
-    Returns: per layer ``[L, n_kv_heads, head_dim]`` K (rotated) and V, in the model dtype.
+    Returns: per layer ``[L, n_kv_heads, head_dim]`` K (rotated) and V, in ``kv_dtype``.
     """
     from infertrace.kv.cells import CellsKV
 
     cfg = model.cfg
     L = len(token_ids)
-    kv = CellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, L, 1, model.dtype, model.device,
+    kv = CellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, L, 1, kv_dtype or model.dtype, model.device,
                  windows=[cfg.layer_window(i) for i in range(cfg.n_layer)])  # each layer's own window (Gemma 3)
     inp = kv.prepare([ChunkSpec(0, 0, L)])
     model.forward(torch.tensor(list(token_ids), dtype=torch.int64), inp, kv, torch.tensor([L - 1]))
@@ -154,7 +156,7 @@ def audit_kv(model: Any, kv: Memory, seqs: dict[int, Sequence[int]], prov: Prove
         L = len(ids)
         if L == 0:
             continue
-        fk, fv = recompute_kv(model, ids)
+        fk, fv = recompute_kv(model, ids, kv.read(kv.kv_layers[0], sid)[0].dtype)  # in the cache's dtype (--kv-dtype)
         labels = (prov.labels.get(sid, []) + ["unknown"] * L)[:L]
         dk_all = torch.zeros(L)
         dv_all = torch.zeros(L)

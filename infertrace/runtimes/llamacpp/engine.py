@@ -344,7 +344,8 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         reqs = [{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                  "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
                  "num_preemptions": r.num_preemptions, "params": r.params.to_dict()} for r in eng.requests.values()]
-        options = {"backend": "cells", "attention": "llama.cpp", **(options_for_record or {}), "engine": asdict(opts),
+        options = {"backend": "cells", "attention": "llama.cpp", **(options_for_record or {}),
+                   "engine": {k: v for k, v in asdict(opts).items() if k != "kv_dtype"},  # llama.cpp's cache type: llama_cpp.type_k
                    "layer": layer, "show": list(show), "sampler_order": eng.sampler_order,
                    "llama_cpp": {"version": _version(), **eng.lctx.settings(), "teacher_forced": bool(forced)}}
         return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
