@@ -118,6 +118,15 @@ def test_budget_counts_the_cache_type(smol) -> None:
     assert "= 360.0 MiB at float16" in w[0]  # 2 x 16384 x 3 x 64 x 2 x 30 bytes
 
 
+def test_draft_model_cache_follows_kv_dtype(smol) -> None:
+    """--speculative draft: the draft model's own cache is stored in --kv-dtype too (no cache left in
+    another type than the one the trace states)."""
+    eng = Engine(smol.model, smol.tokenizer, EngineOptions(kv_dtype="bf16", speculative="draft", draft_layers=2, ctx_size=64))
+    assert eng.kv.k[0].dtype == torch.bfloat16 and eng.spec.drafter.kv.k[0].dtype == torch.bfloat16
+    eng = Engine(smol.model, smol.tokenizer, EngineOptions(speculative="draft", draft_layers=2, ctx_size=64))
+    assert eng.spec.drafter.kv.k[0].dtype == torch.float32
+
+
 def test_cli_kv_dtype_trace_and_refusals(tmp_path) -> None:
     r = CliRunner()
     res = r.invoke(app, ["run", "-p", "Hi", "-n", "2", "--kv-dtype", "F16", "--backend", "paged", "--save", str(tmp_path / "t"),
@@ -134,7 +143,8 @@ def test_cli_kv_dtype_trace_and_refusals(tmp_path) -> None:
     del d["options"]["engine"]["kv_dtype"]  # a trace from before the option
     validate_trace(d, "trace.json")
     for args, msg in ((["--kv-dtype", "f8"], "--kv-dtype must be one of f32, f16, bf16 (got 'f8')"),
-                      (["--kv-dtype", "f16", "--engine", "llama.cpp"], "--kv-dtype sets this engine's cache")):
+                      (["--kv-dtype", "f16", "--engine", "llama.cpp"], "--kv-dtype sets this engine's cache"),
+                      (["--kv-dtype", "bf16", "--backend", "paged", "--replay", str(tmp_path / "none")], "drop --kv-dtype")):
         res = r.invoke(app, ["run", "-p", "Hi", "-n", "1", *args])
         assert res.exit_code == 2, res.output
         lines = res.output.strip().splitlines()

@@ -164,6 +164,8 @@ def run(
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
         penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
         kv_dtype=kv_dtype)
+    if replay is not None and opts.kv_dtype is not None:
+        raise InfertraceError("--replay rebuilds vLLM's pool in the model dtype; drop --kv-dtype")
     if engine != "infertrace" and opts.kv_dtype is not None:
         raise InfertraceError(f"--kv-dtype sets this engine's cache; --engine {engine} keeps its own (llama.cpp's type_k/type_v "
                               "are in the trace header): drop --kv-dtype")

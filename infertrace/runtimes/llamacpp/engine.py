@@ -68,6 +68,7 @@ class LlamaCppKV(CellsKV):
         self.lctx, self.layer, self.cfg = lctx, layer, cfg
         self.k = [self.k[0]] * cfg.n_layer  # one storage; read() refuses the layers not captured
         self.v = [self.v[0]] * cfg.n_layer
+        self.kv_layers = list(range(cfg.n_layer))  # llama.cpp's cache holds every layer's K/V (the trace's kv.layers)
         self._n_kv = 0
         self.notes: list[str] = []
 
