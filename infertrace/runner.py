@@ -83,6 +83,8 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     for k, default in SERVING_DEFAULTS.items():  # serving options recorded only when set (older traces compare equal)
         if engine_opts.get(k) == default:
             engine_opts.pop(k, None)
+    if opts.kv_dtype is None:  # --kv-dtype recorded only when set (the cache is then in the model dtype, "dtype")
+        engine_opts.pop("kv_dtype", None)
     if not opts.speculative:
         for k in SPEC_DEFAULTS:
             engine_opts.pop(k, None)

@@ -149,6 +149,51 @@ def test_cli_saved_llamacpp_and_cells_traces_diff_clean(tmp_path: Path, llama_cp
     assert "computed by llama.cpp itself" in show and "llama.cpp kq_mask float16 ne = [n_kv=256, n_tokens_pad=3" in show
 
 
+def _strip_times(x):  # a trace's JSON without its wall-clock fields
+    if isinstance(x, dict):
+        return {k: _strip_times(v) for k, v in x.items() if k != "time_ms"}
+    return [_strip_times(v) for v in x] if isinstance(x, list) else x
+
+
+def test_cli_llamacpp_reads_no_tensor_data_and_trace_unchanged(monkeypatch, llama_cpp) -> None:
+    """Issue 20 "load only what is used": run --engine llama.cpp builds no infertrace weights (the
+    GGUF tensor reader and the quantised loader raise if called), and its trace equals the one made
+    when the whole model was loaded first (timings aside)."""
+    import infertrace.cli.common as common
+    import infertrace.cli.run as run_mod
+    import infertrace.loading.weights as weights_mod
+    from infertrace.loading.model import HeaderOnlyModel
+
+    args = ["run", "--engine", "llama.cpp", "--prompt", "The capital of France is", "-n", "4", "--json"]
+    seen: list = []
+    real = common.load_with_progress
+
+    def spy(*a, **k):
+        loaded = real(*a, **k)
+        seen.append(loaded)
+        return loaded
+
+    monkeypatch.setattr(common, "_LOADED", {})  # no memoised model from another test
+    monkeypatch.setattr(run_mod, "load_with_progress", lambda *a, **k: spy(*a, **{**k, "tensors": True}))  # before the fix
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    before = json.loads(res.output)
+    assert seen[-1].ckpt.weights  # the full load really read tensors
+
+    def no_tensors(*_a, **_k):
+        raise AssertionError("tensor data read for --engine llama.cpp")
+
+    monkeypatch.setattr(weights_mod, "_gguf_tensors", no_tensors)
+    monkeypatch.setattr("infertrace.quant.source.quant_weights", no_tensors)
+    monkeypatch.setattr(run_mod, "load_with_progress", spy)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    after = json.loads(res.output)
+    assert isinstance(seen[-1].model, HeaderOnlyModel) and seen[-1].ckpt.weights == {}
+    assert _strip_times(after) == _strip_times(before)
+    assert after["requests"][0]["output_ids"] and len(after["steps"]) == 4
+
+
 def test_diff_backends_against_llamacpp_cli(llama_cpp) -> None:
     res = CliRunner().invoke(app, ["diff-backends", "--against", "llama.cpp", "--prompt", "The capital of France is",
                                    "-n", "4", "--json"])

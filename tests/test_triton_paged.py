@@ -223,6 +223,23 @@ def test_dispatch_write_then_attend():
         paged_attention("auto", q, pool, bt, sl, kl, cu, 0.09)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.bfloat16])
+def test_kv_dtype_pool_under_float32_queries(pool_dtype):
+    """--kv-dtype f16/bf16 with --dtype float32: the pool holds K/V rounded to its type on store (the
+    same bits as the torch twin's cast) and both kernels read them back in q's dtype."""
+    q, pool, bt, sl, kl, cu, k_new, v_new, slots = make_batch(MIXED, 2, 3, 64, B)
+    outs = {}
+    for impl in ("torch", "triton"):
+        p = pool.to(pool_dtype)  # [nb, 2, Hkv, B, hd] in the cache type
+        write_kv_paged(impl, p, k_new * 3, v_new * 3, slots)  # float32 values, cast on store
+        outs[impl] = (p, paged_attention(impl, q, p, bt, sl, kl, cu, 0.125))
+    assert torch.equal(outs["triton"][0], outs["torch"][0])
+    blk, off = slots // B, slots % B
+    assert torch.equal(outs["torch"][0][blk, 0, :, off, :], (k_new * 3).to(pool_dtype))
+    assert outs["triton"][1].dtype == torch.float32
+    torch.testing.assert_close(outs["triton"][1], outs["torch"][1], atol=2e-5, rtol=1e-4)
+
+
 def test_resolve_attention(monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_attention("torch", cpu) == "torch"

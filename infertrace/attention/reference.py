@@ -23,8 +23,10 @@ def attention_with_kq_mask(
 
     Args:
         q: ``[N, n_head, head_dim]`` queries (float), already RoPE-rotated.
-        k: ``[n_kv, n_kv_heads, head_dim]`` keys of cells ``0..n_kv-1`` (same dtype as q).
-        v: ``[n_kv, n_kv_heads, head_dim]`` values.
+        k: ``[n_kv, n_kv_heads, head_dim]`` keys of cells ``0..n_kv-1``, any float dtype (the cache's,
+            ``--kv-dtype``): read back in q's dtype, as llama.cpp's CPU ``mul_mat`` converts an F16
+            cache row to the activations' type.
+        v: ``[n_kv, n_kv_heads, head_dim]`` values (likewise).
         kq_mask: ``[N, n_kv]`` float, 0 = keep, -inf = drop (the first N rows of
             llama.cpp's ``kq_mask``, i.e. ``ne = [n_kv, N]`` read row-major).
         scale: softmax scale, usually ``1/sqrt(head_dim)``.
@@ -39,8 +41,8 @@ def attention_with_kq_mask(
     n_kv_heads = k.shape[1]
     group = n_head // n_kv_heads
     qg = q.view(N, n_kv_heads, group, hd).permute(1, 2, 0, 3).reshape(n_kv_heads, group * N, hd)  # [n_kv_heads, g*N, hd]
-    kh = k.transpose(0, 1)  # [n_kv_heads, n_kv, hd]
-    vh = v.transpose(0, 1)  # [n_kv_heads, n_kv, hd]
+    kh = k.to(q.dtype).transpose(0, 1)  # [n_kv_heads, n_kv, hd] (no copy when the cache is in q's dtype)
+    vh = v.to(q.dtype).transpose(0, 1)  # [n_kv_heads, n_kv, hd]
     scores = torch.matmul(qg, kh.transpose(1, 2)) * scale  # [n_kv_heads, g*N, n_kv]
     scores = scores.view(n_kv_heads, group, N, -1) + kq_mask.to(scores.dtype)  # [n_kv_heads, g, N, n_kv]
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [n_kv_heads, g, N, n_kv]

@@ -414,7 +414,8 @@ def write_kv_paged_triton(
         kv_pool: ``[num_blocks, 2, n_kv_heads, tokens_per_block, head_dim]`` one layer's
             pool (fp32 / fp16 / bf16); its last dim must be contiguous (stride 1).
         k, v: ``[N, n_kv_heads, head_dim]`` current tokens' keys / values, any float dtype
-            (cast to the pool's dtype on store).
+            (cast to the pool's dtype by torch first, round-to-nearest-even as the torch twin:
+            Triton's interpreter truncates float32 -> bfloat16, ``--kv-dtype bf16`` must not).
         slot_mapping: ``[N]`` int32/int64, physical slot ``block_table[p // B] * B + p % B``.
             A negative slot skips its token (vLLM's padding convention; the torch twin
             does not accept negative slots).
@@ -440,6 +441,7 @@ def write_kv_paged_triton(
         return
     _check_device(kv_pool, k, v, slot_mapping)
     kern = _kernels()["write_kv"]
+    k, v = k.to(kv_pool.dtype), v.to(kv_pool.dtype)  # [N, n_kv_heads, hd] (no copy when the types agree)
     k = k if k.stride(-1) == 1 else k.contiguous()  # [N, n_kv_heads, hd]
     v = v if v.stride(-1) == 1 else v.contiguous()  # [N, n_kv_heads, hd]
     slot_mapping = slot_mapping.contiguous()  # [N]

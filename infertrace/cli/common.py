@@ -69,9 +69,9 @@ _LOADED: dict[tuple, Loaded] = {}
 
 
 def load_with_progress(model: Optional[Path], dtype: str, device: str, progress: Progress,
-                       threads: Optional[int] = None, weights: str = "float") -> Loaded:
+                       threads: Optional[int] = None, weights: str = "float", tensors: bool = True) -> Loaded:
     """:func:`load_model` with a progress bar while dequantising. Memoised per process on
-    (path, size, mtime, dtype, device, weights), so repeated in-process invocations (tests) load once.
+    (path, size, mtime, dtype, device, weights, tensors), so repeated in-process invocations (tests) load once.
     First sets torch's thread count: ``threads`` (``--threads``) or the cores available now
     (:func:`infertrace.threads.choose_threads`).
 
@@ -91,7 +91,7 @@ def load_with_progress(model: Optional[Path], dtype: str, device: str, progress:
     key = None
     if path.exists():
         st = path.stat()
-        key = (str(path.resolve()), st.st_size, st.st_mtime_ns, dtype, device, weights)
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns, dtype, device, weights, tensors)
         if key in _LOADED:
             return _LOADED[key]
     task = progress.add_task(f"loading {path.name}", total=None)
@@ -99,7 +99,7 @@ def load_with_progress(model: Optional[Path], dtype: str, device: str, progress:
     def cb(done: int, total: int, name: str) -> None:
         progress.update(task, completed=done, total=total, description=f"dequantising {name}")
 
-    loaded = load_model(path, dtype=dtype, device=device, progress=cb, weights=weights)
+    loaded = load_model(path, dtype=dtype, device=device, progress=cb, weights=weights, tensors=tensors)
     progress.remove_task(task)
     if key is not None:
         _LOADED.clear()  # keep at most one model in memory

@@ -111,6 +111,7 @@ def run(
     prefill_chunk: Annotated[Optional[int], typer.Option("--prefill-chunk", help="Max prompt tokens per request per step (chunked prefill).")] = None,
     attention: Annotated[str, typer.Option("--attention", help="Attention implementation: torch, triton (paged only) or auto.")] = "auto",
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")] = "float32",
+    kv_dtype: o.KvDtype = None,
     weights: Annotated[str, typer.Option("--weights", help="GGUF weights: float (dequantised at load, the reference), quant (kept quantised, a kernel per tensor type) or auto (quant for a GGUF in bfloat16 on the CPU, where it measured faster).")] = "auto",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     steps: Annotated[Optional[str], typer.Option("--steps", help="Steps whose panels are printed: 0,1,2 or 0..3 or 5.. (the table and --json keep all).")] = None,
@@ -161,7 +162,13 @@ def run(
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
         attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
-        penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+        penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        kv_dtype=kv_dtype)
+    if replay is not None and opts.kv_dtype is not None:
+        raise InfertraceError("--replay rebuilds vLLM's pool in the model dtype; drop --kv-dtype")
+    if engine != "infertrace" and opts.kv_dtype is not None:
+        raise InfertraceError(f"--kv-dtype sets this engine's cache; --engine {engine} keeps its own (llama.cpp's type_k/type_v "
+                              "are in the trace header): drop --kv-dtype")
     opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
     if engine == "llama.cpp" and opts.speculative:
         raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
@@ -252,9 +259,9 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
     from infertrace.runner import run_requests  # the engine (torch) loads only when a run starts
 
     with progress_display(enabled=not quiet) as progress:
-        loaded = load_with_progress(model, dtype, device, progress, threads,
-                                    weights if engine == "infertrace" else "float")  # llama.cpp and vLLM compute from their own copy
-        record = {"dtype": dtype, "device": device, **({"weights": loaded.weights} if loaded.weights.get("weights") != "float" else {})}
+        ours = engine == "infertrace"  # llama.cpp and vLLM compute from their own copy: header, config, tokenizer only
+        loaded = load_with_progress(model, dtype, device, progress, threads, weights if ours else "float", tensors=ours)
+        record = {"dtype": dtype, "device": device, **({"weights": loaded.weights} if ours and loaded.weights.get("weights") != "float" else {})}
         print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
 

@@ -42,6 +42,7 @@ MaxBatchTokens = Annotated[int, typer.Option("--max-batch-tokens", help="Schedul
 PrefillChunk = Annotated[Optional[int], typer.Option("--prefill-chunk", help="Max prompt tokens per request per step (chunked prefill).")]
 Attention = Annotated[str, typer.Option("--attention", help="Attention implementation: torch, triton (paged only) or auto.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")]
+KvDtype = Annotated[Optional[str], typer.Option("--kv-dtype", help="K/V cache storage type: f32, f16 or bf16 (llama.cpp's cache types; its default is f16). Attention reads the values back in --dtype. Default: --dtype.", show_default=False)]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)]
 SamplerOrder = Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature, then top-k/top-p/min-p: HF, vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last: common_sampler). Default: the convention of the runtime mirrored (cells and --engine llama.cpp: llama.cpp; paged: hf).")]
@@ -77,7 +78,7 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                      sampler_order: Optional[str] = None,
                      prefix_cache: str = "off", context_shift: bool = False, n_keep: int = 0, n_discard: int = 0,
                      audit_kv: bool = False, penalty_last_n: Optional[int] = None, frequency_penalty: float = 0.0,
-                     presence_penalty: float = 0.0) -> tuple[list[PromptSpec], EngineOptions]:
+                     presence_penalty: float = 0.0, kv_dtype: Optional[str] = None) -> tuple[list[PromptSpec], EngineOptions]:
     """Validate ``run``'s options (before any model loads) and build the requests and engine options.
 
     Returns:
@@ -97,6 +98,10 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     attention = check_choice("--attention", attention, ATTENTION)
     device = check_choice("--device", device, DEVICES)
     parse_dtype(dtype)
+    if kv_dtype is not None:
+        from infertrace.engine.options import KV_DTYPES
+
+        kv_dtype = check_choice("--kv-dtype", kv_dtype, KV_DTYPES)
     prefix_on = check_choice("--prefix-cache", prefix_cache, ("on", "off")) == "on"
     check_min("--n-keep", n_keep, -1)  # -1: the whole prompt (llama.cpp --keep -1)
     check_min("--n-discard", n_discard, 0)
@@ -148,7 +153,7 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                          max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention,
                          sampler_order=sampler_order,
                          prefix_cache=prefix_on, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard,
-                         audit_kv=audit_kv)
+                         audit_kv=audit_kv, kv_dtype=kv_dtype)
     return specs, opts
 
 

@@ -175,9 +175,9 @@ class GgmlAttentionKV:
     n_threads = 1
 
     def attend(self, layer: int, q: torch.Tensor, inp: Any, scale: float) -> torch.Tensor:  # type: ignore[override]
-        n_kv, N = inp.n_kv, q.shape[0]  # CellsInputs (kv/base.py)
-        mask = inp.mask(bool(self.windows[layer]))[0, 0, :N].to(q.device).float()  # [N, n_kv]  # type: ignore[attr-defined]
-        k, v = self.k[layer][:n_kv], self.v[layer][:n_kv]  # type: ignore[attr-defined]
+        n_kv, N = int(inp.n_kv), q.shape[0]  # CellsInputs fields (no longer in inp.extra)
+        mask = inp.mask(bool(self.windows[layer]))[0, 0, :N].to(q.device).float()  # type: ignore[attr-defined]  # [N, n_kv]
+        k, v = self.k[layer][:n_kv].float(), self.v[layer][:n_kv].float()  # type: ignore[attr-defined]  # [n_kv, nkv, hd]
         return ggml_cpu_attention(q.float(), k, v, mask, scale, self.flash_attn, self.n_threads).to(q.dtype)
 
 

@@ -135,11 +135,13 @@ class DraftModelDrafter:
         size: cells of the draft cache; n_seq_max: sequences.
         n_sample_rows: the tokenizer's size when the vocabulary is padded (the draft's logits past it
             are masked as the target's: :func:`~infertrace.engine.sampler.mask_padded_rows`), else None.
+        kv_dtype: storage dtype of the draft's cache (``--kv-dtype``, as the target's); None = the draft's dtype.
     """
 
     name = "draft"
 
-    def __init__(self, draft: Any, target: Any, size: int, n_seq_max: int, n_sample_rows: int | None = None):
+    def __init__(self, draft: Any, target: Any, size: int, n_seq_max: int, n_sample_rows: int | None = None,
+                 kv_dtype: torch.dtype | None = None):
         if draft.cfg.vocab_size != target.cfg.vocab_size:
             raise InfertraceError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) differs from the target's "
                                   f"({target.cfg.vocab_size}); use a draft model with the target's tokenizer")
@@ -147,7 +149,7 @@ class DraftModelDrafter:
         self.n_sample_rows = n_sample_rows
         cfg = draft.cfg
         n_layer = len(draft.layers)
-        self.kv = CellsKV(n_layer, cfg.n_head_kv, cfg.head_dim, size, n_seq_max, draft.dtype, draft.device,
+        self.kv = CellsKV(n_layer, cfg.n_head_kv, cfg.head_dim, size, n_seq_max, kv_dtype or draft.dtype, draft.device,
                           windows=[cfg.layer_window(i) for i in range(n_layer)])
         self.cached: dict[int, list[int]] = {}  # token ids in the draft cache, by seq_id
         self.gens: dict[int, torch.Generator] = {}

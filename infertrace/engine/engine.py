@@ -94,16 +94,20 @@ def _make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
 
 
 def _make_attn_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str, n_layer: int | None = None):
-    """The KV backend; ``n_layer`` (hybrid models: the attention layers only) defaults to every layer."""
+    """The KV backend; ``n_layer`` (hybrid models: the attention layers only) defaults to every layer.
+    K/V are stored in ``opts.kv_dtype`` (:func:`~infertrace.kv.budget.kv_cache_dtype`; default the model dtype)."""
+    from infertrace.kv.budget import kv_cache_dtype
+
     cfg = model.cfg
+    kv_dtype = kv_cache_dtype(opts, model.dtype)
     windows = ([cfg.layer_window(i) for i in range(cfg.n_layer)] if n_layer is None else [0] * n_layer)  # 0 = full attention
     if opts.backend == "cells":
         cls = CachingCellsKV if opts.prefix_cache else CellsKV
-        return cls(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, model.dtype, model.device,
+        return cls(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, kv_dtype, model.device,
                    windows=windows)
     if opts.backend == "paged":
         nb = opts.num_blocks if opts.num_blocks is not None else -(-opts.ctx_size // opts.tokens_per_block)
-        return SharedPagedKV(len(windows), cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, model.dtype, model.device,
+        return SharedPagedKV(len(windows), cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, kv_dtype, model.device,
                              attn_impl, caching=opts.prefix_cache, windows=windows)
     raise InfertraceError(f"unknown backend {opts.backend!r}; use cells or paged")
 
@@ -131,7 +135,7 @@ class Engine:
             if self.opts.prefix_cache:
                 self.opts = replace(self.opts, prefix_cache=False)
         self.attn_impl = self._resolve_attention(self.opts.attention)
-        self.kv = make_kv(model, self.opts, self.attn_impl)
+        self.kv = self.make_memory()
         self.scheduler = Scheduler(self.kv, self.opts.max_batch_tokens, self.opts.prefill_chunk)
         self.tracer = tracer
         self.requests: dict[int, Request] = {}
@@ -153,6 +157,11 @@ class Engine:
     def sample_row(self, logits: torch.Tensor, req: Request) -> SampleResult:
         """The next token of ``req`` from its logits row ``[V]`` (subclasses force tokens here)."""
         return sample(logits, req.params, req.all_ids, req.generator, order=self.sampler_order)
+
+    def make_memory(self) -> Any:
+        """The KV backend of this engine (:func:`make_kv`); an engine whose cache lives elsewhere
+        (``--engine llama.cpp``) overrides it so no unused cache is allocated."""
+        return make_kv(self.model, self.opts, self.attn_impl)
 
     def _resolve_attention(self, req: str) -> str:
         if self.opts.backend == "cells":

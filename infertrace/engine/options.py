@@ -13,6 +13,9 @@ from infertrace.errors import InfertraceError
 #: slots per block of the paged pool (vLLM ``block_size``, TensorRT-LLM ``tokens_per_block``);
 #: :data:`infertrace.kv.paged.DEFAULT_TOKENS_PER_BLOCK` is the same value (a test checks)
 DEFAULT_TOKENS_PER_BLOCK = 32
+#: ``--kv-dtype`` values: the K/V cache storage type, llama.cpp's cache type names (``--cache-type-k/v``;
+#: llama.cpp's default is ``f16``). None = the model's compute dtype (infertrace's behaviour before the option)
+KV_DTYPES = ("f32", "f16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,8 @@ class EngineOptions:
         ``n_discard`` (0 = half of the rest) and continue
         (llama.cpp server); off: the request stops with ``ctx_full``.
     audit_kv: record each cached entry's provenance and recompute the cache every step.
+    kv_dtype: K/V cache storage type, one of :data:`KV_DTYPES` (None = the model dtype); attention reads
+        the stored values back in the compute dtype (llama.cpp ``type_k`` / ``type_v``, vLLM ``kv_cache_dtype``).
     speculative: ``None`` (off), ``ngram`` (prompt lookup) or ``draft`` (a draft model: ``draft_model``
         path, or the target's first ``draft_layers`` layers); ``num_spec_tokens`` K drafts per step
         (a chain); ``spec_tree``: parent index of each draft node (-1 = the last accepted token)
@@ -163,3 +168,4 @@ class EngineOptions:
     draft_layers: int | None = None
     ngram_min: int = 1
     ngram_max: int = 3
+    kv_dtype: str | None = None

@@ -114,7 +114,10 @@ class Speculator:
 
                 dm = load_model(o.draft_model, device=str(engine.model.device)).model
             size = engine.kv.capacity_tokens + o.n_seq_max * (len(self.parents) + 1)
-            self.drafter = DraftModelDrafter(dm, engine.model, size, o.n_seq_max, getattr(engine, "n_sample_rows", None))
+            from infertrace.kv.budget import kv_cache_dtype
+
+            self.drafter = DraftModelDrafter(dm, engine.model, size, o.n_seq_max, getattr(engine, "n_sample_rows", None),
+                                             kv_cache_dtype(o, dm.dtype))  # --kv-dtype: the draft's cache too
         self.target_forwards = 0  # steps that ran the target on at least one decode / verify chunk
         self.decode_tokens = 0  # tokens emitted by those steps
         self.req_stats: dict[int, dict[str, Any]] = {}

@@ -76,13 +76,15 @@ def _add(label: str, suffix: str) -> str:
 
 
 @torch.inference_mode()
-def recompute_kv(model: Any, token_ids: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def recompute_kv(model: Any, token_ids: Sequence[int], kv_dtype: torch.dtype | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """K and V of every layer for ``token_ids`` at positions ``0..L-1``, computed from scratch (each
-    layer with its own sliding window, as the engine's cache applies it).
+    layer with its own sliding window, as the engine's cache applies it), stored in ``kv_dtype``
+    (``--kv-dtype``; default the model dtype) as the engine's cache stores them.
 
-    Returns: per model layer ``[L, n_kv_heads, head_dim]`` K (rotated) and V, in the model dtype; None
-    for a Gated DeltaNet layer of a hybrid model (it keeps a state, no K/V; the recurrent state is not
-    audited).
+    Returns: per model layer ``[L, n_kv_heads, head_dim]`` K (rotated) and V, in ``kv_dtype`` (the model
+    dtype when None); None for a Gated DeltaNet layer of a hybrid model (it keeps a state, no K/V; the
+    recurrent state is not audited).
     """
     from infertrace.kv.cells import CellsKV
 
@@ -92,7 +94,7 @@ def recompute_kv(model: Any, token_ids: Sequence[int]) -> tuple[list[torch.Tenso
         from infertrace.kv.recurrent import HybridKV, RecurrentState
 
         attn_layers = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
-        attn = CellsKV(len(attn_layers), cfg.n_head_kv, cfg.head_dim, L, 1, model.dtype, model.device,
+        attn = CellsKV(len(attn_layers), cfg.n_head_kv, cfg.head_dim, L, 1, kv_dtype or model.dtype, model.device,
                        windows=[0] * len(attn_layers))
         state = RecurrentState([i for i in range(cfg.n_layer) if cfg.is_linear(i)], cfg.conv_dim, cfg.ssm_conv_kernel,
                                cfg.ssm_n_v_heads, cfg.ssm_k_head_dim, cfg.ssm_v_head_dim, 1, "cells", model.dtype,
@@ -102,7 +104,7 @@ def recompute_kv(model: Any, token_ids: Sequence[int]) -> tuple[list[torch.Tenso
         model.forward(torch.tensor(list(token_ids), dtype=torch.int64), inp, kv, torch.tensor([L - 1]))
         reads = [kv.read(i, 0) if i in attn_layers else (None, None) for i in range(cfg.n_layer)]
         return [k for k, _ in reads], [v for _, v in reads]
-    kv = CellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, L, 1, model.dtype, model.device,
+    kv = CellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, L, 1, kv_dtype or model.dtype, model.device,
                  windows=[cfg.layer_window(i) for i in range(cfg.n_layer)])  # each layer's own window (Gemma 3)
     inp = kv.prepare([ChunkSpec(0, 0, L)])
     model.forward(torch.tensor(list(token_ids), dtype=torch.int64), inp, kv, torch.tensor([L - 1]))
@@ -170,7 +172,7 @@ def audit_kv(model: Any, kv: Memory, seqs: dict[int, Sequence[int]], prov: Prove
         L = len(ids)
         if L == 0:
             continue
-        fk, fv = recompute_kv(model, ids)
+        fk, fv = recompute_kv(model, ids, kv.read(kv.kv_layers[0], sid)[0].dtype)  # in the cache's dtype (--kv-dtype)
         labels = (prov.labels.get(sid, []) + ["unknown"] * L)[:L]
         dk_all = torch.zeros(L)
         dv_all = torch.zeros(L)

@@ -31,6 +31,26 @@ def human_bytes(n: float) -> str:
     return _human_bytes(n, binary=True)
 
 
+#: ``--kv-dtype`` name -> torch storage dtype (llama.cpp ``GGML_TYPE_F32`` / ``F16`` / ``BF16`` cache types)
+KV_TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def kv_cache_dtype(opts: Any, model_dtype: torch.dtype) -> torch.dtype:
+    """The K/V storage dtype of a run: ``opts.kv_dtype`` (``f32`` | ``f16`` | ``bf16``) or, when it is
+    None (the default), the model's compute dtype. The recurrent (GDN) state stays in the model dtype.
+
+    Raises:
+        InfertraceError: an unknown ``kv_dtype``.
+    """
+    name = getattr(opts, "kv_dtype", None)
+    if name is None:
+        return model_dtype
+    try:
+        return KV_TORCH_DTYPES[name]
+    except KeyError:
+        raise InfertraceError(f"--kv-dtype must be one of {', '.join(KV_TORCH_DTYPES)} (got {name!r})") from None
+
+
 def kv_tokens(opts: Any) -> int:
     """Token slots the backend of ``opts`` allocates (cells: ``ctx_size``; paged: ``num_blocks x tokens_per_block``)."""
     if getattr(opts, "backend", "cells") == "paged":
@@ -77,7 +97,8 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
     Args:
         cfg: the :class:`~infertrace.model.config.ModelConfig` (``n_layer``, ``n_head_kv``, ``head_dim``).
         opts: :class:`~infertrace.engine.engine.EngineOptions`.
-        dtype, device: of the cache.
+        dtype, device: the model's compute dtype and the device; K/V bytes are counted at
+            :func:`kv_cache_dtype` (``opts.kv_dtype``, default ``dtype``), the GDN state at ``dtype``.
 
     Returns:
         The cache size in bytes (all attention layers, K and V, the cells' ``pos`` / ``seq_id`` bookkeeping,
@@ -87,7 +108,8 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
         InfertraceError: the cache would exceed the limit; the message gives its size and the limit.
     """
     tokens = kv_tokens(opts)
-    per_layer = kv_bytes_per_layer(cfg, tokens, dtype)
+    kv_dtype = kv_cache_dtype(opts, dtype)
+    per_layer = kv_bytes_per_layer(cfg, tokens, kv_dtype)
     n_kv_layers = sum(1 for i in range(cfg.n_layer) if not (hasattr(cfg, "is_linear") and cfg.is_linear(i)))
     total = per_layer * n_kv_layers  # hybrid models: K/V only for the attention layers
     state = recurrent_state_bytes(cfg, opts, dtype)  # hybrid models: n_seq_max fixed-size GDN state slots per layer
@@ -101,7 +123,7 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
         what = "--ctx-size" if getattr(opts, "backend", "cells") == "cells" else "--num-blocks x --tokens-per-block"
         raise InfertraceError(
             f"the KV cache for {tokens} tokens would take {human_bytes(total)} ({human_bytes(per_layer)} per layer x "
-            f"{n_kv_layers} layers at {str(dtype).replace('torch.', '')}{f' + {human_bytes(book)} of cell bookkeeping' if book else ''}"
+            f"{n_kv_layers} layers at {str(kv_dtype).replace('torch.', '')}{f' + {human_bytes(book)} of cell bookkeeping' if book else ''}"
             f"{f' + {human_bytes(state)} of GDN state for {opts.n_seq_max} sequences' if state else ''}), "
             f"over the limit of {human_bytes(limit)} "
             f"(half of this machine's memory); lower {what}")
@@ -116,7 +138,7 @@ def run_cost_warnings(cfg: Any, opts: Any, max_new_tokens: Sequence[int], dtype:
         cfg: model config (``n_ctx_train``, ``n_layer``, ``n_head_kv``, ``head_dim``).
         opts: engine options (``ctx_size``, backend, pool).
         max_new_tokens: ``--max-new-tokens`` of each request.
-        dtype: KV cache dtype.
+        dtype: the model's compute dtype (the cache is counted at :func:`kv_cache_dtype`).
         default_ctx_size: the CLI's default ``--ctx-size``; a default larger than a small model's
             trained context is only mentioned when the generation length can actually pass it.
 
@@ -126,6 +148,7 @@ def run_cost_warnings(cfg: Any, opts: Any, max_new_tokens: Sequence[int], dtype:
     out: list[str] = []
     n_train = cfg.n_ctx_train
     tokens = kv_tokens(opts)
+    dtype = kv_cache_dtype(opts, dtype)
     per_layer = kv_bytes_per_layer(cfg, tokens, dtype)
     dt = str(dtype).replace("torch.", "")
     biggest = max(max_new_tokens, default=0)

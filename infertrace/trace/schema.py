@@ -398,7 +398,8 @@ ENGINE = Obj({}, {"backend": Str(choices=("cells", "paged")), "ctx_size": Int(1,
                   "num_blocks": Int(1, L["MAX_BLOCKS"], null=True, limit="MAX_BLOCKS"),
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], null=True, limit="MAX_TOKENS_PER_BLOCK"),
                   "max_batch_tokens": Int(1, L["MAX_CTX"], null=True), "prefill_chunk": Int(1, L["MAX_CTX"], null=True),
-                  "n_seq_max": Int(0, L["MAX_SEQ_ID"], null=True), "attention": S}, extra=True)
+                  "n_seq_max": Int(0, L["MAX_SEQ_ID"], null=True), "attention": S,
+                  "kv_dtype": Str(null=True, choices=("f32", "f16", "bf16"))}, extra=True)  # engine.options.KV_DTYPES; absent in older traces: the model dtype
 #: ``run --engine llama.cpp``: the llama.cpp context settings that change its numbers (runtimes/llamacpp/capture.py)
 N_THREADS = Int(0, 1 << 16)
 LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "off")),

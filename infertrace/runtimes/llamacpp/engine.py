@@ -246,11 +246,16 @@ class LlamaCppEngine(Engine):
         n_batch = max(1, min(opts.max_batch_tokens, opts.ctx_size))
         self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads, flash_attn)
         self.lmodel = LlamaCppModel(loaded.model, self.lctx)
-        super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)
-        self.kv = self.scheduler.kv = LlamaCppKV(loaded.config, self.lctx, opts.n_seq_max, layer)
+        self._kv_args = (loaded.config, opts.n_seq_max, layer)
+        super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)  # its cache: make_memory (llama.cpp's, read back)
         self.forced = forced or {}
         self.attn_impl = "llama.cpp"
         self.sampler_order = opts.sampler_order or "llama.cpp"
+
+    def make_memory(self) -> LlamaCppKV:
+        """llama.cpp's cache as read back (no infertrace cache is allocated beside it)."""
+        cfg, n_seq_max, layer = self._kv_args
+        return LlamaCppKV(cfg, self.lctx, n_seq_max, layer)
 
     def sample_row(self, logits: torch.Tensor, req: Any) -> SampleResult:
         res = sample(logits, req.params, req.all_ids, req.generator, order=self.sampler_order)
@@ -340,7 +345,8 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         reqs = [{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                  "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
                  "num_preemptions": r.num_preemptions, "params": r.params.to_dict()} for r in eng.requests.values()]
-        options = {"backend": "cells", "attention": "llama.cpp", **(options_for_record or {}), "engine": asdict(opts),
+        options = {"backend": "cells", "attention": "llama.cpp", **(options_for_record or {}),
+                   "engine": {k: v for k, v in asdict(opts).items() if k != "kv_dtype"},  # llama.cpp's cache type: llama_cpp.type_k
                    "layer": layer, "show": list(show), "sampler_order": eng.sampler_order,
                    "llama_cpp": {"version": _version(), **eng.lctx.settings(), "teacher_forced": bool(forced)}}
         return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
