@@ -198,12 +198,12 @@ def test_readme_samples_are_found():
 
 
 def _prepared(cmds: list[list[str]], tmp: Path) -> list[tuple[list[str], Path]]:
-    """Each sample with its ``--save`` (and ``--teacher-force``) paths under ``tmp``, saving ones added
+    """Each sample with its ``--save`` (and ``--teacher-force`` / ``--replay``) paths under ``tmp``, saving ones added
     where the sample only prints; the samples that save a trace others read run first."""
     runs = []
     for k, c in enumerate(cmds):
         c = list(c)
-        for flag in ("--save", "--teacher-force"):
+        for flag in ("--save", "--teacher-force", "--replay"):
             if flag in c:
                 j = c.index(flag) + 1
                 c[j] = str(tmp / c[j].replace("/", "_"))
@@ -211,7 +211,7 @@ def _prepared(cmds: list[list[str]], tmp: Path) -> list[tuple[list[str], Path]]:
             c += ["--save", str(tmp / f"sample{k}")]
         c = [x for x in c if x not in ("--json",)]
         runs.append((c, Path(c[c.index("--save") + 1])))
-    return sorted(runs, key=lambda cr: "--teacher-force" in cr[0])
+    return sorted(runs, key=lambda cr: "--teacher-force" in cr[0] or "--replay" in cr[0])
 
 
 def test_readme_samples_pass_check(tmp_path, smol_path):
