@@ -24,6 +24,22 @@ def _t(*parts: Any) -> Text:
     return t
 
 
+def agreement_table(rep: dict[str, Any], runtime: str) -> Table:
+    """The float agreement of a runtime comparison (``--against llama.cpp`` / ``vllm``): max |Δ| of hidden,
+    K, V and logits, KL and the same-top rate, each beside the measured noise floor and the tolerance."""
+    nt, fl = rep["next_token"], rep["floor"]
+    t = Table(title="float agreement (ours float32 = base)", show_lines=False)
+    for c in ("", runtime, "noise floor", "tolerance"):
+        t.add_column(c)
+    for v in ("hidden", "k", "v", "logits"):
+        t.add_row(f"max |Δ| {v}", f"{rep['max_abs'][v]:.4g}", f"{fl['max_abs'][v]:.4g}", f"{fl['factor'] * fl['max_abs'][v]:.4g}")
+    for k, name in (("kl_mean", "KL mean"), ("kl_p99", "KL p99"), ("kl_max", "KL max")):
+        t.add_row(name, f"{nt[k]:.3g}", f"{fl['next_token'][k]:.3g}", "")
+    t.add_row("same top token", f"{nt['same_top']}/{nt['rows']} ({nt['same_top_rate']:.1%})",
+              f"{fl['next_token']['same_top']}/{fl['next_token']['rows']}", "")
+    return t
+
+
 def llamacpp_diff_lines(rep: dict[str, Any]) -> tuple[list[Text], Table, list[Text]]:
     """The report as styled lines before and after the float table; every value from the run is
     made terminal-safe with :func:`infertrace.safe_text.visible` (no markup anywhere)."""
@@ -42,15 +58,7 @@ def llamacpp_diff_lines(rep: dict[str, Any]) -> tuple[list[Text], Table, list[Te
     for m in st["mismatches"][:10]:
         head.append(_t("  ", (f"step {m['step']} {visible(m['variable'])}", "red"), f": {visible(m['detail'])}"))
     nt, fl = rep["next_token"], rep["floor"]
-    t = Table(title="float agreement (ours float32 = base)", show_lines=False)
-    for c in ("", "llama.cpp", "noise floor", "tolerance"):
-        t.add_column(c)
-    for v in ("hidden", "k", "v", "logits"):
-        t.add_row(f"max |Δ| {v}", f"{rep['max_abs'][v]:.4g}", f"{fl['max_abs'][v]:.4g}", f"{fl['factor'] * fl['max_abs'][v]:.4g}")
-    for k, name in (("kl_mean", "KL mean"), ("kl_p99", "KL p99"), ("kl_max", "KL max")):
-        t.add_row(name, f"{nt[k]:.3g}", f"{fl['next_token'][k]:.3g}", "")
-    t.add_row("same top token", f"{nt['same_top']}/{nt['rows']} ({nt['same_top_rate']:.1%})",
-              f"{fl['next_token']['same_top']}/{fl['next_token']['rows']}", "")
+    t = agreement_table(rep, "llama.cpp")
     tail = [_t(f"noise floor: {visible(fl['how'])}")]
     fe = rep["first_exceeding"]
     tail.append(_t("first step over the floor: ", ("none", "green") if fe is None else

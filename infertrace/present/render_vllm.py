@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from infertrace.present.render_llamacpp import _t
+from infertrace.present.render_llamacpp import _t, agreement_table
 from infertrace.safe_text import visible
 
 
@@ -26,15 +26,7 @@ def vllm_diff_lines(rep: dict[str, Any]) -> tuple[list[Text], Table, list[Text]]
     for m in st["mismatches"][:10]:
         head.append(_t("  ", (f"step {visible(m['step'])} {visible(m['variable'])}", "red"), f": {visible(m['detail'])}"))
     nt, fl = rep["next_token"], rep["floor"]
-    t = Table(title="float agreement (ours float32 = base)", show_lines=False)
-    for c in ("", "vLLM", "noise floor", "tolerance"):
-        t.add_column(c)
-    for v in ("hidden", "k", "v", "logits"):
-        t.add_row(f"max |Δ| {v}", f"{rep['max_abs'][v]:.4g}", f"{fl['max_abs'][v]:.4g}", f"{fl['factor'] * fl['max_abs'][v]:.4g}")
-    for k, name in (("kl_mean", "KL mean"), ("kl_p99", "KL p99"), ("kl_max", "KL max")):
-        t.add_row(name, f"{nt[k]:.3g}", f"{fl['next_token'][k]:.3g}", "")
-    t.add_row("same top token", f"{nt['same_top']}/{nt['rows']} ({nt['same_top_rate']:.1%})",
-              f"{fl['next_token']['same_top']}/{fl['next_token']['rows']}", "")
+    t = agreement_table(rep, "vLLM")
     tail = [_t(f"noise floor: {visible(fl['how'])}")]
     fe = rep["first_exceeding"]
     tail.append(_t("first step over the floor: ", ("none", "green") if fe is None else
