@@ -133,8 +133,8 @@ def save_trace(trace: RunTrace, directory: str | Path, tensors: TensorFile | Non
         publish_dir(tmp, d, replace, TRACE_FILES)
         tmp = None
     except DirTaken as e:
-        raise InfertraceError(f"--save {shown}: {visible(str(e))}; the directory is taken, choose another "
-                              "(or pass --force to replace a trace)") from None
+        raise InfertraceError(f"--save {shown}: {visible(str(e))}; the directory is taken, choose another"
+                              + ("" if replace else " (or pass --force to replace a trace)")) from None
     except OSError as e:
         raise InfertraceError(f"cannot write trace to {shown}: {e.strerror or e}") from None
     finally:
