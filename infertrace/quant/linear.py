@@ -28,6 +28,7 @@ by :data:`SCRATCH_VALUES` values per dtype and shared by every layer.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -73,7 +74,7 @@ def pack_int4(codes: Callable[[int, int], torch.Tensor], n: int) -> torch.Tensor
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, k/2]
 
 
-class QuantLinear:
+class QuantLinear(ABC):
     """One weight matrix ``[out, in]`` and its matmul.
 
     Attributes:
@@ -88,18 +89,18 @@ class QuantLinear:
     shape: tuple[int, int]
     act_dtype: torch.dtype
 
+    @abstractmethod
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[..., in]`` (act dtype) -> ``[..., out]`` (act dtype) = ``x @ W.T (+ bias)``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def dequantize(self) -> torch.Tensor:
         """``float32 [out, in]``: the weights exactly as this kernel multiplies them (tests, reference)."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def nbytes(self) -> int:
         """Bytes this object holds (codes, scales, zeros, dense values)."""
-        raise NotImplementedError
 
 
 class DenseLinear(QuantLinear):
