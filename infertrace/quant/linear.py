@@ -256,7 +256,24 @@ def int4_params(a: Affine) -> tuple[Callable[[int, int], torch.Tensor], torch.Te
             torch.from_numpy(np.ascontiguousarray(a.scale)), torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)))
 
 
-class Int4PackLinear(_RowChunked, QuantLinear):
+class _PackedKernel(QuantLinear):
+    """A kernel defined by ``_mm(x2 [T, in]) -> [T, out]`` in the act dtype: the call reshapes around it
+    (and adds the bias), and :meth:`dequantize` reads the weights back through it with an identity
+    (``I @ W.T``), so the tests check exactly what the kernel multiplies."""
+
+    @abstractmethod
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self._mm(x.reshape(-1, self.shape[1])).view(*x.shape[:-1], self.shape[0])  # [..., out]
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The kernel's own weights, read back through it with an identity (float32 ``[out, in]``)."""
+        return self._mm(torch.eye(self.shape[1], dtype=self.act_dtype)).T.float().contiguous()  # [out, in]
+
+
+class Int4PackLinear(_RowChunked, _PackedKernel):
     """torch's weight-only int4 matmul (groups of 32, one scale and zero per group and row).
 
     Args:
@@ -280,25 +297,15 @@ class Int4PackLinear(_RowChunked, QuantLinear):
         self.sz = torch.stack([s.T, z.T], -1).to(act_dtype).contiguous()  # [in/32, out, 2]
         self.qtype, self.act_dtype, self.shape = qtype, act_dtype, (int(n), int(k))
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.shape[1])  # [T, in]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, 32, self.sz)  # [T, out]
-        y = y.view(*lead, self.shape[0])  # [..., out]
-        return y if bias is None else y + bias
-
-    def dequantize(self) -> torch.Tensor:
-        """The kernel's own weights, read back through it: ``I @ W.T`` with an identity in the act dtype."""
-        k = self.shape[1]
-        eye = torch.eye(k, dtype=self.act_dtype)  # [in, in]
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, 32, self.sz).T.float().contiguous()  # [out, in]
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, 32, self.sz)  # [T, out]
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() + self.sz.numel() * self.sz.element_size()
 
 
-class Int4x2Linear(_RowChunked, QuantLinear):
+class Int4x2Linear(_RowChunked, _PackedKernel):
     """5- to 8-bit codes in groups of 32 as two int4pack matmuls (high and low nibble planes).
 
     ``q = 16·hi + lo`` with ``hi = q >> 4`` (-8..7, arithmetic shift) and ``lo = q & 15``, so
@@ -340,21 +347,13 @@ class Int4x2Linear(_RowChunked, QuantLinear):
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         return mm(x2, self.packed_hi, 32, self.sz_hi) + mm(x2, self.packed_lo, 32, self.sz_lo)  # [T, out]
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = self._mm(x.reshape(-1, self.shape[1])).view(*x.shape[:-1], self.shape[0])  # [..., out]
-        return y if bias is None else y + bias
-
-    def dequantize(self) -> torch.Tensor:
-        """The kernel's own weights, read back through it with an identity (float32 ``[out, in]``)."""
-        return self._mm(torch.eye(self.shape[1], dtype=self.act_dtype)).T.float().contiguous()  # [out, in]
-
     @property
     def nbytes(self) -> int:
         return (self.packed_hi.numel() + self.packed_lo.numel()
                 + (self.sz_hi.numel() + self.sz_lo.numel()) * self.sz_hi.element_size())
 
 
-class Int4Pair16Linear(_RowChunked, QuantLinear):
+class Int4Pair16Linear(_RowChunked, _PackedKernel):
     """Codes in groups of 16 (Q6_K, Q3_K, Q2_K) on the group-32 int4pack kernel, doubling ``in``.
 
     Each group ``j`` of 16 becomes one kernel group of 32: its low nibbles ``lo = q & 15`` then
@@ -395,14 +394,6 @@ class Int4Pair16Linear(_RowChunked, QuantLinear):
         xx = torch.cat([xg, xg * 16], dim=2).reshape(t, 2 * k)  # [T, 2*in]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xx, self.packed, 32, self.sz)  # [T, out]
         return y + F.linear(xg.sum(-1).reshape(t, k // 16), self.corr)  # [T, out]
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = self._mm(x.reshape(-1, self.shape[1])).view(*x.shape[:-1], self.shape[0])  # [..., out]
-        return y if bias is None else y + bias
-
-    def dequantize(self) -> torch.Tensor:
-        """The kernel's own weights, read back through it with an identity (float32 ``[out, in]``)."""
-        return self._mm(torch.eye(self.shape[1], dtype=self.act_dtype)).T.float().contiguous()  # [out, in]
 
     @property
     def nbytes(self) -> int:
