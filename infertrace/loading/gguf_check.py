@@ -209,6 +209,23 @@ def check_gguf_header(path: str | Path) -> GGUFHeaderFacts:
         os.close(fd)
 
 
+def _unique_name(w: _Walker, what: str, limit: int, seen: set[str], kind: str) -> str:
+    """A length-bounded UTF-8 string (a key or a tensor name) not seen before; added to ``seen``.
+
+    Raises:
+        _Broken: longer than ``limit`` bytes, past the end, not UTF-8, or a repeat.
+    """
+    raw = w.string(what, limit)
+    try:
+        name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _Broken(f"{what} is not UTF-8") from None
+    if name in seen:
+        raise _Broken(f"{kind} {name!r} appears twice")
+    seen.add(name)
+    return name
+
+
 def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -233,14 +250,7 @@ def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
     facts = GGUFHeaderFacts(version, n_tensors, n_kv, GGUF_DEFAULT_ALIGNMENT, 0, size, byte_order=order)
     seen: set[str] = set()
     for i in range(n_kv):
-        raw = w.string(f"key #{i}", MAX_GGUF_KEY_BYTES)
-        try:
-            key = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise _Broken(f"key #{i} is not UTF-8") from None
-        if key in seen:
-            raise _Broken(f"key {key!r} appears twice")
-        seen.add(key)
+        key = _unique_name(w, f"key #{i}", MAX_GGUF_KEY_BYTES, seen, "key")
         vtype = w.u32(f"value type of {key!r}")
         if key == "general.alignment":
             if vtype != _UINT32:
@@ -254,14 +264,7 @@ def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
     facts.keys = list(seen)
     names: set[str] = set()
     for i in range(n_tensors):
-        raw = w.string(f"name of tensor #{i}", MAX_GGUF_TENSOR_NAME_BYTES)
-        try:
-            name = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise _Broken(f"the name of tensor #{i} is not UTF-8") from None
-        if name in names:
-            raise _Broken(f"tensor {name!r} appears twice")
-        names.add(name)
+        name = _unique_name(w, f"the name of tensor #{i}", MAX_GGUF_TENSOR_NAME_BYTES, names, "tensor")
         n_dims = w.u32(f"n_dims of {name!r}")
         if n_dims > MAX_GGUF_DIMS:
             raise _Broken(f"tensor {name!r} has {n_dims} dimensions, over the limit of {MAX_GGUF_DIMS} (ggml GGML_MAX_DIMS)")
