@@ -209,9 +209,11 @@ class CellsKV(MemoryDefaults):
         return MemOp(cells_seq_keep(self, seq_id))
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[Any]) -> MemOp:
+        """llama.cpp ``seq_add``: positions ``[p0, p1)`` += ``delta``; K re-rotated per layer with ``ropes[il]`` (K-shift)."""
         return MemOp(cells_seq_add(self, seq_id, p0, p1, delta, ropes))
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[Any]) -> MemOp:
+        """llama.cpp ``seq_div``: positions ``[p0, p1)`` //= ``d`` (self-extend); K re-rotated per layer with ``ropes[il]``."""
         return MemOp(cells_seq_div(self, seq_id, p0, p1, d, ropes))
 
     def seq_pos_min(self, seq_id: int) -> int:

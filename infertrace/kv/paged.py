@@ -196,9 +196,11 @@ class PagedKV(MemoryDefaults):
                              "(shift_out), seq_add alone is not supported")
 
     def seq_pos_min(self, seq_id: int) -> int:
+        """Smallest cached position of ``seq_id`` (0 for a paged sequence), -1 when it holds none."""
         return 0 if self.lens.get(seq_id, 0) else -1
 
     def seq_pos_max(self, seq_id: int) -> int:
+        """Largest cached position of ``seq_id`` (its length - 1), -1 when it holds none."""
         return self.lens.get(seq_id, 0) - 1
 
     def shift_out(self, seq_id: int, p0: int, p1: int, ropes: Sequence[Any]) -> MemOp:

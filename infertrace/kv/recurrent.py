@@ -257,6 +257,7 @@ class HybridKV(MemoryDefaults):
         self.state.release(seq_id)
 
     def forget(self, seq_id: int) -> None:
+        """Free the attention part without keeping it for reuse, and the state slot."""
         self.attn.forget(seq_id)
         self.state.release(seq_id)
 

@@ -263,6 +263,7 @@ class _Slots:
         self.w, self.il, self.names, self.dev = w, il, names, dev
 
     def raw(self, slot: str) -> Any:
+        """The checkpoint tensor of this layer's ``slot`` as loaded (InfertraceError when the checkpoint lacks it)."""
         n = block_tensor_name(self.il, slot, self.names)
         if n not in self.w:
             raise InfertraceError(f"the weights lack tensor {n}, which the config implies; the checkpoint is incomplete")
