@@ -35,6 +35,15 @@ def test_quant_bf16_header_names_the_kernels(tmp_path):
     q, out = _run(tmp_path, "b", "--dtype", "bfloat16")  # auto: a GGUF in bf16 on the CPU -> quant
     assert q["options"]["weights"]["kernels"] == {"Q4_1": "int4pack", "Q8_0": "int4x2"}
     assert "weights quant (Q4_1 int4pack, Q8_0 int4x2)" in " ".join(out.split())
+    from infertrace.trace.schema import validate_trace
+
+    validate_trace(q, "trace.json")  # the recorded weights section is schema-checked (untrusted on load)
+    for bad, msg in (({"weights": "int3"}, "options.weights.weights"),
+                     ({"weights": "quant", "kernels": {str(i): "dense" for i in range(65)}}, "exceeds the limit 64"),
+                     ({"weights": "quant", "kernels": {"Q4_1": 7}}, "options.weights.kernels")):
+        q["options"]["weights"] = bad
+        with pytest.raises(Exception, match=msg):
+            validate_trace(q, "trace.json")
 
 
 def test_weights_choice(tmp_path, smol_path):

@@ -409,8 +409,13 @@ LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "
                      "n_threads": N_THREADS, "n_threads_batch": N_THREADS, "kv_unified": Bool(), "offload_kqv": Bool(),
                      "op_offload": Bool(), "swa_full": Bool(), "n_gpu_layers": Int(-(2 ** 31), 2 ** 31 - 1),
                      "gpu_offload": Bool(), "use_extra_bufts": Bool(), "system_info": Str(max_len=4096), "teacher_forced": Bool()}, extra=True)
+#: ``--weights``: which path computed the linear layers and, when quantised, the kernel per GGUF tensor type
+#: (loading/model.py ``Loaded.weights``; quant/linear.py kernel names; ``stack(...)`` for a mixed fused matrix)
+KERNEL = Str(max_len=128)
+WEIGHTS = Obj({"weights": Str(choices=("float", "quant", "none"))},
+              {"kernels": Map(KERNEL, key_int=False, max_len=64)}, extra=True)
 OPTIONS = Obj({}, {"backend": Str(choices=("cells", "paged")), "attention": S, "device": S, "dtype": S, "layer": DIM,
-                   "show": List(S, 64), "engine": ENGINE, "llama_cpp": LLAMA_CPP}, extra=True)
+                   "show": List(S, 64), "engine": ENGINE, "llama_cpp": LLAMA_CPP, "weights": WEIGHTS}, extra=True)
 MODEL = Obj({}, {"file": S, "name": Str(null=True), "size": Int(0, 1 << 62), "source": S, "metadata_sha256": Str(null=True)},
             extra=True)
 CONFIG = Obj({}, {"arch": S, "name": Str(null=True), "source": S, "n_layer": DIM, "n_embd": DIM, "n_head": DIM,
