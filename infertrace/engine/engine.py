@@ -84,6 +84,9 @@ def _make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
             raise InfertraceError("--speculative cannot be used with a hybrid model: rejected drafts would need the GDN "
                                   "state rolled back to the accepted length (llama.cpp refuses partial seq_rm on "
                                   "recurrent memory; per-token state snapshots are not implemented); drop --speculative")
+        if not opts.kv_unified:
+            raise InfertraceError("--kv-unified off is not implemented for hybrid models (their recurrent cells are per "
+                                  "sequence already); drop --kv-unified off")
         attn_layers = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
         attn_kv = _make_attn_kv(model, replace(opts, prefix_cache=False), attn_impl, n_layer=len(attn_layers))
         state = RecurrentState([i for i in range(cfg.n_layer) if cfg.is_linear(i)], cfg.conv_dim, cfg.ssm_conv_kernel,
@@ -101,15 +104,37 @@ def _make_attn_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str, n_la
     cfg = model.cfg
     kv_dtype = kv_cache_dtype(opts, model.dtype)
     windows = ([cfg.layer_window(i) for i in range(cfg.n_layer)] if n_layer is None else [0] * n_layer)  # 0 = full attention
+    if opts.backend == "cells" and not opts.kv_unified:
+        return _make_streams_kv(cfg, opts, windows, kv_dtype, model.device)
     if opts.backend == "cells":
         cls = CachingCellsKV if opts.prefix_cache else CellsKV
         return cls(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, kv_dtype, model.device,
                    windows=windows)
+    if opts.backend == "paged" and not opts.kv_unified:
+        raise InfertraceError("--kv-unified off is llama.cpp's cells convention: use it with --backend cells")
     if opts.backend == "paged":
         nb = opts.num_blocks if opts.num_blocks is not None else -(-opts.ctx_size // opts.tokens_per_block)
         return SharedPagedKV(len(windows), cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, kv_dtype, model.device,
                              attn_impl, caching=opts.prefix_cache, windows=windows)
     raise InfertraceError(f"unknown backend {opts.backend!r}; use cells or paged")
+
+
+def _make_streams_kv(cfg: Any, opts: EngineOptions, windows: list[int], kv_dtype: Any, device: Any):
+    """``--kv-unified off``: llama.cpp's non-unified cache, ``n_seq_max`` streams of ``ctx_size // n_seq_max``
+    cells (llama.cpp ``n_ctx_seq``; it also pads that to 256).
+
+    Raises:
+        InfertraceError: with ``--prefix-cache on`` or ``--speculative`` (not implemented across streams).
+    """
+    from infertrace.kv.streams import CellsStreamsKV
+
+    if opts.prefix_cache:
+        raise InfertraceError("--prefix-cache on needs --kv-unified on: across streams llama.cpp's seq_cp copies whole "
+                              "streams, which the cells prefix reuse does not do; drop one of them")
+    if opts.speculative:
+        raise InfertraceError("--speculative is not implemented with --kv-unified off; drop one of them")
+    return CellsStreamsKV(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size // max(1, opts.n_seq_max),
+                          opts.n_seq_max, kv_dtype, device, windows=windows)
 
 
 class Engine:
@@ -137,6 +162,7 @@ class Engine:
         self.attn_impl = self._resolve_attention(self.opts.attention)
         self.kv = self.make_memory()
         self.scheduler = Scheduler(self.kv, self.opts.max_batch_tokens, self.opts.prefill_chunk)
+        self.scheduler.split_equal = not self.opts.kv_unified  # non-unified KV: one split_equal ubatch per step
         self.tracer = tracer
         self.requests: dict[int, Request] = {}
         self.step_no = 0

@@ -145,6 +145,9 @@ class EngineOptions:
         path, or the target's first ``draft_layers`` layers); ``num_spec_tokens`` K drafts per step
         (a chain); ``spec_tree``: parent index of each draft node (-1 = the last accepted token)
         instead of a chain; ``ngram_min``/``ngram_max``: suffix lengths the lookup tries.
+    kv_unified: cells backend, llama.cpp ``kv_unified``: True = one cell stream shared by every
+        sequence; False = one stream of ``ctx_size // n_seq_max`` cells per sequence (kv/streams.py),
+        each step cut to one ``split_equal`` ubatch.
     """
 
     backend: str = "cells"
@@ -169,3 +172,4 @@ class EngineOptions:
     ngram_min: int = 1
     ngram_max: int = 3
     kv_dtype: str | None = None
+    kv_unified: bool = True
