@@ -85,6 +85,8 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
             engine_opts.pop(k, None)
     if opts.kv_dtype is None:  # --kv-dtype recorded only when set (the cache is then in the model dtype, "dtype")
         engine_opts.pop("kv_dtype", None)
+    if opts.kv_unified:  # --kv-unified recorded only when off (a unified trace reads as before the option)
+        engine_opts.pop("kv_unified", None)
     if not opts.speculative:
         for k in SPEC_DEFAULTS:
             engine_opts.pop(k, None)
@@ -102,6 +104,8 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     if trace and getattr(rec, "layer", layer) != layer:
         extra_notes.append(f"layer {layer} is a Gated DeltaNet layer (no K/V, no RoPE): evidence from layer {rec.layer}, "
                            "the first full-attention layer")
+    if not opts.kv_unified:
+        extra_notes.append(kv_streams_note(opts))
     if opts.prefix_cache and "prefix_cache" in eng.disabled:
         extra_notes.append(f"--prefix-cache on ignored: {eng.disabled['prefix_cache']}")
     out = RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
@@ -181,3 +185,11 @@ def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer
         raise InfertraceError(f"step {step} out of range: the run has steps 0..{eng.step_no - 1}")
     probe.result["attention"] = eng.attn_impl
     return probe.result
+
+
+def kv_streams_note(opts: EngineOptions) -> str:
+    """The trace note of ``--kv-unified off``: streams, cells per stream, and the ubatch rule."""
+    return (f"non-unified KV (--kv-unified off, llama.cpp kv_unified = false): {opts.n_seq_max} streams of "
+            f"{opts.ctx_size // max(1, opts.n_seq_max)} cells, one per sequence; each step is one llama.cpp split_equal "
+            "ubatch (consecutive seq_ids, equal token counts; the rest stays pending for the next step), kq_mask "
+            "ne = [n_kv, n_tokens_per_stream, 1, n_stream of the ubatch], n_kv = the largest padded used_max_p1 of its streams")

@@ -63,6 +63,7 @@ def diff_backends(
     n_discard: o.NDiscard = 0,
     audit_kv: o.AuditKv = False,
     llamacpp_flash_attn: o.LlamacppFlashAttn = None,
+    kv_unified: o.KvUnified = "on",
 ) -> None:
     """Prints the report; ``typer.Exit(1)`` after it when anything logical differs."""
     against, llamacpp_flash_attn = check_against(against, atol, threads, llamacpp_flash_attn)
@@ -72,7 +73,11 @@ def diff_backends(
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
         attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
-        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
+        kv_unified=kv_unified)
+    if not opts.kv_unified and against is None:
+        raise InfertraceError("--kv-unified off has no paged counterpart: compare the non-unified cells cache with "
+                              "--against llama.cpp (or --against hf)")
     check_reference_installed(against)  # fail before loading anything
     if against == "vllm" and (dtype.lower() not in ("float32", "fp32") or device != "cpu"):
         raise InfertraceError("--against vllm compares float32 runs on the CPU; drop --dtype/--device")

@@ -58,6 +58,7 @@ def dump_kv(
     n_keep: o.NKeep = 0,
     n_discard: o.NDiscard = 0,
     audit_kv: o.AuditKv = False,
+    kv_unified: o.KvUnified = "on",
 ) -> None:
     """Every user error is one ``error:`` line, exit 2 (including a step out of range)."""
     if step < 0:
@@ -83,7 +84,8 @@ def dump_kv(
         seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
         tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
         attention=attention, dtype=dtype, device=device,
-        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
+        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
+        kv_unified=kv_unified)
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress, threads)
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost

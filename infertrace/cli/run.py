@@ -112,6 +112,7 @@ def run(
     attention: Annotated[str, typer.Option("--attention", help="Attention implementation: torch, triton (paged only) or auto.")] = "auto",
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")] = "float32",
     kv_dtype: o.KvDtype = None,
+    kv_unified: o.KvUnified = "on",
     weights: Annotated[str, typer.Option("--weights", help="GGUF weights: float (dequantised at load, the reference), quant (kept quantised, a kernel per tensor type) or auto (quant for a GGUF in bfloat16 on the CPU, where it measured faster).")] = "auto",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     steps: Annotated[Optional[str], typer.Option("--steps", help="Steps whose panels are printed: 0,1,2 or 0..3 or 5.. (the table and --json keep all).")] = None,
@@ -163,7 +164,7 @@ def run(
         attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
         penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        kv_dtype=kv_dtype)
+        kv_dtype=kv_dtype, kv_unified=kv_unified)
     if replay is not None and opts.kv_dtype is not None:
         raise InfertraceError("--replay rebuilds vLLM's pool in the model dtype; drop --kv-dtype")
     if engine != "infertrace" and opts.kv_dtype is not None:

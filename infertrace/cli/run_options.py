@@ -50,6 +50,7 @@ EngineName = Annotated[str, typer.Option("--engine", help="Who computes: infertr
 LlamacppFlashAttn = Annotated[Optional[str], typer.Option("--llamacpp-flash-attn", help="With llama.cpp computing: its flash attention, auto (llama.cpp's default: on where supported), on or off. It changes llama.cpp's numbers; the trace header records what ran.", show_default=False)]
 TensorParallelSize = Annotated[int, typer.Option("--tensor-parallel-size", help="With --engine vllm: tensor-parallel ranks, through vLLM's own distributed executor (each rank holds n_kv_heads / N).")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
+KvUnified = Annotated[str, typer.Option("--kv-unified", help="cells: on = one cell stream shared by every sequence (llama.cpp kv_unified = true); off = one stream of ctx-size / n-requests cells per sequence, kq_mask ne[3] = the ubatch's streams, each step one split_equal ubatch (llama.cpp's default).")]
 # serving mechanisms (engine/serving.py)
 PrefixCache = Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")]
 ContextShift = Annotated[bool, typer.Option("--context-shift", help="When a request fills --ctx-size, drop cached tokens after --n-keep and continue (llama.cpp server), instead of stopping with ctx_full.")]
@@ -78,7 +79,8 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                      sampler_order: Optional[str] = None,
                      prefix_cache: str = "off", context_shift: bool = False, n_keep: int = 0, n_discard: int = 0,
                      audit_kv: bool = False, penalty_last_n: Optional[int] = None, frequency_penalty: float = 0.0,
-                     presence_penalty: float = 0.0, kv_dtype: Optional[str] = None) -> tuple[list[PromptSpec], EngineOptions]:
+                     presence_penalty: float = 0.0, kv_dtype: Optional[str] = None,
+                     kv_unified: str = "on") -> tuple[list[PromptSpec], EngineOptions]:
     """Validate ``run``'s options (before any model loads) and build the requests and engine options.
 
     Returns:
@@ -103,6 +105,12 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
 
         kv_dtype = check_choice("--kv-dtype", kv_dtype, KV_DTYPES)
     prefix_on = check_choice("--prefix-cache", prefix_cache, ("on", "off")) == "on"
+    unified = check_choice("--kv-unified", kv_unified, ("on", "off")) == "on"
+    if not unified and backend != "cells":
+        raise InfertraceError("--kv-unified off is llama.cpp's cells convention: use it with --backend cells")
+    if not unified and prefix_on:
+        raise InfertraceError("--prefix-cache on needs --kv-unified on: across streams llama.cpp's seq_cp copies whole "
+                              "streams, which the cells prefix reuse does not do; drop one of them")
     check_min("--n-keep", n_keep, -1)  # -1: the whole prompt (llama.cpp --keep -1)
     check_min("--n-discard", n_discard, 0)
     if (n_keep or n_discard) and not context_shift:
@@ -154,7 +162,25 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                          sampler_order=sampler_order,
                          prefix_cache=prefix_on, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard,
                          audit_kv=audit_kv, kv_dtype=kv_dtype)
+    if not unified:
+        opts = kv_streams_options(opts, len(specs))
     return specs, opts
+
+
+def kv_streams_options(opts: EngineOptions, n_requests: int) -> EngineOptions:
+    """``opts`` for ``--kv-unified off``: one stream per request (``n_seq_max`` = the requests, as
+    llama.cpp's ``n_stream = n_seq_max``), ``ctx_size // n_seq_max`` cells each.
+
+    Raises:
+        InfertraceError: ``--ctx-size`` smaller than the number of requests.
+    """
+    import dataclasses
+
+    n = max(1, n_requests)
+    if opts.ctx_size < n:
+        raise InfertraceError(f"--kv-unified off splits --ctx-size {opts.ctx_size} into {n} streams (one per request): "
+                              "raise --ctx-size")
+    return dataclasses.replace(opts, kv_unified=False, n_seq_max=n)
 
 
 def check_ctx_bounds(ctx_size: int, num_blocks: Optional[int], tokens_per_block: int) -> None:

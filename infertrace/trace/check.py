@@ -294,6 +294,8 @@ class _Checker:
         km = mask.get("kq_mask") if isinstance(mask, dict) else None
         if not isinstance(km, dict):
             return
+        if isinstance(km.get("streams"), list):  # non-unified KV: each stream's block of rows over its own cells
+            return self._isolation_streams(s, km, reqs)
         rows, cpos, cseq = km.get("rows"), km.get("cell_pos"), km.get("cell_seq")
         if not (isinstance(rows, list) and isinstance(cpos, list) and isinstance(cseq, list)):
             return
@@ -311,6 +313,36 @@ class _Checker:
                               f"kq_mask row {i} (pos {qp}) keeps cell {c}, owned by seq {seqs}")
                 if not _int(cpos[c]) or cpos[c] > qp or cpos[c] < 0:
                     self.fail(s, sid, "mask", "causality", f"kq_mask row {i} (pos {qp}) keeps cell {c} at pos {cpos[c]}")
+
+    def _isolation_streams(self, s: int, km: dict, reqs: list[dict]) -> None:
+        """The isolation check per stream of a non-unified kq_mask: row ``ii`` of stream block ``j`` is
+        packed row ``j * n_tps + ii`` (``n_tps = ne[1]``); a kept cell holds the query's seq_id and a
+        position not after the query's."""
+        owner = [(r["seq_id"], p) for r in reqs for p in r["positions"]]  # packed row -> (seq, pos)
+        ne = km.get("ne")
+        n_tps = ne[1] if isinstance(ne, list) and len(ne) == 4 and _int(ne[1]) else 0
+        for j, blk in enumerate(km["streams"]):
+            if not isinstance(blk, dict):
+                continue
+            rows, cpos, cseq = blk.get("rows"), blk.get("cell_pos"), blk.get("cell_seq")
+            if not (isinstance(rows, list) and isinstance(cpos, list) and isinstance(cseq, list)):
+                continue
+            for ii, row in enumerate(rows[:n_tps]):
+                i = j * n_tps + ii
+                if i >= len(owner) or not isinstance(row, list):
+                    break
+                sid, qp = owner[i]
+                for c, x in enumerate(row[: min(len(cpos), len(cseq))]):
+                    self.n_checks += 1
+                    if x != "0":
+                        continue
+                    seqs = cseq[c] if isinstance(cseq[c], list) else []
+                    if sid not in seqs:
+                        self.fail(s, sid, "mask", "no cross-sequence visibility",
+                                  f"kq_mask stream {blk.get('stream')} row {ii} (pos {qp}) keeps cell {c}, owned by seq {seqs}")
+                    if not _int(cpos[c]) or cpos[c] > qp or cpos[c] < 0:
+                        self.fail(s, sid, "mask", "causality",
+                                  f"kq_mask stream {blk.get('stream')} row {ii} (pos {qp}) keeps cell {c} at pos {cpos[c]}")
 
     def _kv(self, s: int, st: dict, reqs: list[dict]) -> None:
         kv = st.get("kv")

@@ -286,9 +286,16 @@ POSITIONS = Obj({"inp_pos": List(POS), "position_ids": List(POS), "pairing": S, 
                  "evidence": Obj({}, {"layer": DIM, "rows": List(Obj({"pos": POS}, {
                      "dq_max": F, "dk_max": F, "q_norm_before": F, "q_norm_after": F}, extra=True)),
                      "v_cache_minus_v_proj_max": F, "k_cache_minus_k_rot_max": F}, extra=True)}, null=True)
+#: non-unified KV (``--kv-unified off``): at most this many streams are described (llama.cpp LLAMA_MAX_SEQ is 256)
+MAX_STREAMS = 4096
+#: one stream of a non-unified kq_mask (llama.cpp ``kv_unified = false``): its block of rows and its cells
+KQ_STREAM = Obj({"stream": Int(0, MAX_STREAMS - 1), "seq_ids": List(SEQ, MAX_STREAMS), "head_before": POS, "head_after": POS,
+                 "cell_pos": List(Int(-1, L["MAX_CTX"] - 1)), "cell_seq": List(List(SEQ)),
+                 "rows": List(List(Str(choices=("0", "-inf")), 4096), 4096)})
 KQ_MASK = Obj({"ne": List(DIM, 4, length=4), "torch_shape": SHAPE, "dtype": S, "n_kv": Int(0, L["MAX_CTX"]),
                "rows": List(List(Str(choices=("0", "-inf")), 4096), 4096)},
-              {"n_tokens": Int(0, L["MAX_CTX"]), "cell_pos": List(Int(-1, L["MAX_CTX"] - 1)), "cell_seq": List(List(SEQ))},
+              {"n_tokens": Int(0, L["MAX_CTX"]), "cell_pos": List(Int(-1, L["MAX_CTX"] - 1)), "cell_seq": List(List(SEQ)),
+               "n_stream": Int(1, MAX_STREAMS), "stream_size": Int(1, L["MAX_CTX"]), "streams": List(KQ_STREAM, MAX_STREAMS)},
               null=True)
 METADATA = Obj({"mask_type": S, "seq_lens": List(Int(0, L["MAX_CTX"])), "kv_lens": List(Int(0, L["MAX_CTX"])),
                 "cu_seqlens": List(Int(0, L["MAX_LIST"])), "request_ids": List(SEQ)},
@@ -310,7 +317,11 @@ PHYS_CELLS = Obj({"kind": Str(choices=("cells",)), "size": Int(1, L["MAX_CTX"], 
                  {"head": POS, "head_before": POS, "head_after": POS,
                   "seqs": Map(Obj({"cells": Range(), "pos": Range()})),
                   "prefix_cache": Bool(), "retained": List(SEQ), "n_swa": Int(0, L["MAX_CTX"]), "swa_layers": List(DIM),
-                  "llama_memory_seq_pos": Map(List(Int(-1, L["MAX_CTX"]), 2, length=2))})
+                  "llama_memory_seq_pos": Map(List(Int(-1, L["MAX_CTX"]), 2, length=2)),
+                  "n_stream": Int(1, MAX_STREAMS), "stream_size": Int(1, L["MAX_CTX"]),
+                  "streams": List(Obj({"stream": Int(0, MAX_STREAMS - 1), "head": POS, "used": Int(0, L["MAX_CTX"]),
+                                       "used_max_p1": Int(0, L["MAX_CTX"]), "n_kv": Int(0, L["MAX_CTX"]),
+                                       "seq_ids": List(SEQ, MAX_STREAMS)}), MAX_STREAMS)})
 PHYS_PAGED = Obj({"kind": Str(choices=("paged",)), "num_blocks": Int(1, L["MAX_BLOCKS"], limit="MAX_BLOCKS"),
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], limit="MAX_TOKENS_PER_BLOCK"),
                   "used_blocks": Int(0, L["MAX_BLOCKS"]), "free_blocks": Int(0, L["MAX_BLOCKS"]),
@@ -331,7 +342,7 @@ def _physical(v: Any, p: str) -> None:
 
 KV = Obj({"backend": Str(choices=("cells", "paged")), "dtype": S, "layers": DIM,
           "per_request": List(Obj({"seq_id": SEQ, "shape_before": SHAPE, "shape_after": SHAPE, "written_pos": Range()},
-                                  {"cells": Range(), "slot_mapping": List(Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"])),
+                                  {"cells": Range(), "stream": Int(0, MAX_STREAMS - 1), "slot_mapping": List(Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"])),
                                    "block_table": List(Int(0, L["MAX_BLOCKS"]))})),
           "layer_view": Obj({}, {"layer": DIM, "requests": List(Obj({"seq_id": SEQ, "rows": List(Obj(
               {"pos": POS, "k": List(F, 1 << 16), "v": List(F, 1 << 16)}))}))}),
@@ -599,6 +610,8 @@ def _kv_consistent(st: dict[str, Any], p: str) -> None:
                   + ("[size, n_kv_heads, head_dim]" if ph["kind"] == "cells" else "[num_blocks, 2, n_kv_heads, tokens_per_block, head_dim]"))
     if ph["kind"] == "cells":
         size = ph["size"]
+        if "streams" in ph or "n_stream" in ph:
+            _streams_consistent(ph, f"{p}.kv.physical")
         if ph["n_kv"] > size or ph["used"] > size or len(ph["cells"]) > size:
             raise Bad(f"{p}.kv.physical", f"n_kv, used and the cells listed must not exceed size = {size}")
         used_max_p1 = 0
@@ -619,6 +632,17 @@ def _kv_consistent(st: dict[str, Any], p: str) -> None:
     for j, d in enumerate(kv["per_request"]):
         if any(b >= nb for b in d.get("block_table", [])) or any(x >= nb * B for x in d.get("slot_mapping", [])):
             raise Bad(f"{p}.kv.per_request[{j}]", f"blocks and slots must lie inside the pool ({nb} blocks of {B})")
+
+
+def _streams_consistent(ph: dict[str, Any], p: str) -> None:
+    """A non-unified cells snapshot: ``size = n_stream * stream_size`` (global rows), every stream's head,
+    used and n_kv inside ``stream_size``, stream ids below ``n_stream``."""
+    n, ss = ph.get("n_stream"), ph.get("stream_size")
+    if n is None or ss is None or n * ss != ph["size"]:
+        raise Bad(p, "a non-unified cache needs n_stream and stream_size with size = n_stream × stream_size")
+    for j, st in enumerate(ph.get("streams", [])):
+        if st["stream"] >= n or st["head"] > ss or st["used"] > ss or st["used_max_p1"] > ss or st["n_kv"] > ss:
+            raise Bad(f"{p}.streams[{j}]", f"stream, head, used, used_max_p1 and n_kv must lie inside the {n} streams of {ss} cells")
 
 
 def validate_trace(d: Any, where: str, consistency: bool = True) -> None:
