@@ -210,7 +210,7 @@ class CellsStreamsKV(MemoryDefaults):
             it = torch.tensor(idx, dtype=torch.int64)  # [T]
             st.pos[it] = torch.tensor(pos, dtype=torch.int64)
             st.seq[it, c.seq_id] = True
-            st.head = (idx[-1] + 1) % st.size if idx else st.head  # apply_ubatch: head after the slot
+            st.head = idx[-1] + 1 if idx else st.head  # apply_ubatch: head = idxs.back() + 1 (may equal size: wraps next search)
             heads_a.append(st.head)
             positions += pos
             local += idx

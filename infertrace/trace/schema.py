@@ -410,7 +410,7 @@ ENGINE = Obj({}, {"backend": Str(choices=("cells", "paged")), "ctx_size": Int(1,
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], null=True, limit="MAX_TOKENS_PER_BLOCK"),
                   "max_batch_tokens": Int(1, L["MAX_CTX"], null=True), "prefill_chunk": Int(1, L["MAX_CTX"], null=True),
                   "n_seq_max": Int(0, L["MAX_SEQ_ID"], null=True), "attention": S,
-                  "kv_dtype": Str(null=True, choices=("f32", "f16", "bf16"))}, extra=True)  # engine.options.KV_DTYPES; absent in older traces: the model dtype
+                  "kv_dtype": Str(null=True, choices=("f32", "f16", "bf16")), "kv_unified": Bool()}, extra=True)  # engine.options.KV_DTYPES; absent in older traces: the model dtype
 #: ``run --engine llama.cpp``: the llama.cpp context settings that change its numbers (runtimes/llamacpp/capture.py)
 N_THREADS = Int(0, 1 << 16)
 LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "off")),
@@ -418,7 +418,7 @@ LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "
                      "type_v": Str(max_len=32), "n_ctx": Int(0, 2 * L["MAX_CTX"]), "n_batch": Int(0, 2 * L["MAX_CTX"]),
                      "n_ubatch": Int(0, 2 * L["MAX_CTX"]), "n_seq_max": Int(0, L["MAX_SEQ_ID"] + 1),
                      "n_threads": N_THREADS, "n_threads_batch": N_THREADS, "kv_unified": Bool(), "offload_kqv": Bool(),
-                     "op_offload": Bool(), "swa_full": Bool(), "n_gpu_layers": Int(-(2 ** 31), 2 ** 31 - 1),
+                     "n_ctx_seq": Int(0, 2 * L["MAX_CTX"]), "op_offload": Bool(), "swa_full": Bool(), "n_gpu_layers": Int(-(2 ** 31), 2 ** 31 - 1),
                      "gpu_offload": Bool(), "use_extra_bufts": Bool(), "system_info": Str(max_len=4096), "teacher_forced": Bool()}, extra=True)
 #: ``--weights``: which path computed the linear layers and, when quantised, the kernel per GGUF tensor type
 #: (loading/model.py ``Loaded.weights``; quant/linear.py kernel names; ``stack(...)`` for a mixed fused matrix)

@@ -141,7 +141,7 @@ class LlamaCppContext:
     """
 
     def __init__(self, path: Path, n_ctx: int, n_batch: int, n_seq_max: int, layer: int = 0, n_threads: int = 2,
-                 flash_attn: str = "auto"):
+                 flash_attn: str = "auto", kv_unified: bool = True):
         flash_attn = check_flash_attn(flash_attn)
         llama_cpp = import_llama_cpp()
         self.L = llama_cpp
@@ -166,12 +166,14 @@ class LlamaCppContext:
         self.layer = layer
         self.cap = Captured()
         self._want_layer = {f"Qcur-{layer}", f"Kcur-{layer}", f"Vcur-{layer}", f"cache_k_l{layer} (view)",
-                            f"cache_v_l{layer} (view)", "embd"}
+                            f"cache_v_l{layer} (view)", "embd",
+                            # non-unified: ggml_set_rows into the streams merged to [n_embd_gqa, kv_size * n_stream] (cpy_k)
+                            f"cache_k_l{layer} (reshaped) (view)", f"cache_v_l{layer} (reshaped) (view)"}
         self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval)  # kept alive for the context's life
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
         cp.n_seq_max = max(1, n_seq_max)
-        cp.kv_unified = True  # one stream, as infertrace's cells backend
+        cp.kv_unified = bool(kv_unified)  # True: one stream (the cells backend); False: one per sequence (kv/streams.py)
         cp.n_threads = cp.n_threads_batch = n_threads
         cp.cb_eval = self._cb
         cp.cb_eval_user_data = None
@@ -182,6 +184,8 @@ class LlamaCppContext:
             llama_cpp.llama_model_free(self.model)
             raise InfertraceError("llama.cpp cannot create a context (lower --ctx-size or --max-batch-tokens)")
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        #: cells per stream (llama.cpp ``n_ctx_seq``: ``n_ctx`` unified, else ``pad(n_ctx / n_seq_max, 256)``)
+        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self.ctx))
         self.n_batch = n_batch
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.flash_attn = flash_attn
@@ -195,7 +199,7 @@ class LlamaCppContext:
             "n_seq_max": int(L.llama_n_seq_max(self.ctx)), "n_threads": int(L.llama_n_threads(self.ctx)),
             "n_threads_batch": int(L.llama_n_threads_batch(self.ctx)), "kv_unified": bool(cp.kv_unified),
             "offload_kqv": bool(cp.offload_kqv), "op_offload": bool(cp.op_offload), "swa_full": bool(cp.swa_full),
-            "n_gpu_layers": int(mp.n_gpu_layers), "gpu_offload": bool(L.llama_supports_gpu_offload()),
+            "n_ctx_seq": self.n_ctx_seq, "n_gpu_layers": int(mp.n_gpu_layers), "gpu_offload": bool(L.llama_supports_gpu_offload()),
             "use_extra_bufts": bool(mp.use_extra_bufts),
             "system_info": L.llama_print_system_info().decode("utf-8", "replace").strip()[:1000],
         }
@@ -324,6 +328,11 @@ class LlamaCppContext:
     def seq_rm(self, seq_id: int) -> None:
         """``llama_memory_seq_rm(mem, seq_id, -1, -1)``: free every cell of the sequence."""
         self.L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """``llama_memory_seq_cp(mem, src, dst, p0, p1)`` (non-unified: a whole-stream copy, applied at the
+        next decode's memory update; a partial range aborts the process inside llama.cpp)."""
+        self.L.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
 
     def close(self) -> None:
         if getattr(self, "ctx", None):

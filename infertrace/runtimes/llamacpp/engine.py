@@ -244,7 +244,8 @@ class LlamaCppEngine(Engine):
         if opts.backend != "cells":
             raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
         n_batch = max(1, min(opts.max_batch_tokens, opts.ctx_size))
-        self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads, flash_attn)
+        self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads, flash_attn,
+                                    kv_unified=opts.kv_unified)
         self.lmodel = LlamaCppModel(loaded.model, self.lctx)
         self._kv_args = (loaded.config, opts.n_seq_max, layer)
         super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)  # its cache: make_memory (llama.cpp's, read back)
@@ -255,6 +256,10 @@ class LlamaCppEngine(Engine):
     def make_memory(self) -> LlamaCppKV:
         """llama.cpp's cache as read back (no infertrace cache is allocated beside it)."""
         cfg, n_seq_max, layer = self._kv_args
+        if not self.opts.kv_unified:  # one stream per sequence (runtimes/llamacpp/streams.py)
+            from infertrace.runtimes.llamacpp.streams import LlamaCppStreamsKV
+
+            return LlamaCppStreamsKV(cfg, self.lctx, int(self.lctx.L.llama_n_seq_max(self.lctx.ctx)), layer)
         return LlamaCppKV(cfg, self.lctx, n_seq_max, layer)
 
     def sample_row(self, logits: torch.Tensor, req: Any) -> SampleResult:
@@ -293,9 +298,14 @@ def run_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, recorder:
     drive(eng, encode_requests(loaded.tokenizer, prompts), emit if on_step is not None else None, max_steps=None)
     st = eng.lctx.settings()
     notes = [f"engine llama.cpp (llama-cpp-python {_version()}): n_ctx {eng.lctx.n_ctx}, n_ubatch = n_batch "
-             f"{min(opts.max_batch_tokens, opts.ctx_size)}, kv_unified, one llama_batch per step",
+             f"{min(opts.max_batch_tokens, opts.ctx_size)}, "
+             f"{'kv_unified' if opts.kv_unified else f'non-unified KV ({eng.lctx.n_ctx_seq} cells per stream)'}, "
+             "one llama_batch per step",
              f"llama.cpp flash attention {st['flash_attn'] or '?'} (asked {st['flash_attn_type']}), K/V cache "
              f"{st['type_k']}/{st['type_v']}, {st['n_threads']} threads: these change its numbers"]
+    if not opts.kv_unified and eng.lctx.n_ctx_seq != opts.ctx_size // max(1, opts.n_seq_max):
+        notes.append(f"llama.cpp pads n_ctx_seq to a multiple of 256: {opts.ctx_size // max(1, opts.n_seq_max)} -> "
+                     f"{eng.lctx.n_ctx_seq} cells per stream")
     if eng.lctx.n_ctx != opts.ctx_size:
         notes.append(f"llama.cpp pads n_ctx to a multiple of 256: {opts.ctx_size} -> {eng.lctx.n_ctx} cells")
     notes += eng.kv.notes
@@ -346,7 +356,8 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
                  "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
                  "num_preemptions": r.num_preemptions, "params": r.params.to_dict()} for r in eng.requests.values()]
         options = {"backend": "cells", "attention": "llama.cpp", **(options_for_record or {}),
-                   "engine": {k: v for k, v in asdict(opts).items() if k != "kv_dtype"},  # llama.cpp's cache type: llama_cpp.type_k
+                   "engine": {k: v for k, v in asdict(opts).items()  # llama.cpp's cache type: llama_cpp.type_k
+                              if k != "kv_dtype" and (k != "kv_unified" or not v)},  # kv_unified recorded only when off
                    "layer": layer, "show": list(show), "sampler_order": eng.sampler_order,
                    "llama_cpp": {"version": _version(), **eng.lctx.settings(), "teacher_forced": bool(forced)}}
         return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
