@@ -181,6 +181,35 @@ class GgmlAttentionKV:
         return ggml_cpu_attention(q.float(), k, v, mask, scale, self.flash_attn, self.n_threads).to(q.dtype)
 
 
+class GgmlAttentionStreamsKV:
+    """Mixin for :class:`~infertrace.kv.streams.CellsStreamsKV`: :func:`ggml_cpu_attention` per ubatch
+    stream (its ``n_tps`` queries over its own cells; llama.cpp's 4-D stream view)."""
+
+    flash_attn = True
+    n_threads = 1
+
+    def attend(self, layer: int, q: torch.Tensor, inp: Any, scale: float) -> torch.Tensor:  # type: ignore[override]
+        t, n_kv = inp.n_tps, int(inp.n_kv)
+        m = inp.mask(bool(self.windows[layer]))  # type: ignore[attr-defined]  # [ns, 1, n_tps, n_kv]
+        out = []
+        for j, s in enumerate(inp.streams):
+            st = self.streams[s]  # type: ignore[attr-defined]
+            k, v = st.k[layer][:n_kv].float(), st.v[layer][:n_kv].float()  # [n_kv, nkv, hd]
+            out.append(ggml_cpu_attention(q[j * t : (j + 1) * t].float(), k, v, m[j, 0].float(), scale, self.flash_attn,
+                                          self.n_threads).to(q.dtype))  # [n_tps, nh, hd]
+        return torch.cat(out)  # [N, nh, hd]
+
+
+def _stream_tap(inp: Any) -> dict[str, Any]:
+    """A non-unified step's mask for :class:`StepTap`: the stream blocks stacked in packed order
+    (``[N, n_kv]``), ``ne`` with the ubatch's streams, and per stream block its cells' pos / seq_ids
+    (``row_block``: the block of each packed row)."""
+    return {"ne": list(inp.extra.get("kq_mask_ne") or inp.ne), "mask": inp.flat_mask().float().clone(),  # [N, n_kv]
+            "cell_pos": inp.cell_pos.tolist(),  # [ns][n_kv]
+            "cell_seq": [[frozenset(r.nonzero().flatten().tolist()) for r in blk] for blk in inp.cell_seq],
+            "row_block": [i // inp.n_tps for i in range(inp.n_tokens)], "streams": list(inp.streams)}
+
+
 class StepTap:
     """Tracer keeping, per step, everything the comparison needs (full tensors, not summaries)."""
 
@@ -230,6 +259,8 @@ class StepTap:
             "out_ids": e.get("out_ids"), "memory_seq_pos": e.get("memory_seq_pos"), "own": own,
             "logits": ctx["logits"].float().clone(), **self._t,
         })
+        if hasattr(inp, "streams"):  # non-unified KV: one mask block per stream
+            self.steps[-1].update(_stream_tap(inp))
 
 
 class ForcedEngine(Engine):
@@ -270,13 +301,30 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
     eng = ForcedEngine(loaded.model.with_ops(Q8ActivationOps()), loaded.tokenizer, opts, tap, forced=forced)
     cfg, m = loaded.model.cfg, loaded.model
     eng.kv = eng.scheduler.kv = _KV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, m.dtype, m.device)
+    if not opts.kv_unified:  # non-unified KV: the same numerics per stream
+        eng.kv = eng.scheduler.kv = _streams_emulated_kv(cfg, opts, m, flash_attn, n_threads)
     drive(eng, encode_requests(loaded.tokenizer, prompts))
     return tap
+
+
+def _streams_emulated_kv(cfg: Any, opts: EngineOptions, m: Any, flash_attn: bool, n_threads: int) -> Any:
+    """The non-unified cache with llama.cpp's CPU numerics (F16 K/V, :class:`GgmlAttentionStreamsKV`)."""
+    from infertrace.kv.streams import CellsStreamsKV
+
+    class _SKV(GgmlAttentionStreamsKV, F16CacheKV, CellsStreamsKV):
+        pass
+
+    _SKV.flash_attn, _SKV.n_threads = flash_attn, n_threads
+    return _SKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size // max(1, opts.n_seq_max), opts.n_seq_max, m.dtype,
+                m.device)
 
 
 def _visible(st: dict[str, Any], row: int) -> set[tuple[int, frozenset]]:
     """Row ``row`` of the mask as the set of (pos, seq_ids) of the cells it keeps (placement-free)."""
     keep = (st["mask"][row] == 0).nonzero().flatten().tolist()
+    if st.get("row_block") is not None:  # non-unified: the cells of the row's own stream
+        j = st["row_block"][row]
+        return {(st["cell_pos"][j][c], st["cell_seq"][j][c]) for c in keep}
     return {(st["cell_pos"][c], st["cell_seq"][c]) for c in keep}
 
 
