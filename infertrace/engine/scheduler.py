@@ -75,9 +75,10 @@ class Scheduler:
         #: non-unified KV (``--kv-unified off``): each step is cut to the first ubatch llama.cpp's
         #: ``split_equal(sequential=true)`` would make of it (:meth:`_split_equal`)
         self.split_equal = False
-        #: seq_ids whose tokens the last cut left pending: scheduled first next step, as llama.cpp
-        #: decodes the rest of a batch as its next ubatches
-        self.deferred: list[int] = []
+        #: what the last cut left of the batch, ``[(request, tokens left)]`` in packed order: the next
+        #: steps are its ubatches, before anything new is scheduled (llama.cpp decodes the rest of a
+        #: ``llama_batch`` as the next ubatches of the same ``llama_decode``)
+        self.remainder: list[tuple[Request, int]] = []
 
     def add(self, req: Request) -> None:
         """Queue ``req``; it becomes schedulable at its ``arrival_step``."""
@@ -112,8 +113,10 @@ class Scheduler:
         batch = ScheduledBatch(step, [])
         while self.future and self.future[0].arrival_step <= step:
             self.waiting.append(self.future.pop(0))
+        if self.split_equal and self.remainder:  # the rest of the last batch: its next ubatch
+            return self._rest_of_batch(batch)
         budget = self.max_batch_tokens
-        for req in self._running_order():
+        for req in list(self.running):
             if budget == 0:
                 break
             if req not in self.running:  # preempted meanwhile
@@ -178,28 +181,29 @@ class Scheduler:
     def _split_equal(self, batch: ScheduledBatch) -> None:
         """Cut ``batch`` to one llama.cpp ``split_equal`` ubatch (non-unified KV: one stream per
         sequence): the chunks of consecutive seq_ids from the first one, each cut to the shortest
-        (:func:`~infertrace.kv.streams.split_equal_chunks`); what is cut stays pending for the next
-        step (llama.cpp would decode it as the next ubatch of the same ``llama_decode``)."""
+        (:func:`~infertrace.kv.streams.split_equal_chunks`); the rest is kept in :attr:`remainder`
+        and forms the next steps (llama.cpp decodes it as the next ubatches of the same ``llama_decode``)."""
         from infertrace.kv.streams import split_equal_chunks
 
         keep, n_tps = split_equal_chunks([c.req.seq_id for c in batch.chunks], [c.T for c in batch.chunks])
-        out = []
-        self.deferred = [c.req.seq_id for i, c in enumerate(batch.chunks) if i not in keep or c.T > n_tps]
-        for i in keep:
-            c = batch.chunks[i]
+        out, rest = [], []
+        for i, c in enumerate(batch.chunks):
+            if i not in keep:
+                rest.append((c.req, c.T))
+                continue
             if c.T > n_tps:  # a prefill chunk cut to n_tps tokens: logits only if it now ends the prompt
+                rest.append((c.req, c.T - n_tps))
                 c = ScheduledChunk(c.req, c.phase, c.C, c.token_ids[:n_tps], c.C + n_tps == len(c.req.cache_ids),
                                    c.parents[:n_tps] if c.parents is not None else None)
             out.append(c)
-        batch.chunks = out
+        batch.chunks, self.remainder = out, rest
 
-    def _running_order(self) -> list[Request]:
-        """The running requests in scheduling order: admission order, except that with
-        :attr:`split_equal` the ones the last cut left pending come first (stable)."""
-        if not (self.split_equal and self.deferred):
-            return list(self.running)
-        first = set(self.deferred)
-        return sorted(self.running, key=lambda r: r.seq_id not in first)
+    def _rest_of_batch(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The next ubatch of :attr:`remainder` (requests still running, their tokens already fitted)."""
+        rest, self.remainder = self.remainder, []
+        batch.chunks = [self._chunk(req, n) for req, n in rest if req.status == RUNNING]
+        self._split_equal(batch)
+        return batch
 
     @staticmethod
     def _plan(batch: ScheduledBatch, req: Request, n: int) -> list[tuple[int, int]]:
