@@ -259,7 +259,7 @@ class LlamaCppEngine(Engine):
         if not self.opts.kv_unified:  # one stream per sequence (runtimes/llamacpp/streams.py)
             from infertrace.runtimes.llamacpp.streams import LlamaCppStreamsKV
 
-            return LlamaCppStreamsKV(cfg, self.lctx, int(self.lctx.L.llama_n_seq_max(self.lctx.ctx)), layer)
+            return LlamaCppStreamsKV(cfg, self.lctx, int(self.lctx.L.llama_n_seq_max(self.lctx.ctx)), layer, norm_to_neox)
         return LlamaCppKV(cfg, self.lctx, n_seq_max, layer)
 
     def sample_row(self, logits: torch.Tensor, req: Any) -> SampleResult:

@@ -15,7 +15,7 @@ ubatch per step, see :mod:`infertrace.kv.streams`):
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,6 @@ from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.streams import CellsStreamsKV, StreamsInputs, split_equal_chunks
 from infertrace.runtimes.llamacpp.capture import Captured
-from infertrace.runtimes.llamacpp.engine import norm_to_neox
 
 
 class LlamaCppStreamsKV(CellsStreamsKV):
@@ -33,15 +32,17 @@ class LlamaCppStreamsKV(CellsStreamsKV):
 
     Args:
         cfg: model config; lctx: the :class:`~infertrace.runtimes.llamacpp.capture.LlamaCppContext`
-            (created with ``kv_unified=False``); n_seq_max: its streams; layer: the captured layer.
+            (created with ``kv_unified=False``); n_seq_max: its streams; layer: the captured layer;
+        to_neox: ``[..., hd]`` GGUF adjacent-pair order -> half-split order
+            (:func:`infertrace.runtimes.llamacpp.engine.norm_to_neox`, passed in: engine.py imports this module).
     """
 
-    def __init__(self, cfg: Any, lctx: Any, n_seq_max: int, layer: int):
+    def __init__(self, cfg: Any, lctx: Any, n_seq_max: int, layer: int, to_neox: Callable[[np.ndarray], np.ndarray]):
         super().__init__(1, cfg.n_head_kv, cfg.head_dim, lctx.n_ctx_seq, n_seq_max, torch.float16, "cpu")
         for st in self.streams:  # one storage per stream; read() refuses the layers not captured
             st.k, st.v = [st.k[0]] * cfg.n_layer, [st.v[0]] * cfg.n_layer
         self.n_layer, self.kv_layers = cfg.n_layer, list(range(cfg.n_layer))
-        self.lctx, self.layer, self.cfg = lctx, layer, cfg
+        self.lctx, self.layer, self.cfg, self.to_neox = lctx, layer, cfg, to_neox
         self._n_kv = 0
         self._memory_seq_pos: dict[str, list[int]] = {}
         self.notes: list[str] = []
@@ -122,7 +123,7 @@ class LlamaCppStreamsKV(CellsStreamsKV):
                 return c[gi].reshape(N, nkv, hd)  # [N, nkv, hd] as stored (F16)
             return t[fallback].reshape(N, nkv, hd)
 
-        k = torch.from_numpy(norm_to_neox(np.asarray(rows(f"cache_k_l{il} (reshaped) (view)", f"Kcur-{il}"), dtype=np.float32)))
+        k = torch.from_numpy(self.to_neox(np.asarray(rows(f"cache_k_l{il} (reshaped) (view)", f"Kcur-{il}"), dtype=np.float32)))
         v = torch.from_numpy(np.asarray(rows(f"cache_v_l{il} (reshaped) (view)", f"Vcur-{il}"), dtype=np.float32))
         for j, s in enumerate(inp.streams):
             r = slice(j * inp.n_tps, (j + 1) * inp.n_tps)
