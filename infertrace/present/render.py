@@ -30,6 +30,7 @@ from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, Mas
 from infertrace.safe_text import visible
 from infertrace.present.text import piece_text  # noqa: F401 - used here and re-exported
 from infertrace.present.render_serving import serving_mark, serving_view
+from infertrace.present.render_streams import stream_mask_grids, streams_line, streams_state
 from infertrace.present.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_output_text,
                                             spec_tokens_text, with_extra)
 
@@ -404,7 +405,10 @@ def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableT
             owners = dict(enumerate(kq["cell_seq"]))
         elif kv is not None and kv.physical.get("kind") == "cells":
             owners = {c["cell"]: c["seq_ids"] for c in kv.physical.get("cells", [])}
-        if kq["rows"]:
+        if kq.get("streams"):  # non-unified KV: one block per stream, over that stream's own cells
+            parts.append(Text(streams_line(kq), style="magenta"))
+            parts += stream_mask_grids(kq, st)
+        elif kq["rows"]:
             parts.append(_mask_grid(kq, st, owners))
     if m.metadata is not None:
         md = m.metadata
@@ -460,7 +464,11 @@ def kv_view(st: StepTrace, kv: KVRec) -> RenderableType:
         row += [d.get("cells", "")] if kv.backend == "cells" else [int_list(d["slot_mapping"]), str(d["block_table"])]
         t.add_row(*row)
     parts.append(t)
-    if kv.backend == "cells":
+    if kv.backend == "cells" and ph.get("streams") is not None:  # non-unified KV: a head per stream
+        parts.append(_kv("streams", streams_state(ph)))
+        cmap = " · ".join(f"seq {s}: rows {v['cells']} hold pos {v['pos']}" for s, v in ph.get("seqs", {}).items())
+        parts.append(_kv("cell map", cmap or "-"))
+    elif kv.backend == "cells":
         parts.append(_kv("cells", f"head {ph.get('head_before', '?')} → {ph.get('head_after', ph.get('head'))} · used {ph['used']}"
                                   f" / {ph['size']} · n_kv {ph['n_kv']} (cells the graph reads, padded)"))
         cmap = " · ".join(f"seq {s}: cells {v['cells']} hold pos {v['pos']}" for s, v in ph.get("seqs", {}).items())

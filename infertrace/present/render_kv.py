@@ -72,7 +72,14 @@ def _batch_line(d: dict[str, Any]) -> Text:
 
 def _cells_view(d: dict[str, Any]) -> list[RenderableType]:
     ph, lay = d["physical"], d["layout"]
-    parts: list[RenderableType] = [_facts([
+    if ph.get("streams") is not None:  # non-unified KV: the streams' heads, then the map of the global rows
+        from infertrace.present.render_streams import streams_state
+
+        ph = {**ph, "head": "(per stream, above)"}
+        parts0: list[RenderableType] = [streams_state(d["physical"])]
+    else:
+        parts0 = []
+    parts: list[RenderableType] = parts0 + [_facts([
         ("cells", f"size {ph['size']} · used {ph['used']} · head {ph.get('head_before', ph['head'])} → "
                   f"{ph.get('head_after', ph['head'])} · n = used_max_p1 {lay['used_max_p1']} · n_kv {ph['n_kv']} "
                   f"(cells the graph reads: used_max_p1 padded to a multiple of {N_KV_PAD_MAX}, at least "

@@ -122,8 +122,13 @@ def _mask(st: StepTrace) -> Markup:
         return M("")
     m, labels = st.mask, [f"s{s} q{p}" for s, p in v.query_labels(st)]
     figs = []
-    # 1. llama.cpp's explicit kq_mask
-    rec = v.kq_from_cells(st) if m.kq_mask is not None else None
+    # 1. llama.cpp's explicit kq_mask (non-unified KV: one block per stream, from the recorded rows)
+    streams = m.kq_mask.get("streams") if m.kq_mask is not None else None
+    if streams:
+        from infertrace.present.render_streams import stream_report_figs
+
+        figs += stream_report_figs(st, m.kq_mask, v.heatmap, _tag(True))
+    rec = v.kq_from_cells(st) if m.kq_mask is not None and not streams else None
     if rec is not None:
         rows, cols = rec
         sl = m.kq_mask.get("rows", [])
@@ -133,13 +138,14 @@ def _mask(st: StepTrace) -> Markup:
         cap = M("{}<b>llama.cpp kq_mask</b> (explicit, host-filled): ne = {}; rows = queries, "
                 "columns = cells 0..{} (cell · pos · seq); 0 = keep, −∞ = drop; rebuilt from the recorded cell map, {}").format(
             _tag(True), str(m.kq_mask["ne"]), len(cols) - 1, note)
-    else:
+    elif not streams:
         rows, cols = v.kq_contiguous(st)
         cap = M("{}<b>llama.cpp kq_mask</b> this paged run never built: derived for a cache holding each request's "
                 "positions in consecutive cells; keep iff the cell holds the query's seq_id and cell.pos ≤ query pos").format(_tag(False))
-    heads = [[str(c["cell"]), str(c["pos"]) if c["pos"] >= 0 else "·", ",".join(map(str, c["seq_ids"])) or "·"] for c in cols]
-    figs.append(M("<figure><figcaption>{}</figcaption>{}</figure>").format(
-        cap, v.heatmap(rows, labels, heads, "kq-mask", "kq_mask", "0 (keep)", "-inf (drop)")))
+    if not streams:
+        heads = [[str(c["cell"]), str(c["pos"]) if c["pos"] >= 0 else "·", ",".join(map(str, c["seq_ids"])) or "·"] for c in cols]
+        figs.append(M("<figure><figcaption>{}</figcaption>{}</figure>").format(
+            cap, v.heatmap(rows, labels, heads, "kq-mask", "kq_mask", "0 (keep)", "-inf (drop)")))
     # 2. what a paged kernel derives from the metadata
     md, recorded = v.paged_metadata(st)
     parts = []
@@ -186,7 +192,10 @@ def _kv(st: StepTrace) -> Markup:
         r += [d.get("cells", "")] if kv.backend == "cells" else [v.int_list_text(d.get("slot_mapping") or []),
                                                                  v.int_list_text(d.get("block_table") or [])]
         rows.append(r)
-    if kv.backend == "cells":
+    if kv.backend == "cells" and ph.get("streams") is not None:  # non-unified KV: a head per stream
+        state = f"{ph.get('n_stream')} streams × {ph.get('stream_size')} cells · " + " · ".join(
+            f"stream {s['stream']} head {s['head']} used {s['used']} n_kv {s['n_kv']}" for s in ph["streams"][:16])
+    elif kv.backend == "cells":
         state = f"head {ph.get('head_before', '?')} → {ph.get('head_after', ph.get('head'))} · used {ph.get('used')} / {ph.get('size')} · n_kv {ph.get('n_kv')}"
     else:
         state = (f"blocks used {ph.get('used_blocks')} / free {ph.get('free_blocks')} of {ph.get('num_blocks')} · "
