@@ -127,3 +127,46 @@ def test_kv_unified_refusals_are_one_line(args, msg):
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 2, r.output
     assert msg in r.output and "Traceback" not in r.output
+
+
+def test_cli_trace_check_dump_kv_and_report_show_streams(tmp_path):
+    import json
+
+    from tests.tiny import make_weights, write_gguf
+
+    w, s = make_weights(seed=5)
+    gguf = write_gguf(tmp_path / "m.gguf", w, s)
+    out = tmp_path / "run"
+    run = CliRunner().invoke(app, ["run", "--model", str(gguf), "-p", "abcd", "-p", "xy", "-n", "2", "--ctx-size", "64",
+                                   "--kv-unified", "off", "--save", str(out), "--keep", "summary"])
+    assert run.exit_code == 0, run.output
+    assert "stream 1 (seq 1)" in run.output  # the mask panel draws each stream's block
+    d = json.loads((out / "trace.json").read_text())
+    assert d["options"]["engine"]["kv_unified"] is False and d["options"]["engine"]["n_seq_max"] == 2
+    assert any("non-unified KV" in n for n in d["notes"])
+    st0 = d["steps"][0]
+    kq = st0["mask"]["kq_mask"]
+    assert [r["seq_id"] for r in st0["batch"]] == [0, 1] and [r["T"] for r in st0["batch"]] == [2, 2]  # split_equal
+    assert kq["ne"] == [32, 2, 1, 2] and kq["torch_shape"] == [2, 1, 2, 32]  # n_kv = min(stream size 32, 256)
+    assert [b["stream"] for b in kq["streams"]] == [0, 1]
+    assert kq["streams"][1]["rows"][1][:3] == ["0", "0", "-inf"] and kq["streams"][1]["cell_seq"][0] == [1]
+    ph = st0["kv"]["physical"]
+    assert (ph["n_stream"], ph["stream_size"], ph["size"]) == (2, 32, 64)
+    assert [(x["stream"], x["head"], x["used"]) for x in ph["streams"]] == [(0, 2, 2), (1, 2, 2)]
+    assert [c["cell"] for c in ph["cells"]] == [0, 1, 32, 33]  # global rows: stream x 32 + cell
+    assert CliRunner().invoke(app, ["check", str(out)]).exit_code == 0
+    dump = CliRunner().invoke(app, ["dump-kv", str(out), "--step", "0"])
+    assert dump.exit_code == 0 and "2 streams × 32 cells" in dump.output and "stream 1: seq 1 · head 2" in dump.output
+    html = tmp_path / "r.html"
+    rep = CliRunner().invoke(app, ["report", str(out), "-o", str(html)])
+    assert rep.exit_code == 0 and "kq_mask, stream 1" in html.read_text()
+    # a tampered trace: streams that do not add up to the cells, a stream id past n_stream
+    for path, value, msg in ((("stream_size",), 33, "with size = n_stream"), (("streams", 1, "stream"), 7, "inside the 2 streams")):
+        bad = json.loads((out / "trace.json").read_text())
+        tgt = bad["steps"][0]["kv"]["physical"]
+        for k in path[:-1]:
+            tgt = tgt[k]
+        tgt[path[-1]] = value
+        (out / "trace.json").write_text(json.dumps(bad))
+        r = CliRunner().invoke(app, ["check", str(out)])
+        assert r.exit_code == 1 and msg in r.output and "Traceback" not in r.output  # a cross-field violation
