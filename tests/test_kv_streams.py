@@ -161,8 +161,9 @@ def test_cli_trace_check_dump_kv_and_report_show_streams(tmp_path):
     rep = CliRunner().invoke(app, ["report", str(out), "-o", str(html)])
     assert rep.exit_code == 0 and "kq_mask, stream 1" in html.read_text()
     # a tampered trace: streams that do not add up to the cells, a stream id past n_stream
+    good = (out / "trace.json").read_text()
     for path, value, msg in ((("stream_size",), 33, "with size = n_stream"), (("streams", 1, "stream"), 7, "inside the 2 streams")):
-        bad = json.loads((out / "trace.json").read_text())
+        bad = json.loads(good)
         tgt = bad["steps"][0]["kv"]["physical"]
         for k in path[:-1]:
             tgt = tgt[k]
