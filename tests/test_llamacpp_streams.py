@@ -120,3 +120,20 @@ def test_partial_seq_cp_across_streams_aborts_llamacpp_and_is_refused_here(smol_
     kv.prepare([ChunkSpec(0, 0, 3)])
     op = kv.seq_cp(0, 1, 1, -1)
     assert not op and "full KV buffers" in op["refused"] and kv.seq_len(1) == 0  # nothing changed
+
+
+def test_cli_saved_non_unified_traces_diff_clean(tmp_path, llama_cpp) -> None:
+    """`run --kv-unified off` by llama.cpp and by the cells backend, saved: `diff` finds no structural
+    difference (per-stream mask blocks, cells, heads included) and `check` passes on both."""
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+
+    args = ["run", "-p", "The capital of France is", "-p", "1, 2, 3,", "-n", "2", "--ctx-size", "512", "--kv-unified", "off",
+            "--keep", "summary", "--json"]
+    for eng in ("llama.cpp", "infertrace"):
+        r = CliRunner().invoke(app, args + ["--engine", eng, "--save", str(tmp_path / eng)])
+        assert r.exit_code == 0, r.output
+        assert CliRunner().invoke(app, ["check", str(tmp_path / eng)]).exit_code == 0
+    d = CliRunner().invoke(app, ["diff", str(tmp_path / "infertrace"), str(tmp_path / "llama.cpp")])
+    assert d.exit_code == 0 and "structure: identical" in d.output, d.output

@@ -172,8 +172,10 @@ class CellsStreamsKV(MemoryDefaults):
         return sum(s.used for s in self.streams)
 
     def n_kv(self) -> int:
-        """Largest ``n_kv`` of any stream (what a ubatch of every stream would read)."""
-        return max(s.n_kv() for s in self.streams)
+        """``n_kv`` of the last ubatch (what the graph read: the largest of its streams'); before any,
+        the largest of every stream."""
+        last = getattr(self, "_ubatch_n_kv", None)
+        return last if last is not None else max(s.n_kv() for s in self.streams)
 
     def seq_len(self, seq_id: int) -> int:
         return self.stream_of(seq_id).seq_len(seq_id)
@@ -219,6 +221,7 @@ class CellsStreamsKV(MemoryDefaults):
         pos_t = torch.tensor(positions, dtype=torch.int64)  # [N]
         sid_t = torch.tensor([c.seq_id for c in chunks for _ in range(c.T)], dtype=torch.int64)  # [N]
         n_kv = max(self.streams[s].n_kv() for s in sids)  # get_n_kv: max over the ubatch's streams
+        self._ubatch_n_kv = n_kv
         mask = torch.full((ns, 1, n_tps, n_kv), _NEG)  # ne = [n_kv, n_tps, 1, ns]
         mask_swa = torch.full((ns, 1, n_tps, n_kv), _NEG) if self.n_swa else None
         cell_pos = torch.full((ns, n_kv), -1, dtype=torch.int64)  # [ns, n_kv]

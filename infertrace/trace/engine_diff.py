@@ -21,7 +21,7 @@ from infertrace.trace.diff import DiffResult, diff_traces
 _HIDDEN = ("logical_shape", "ggml_ne", "packed_shape", "cached_tokens_recomputed")
 _POS = ("inp_pos", "position_ids", "pairing", "pairing_in_file", "rope_dim", "head_dim", "theta", "scaling",
         "inv_freq_first", "cos_sin")
-_KQ = ("ne", "n_kv", "n_tokens", "rows", "cell_pos", "cell_seq")
+_KQ = ("ne", "n_kv", "n_tokens", "rows", "cell_pos", "cell_seq", "n_stream", "stream_size", "streams")  # streams: --kv-unified off
 _BATCH_FLOATY = ("sampled", "sampled_piece")
 #: physical fields owned by a runtime's allocator policy, not by the convention: llama.cpp's memory-API
 #: ranges (checked by `check` / diff-backends), and the free pool of a paged cache (vLLM's free queue

@@ -41,9 +41,10 @@ class LlamaCppStreamsKV(CellsStreamsKV):
         super().__init__(1, cfg.n_head_kv, cfg.head_dim, lctx.n_ctx_seq, n_seq_max, torch.float16, "cpu")
         for st in self.streams:  # one storage per stream; read() refuses the layers not captured
             st.k, st.v = [st.k[0]] * cfg.n_layer, [st.v[0]] * cfg.n_layer
+            st.n_layer, st.kv_layers = cfg.n_layer, list(range(cfg.n_layer))  # llama.cpp caches every layer
         self.n_layer, self.kv_layers = cfg.n_layer, list(range(cfg.n_layer))
         self.lctx, self.layer, self.cfg, self.to_neox = lctx, layer, cfg, to_neox
-        self._n_kv = 0
+        self._n_kv: int | None = None
         self._memory_seq_pos: dict[str, list[int]] = {}
         self.notes: list[str] = []
 
@@ -153,8 +154,9 @@ class LlamaCppStreamsKV(CellsStreamsKV):
         return snap
 
     def n_kv(self) -> int:
-        """``n_kv`` of the last ubatch as llama.cpp built it (``attn_inp_kq_mask`` ``ne[0]``)."""
-        return self._n_kv
+        """``n_kv`` of the last ubatch as llama.cpp built it (``attn_inp_kq_mask`` ``ne[0]``); before the
+        first, as :meth:`CellsStreamsKV.n_kv`."""
+        return self._n_kv if self._n_kv is not None else max(s.n_kv() for s in self.streams)
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer != self.layer:
