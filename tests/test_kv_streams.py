@@ -171,3 +171,24 @@ def test_cli_trace_check_dump_kv_and_report_show_streams(tmp_path):
         (out / "trace.json").write_text(json.dumps(bad))
         r = CliRunner().invoke(app, ["check", str(out)])
         assert r.exit_code == 1 and msg in r.output and "Traceback" not in r.output  # a cross-field violation
+
+
+def test_context_shift_per_stream_equals_each_request_alone(tmp_path):
+    """A request's context is its stream (llama.cpp's server slot: n_ctx_seq): two requests in streams
+    of 16 cells shift exactly as each one alone in a unified cache of 16."""
+    ck, m = _tiny_engine(tmp_path)
+    prompts = [[72, 101, 108, 108, 111, 44, 32], [33, 34, 35]]
+    p = SamplingParams(max_new_tokens=20, ignore_eos=True)
+
+    def run(ps, **o):
+        e = Engine(m, ck.tokenizer, EngineOptions(context_shift=True, **o))
+        for x in ps:
+            e.add_request(x, p)
+        while e.step() is not None:
+            pass
+        return [r.output_ids for r in e.requests.values()], e
+
+    both, e = run(prompts, ctx_size=32, n_seq_max=2, kv_unified=False)
+    assert e.ctx_limit == 16
+    alone = [run([x], ctx_size=16, n_seq_max=1)[0][0] for x in prompts]
+    assert both == alone and all(len(t) == 20 for t in both)  # 20 tokens in 16 cells: shifted, not stopped

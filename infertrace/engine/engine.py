@@ -338,6 +338,12 @@ class Engine:
         self.step_no += 1
         return batch
 
+    @property
+    def ctx_limit(self) -> int:
+        """The context one request may fill, in tokens: ``ctx_size``; with ``--kv-unified off`` its own
+        stream, ``ctx_size // n_seq_max`` (llama.cpp's server slot context is ``n_ctx_seq``)."""
+        return self.opts.ctx_size if self.opts.kv_unified else self.opts.ctx_size // max(1, self.opts.n_seq_max)
+
     def _emit(self, req: Request, token: int) -> str | None:
         """Append one generated token; returns the stop reason it causes, if any."""
         req.output_ids.append(token)
@@ -345,7 +351,7 @@ class Engine:
             return "eos"
         if len(req.output_ids) >= req.params.max_new_tokens:
             return "max_new_tokens"
-        if len(req.cache_ids) >= self.opts.ctx_size and not self.opts.context_shift:
+        if len(req.cache_ids) >= self.ctx_limit and not self.opts.context_shift:
             return "ctx_full"
         return None
 

@@ -107,7 +107,7 @@ class Serving:
             return
         for c in batch.chunks:
             req = c.req
-            if req.seq_id in finished or req.status != "running" or len(req.cache_ids) < self.eng.opts.ctx_size:
+            if req.seq_id in finished or req.status != "running" or len(req.cache_ids) < self.eng.ctx_limit:
                 continue
             self.pending_ops.append(self.context_shift(req))
 
@@ -128,7 +128,7 @@ class Serving:
         o = self.eng.opts
         n_past = req.num_computed
         keep = len(req.prompt_ids) if o.n_keep < 0 else o.n_keep  # llama.cpp: n_keep < 0 keeps the whole prompt
-        n_keep = max(0, min(o.ctx_size - 4, keep + int(self.add_bos)))
+        n_keep = max(0, min(self.eng.ctx_limit - 4, keep + int(self.add_bos)))  # the slot's n_ctx (non-unified: n_ctx_seq)
         n_left = n_past - n_keep
         n_discard = o.n_discard if o.n_discard else n_left // 2
         n_discard = min(max(n_discard, 0), max(0, n_left - 1))
