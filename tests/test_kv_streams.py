@@ -192,3 +192,29 @@ def test_context_shift_per_stream_equals_each_request_alone(tmp_path):
     assert e.ctx_limit == 16
     alone = [run([x], ctx_size=16, n_seq_max=1)[0][0] for x in prompts]
     assert both == alone and all(len(t) == 20 for t in both)  # 20 tokens in 16 cells: shifted, not stopped
+
+
+def test_windowed_model_non_unified_same_tokens_and_kq_mask_swa_per_stream(tmp_path):
+    """Gemma 3 style sliding window (W=3) in streams: kq_mask_swa has the streams' shape, each block
+    windows its own cells, and the tokens equal the unified cache's."""
+    import json
+
+    from tests.tiny import make_weights, write_hf
+
+    w, s = make_weights(family="gemma3", n_layer=6, seed=4)
+    d = write_hf(tmp_path / "hf", w, s, sliding_window=3)
+    args = ["run", "-m", str(d), "-p", "Hello world, hello", "-p", "abcdefg", "-n", "3", "--ctx-size", "64", "--json"]
+    runs = {}
+    for u in ("on", "off"):
+        r = CliRunner().invoke(app, args + ["--kv-unified", u])
+        assert r.exit_code == 0, r.output
+        runs[u] = json.loads(r.output)
+    assert [q["output_ids"] for q in runs["off"]["requests"]] == [q["output_ids"] for q in runs["on"]["requests"]]
+    st = runs["off"]["steps"][0]
+    swa = st["mask"]["swa"]["kq_mask_swa"]
+    T = st["batch"][0]["T"]
+    assert swa["ne"] == [32, T, 1, 2] and [b["T"] for b in st["batch"]] == [T, T]
+    last = swa["rows"][T - 1]  # query at pos T-1 of stream 0 keeps its cells T-3..T-1 only (W = 3)
+    assert [i for i, x in enumerate(last) if x == "0"] == [T - 3, T - 2, T - 1]
+    for q in st["batch"]:
+        assert q["visible_swa"][-1] == f"{T - 3}..{T - 1}"
