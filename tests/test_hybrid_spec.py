@@ -285,3 +285,34 @@ def test_tampered_state_record_is_caught(saved, tmp_path):
     (bad / "trace.json").write_text(json.dumps(m))
     res = _invoke("show", bad)
     assert res.exit_code == 2 and "Traceback" not in res.output and ("kept_node" in res.output or "rec_norm" in res.output)
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_sampling_chain_keeps_the_state_of_the_tokens_it_emitted(models, backend):
+    """Speculative sampling (temperature 0.8, rejection sampling) on the hybrid model: after every verify the
+    state equals a fresh prefill of exactly the tokens the request then holds (one chunk, the chunked delta
+    rule), so the state follows whatever was accepted, not the drafts."""
+    from infertrace.kv.base import ChunkSpec
+
+    ck, m = models["ck"], models["m"]
+    e = Engine(m, ck.tokenizer, EngineOptions(backend=backend, ctx_size=256, tokens_per_block=4, speculative="draft",
+                                              draft_layers=3, num_spec_tokens=3))
+    for i, p in enumerate(PROMPTS[:2]):
+        e.add_request(p, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, temperature=0.8, seed=11 + i))
+    st, seen, partial = e.kv.state, [], 0
+    while (b := e.step()) is not None:
+        for c in b.chunks:
+            if c.parents is None or c.req.seq_id not in st.owner:
+                continue
+            n = c.req.num_computed
+            partial += n < c.C + c.T
+            slot = st.owner[c.req.seq_id]
+            seen.append((list(c.req.cache_ids[:n]), [st.rec[il][slot].clone() for il in st.layers],
+                         [st.conv[il][slot].clone() for il in st.layers]))
+    assert len(seen) >= 4 and partial >= 1  # verifies with a rejected draft among them
+    for ids, rec, conv in seen:
+        kv = make_kv(m, EngineOptions(backend="cells", ctx_size=256), "torch")
+        m.forward(torch.tensor(ids), kv.prepare([ChunkSpec(0, 0, len(ids))]), kv, torch.tensor([len(ids) - 1]))
+        for j, il in enumerate(kv.state.layers):
+            torch.testing.assert_close(rec[j], kv.state.rec[il][0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(conv[j], kv.state.conv[il][0], atol=1e-5, rtol=1e-5)
