@@ -6,7 +6,8 @@ state, the KV rewinds as on a plain model.
 Checked against independent computations: greedy speculative output == plain greedy output token
 for token (n-gram and draft-model drafts, chain and tree, chunked prefill, several requests, late
 arrivals); after every verify the recurrent state tensors equal the plain run's at the same length
-(<= 1e-6, fp32); each tree candidate's state equals the state of its root-to-node path run as one
+(fp32: within 4e-6 elementwise and 2e-6 relative, the plain engine's own batched-vs-solo spread, see
+FP32_ABS); each tree candidate's state equals the state of its root-to-node path run as one
 ordinary chunk (the chunked delta rule); the memory budget counts the snapshots as allocated."""
 
 import pytest
@@ -25,6 +26,12 @@ from tests.tiny_qwen35 import make_weights, write_hf_dir
 PROMPTS = [[72, 101, 108, 108, 111, 72, 101, 108], [33, 34, 35], [100, 101, 102, 103, 104, 105, 106], [7]]
 TREE = (-1, -1, 0, 0, 1, 2)
 N_NEW = 24
+#: fp32 agreement of two runs' GDN states: the projections feeding the state multiply a different number of
+#: packed rows in the two runs (a verify chunk has K+1 rows per request, a plain decode 1), which rounds the last
+#: bits differently, and the recurrence carries that along. The plain engine itself differs this much from itself:
+#: the same request batched with three others vs alone, up to 3.6e-6 elementwise / 1.1e-6 relative (Frobenius) on
+#: this model; speculative vs plain measured up to 1.8e-6 / 1.1e-6. A wrong snapshot is off by orders of magnitude.
+FP32_ABS, FP32_REL = 4e-6, 2e-6
 
 
 def _echo(w: dict, k: float) -> None:
@@ -87,7 +94,6 @@ def _same_states(spec_states, plain_states, verifies):
     """Every state the speculative run held after a verify equals the plain run's at that length; returns
     how many verifies with a rejected candidate were compared."""
     n_rejected = 0
-    worst = [0.0]
     for sid, C, T, parents, accepted, op in verifies:
         key = (sid, C + len(accepted))
         if key not in spec_states:  # the request finished in that step: its slot was freed
@@ -95,12 +101,9 @@ def _same_states(spec_states, plain_states, verifies):
         conv, rec = spec_states[key]
         pconv, prec = plain_states[key]
         for a, b in zip(conv + rec, pconv + prec):
-            # fp32; within 1e-6 of the tensor's scale: the projections feeding the state multiply a different
-            # number of packed rows in the two runs, which may round the last bit differently
             assert a.dtype == torch.float32
-            err, scale = float((a - b).abs().max()), max(1.0, float(b.abs().max()))
-            assert err <= 1e-6 * scale, (key, err, scale)
-            worst[0] = max(worst[0], err / scale)
+            err, rel = float((a - b).abs().max()), float((a - b).norm() / b.norm())
+            assert err <= FP32_ABS and rel <= FP32_REL, (key, err, rel)
         n_rejected += len(accepted) < T
     return n_rejected
 
@@ -188,7 +191,7 @@ def test_budget_counts_the_snapshots(models, backend):
     cfg = m.cfg
     n_lin = sum(1 for i in range(cfg.n_layer) if cfg.is_linear(i))
     per_slot = cfg.conv_dim * (cfg.ssm_conv_kernel - 1) + cfg.ssm_n_v_heads * cfg.ssm_k_head_dim * cfg.ssm_v_head_dim
-    assert (n_lin, per_slot) == (2, 48 * 3 + 4 * 8 * 8)  # tiny_qwen35 SHAPE: conv_dim 2*2*8 + 4*8
+    assert (n_lin, per_slot) == (2, 64 * 3 + 4 * 8 * 8)  # tiny_qwen35 SHAPE: conv_dim 2*2*8 + 4*8 = 64
     for kw, snaps in ((dict(), 0), (dict(speculative="ngram", num_spec_tokens=3), 4),
                       (dict(speculative="ngram", spec_tree=TREE), len(TREE) + 1)):
         o = EngineOptions(backend=backend, ctx_size=64, tokens_per_block=4, n_seq_max=3, **kw)
@@ -260,6 +263,11 @@ def test_trace_records_the_kept_snapshot_and_state_before_after(saved, models, p
             rows += 1
         prev = st
     assert rows >= 2
+    hs = m["steps"][0]["hybrid"]["state"]
+    assert hs["snapshots_per_slot"] == (4 if backend == "cells" else 7)  # K + 1 / tree nodes + 1
+    assert hs["snapshot_bytes_per_seq"] == hs["bytes_per_seq"] * hs["snapshots_per_slot"] == 2 * (64 * 3 + 4 * 8 * 8) * 4 * hs["snapshots_per_slot"]
+    flat = " ".join(out.replace("│", " ").split())  # the panels' text, unwrapped
+    assert f"speculative verify: {hs['snapshots_per_slot']} state snapshots per slot" in flat
     assert "GDN state slot 0: kept snapshot of node" in out
     assert ("rs_idx = " in out) if backend == "cells" else ("accepted_leaf_positions = " in out)
     res = _invoke("check", d)

@@ -263,7 +263,8 @@ class RecurrentState:
         """JSON-ready view for traces and ``dump-kv``: convention, slots, shapes, dtype (GGUF-style name),
         bytes per request, ``state_indices`` / ``rs_z`` of the last step (when ``active``) and, per
         request holding a slot, the L2 norm and sum (checksum) of the conv and recurrent state of the
-        first two and the last GDN layer."""
+        first two and the last GDN layer; with speculative verify snapshots also ``snapshots_per_slot``
+        and ``snapshot_bytes_per_seq``."""
         per = []
         shown = self.layers[:2] + ([self.layers[-1]] if len(self.layers) > 2 else [])
         for sid, slot in sorted(self.owner.items()):
@@ -275,12 +276,16 @@ class RecurrentState:
             per.append({"seq_id": sid, "slot": slot, "layers": rows})
         any_rec = next(iter(self.rec.values()), None)
         size = self.conv_shape[0] * self.conv_shape[1] + self.rec_shape[0] * self.rec_shape[1] * self.rec_shape[2]
-        return {"convention": self.convention, "n_slots": self.n_slots, "n_layers": len(self.layers),
-                "conv_shape": list(self.conv_shape), "rec_shape": list(self.rec_shape),
-                "dtype": _dt(any_rec) if any_rec is not None else "",
-                "state_indices": list(self.last_indices) if active else [], "rs_z": self.rs_z if active else -1,
-                "free": list(self.free)[:64], "per_seq": per,
-                "bytes_per_seq": int(len(self.layers) * size * (any_rec.element_size() if any_rec is not None else 4))}
+        out = {"convention": self.convention, "n_slots": self.n_slots, "n_layers": len(self.layers),
+               "conv_shape": list(self.conv_shape), "rec_shape": list(self.rec_shape),
+               "dtype": _dt(any_rec) if any_rec is not None else "",
+               "state_indices": list(self.last_indices) if active else [], "rs_z": self.rs_z if active else -1,
+               "free": list(self.free)[:64], "per_seq": per,
+               "bytes_per_seq": int(len(self.layers) * size * (any_rec.element_size() if any_rec is not None else 4))}
+        if self.n_snap:  # speculative: verify snapshots per slot (only then, so other traces keep their bytes)
+            out["snapshots_per_slot"] = self.n_snap
+            out["snapshot_bytes_per_seq"] = out["bytes_per_seq"] * self.n_snap
+        return out
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready view: shapes, slots, owners and per (layer, seq) L2 norm + checksum (sum)."""
