@@ -124,6 +124,8 @@ def test_greedy_chain_equals_plain_and_state_equals_plain_state(models, plain, b
         assert s["kept_node"] == accepted[-1] and s["snapshots"] == T and s["convention"] == backend
         assert s["kept_snapshot"] == (T - len(accepted) if backend == "cells" else accepted[-1])  # rs_idx / draft index
         assert sorted(s["dropped_nodes"] + [s["kept_node"]]) == list(range(T))
+    if method == "draft-layers":  # a hybrid draft rolls back to its state checkpoint, never re-evaluates from 0
+        assert e.spec.drafter.restored > 0 and e.spec.drafter.recomputed == 0
     # every cell / block and every state slot is free at the end
     assert (e.kv.attn.used == 0) if backend == "cells" else (len(e.kv.attn.free) == e.kv.attn.num_blocks)
     assert not e.kv.state.owner and not e.kv.state.pending
@@ -324,3 +326,29 @@ def test_sampling_chain_keeps_the_state_of_the_tokens_it_emitted(models, backend
         for j, il in enumerate(kv.state.layers):
             torch.testing.assert_close(rec[j], kv.state.rec[il][0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(conv[j], kv.state.conv[il][0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_hybrid_checkpoint_restore_returns_state_and_kv_to_the_checkpoint(models, backend):
+    """HybridKV.checkpoint / restore (a hybrid draft's rollback): after more tokens and a restore the state
+    tensors are the checkpoint's exactly and the attention part holds the checkpoint's positions; the next
+    tokens then give the same logits and state as a run that never went past the checkpoint."""
+    from infertrace.kv.base import ChunkSpec
+
+    m = models["m"]
+    ids = PROMPTS[0]
+    kvs = [make_kv(m, EngineOptions(backend=backend, ctx_size=64, tokens_per_block=4), "torch") for _ in range(2)]
+    for kv in kvs:
+        m.forward(torch.tensor(ids[:5]), kv.prepare([ChunkSpec(0, 0, 5)]), kv, torch.tensor([4]))
+    a, b = kvs
+    ck = a.checkpoint(0)
+    m.forward(torch.tensor([9, 9, 9]), a.prepare([ChunkSpec(0, 5, 3)]), a, torch.tensor([2]))  # a rejected draft
+    assert not a.seq_rm(0, 5, -1)  # a recurrent state cannot drop the tail ...
+    assert a.restore(0, ck) and a.seq_len(0) == 5  # ... but goes back to its checkpoint
+    for il in a.state.layers:
+        assert torch.equal(a.state.rec[il][0], ck["state"][il][1]) and torch.equal(a.state.conv[il][0], ck["state"][il][0])
+    la = m.forward(torch.tensor(ids[5:]), a.prepare([ChunkSpec(0, 5, 3)]), a, torch.tensor([2]))
+    lb = m.forward(torch.tensor(ids[5:]), b.prepare([ChunkSpec(0, 5, 3)]), b, torch.tensor([2]))
+    assert torch.equal(la, lb)
+    for il in a.state.layers:
+        assert torch.equal(a.state.rec[il][0], b.state.rec[il][0])

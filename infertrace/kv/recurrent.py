@@ -253,6 +253,31 @@ class RecurrentState:
                 "index_name": name, "dropped_nodes": [i for i in range(T) if i != node],
                 "layers": [{"layer": il, "before": before[il], "after": self._stats(slot, il)} for il in shown]}
 
+    def checkpoint(self, seq_id: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of ``seq_id``'s conv ``[conv_dim, K-1]`` and recurrent ``[Hv, dk, dv]`` state per GDN layer
+        (llama.cpp server's speculative checkpoint: ``llama_state_seq_get_data`` of the recurrent part).
+
+        Raises:
+            InfertraceError: ``seq_id`` holds no state.
+        """
+        slot = self.owner.get(seq_id)
+        if slot is None:
+            raise InfertraceError(f"checkpoint: seq {seq_id} holds no recurrent state")
+        return {il: (self.conv[il][slot].clone(), self.rec[il][slot].clone()) for il in self.layers}
+
+    def restore(self, seq_id: int, ckpt: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put a :meth:`checkpoint` back into ``seq_id``'s slot (``llama_state_seq_set_data``).
+
+        Raises:
+            InfertraceError: ``seq_id`` holds no state, or the checkpoint is of other layers.
+        """
+        slot = self.owner.get(seq_id)
+        if slot is None or set(ckpt) != set(self.layers):
+            raise InfertraceError(f"restore: seq {seq_id} holds no recurrent state or the checkpoint is of other layers")
+        for il, (c, r) in ckpt.items():
+            self.conv[il][slot].copy_(c)  # [conv_dim, K-1]
+            self.rec[il][slot].copy_(r)  # [Hv, dk, dv]
+
     # --- reading ------------------------------------------------------------------
     def state_of(self, il: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Conv ``[conv_dim, K-1]`` and recurrent ``[Hv, dk, dv]`` state of ``seq_id`` in layer ``il``."""
@@ -415,6 +440,19 @@ class HybridKV(MemoryDefaults):
 
     def lookup(self, seq_id: int, prompt: Sequence[int]) -> dict[str, Any]:
         return {"hit": 0, "refused": NO_REUSE_REASON}
+
+    def checkpoint(self, seq_id: int) -> dict[str, Any]:
+        """``{"n": cached tokens, "state": RecurrentState.checkpoint}`` of ``seq_id``: what llama.cpp server's
+        speculative checkpointing saves of a hybrid context before drafting (``tools/server``,
+        ``llama_state_seq_get_data_ext`` with ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``)."""
+        return {"n": self.attn.seq_len(seq_id), "state": self.state.checkpoint(seq_id)}
+
+    def restore(self, seq_id: int, ckpt: dict[str, Any]) -> MemOp:
+        """Back to a :meth:`checkpoint`: its GDN state restored, the attention part's positions from
+        ``ckpt["n"]`` on removed (``seq_rm(seq, n, -1)``); then the tokens accepted since are re-evaluated
+        by the caller."""
+        self.state.restore(seq_id, ckpt["state"])
+        return self.attn.seq_rm(seq_id, int(ckpt["n"]), -1)
 
     # --- state read ----------------------------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:
