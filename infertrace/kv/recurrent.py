@@ -208,12 +208,9 @@ class RecurrentState:
         """Bytes of the verify snapshots allocated so far (slots that ran a verify)."""
         return sum(t.numel() * t.element_size() for sc, sr in self.snap.values() for d in (sc, sr) for t in d.values())
 
-    def _stats(self, slot: int, il: int, node: int | None = None) -> dict[str, float]:
-        """L2 norm and sum (checksum) of layer ``il``'s conv / recurrent state of ``slot`` (or its snapshot ``node``)."""
-        if node is None:
-            c, r = self.conv[il][slot].float(), self.rec[il][slot].float()
-        else:
-            c, r = self.snap[slot][0][il][node].float(), self.snap[slot][1][il][node].float()
+    def _stats(self, slot: int, il: int) -> dict[str, float]:
+        """L2 norm and sum (checksum) of layer ``il``'s conv / recurrent state of ``slot``."""
+        c, r = self.conv[il][slot].float(), self.rec[il][slot].float()
         return {"conv_norm": round(float(c.norm()), 6), "conv_sum": round(float(c.sum()), 6),
                 "rec_norm": round(float(r.norm()), 6), "rec_sum": round(float(r.sum()), 6)}
 
