@@ -214,6 +214,13 @@ def test_budget_counts_the_snapshots(models, backend):
         plain_total = check_kv_budget(cfg, EngineOptions(backend=backend, ctx_size=64, tokens_per_block=4, n_seq_max=3),
                                       torch.float32)
         assert check_kv_budget(cfg, o, torch.float32) - plain_total == 3 * n_lin * per_slot * 4 * snaps
+    # a budget over the limit says the snapshots are in it
+    from infertrace.errors import InfertraceError
+
+    big = EngineOptions(backend=backend, ctx_size=64, tokens_per_block=4, n_seq_max=10 ** 7, speculative="ngram",
+                        num_spec_tokens=3)
+    with pytest.raises(InfertraceError, match=r"GDN state for 10000000 sequences \(with 4 verify snapshots each\)"):
+        check_kv_budget(cfg, big, torch.float32)
 
 
 # --- the trace: which snapshot was kept, the state before / after, through the CLI -------------------------------------
