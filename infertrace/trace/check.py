@@ -37,6 +37,16 @@ variable):
    emitted tokens, every recorded verify-mask form); the run's summary is consistent
    (:func:`run_spec_problem`).
 
+7. **window** -- recomputed from positions, seq ids and the config's window (``sliding_window`` on
+   the layers ``swa_layers`` marks): a query at p sees exactly keys 0..p (``visible``) and p-W+1..p on
+   the windowed layers (``visible_swa``); ``mask.swa`` names that window and those layers, its
+   ``kq_mask_swa`` slice keeps exactly the cells of the query's sequence inside the window.
+8. **verify cells, display fields, pool, hybrid** -- a verify row's ``spec.cells`` are T distinct cells,
+   the ones written, holding the nodes' positions, the accepted path's after the rewind;
+   ``cache_before``/``cache_after`` are 0..C-1 / 0..kept-1; ``hidden.rows`` are the packed tokens; the
+   KV pool is the one the options configure; a hybrid step's layer map is ``config.layer_types``.
+9. **tensors** (:func:`check_tensors`, ``--keep tensors``) -- names, shapes and quoted values agree.
+
 Every field is validated before use: a malformed trace is a violation of "schema", not a crash.
 """
 
@@ -1077,4 +1087,6 @@ def iter_rules() -> Iterator[str]:
                 "causality", "no cross-sequence visibility", "one cell per (seq, pos)", "written cells were free",
                 "cache holds 0..C+T-1", "freed when finished", "chunk starts where the prefix hit ends", "prefix hit inside the prompt",
                 "prefix hit at admission", "context shift of the cached positions", "cells joined by a write or a prefix hit", "memory API agrees with the cells", "one owner per block", "slot = table[p // B] * B + p % B",
-                "verify row consistent with its tree", "run summary consistent")
+                "verify row consistent with its tree", "run summary consistent", "window", "verify cells", "cache ranges",
+                "rows are the packed tokens", "pool as configured", "layer map", "model config",
+                "tensor shapes agree with the records", "recorded values are the tensors'")
