@@ -91,6 +91,14 @@ def _get(d: Any, path: tuple) -> Any:
     return d
 
 
+def _at(d: Any, path: tuple) -> Any:
+    """The value at ``path``, or a fresh sentinel when a later mutation removed or replaced a parent."""
+    try:
+        return _get(d, path)
+    except (KeyError, IndexError, TypeError):
+        return object()
+
+
 ranges = st.one_of(st.sampled_from(["-", "0", "0..3", "1..4", "4..7", "3..7", "0..99999999", "7..3", "x", ""]),
                    st.builds(lambda a, b: f"{a}..{a + b}", st.integers(0, 20), st.integers(1, 20)))
 values = st.one_of(st.integers(-3, 40), st.sampled_from([2 ** 31, 10 ** 30, -1]), st.text(max_size=8), st.none(), st.booleans(),
@@ -138,7 +146,7 @@ def mutated(draw, bases: dict) -> tuple[str, dict, bool, list]:
         base = bases[kind][1]
         no_window = not any(x is True for x in d["config"].get("swa_layers") or [])
         derived_changed = any(DERIVED.fullmatch(k) and not (k == "config/sliding_window" and no_window)
-                              and type(_get(d, p)) is type(_get(base, p)) and _get(d, p) != _get(base, p) for k, p, _, _ in log)
+                              and type(_at(d, p)) is type(_at(base, p)) and _at(d, p) != _at(base, p) for k, p, _, _ in log)
     return kind, d, derived_changed, log
 
 
