@@ -45,6 +45,8 @@ RUNS: dict[str, tuple[str, list[str]]] = {
                               "--spec-tree=-1,-1,0,0,1,2"]),
     "llamacpp": ("llama", ["-p", "abcdefgh", "-p", "xy", "-n", "3", "--engine", "llama.cpp"]),
     "summary": ("llama", ["-p", "abcdefgh", "-n", "2", "--keep", "summary"]),
+    # far positions: pos 700 * inv_freq 0.75 (head_dim 64) is an angle float32 rounds by ~3e-5
+    "far": ("wide", ["-p", "abcdefghij" * 70, "-n", "3", "--keep", "summary"]),
 }
 
 
@@ -61,6 +63,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     out["gemma3"] = write_gguf(root / "g.gguf", w, s, kv={"attention.sliding_window": 4, "final_logit_softcapping": 3.0})
     w, s = make_q35(seed=2)
     out["qwen35"] = write_hf_dir(root / "q35", w, s)
+    w, s = make_weights(seed=5, n_layer=1, H=128, head_dim=64, n_head=2, n_kv=1)
+    out["wide"] = write_gguf(root / "w.gguf", w, s)
     return out
 
 
@@ -96,8 +100,8 @@ def test_every_trace_the_tool_writes_passes_check(traces, kind):
     assert res.exit_code == 0, res.output
     assert res.output.startswith("ok: ") and "no violation" in res.output
     # what was read is said: the tensor file too when the run kept tensors (the default)
-    assert ("read trace.json (saved with --keep summary: no tensors)" in res.output) == (kind == "summary"), res.output
-    if kind != "summary":
+    assert ("read trace.json (saved with --keep summary: no tensors)" in res.output) == (kind in ("summary", "far")), res.output
+    if kind not in ("summary", "far"):
         assert "read trace.json + tensors.safetensors (" in res.output, res.output
 
 
@@ -231,6 +235,8 @@ MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
                                   "query pos 3 sees keys '0,2..3', expected 0..3"),
     "kq_mask hides an earlier key": ("plain", lambda d: d["steps"][0]["mask"]["kq_mask"]["rows"][3].__setitem__(1, "-inf"),
                                      (1,), "kq_mask row 3 (pos 3) hides cell 1"),
+    "RoPE sin off by 1e-3 at a far position": ("far", lambda d: d["steps"][1]["positions"]["cos_sin"][0]["sin"].__setitem__(
+        1, d["steps"][1]["positions"]["cos_sin"][0]["sin"][1] + 1e-3), (1,), "RoPE angle consistent with position: pos 700 pair 1"),
     # the tensor file is read too
     "recorded hidden value": ("plain", lambda d: d["steps"][0]["hidden"]["rows"][0]["first"].__setitem__(
         0, d["steps"][0]["hidden"]["rows"][0]["first"][0] + 0.01), (1,), "step0/hidden[0, 0]"),
