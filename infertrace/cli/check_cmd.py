@@ -18,8 +18,9 @@ from infertrace.trace.schema import validate_trace
 from infertrace.trace.store import TENSORS, load_tensors, read_manifest
 
 HELP = ("Check a saved trace's invariants: positions contiguous per sequence across chunks, RoPE angles consistent "
-        "with positions, causality, no cross-sequence visibility, cells/blocks owned and freed consistently. "
-        "Exit 1 with the first violation (step, seq, variable).")
+        "with positions, causality and the sliding window recomputed from positions, no cross-sequence visibility, "
+        "cells/blocks owned and freed consistently, verify cells, the hybrid layer map, and the tensor file when the "
+        "trace kept one. Exit 1 with the first violation (step, seq, variable).")
 
 
 def _safe(text: str) -> str:
