@@ -14,7 +14,8 @@ variable):
    its ``removed`` / ``moved`` ranges are the ones ``n_keep`` / ``n_discard`` imply, and a request's
    copy of the shift equals the step's op).
 2. **positions (RoPE)** -- every recorded ``cos``/``sin`` is ``cos(pos * inv_freq[i])`` /
-   ``sin(...)`` for its position (1e-5: values are stored rounded to 6 digits).
+   ``sin(...)`` for its position (1e-5: values are stored rounded to 6 digits; plus the float32
+   rounding of the angle, ``|pos * inv_freq| * 2^-23``, which far positions make visible).
 3. **mask (causality)** -- no query sees a later position, and each query sees its own.
 4. **mask (isolation)** -- in the kq_mask slice (cells), a kept entry (0) lies on a cell that
    holds the query's seq_id at a position <= the query's; the materialised logical mask has
@@ -37,16 +38,27 @@ variable):
    emitted tokens, every recorded verify-mask form); the run's summary is consistent
    (:func:`run_spec_problem`).
 
+7. **window** -- recomputed from positions, seq ids and the config's window (``sliding_window`` on
+   the layers ``swa_layers`` marks): a query at p sees exactly keys 0..p (``visible``) and p-W+1..p on
+   the windowed layers (``visible_swa``); ``mask.swa`` names that window and those layers, its
+   ``kq_mask_swa`` slice keeps exactly the cells of the query's sequence inside the window.
+8. **verify cells, display fields, pool, hybrid** -- a verify row's ``spec.cells`` are T distinct cells,
+   the ones written, holding the nodes' positions, the accepted path's after the rewind;
+   ``cache_before``/``cache_after`` are 0..C-1 / 0..kept-1; ``hidden.rows`` are the packed tokens; the
+   KV pool is the one the options configure; a hybrid step's layer map is ``config.layer_types``.
+9. **tensors** (:func:`check_tensors`, ``--keep tensors``) -- names, shapes and quoted values agree.
+
 Every field is validated before use: a malformed trace is a violation of "schema", not a crash.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from infertrace.ranges import parse_ranges  # the range grammar lives in ranges.py (still importable from here)
+from infertrace.ranges import parse_ranges, ranges_text  # the range grammar lives in ranges.py (still importable from here)
 from infertrace.trace.schema import Bad, spec_positions
 
 
@@ -89,6 +101,7 @@ class _Checker:
         self.shifts: dict[int, dict[str, Any]] = {}
         self.start: dict[int, int] = {}
         self.preempted: set[int] = set()
+        self.facts = run_facts(m if isinstance(m, dict) else {})
 
     def fail(self, step: Any, sid: Any, var: str, rule: str, detail: str) -> None:
         raise _Bad(Violation(step if _int(step) else None, sid if _int(sid) else None, var, rule, detail))
@@ -121,8 +134,14 @@ class _Checker:
         self._positions(s, st, reqs)
         self._rope(s, st)
         self._causal(s, st, reqs)
+        self._window(s, st, reqs)
+        self._spec_cells(s, st, reqs)
         self._isolation(s, st, reqs)
+        self._swa_mask(s, st, reqs)
         self._kv(s, st, reqs)
+        self._display(s, st, reqs)
+        self._pool(s, st)
+        self._hybrid(s, st)
         for r in reqs:
             if r.get("finished"):
                 self.finished.add(r["seq_id"])
@@ -253,9 +272,12 @@ class _Checker:
             for i, f in enumerate(inv[: len(e["cos"])]):
                 a = e["pos"] * f
                 c, sn = e["cos"][i], e["sin"][i] if i < len(e["sin"]) else None
+                # the angle is a float32 (the engine's and llama.cpp's RoPE: theta = pos * inv_freq in F32), rounded
+                # by up to |a| * 2^-24, then cos/sin stored to 6 digits: at pos 700 the angle alone moves sin by ~4e-5
+                tol = 1e-5 + abs(a) * 2.0 ** -23
                 self.n_checks += 1
-                if not isinstance(c, (int, float)) or not isinstance(sn, (int, float)) or abs(c - math.cos(a)) > 1e-5 \
-                        or abs(sn - math.sin(a)) > 1e-5:
+                if not isinstance(c, (int, float)) or not isinstance(sn, (int, float)) or abs(c - math.cos(a)) > tol \
+                        or abs(sn - math.sin(a)) > tol:
                     self.fail(s, None, "positions", "RoPE angle consistent with position",
                               f"pos {e['pos']} pair {i}: cos/sin {c}, {sn} != cos/sin({e['pos']} * {f}) = "
                               f"{math.cos(a):.6f}, {math.sin(a):.6f}")
@@ -289,6 +311,170 @@ class _Checker:
                     if late:
                         self.fail(s, sid, "mask", "causality", f"query pos {pos[i]} sees key pos {late[0]} (logical mask)")
 
+    def _window(self, s: int, st: dict, reqs: list[dict]) -> None:
+        """Visibility recomputed from positions, seq ids and the window (the facts the recorder's masks
+        come from): a query at position p of a sequence sees exactly keys 0..p of it on the full-attention
+        layers (``visible``) and p-W+1..p on the windowed ones (``visible_swa``, W = ``config.sliding_window``
+        on the layers ``config.swa_layers`` marks; llama.cpp ``is_masked_swa`` with LLAMA_SWA_TYPE_STANDARD:
+        masked iff ``p - p_key >= n_swa``); the mask record's copies (``mask.visible``, ``mask.swa``)
+        are the rows' own and ``mask.swa`` names the window the config gives."""
+        W, win, n_layer = self.facts["W"], self.facts["windowed"], self.facts["n_layer"]
+        for r in reqs:
+            sid, pos = r["seq_id"], r["positions"]
+            vis, vs = r.get("visible"), r.get("visible_swa")
+            for i, p in enumerate(pos):
+                if isinstance(vis, list) and i < len(vis):
+                    self.n_checks += 1
+                    if self._iv(s, sid, f"visible[{i}]", vis[i]) != [(0, p)]:
+                        self.fail(s, sid, "mask", "causality", f"query pos {p} sees keys {_show(vis[i])}, expected 0..{p} "
+                                  "(every position of its sequence up to its own, none later)")
+            if not W:
+                self.n_checks += 1
+                if vs is not None:
+                    self.fail(s, sid, "mask", "window", "the row lists visible_swa but the model has no windowed layer "
+                              "(config sliding_window / swa_layers)")
+                continue
+            self.n_checks += 1
+            if not isinstance(vs, list) or len(vs) != len(pos):
+                self.fail(s, sid, "mask", "window", f"the model has windowed layers {_layers(win)} (W = {W}) but the row's "
+                          f"visible_swa is {'missing' if vs is None else 'not one entry per query'}")
+            for i, p in enumerate(pos):
+                lo = max(0, p - W + 1)
+                self.n_checks += 1
+                if self._iv(s, sid, f"visible_swa[{i}]", vs[i]) != [(lo, p)]:
+                    self.fail(s, sid, "mask", "window", f"query pos {p} sees keys {_show(vs[i])} on the windowed layers, "
+                              f"expected {lo}..{p} (keys p-W+1..p, W = {W})")
+        mask = st.get("mask")
+        if not isinstance(mask, dict):
+            return
+        rows = [{"seq_id": r["seq_id"], "queries": [{"pos": p, "keys": v} for p, v in zip(r["positions"], r.get("visible") or [])]}
+                for r in reqs]
+        self.n_checks += 1
+        if "visible" in mask and mask["visible"] != rows:
+            self.fail(s, None, "mask", "causality", "mask.visible is not the batch rows' visible keys")
+        sw = mask.get("swa")
+        self.n_checks += 1
+        if bool(W) != isinstance(sw, dict):
+            self.fail(s, None, "mask", "window", f"mask.swa is missing but the model has windowed layers {_layers(win)}" if W
+                      else "mask.swa is recorded but the model has no windowed layer (config sliding_window / swa_layers)")
+        if not W:
+            return
+        glob = [i for i in range(n_layer) if i not in set(win)]
+        for key, got, want in (("n_swa", sw.get("n_swa"), W), ("layers", sw.get("layers"), win), ("global_layers", sw.get("global_layers"), glob)):
+            self.n_checks += 1
+            if got != want:
+                self.fail(s, None, "mask", "window", f"mask.swa.{key} is {_show(got)} but the config gives {_show(want)} "
+                          f"(sliding_window {W} on layers {_layers(win)} of {n_layer})")
+        swa_rows = [{"seq_id": r["seq_id"], "queries": [{"pos": p, "keys": v} for p, v in zip(r["positions"], r["visible_swa"])]}
+                    for r in reqs]
+        self.n_checks += 1
+        if "visible" in sw and sw["visible"] != swa_rows:
+            self.fail(s, None, "mask", "window", "mask.swa.visible is not the batch rows' visible_swa")
+        aw = {str(i): W for i in win}
+        for where, d in (("mask.swa", sw), ("kv.physical", ((st.get("kv") or {}).get("physical") or {}))):
+            self.n_checks += 1
+            if isinstance(d, dict) and "attention_window" in d and d["attention_window"] != aw:
+                self.fail(s, None, "mask", "window", f"{where}.attention_window is {_show(d['attention_window'])}, the config "
+                          f"gives W = {W} on layers {_layers(win)}")
+        ph = (st.get("kv") or {}).get("physical") if isinstance(st.get("kv"), dict) else None
+        if isinstance(ph, dict) and ph.get("kind") == "cells" and "n_swa" in ph:
+            got = (ph.get("n_swa"), ph.get("swa_layers"))
+            self.n_checks += 1
+            if got != (W, win):  # (--engine llama.cpp refuses windowed models: its iSWA cache is two caches)
+                self.fail(s, None, "kv", "window", f"kv.physical n_swa {_show(got[0])} / swa_layers {_show(got[1])}, the config "
+                          f"gives W = {W} on layers {_layers(win)}")
+
+    def _iv(self, s: int, sid: int, what: str, text: Any) -> list[tuple[int, int]]:
+        try:
+            return intervals(text)
+        except ValueError as e:
+            self.fail(s, sid, "mask", "schema", f"{what}: {e}")
+        return []  # pragma: no cover - fail raised
+
+    def _cells_at_attention(self, st: dict, reqs: list[dict]) -> dict[int, tuple[int, list[int]]]:
+        """Cell -> (pos, seq_ids) when the step's masks were filled, as far as the trace says: the
+        cells after the step, the verify rows' cells (a rewind frees the rejected ones after
+        attention), and the kq_mask slice's own ``cell_pos`` / ``cell_seq`` over them."""
+        out: dict[int, tuple[int, list[int]]] = {}
+        kv = st.get("kv")
+        ph = kv.get("physical") if isinstance(kv, dict) else None
+        if isinstance(ph, dict) and ph.get("kind") == "cells" and isinstance(ph.get("cells"), list):
+            for c in ph["cells"]:
+                if isinstance(c, dict) and _int(c.get("cell")) and _int(c.get("pos")) and isinstance(c.get("seq_ids"), list):
+                    out[c["cell"]] = (c["pos"], c["seq_ids"])
+        for r in reqs:
+            sp = r.get("spec")
+            cells = sp.get("cells") if isinstance(sp, dict) else None
+            if isinstance(cells, list):
+                for c, p in zip(cells, r["positions"]):
+                    if _int(c):
+                        out[c] = (p, [r["seq_id"]])
+        mask = st.get("mask")
+        km = mask.get("kq_mask") if isinstance(mask, dict) else None
+        if isinstance(km, dict) and isinstance(km.get("cell_pos"), list) and isinstance(km.get("cell_seq"), list):
+            for c, (p, q) in enumerate(zip(km["cell_pos"], km["cell_seq"])):
+                if _int(p) and isinstance(q, list):
+                    if p < 0:
+                        out.pop(c, None)
+                    else:
+                        out[c] = (p, q)
+        return out
+
+    def _swa_mask(self, s: int, st: dict, reqs: list[dict]) -> None:
+        """llama.cpp's ``kq_mask_swa`` slice recomputed: the same tensor shape as ``kq_mask`` (one cell
+        pool) and the same slice size; column c is cell ``col_start + c`` at ``cell_pos[c]``; an entry is
+        0 iff the cell holds the query's sequence at a position in p-W+1..p (a verify row's own tree
+        cells are the verify block's, checked against the tree)."""
+        mask = st.get("mask")
+        sw = mask.get("swa") if isinstance(mask, dict) else None
+        kqs = sw.get("kq_mask_swa") if isinstance(sw, dict) else None
+        W = self.facts["W"]
+        if not isinstance(kqs, dict) or not W:
+            return
+        rows, cpos, start = kqs.get("rows"), kqs.get("cell_pos"), kqs.get("col_start", 0)
+        self.need(isinstance(rows, list) and all(isinstance(x, list) for x in rows) and _int(start), s, None, "mask",
+                  "kq_mask_swa rows malformed")
+        km = mask.get("kq_mask")
+        if isinstance(km, dict) and isinstance(km.get("rows"), list):
+            shape = (len(rows), len(rows[0]) if rows else 0)
+            kshape = (len(km["rows"]), len(km["rows"][0]) if km["rows"] else 0)
+            self.n_checks += 1
+            if kqs.get("ne") != km.get("ne") or shape != kshape:
+                self.fail(s, None, "mask", "window", f"kq_mask_swa is ne {_show(kqs.get('ne'))} with a {shape[0]}x{shape[1]} slice, "
+                          f"kq_mask ne {_show(km.get('ne'))} with {kshape[0]}x{kshape[1]} (one cell pool: the same tensor shape and slice)")
+            kp = km.get("cell_pos") if isinstance(km.get("cell_pos"), list) else []
+            for c, p in enumerate(cpos if isinstance(cpos, list) else []):
+                self.n_checks += 1
+                if start + c < len(kp) and p != kp[start + c]:
+                    self.fail(s, None, "mask", "window", f"kq_mask_swa says cell {start + c} holds pos {_show(p)}, kq_mask says {_show(kp[start + c])}")
+        if not isinstance(cpos, list):
+            return
+        cells = self._cells_at_attention(st, reqs)
+        owner = [(r["seq_id"], p, r) for r in reqs for p in r["positions"]]  # packed row -> (seq, pos, row)
+        for i, row in enumerate(rows[: len(owner)]):
+            sid, qp, r = owner[i]
+            sp = r.get("spec")
+            tree = set(sp["cells"]) if isinstance(sp, dict) and isinstance(sp.get("cells"), list) else set()
+            for c, x in enumerate(row[: len(cpos)]):
+                cell, kp = start + c, cpos[c]
+                self.n_checks += 1
+                if not _int(kp):
+                    self.fail(s, sid, "mask", "schema", f"kq_mask_swa cell_pos[{c}] is not an int")
+                held = cells.get(cell)
+                seqs = held[1] if held is not None and held[0] == kp else None  # unknown: only the window is checked
+                in_win = 0 <= kp <= qp and qp - kp < W
+                if x == "0" and not in_win:
+                    self.fail(s, sid, "mask", "causality" if kp > qp else "window",
+                              f"kq_mask_swa row {i} (pos {qp}) keeps cell {cell} at pos {kp}"
+                              + ("" if kp > qp else f", outside the window {max(0, qp - W + 1)}..{qp} (W = {W})"))
+                if seqs is None or cell in tree:
+                    continue
+                if x == "0" and sid not in seqs:
+                    self.fail(s, sid, "mask", "no cross-sequence visibility", f"kq_mask_swa row {i} (pos {qp}) keeps cell {cell}, owned by seq {seqs}")
+                if x != "0" and sid in seqs and in_win:
+                    self.fail(s, sid, "mask", "window", f"kq_mask_swa row {i} (pos {qp}) hides cell {cell} (pos {kp} of its sequence), "
+                              f"inside the window {max(0, qp - W + 1)}..{qp} (W = {W})")
+
     def _isolation(self, s: int, st: dict, reqs: list[dict]) -> None:
         mask = st.get("mask")
         km = mask.get("kq_mask") if isinstance(mask, dict) else None
@@ -300,14 +486,20 @@ class _Checker:
         if not (isinstance(rows, list) and isinstance(cpos, list) and isinstance(cseq, list)):
             return
         owner = [(r["seq_id"], p) for r in reqs for p in r["positions"]]  # packed row -> (seq, pos)
+        reqs_of = [r for r in reqs for _ in r["positions"]]
         for i, row in enumerate(rows[: len(owner)]):
             self.need(isinstance(row, list), s, None, "mask", "kq_mask row is not a list")
             sid, qp = owner[i]
+            sp = reqs_of[i].get("spec")
+            tree = set(sp["cells"]) if isinstance(sp, dict) and isinstance(sp.get("cells"), list) else set()
             for c, x in enumerate(row[: min(len(cpos), len(cseq))]):
                 self.n_checks += 1
-                if x != "0":
-                    continue
                 seqs = cseq[c] if isinstance(cseq[c], list) else []
+                if x != "0":  # a cell of the query's sequence at an earlier position is seen (a verify row's tree: its block)
+                    if sid in seqs and _int(cpos[c]) and 0 <= cpos[c] <= qp and c not in tree:
+                        self.fail(s, sid, "mask", "causality", f"kq_mask row {i} (pos {qp}) hides cell {c}, which holds pos "
+                                  f"{cpos[c]} of its sequence")
+                    continue
                 if sid not in seqs:
                     self.fail(s, sid, "mask", "no cross-sequence visibility",
                               f"kq_mask row {i} (pos {qp}) keeps cell {c}, owned by seq {seqs}")
@@ -437,6 +629,139 @@ class _Checker:
                           f"after the step the cells of seq {sid} hold pos {own[:8]}{'...' if len(own) > 8 else ''}, expected 0..{kept_len(r) - 1}")
         self.prev_cells, self.prev_kv_step = now, s
 
+    def _spec_cells(self, s: int, st: dict, reqs: list[dict]) -> None:
+        """A cells verify row's ``spec.cells`` (llama.cpp ``k_idxs`` of its T nodes): T distinct cells,
+        the ones the step wrote for the sequence (``kv.per_request`` cells), each holding its node's
+        position when the mask was filled, ``kq_mask`` over them equal to the verify block; after the
+        rewind the accepted path's cells hold positions C, C+1, ... and the rejected nodes' are freed."""
+        kv = st.get("kv") if isinstance(st.get("kv"), dict) else {}
+        ph = kv.get("physical") if isinstance(kv.get("physical"), dict) else {}
+        per = {d.get("seq_id"): d for d in kv.get("per_request", []) if isinstance(d, dict)}
+        after = {c["cell"]: (c.get("pos"), c.get("seq_ids")) for c in ph.get("cells", []) if isinstance(c, dict) and _int(c.get("cell"))} \
+            if ph.get("kind") == "cells" and isinstance(ph.get("cells"), list) else None
+        mask = st.get("mask")
+        km = mask.get("kq_mask") if isinstance(mask, dict) and isinstance(mask.get("kq_mask"), dict) else {}
+        kpos, kseq, krows = km.get("cell_pos") or [], km.get("cell_seq") or [], km.get("rows") or []
+        for r in reqs:
+            sp = r.get("spec")
+            cells = sp.get("cells") if isinstance(sp, dict) else None
+            if cells is None:
+                continue
+            sid, T, pos = r["seq_id"], r["T"], r["positions"]
+            self.n_checks += 1
+            if not (isinstance(cells, list) and len(cells) == T and all(_int(c) for c in cells) and len(set(cells)) == T):
+                self.fail(s, sid, "kv", "verify cells", f"spec.cells {_show(cells)} are not {T} distinct cells, one per node of the tree")
+            d = per.get(sid)
+            if isinstance(d, dict) and "cells" in d:
+                self.n_checks += 1
+                if self._iv(s, sid, "kv.per_request.cells", d["cells"]) != intervals_of(cells):
+                    self.fail(s, sid, "kv", "verify cells", f"spec.cells {_show(cells)} are not the cells the step wrote for the "
+                              f"sequence ({_show(d['cells'])})")
+            for i, c in enumerate(cells):
+                if c < min(len(kpos), len(kseq)):
+                    self.n_checks += 1
+                    if kpos[c] != pos[i] or not isinstance(kseq[c], list) or sid not in kseq[c]:
+                        self.fail(s, sid, "kv", "verify cells", f"node {i} (pos {pos[i]}) is in cell {c}, which holds pos "
+                                  f"{_show(kpos[c])} of seq {_show(kseq[c])} when the mask is filled")
+            blk = sp.get("kq_mask_block")
+            row0 = r["rows"][0] if r.get("rows") else None
+            if isinstance(blk, list) and _int(row0):
+                for i in range(min(T, len(blk), max(0, len(krows) - row0))):
+                    for j, c in enumerate(cells):
+                        if isinstance(krows[row0 + i], list) and c < len(krows[row0 + i]) and isinstance(blk[i], list) and j < len(blk[i]):
+                            self.n_checks += 1
+                            if krows[row0 + i][c] != blk[i][j]:
+                                self.fail(s, sid, "spec", "verify row consistent with its tree",
+                                          f"kq_mask row {row0 + i} at cell {c} (node {j}) is {krows[row0 + i][c]} but "
+                                          f"kq_mask_block[{i}][{j}] is {_show(blk[i][j])}")
+            acc = sp.get("accepted_nodes") or []
+            if after is not None:
+                for k, a in enumerate(acc):
+                    self.n_checks += 1
+                    got = after.get(cells[a])
+                    if got is None or got[0] != r["C"] + k or not isinstance(got[1], list) or sid not in got[1]:
+                        self.fail(s, sid, "kv", "verify cells", f"accepted node {a} was written to cell {cells[a]}, which after "
+                                  f"the rewind holds {'nothing' if got is None else f'pos {got[0]} of seq {got[1]}'}, "
+                                  f"expected pos {r['C'] + k} of seq {sid}")
+            rw = sp.get("rewind")
+            if isinstance(rw, dict) and "freed" in rw:
+                self.n_checks += 1
+                rej = [cells[j] for j in range(T) if j not in set(acc)]
+                if self._iv(s, sid, "spec.rewind.freed", rw["freed"]) != intervals_of(rej):
+                    self.fail(s, sid, "kv", "verify cells", f"the rewind frees cells {_show(rw['freed'])}, the rejected nodes "
+                              f"are in cells {_show(ranges_text(rej))}")
+
+    def _display(self, s: int, st: dict, reqs: list[dict]) -> None:
+        """The fields shown beside the variables agree with them: ``cache_before`` / ``cache_after``
+        are the positions the request holds before / after the step (0..C-1, 0..kept-1), and
+        ``hidden.rows[k]`` is packed token k (its seq_id, position and token id)."""
+        for r in reqs:
+            sid = r["seq_id"]
+            for key, n in (("cache_before", r["C"]), ("cache_after", kept_len(r))):
+                self.n_checks += 1
+                if self._iv(s, sid, key, r.get(key)) != ([(0, n - 1)] if n else []):
+                    self.fail(s, sid, "kv", "cache ranges", f"{key} is {_show(r.get(key))} but the request holds positions "
+                              + (f"0..{n - 1}" if n else "none") + (" before" if key == "cache_before" else " after") + " the step")
+        h = st.get("hidden")
+        rows = h.get("rows") if isinstance(h, dict) else None
+        if not isinstance(rows, list):
+            return
+        packed = [(r["seq_id"], p, t) for r in reqs for p, t in zip(r["positions"], r.get("token_ids") or [])]
+        for k, x in enumerate(rows):
+            self.n_checks += 1
+            got = (x.get("seq_id"), x.get("pos"), x.get("token_id")) if isinstance(x, dict) else None
+            if k >= len(packed) or got != packed[k]:
+                self.fail(s, got[0] if got else None, "hidden", "rows are the packed tokens",
+                          f"hidden row {k} is seq/pos/token {_show(got)}, the packed token {k} is "
+                          + (f"{packed[k]}" if k < len(packed) else f"none (N = {len(packed)})"))
+
+    def _pool(self, s: int, st: dict) -> None:
+        """The KV pool in the step is the one the run configured: paged ``num_blocks`` /
+        ``tokens_per_block`` = ``options.engine`` (``num_blocks`` unset: ctx_size / tokens_per_block
+        rounded up; ``--engine vllm``: vLLM's own pool in ``options.vllm``), ``used_blocks + free_blocks
+        = num_blocks``; cells ``size`` = ``ctx_size``, ``used`` = the cells listed."""
+        kv = st.get("kv")
+        ph = kv.get("physical") if isinstance(kv, dict) else None
+        if not isinstance(ph, dict):
+            return
+        want = self.facts["pool"]
+        if ph.get("kind") == "paged":
+            checks = [("num_blocks", want.get("num_blocks")), ("tokens_per_block", want.get("tokens_per_block"))]
+            if _int(ph.get("used_blocks")) and _int(ph.get("free_blocks")) and _int(ph.get("num_blocks")):
+                self.n_checks += 1
+                if ph["used_blocks"] + ph["free_blocks"] != ph["num_blocks"]:
+                    self.fail(s, None, "kv", "pool as configured", f"used_blocks {ph['used_blocks']} + free_blocks "
+                              f"{ph['free_blocks']} != num_blocks {ph['num_blocks']}")
+        elif ph.get("kind") == "cells":
+            checks = [("size", want.get("size"))]
+            if isinstance(ph.get("cells"), list) and _int(ph.get("used")):
+                self.n_checks += 1
+                if ph["used"] != len(ph["cells"]):
+                    self.fail(s, None, "kv", "pool as configured", f"used = {ph['used']} but {len(ph['cells'])} cells are listed")
+        else:
+            return
+        for key, w in checks:
+            self.n_checks += 1
+            if w is not None and ph.get(key) != w:
+                self.fail(s, None, "kv", "pool as configured", f"kv.physical.{key} is {_show(ph.get(key))} but the run's options "
+                          f"give {w} ({self.facts['pool_src']})")
+
+    def _hybrid(self, s: int, st: dict) -> None:
+        """A hybrid step's layer map is the config's ``layer_types`` (GDN = linear_attention, attn =
+        full_attention); a step of a hybrid model has one, a step of another model none."""
+        h = st.get("hybrid")
+        lt = self.facts["layer_types"]
+        self.n_checks += 1
+        if h is None:
+            if lt and any(t == "linear_attention" for t in lt) and st.get("batch"):
+                self.fail(s, None, "hybrid", "layer map", "config.layer_types lists linear_attention layers but the step has no hybrid section")
+            return
+        types = h.get("layer_map", {}).get("types") if isinstance(h, dict) and isinstance(h.get("layer_map"), dict) else None
+        want = [{"linear_attention": "GDN", "full_attention": "attn"}.get(t, "?") for t in lt] if lt is not None else None
+        if want is None or types != want:
+            self.fail(s, None, "hybrid", "layer map", f"hybrid.layer_map.types {_show(types)} but config.layer_types "
+                      f"{_show(lt)} gives {_show(want)}")
+
     def _released(self, pos: Any, seqs: Any) -> bool:
         """Whether a cell that held ``pos`` of ``seqs`` after the previous step is free for a write:
         every holder finished (a retained one is evicted first), was preempted, no longer caches
@@ -503,6 +828,101 @@ class _Checker:
                 want = tab[p // B] * B + p % B if p // B < len(tab) else None
                 if slot != want:
                     self.fail(s, r["seq_id"], "kv", "slot = table[p // B] * B + p % B", f"pos {p}: slot {slot}, expected {want}")
+
+
+def _show(v: Any) -> str:
+    """A value for a violation line, bounded (the trace is untrusted; the CLI escapes it)."""
+    t = repr(v) if not isinstance(v, str) else repr(v)
+    return t if len(t) <= 60 else t[:57] + "..."
+
+
+def _layers(ls: list[int]) -> str:
+    return ",".join(map(str, ls)) or "none"
+
+
+def intervals(text: Any) -> list[tuple[int, int]]:
+    """The integer set of a range text (``"0..3,7"``) as merged ascending intervals ``[(0, 3), (7, 7)]``,
+    without expanding it (a hostile ``"0..99999999"`` costs nothing); ``"-"`` is ``[]``.
+
+    Raises:
+        ValueError: not a string, a malformed part, ``b < a``.
+    """
+    if not isinstance(text, str) or len(text) > 1 << 20:
+        raise ValueError(f"expected range text, got {type(text).__name__}")
+    if text == "-":
+        return []
+    parts = []
+    for part in text.split(","):
+        a, sep, b = part.strip().partition("..")
+        if not (a.isdigit() and (not sep or b.isdigit())) or len(a) > 12 or len(b) > 12:
+            raise ValueError(f"bad range {part[:40]!r}")
+        lo, hi = int(a), int(b) if sep else int(a)
+        if hi < lo:
+            raise ValueError(f"bad range {part[:40]!r}")
+        parts.append((lo, hi))
+    parts.sort()
+    out: list[tuple[int, int]] = []
+    for lo, hi in parts:
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def intervals_of(values: list[int]) -> list[tuple[int, int]]:
+    """:func:`intervals` of a list of ints."""
+    return intervals(ranges_text(sorted(set(values))))
+
+
+def run_facts(m: dict[str, Any]) -> dict[str, Any]:
+    """What the run's header fixes for every step (the facts the recorder wrote the steps from):
+    ``n_layer``; the window ``W`` (``config.sliding_window``, 0 when no layer is windowed) and the
+    windowed layers (``config.swa_layers``: ModelConfig.windowed_layers); ``layer_types`` (hybrid
+    models) and the KV pool the options configure (``pool``, ``pool_src``)."""
+    cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
+    n_layer = cfg.get("n_layer") if _int(cfg.get("n_layer")) else 0
+    sw = cfg.get("sliding_window")
+    flags = cfg.get("swa_layers") if isinstance(cfg.get("swa_layers"), list) else []
+    W = sw if _int(sw) and sw > 0 else 0
+    win = [i for i in range(min(n_layer, len(flags))) if flags[i] is True] if W else []
+    lt = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else None
+    opts = m.get("options") if isinstance(m.get("options"), dict) else {}
+    eng = opts.get("engine") if isinstance(opts.get("engine"), dict) else {}
+    vl = opts.get("vllm") if isinstance(opts.get("vllm"), dict) else None
+    pool: dict[str, Any] = {}
+    B, nb, ctx = eng.get("tokens_per_block"), eng.get("num_blocks"), eng.get("ctx_size")
+    if vl is not None:  # --engine vllm: vLLM's own pool (block 0 its null block)
+        pool = {"num_blocks": vl.get("num_blocks") if _int(vl.get("num_blocks")) else None,
+                "tokens_per_block": vl.get("block_size") if _int(vl.get("block_size")) else None}
+        src = "options.vllm num_blocks / block_size"
+    else:
+        if _int(B) and B > 0:
+            pool["tokens_per_block"] = B
+            pool["num_blocks"] = nb if _int(nb) else (-(-ctx // B) if _int(ctx) else None)
+        if _int(ctx):
+            pool["size"] = ctx
+        src = ("options.engine num_blocks / tokens_per_block" if _int(nb)
+               else "options.engine ctx_size / tokens_per_block, rounded up, or ctx_size")
+    return {"n_layer": n_layer, "W": W if win else 0, "windowed": win, "layer_types": lt, "pool": pool, "pool_src": src}
+
+
+def config_problem(m: dict[str, Any]) -> str | None:
+    """What in the run's config cannot describe a model, else None: ``swa_layers`` not one flag per
+    layer, ``layer_types`` not one of linear_attention / full_attention per layer, a window on no layer's
+    flag list."""
+    cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
+    n = cfg.get("n_layer")
+    flags, lt, sw = cfg.get("swa_layers"), cfg.get("layer_types"), cfg.get("sliding_window")
+    if sw is not None and not (_int(sw) and sw >= 0):
+        return f"config.sliding_window {_show(sw)} is not a window size in tokens"
+    if flags is not None and (not isinstance(flags, list) or any(not isinstance(x, bool) for x in flags)
+                              or (flags and len(flags) != n)):
+        return f"config.swa_layers must be one true/false flag per layer (n_layer = {_show(n)})"
+    if lt is not None and (not isinstance(lt, list) or len(lt) != n
+                           or any(t not in ("linear_attention", "full_attention") for t in lt)):
+        return f"config.layer_types {_show(lt)} must be n_layer = {_show(n)} entries of linear_attention / full_attention"
+    return None
 
 
 def _ancestors(parents: list[int]) -> list[set[int]]:
@@ -608,6 +1028,10 @@ def check_trace(manifest: dict[str, Any]) -> tuple[Violation | None, int]:
     try:
         if not isinstance(steps, list):
             c.fail(None, None, "schema", "schema", "the trace has no list of steps")
+        c.n_checks += 1
+        bad = config_problem(manifest)
+        if bad:
+            c.fail(None, None, "config", "model config", bad)
         for st in steps:
             c.step(st)
         c.n_checks += 1
@@ -619,10 +1043,98 @@ def check_trace(manifest: dict[str, Any]) -> tuple[Violation | None, int]:
     return None, c.n_checks
 
 
+_TENSOR = re.compile(r"step([0-9]+)/(?:layer([0-9]+)/(?:seq([0-9]+)/)?)?([a-z0-9_]+)")
+#: per-token tensors of a layer: [N, n_head, head_dim] (q), [N, n_head_kv, head_dim] (k, v), else [N, n_embd]
+_HEADS = {"q_pre_rope": "n_head", "q_post_rope": "n_head", "k_pre_rope": "n_head_kv", "k_post_rope": "n_head_kv", "v": "n_head_kv"}
+
+
+def check_tensors(manifest: dict[str, Any], tensors: Any) -> tuple[Violation | None, int]:
+    """The saved tensors agree with the records of ``trace.json`` (``tensors``: a
+    :class:`~infertrace.trace.store.TraceTensors` whose header :func:`~infertrace.trace.store.load_tensors`
+    already checked against the manifest's index). Each name's step is a step of the trace and its layer
+    one of ``store.tensor_layers``; per-token tensors have the step's N rows (``hidden`` / ``hidden_in`` /
+    ``attn_out`` / ``mlp_out`` / ``resid_post`` ``[N, n_embd]``, ``q_*`` ``[N, n_head, head_dim]``, ``k_*`` / ``v``
+    ``[N, n_head_kv, head_dim]``), ``seq{id}/k_cache`` / ``v_cache`` hold the positions the request holds
+    after the step ``[C + kept, n_head_kv, head_dim]``, ``logits_topk_*`` one row per logits row; and the
+    values the records quote are the tensors' values (``hidden.rows[k].first`` = ``step{s}/hidden[k, :n]``,
+    ``kv.layer_view`` K/V rows = ``seq{id}/k_cache[pos, 0, :n]`` / ``v_cache``; stored rounded to 6 digits: 1e-5).
+
+    Returns:
+        ``(first violation or None, number of checks made)``.
+    """
+    n = 0
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    steps = {st["step"]: st for st in manifest.get("steps", []) if isinstance(st, dict) and _int(st.get("step"))}
+    layers = set((manifest.get("store") or {}).get("tensor_layers") or [])
+
+    def bad(step: Any, sid: Any, rule: str, detail: str) -> tuple[Violation, int]:
+        return Violation(step if _int(step) else None, sid if _int(sid) else None, "tensors", rule, detail), n
+
+    def close(a: Any, b: Any) -> bool:
+        return isinstance(b, (int, float)) and abs(float(a) - b) <= 1e-5 * max(1.0, abs(b))
+
+    for name in sorted(tensors.index):
+        m = _TENSOR.fullmatch(name)
+        shape = list(tensors.index[name].get("shape") or [])
+        n += 1
+        if m is None:
+            return bad(None, None, "tensor names", f"{name[:60]!r} is not stepN/[layerL/[seqS/]]name")
+        s, il, sid, leaf = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        st = steps.get(s)
+        if st is None:
+            return bad(s, None, "tensors of the trace's steps", f"{name} names step {s}, which the trace does not have")
+        if il is not None and int(il) not in layers:
+            return bad(s, None, "tensors of the trace's steps", f"{name} names layer {il}, not one of store.tensor_layers")
+        N = st.get("N")
+        if sid is not None:
+            r = next((r for r in st.get("batch", []) if r.get("seq_id") == int(sid)), None)
+            want = [kept_len(r) if r is not None else None, cfg.get("n_head_kv"), cfg.get("head_dim")]
+        elif leaf.startswith("logits_topk"):
+            rows = (st.get("decode") or {}).get("logits_rows")
+            want = [len(rows) if isinstance(rows, list) else None, None]
+        elif leaf in _HEADS:
+            want = [N, cfg.get(_HEADS[leaf]), cfg.get("head_dim")]
+        else:
+            want = [N, cfg.get("n_embd")]
+        if len(shape) != len(want) or any(w is not None and x != w for x, w in zip(shape, want)):
+            return bad(s, int(sid) if sid else None, "tensor shapes agree with the records",
+                       f"{name} is {shape}, the step's records give {[w if w is not None else '*' for w in want]}")
+    for s, st in steps.items():
+        h = st.get("hidden")
+        if isinstance(h, dict) and f"step{s}/hidden" in tensors.index:
+            x = tensors.array(f"step{s}/hidden")  # [N, n_embd]
+            for k, row in enumerate(h.get("rows") or []):
+                for j, v in enumerate((row.get("first") or [])[: x.shape[1]] if k < x.shape[0] else []):
+                    n += 1
+                    if not close(x[k, j], v):
+                        return bad(s, row.get("seq_id"), "recorded values are the tensors'",
+                                   f"hidden.rows[{k}].first[{j}] = {v!r} but step{s}/hidden[{k}, {j}] = {float(x[k, j]):.6g}")
+        lv = (st.get("kv") or {}).get("layer_view") if isinstance(st.get("kv"), dict) else None
+        if not isinstance(lv, dict):
+            continue
+        for req in lv.get("requests") or []:
+            for kind in ("k", "v"):
+                name = f"step{s}/layer{lv.get('layer')}/seq{req.get('seq_id')}/{kind}_cache"
+                if name not in tensors.index:
+                    continue
+                x = tensors.array(name)  # [len, n_head_kv, head_dim]
+                for row in req.get("rows") or []:
+                    p = row.get("pos")
+                    for j, v in enumerate(row.get(kind) or []):
+                        if not (_int(p) and p < x.shape[0] and j < x.shape[2]):
+                            continue
+                        n += 1
+                        if not close(x[p, 0, j], v):
+                            return bad(s, req.get("seq_id"), "recorded values are the tensors'",
+                                       f"kv.layer_view {kind} of pos {p}[{j}] = {v!r} but {name}[{p}, 0, {j}] = {float(x[p, 0, j]):.6g}")
+    return None, n
+
 def iter_rules() -> Iterator[str]:
     """Names of the rules, for help texts."""
     yield from ("contiguous", "contiguous across chunks", "inp_pos = packed positions", "RoPE angle consistent with position",
                 "causality", "no cross-sequence visibility", "one cell per (seq, pos)", "written cells were free",
                 "cache holds 0..C+T-1", "freed when finished", "chunk starts where the prefix hit ends", "prefix hit inside the prompt",
                 "prefix hit at admission", "context shift of the cached positions", "cells joined by a write or a prefix hit", "memory API agrees with the cells", "one owner per block", "slot = table[p // B] * B + p % B",
-                "verify row consistent with its tree", "run summary consistent")
+                "verify row consistent with its tree", "run summary consistent", "window", "verify cells", "cache ranges",
+                "rows are the packed tokens", "pool as configured", "layer map", "model config",
+                "tensor shapes agree with the records", "recorded values are the tensors'")

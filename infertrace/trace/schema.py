@@ -444,7 +444,10 @@ CONFIG = Obj({}, {"arch": S, "name": Str(null=True), "source": S, "n_layer": DIM
                   "rope_theta": F, "rope_theta_is_default": Bool(), "rope_dim": DIM, "rms_eps": F,
                   "rope_pairing_in_file": S, "tie_embeddings": Bool(),
                   "rope_scaling": Obj({}, {"type": S, "factor": F}, extra=True),
-                  "rope_freq_factors": List(F, L["MAX_DIM"], null=True)}, extra=True)
+                  "rope_freq_factors": List(F, L["MAX_DIM"], null=True),
+                  # windowed layers (ModelConfig.sliding_window / swa_layers) and hybrid mixers (layer_types)
+                  "sliding_window": Int(0, L["MAX_CTX"], limit="MAX_CTX"), "swa_layers": List(Bool(), L["MAX_DIM"]),
+                  "layer_types": List(Str(choices=("linear_attention", "full_attention")), L["MAX_DIM"])}, extra=True)
 TENSOR_ENTRY = Obj({"dtype": Str(choices=("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
                                           "uint8", "bool")), "shape": SHAPE})
 #: tensor names as the recorder writes them: step3/hidden, step3/layer0/q_pre_rope, step3/layer0/seq1/k_cache
@@ -470,6 +473,12 @@ TOP_LEVEL = Obj({"schema_version": Int(1, 1 << 30), "model": MODEL, "config": CO
 
 
 def _consistent(d: dict[str, Any]) -> None:
+    cfg = d["config"]
+    n_layer = cfg.get("n_layer")
+    for k in ("swa_layers", "layer_types"):  # one entry per layer (swa_layers: empty when no layer is windowed)
+        v = cfg.get(k)
+        if v and n_layer is not None and len(v) != n_layer:
+            raise Bad(f"config.{k}", f"has {len(v)} entries but n_layer = {n_layer}")
     eng = d["options"].get("engine") or {}
     B = eng.get("tokens_per_block") or 32
     nb = eng.get("num_blocks")
@@ -485,9 +494,12 @@ def _consistent(d: dict[str, Any]) -> None:
         for j, r in enumerate(st["batch"]):
             q = f"{p}.batch[{j}]"
             T = r["T"]
-            for k in ("token_ids", "pieces", "positions", "visible", "rows"):
-                if len(r[k]) != T:
+            for k in ("token_ids", "pieces", "positions", "visible", "rows", "visible_swa"):
+                if r.get(k) is not None and len(r[k]) != T:
                     raise Bad(f"{q}.{k}", f"has {len(r[k])} items but T = {T}")
+            cells = (r.get("spec") or {}).get("cells")
+            if cells is not None and (len(cells) != T or len(set(cells)) != T):
+                raise Bad(f"{q}.spec.cells", f"must be T = {T} distinct cells, one per node of the verify tree")
             if r["C"] + T > L["MAX_CTX"]:
                 raise Bad(q, f"C + T = {r['C'] + T} exceeds MAX_CTX = {L['MAX_CTX']}")
             if r["positions"] != spec_positions(r, q):
@@ -500,8 +512,9 @@ def _consistent(d: dict[str, Any]) -> None:
             if any(x >= n for x in r["rows"]) or (r.get("logits_row") is not None and r["logits_row"] >= n):
                 raise Bad(f"{p}.batch[{j}].rows", f"packed rows must lie in 0..N-1 (N = {n})")
         _mask_consistent(st, p)
+        _swa_consistent(st, p, n_layer)
         _kv_consistent(st, p)
-        _hybrid_consistent(st, p, d["config"].get("n_layer"))
+        _hybrid_consistent(st, p, n_layer, cfg.get("layer_types"))
         h = st.get("hidden")
         if h is not None and len(h["rows"]) > max(n, 0):
             raise Bad(f"{p}.hidden.rows", f"{len(h['rows'])} rows for N = {n} tokens")
@@ -510,10 +523,45 @@ def _consistent(d: dict[str, Any]) -> None:
         raise Bad("store.tensors", "a keep summary trace lists tensors")
 
 
-def _hybrid_consistent(st: dict[str, Any], p: str, n_layer: int | None) -> None:
-    """The hybrid section agrees with itself and with its step (as :mod:`infertrace.capture.hybrid_rec`
-    writes it): the layer map partitions the layers, positions cover the step's N tokens, every
-    slot index lies below ``n_slots``, listed layers are of the right kind."""
+def _swa_consistent(st: dict[str, Any], p: str, n_layer: int | None) -> None:
+    """The sliding-window section agrees with itself (as the recorder's ``_swa`` writes it): a window
+    of at least one token; ``layers`` / ``global_layers`` ascending, disjoint, together the model's
+    layers; the ``kq_mask_swa`` slice rectangular, inside its tensor (``col_start`` + width <= ``ne[0]``,
+    rows <= N and ``ne[1]``), one ``cell_pos`` per column; kv.physical's windowed layers inside the model."""
+    layers_all = list(range(n_layer)) if n_layer is not None else None
+    ph = (st.get("kv") or {}).get("physical") or {}
+    for key in ("swa_layers",):
+        if ph.get(key) and layers_all is not None and any(x >= n_layer for x in ph[key]):
+            raise Bad(f"{p}.kv.physical.{key}", f"names a layer outside 0..{n_layer - 1} (config.n_layer = {n_layer})")
+    sw = (st.get("mask") or {}).get("swa")
+    if sw is None:
+        return
+    q = f"{p}.mask.swa"
+    if "n_swa" in sw and sw["n_swa"] < 1:
+        raise Bad(f"{q}.n_swa", f"{sw['n_swa']}: a sliding window covers at least the query itself (n_swa >= 1)")
+    lay, glob = sw.get("layers"), sw.get("global_layers")
+    for k, v in (("layers", lay), ("global_layers", glob)):
+        if v is not None and (v != sorted(set(v)) or (layers_all is not None and any(x >= n_layer for x in v))):
+            raise Bad(f"{q}.{k}", f"must be ascending distinct layers inside 0..{(n_layer or 0) - 1} (config.n_layer = {n_layer})")
+    if lay is not None and glob is not None and layers_all is not None and sorted(lay + glob) != layers_all:
+        raise Bad(q, f"layers and global_layers must split the model's {n_layer} layers between them")
+    kq = sw.get("kq_mask_swa")
+    if kq is None:
+        return
+    rows, ne, start = kq["rows"], kq["ne"], kq.get("col_start", 0)
+    w = len(rows[0]) if rows else 0
+    if any(len(r) != w for r in rows) or start + w > ne[0] or len(rows) > min(st["N"], ne[1]):
+        raise Bad(f"{q}.kq_mask_swa.rows", f"must be a rectangular slice of the [{ne[0]} cells x {ne[1]} tokens] tensor: "
+                  f"at most N = {st['N']} rows, col_start + width <= {ne[0]}")
+    if "cell_pos" in kq and len(kq["cell_pos"]) != w:
+        raise Bad(f"{q}.kq_mask_swa.cell_pos", f"has {len(kq['cell_pos'])} entries for {w} columns")
+
+
+def _hybrid_consistent(st: dict[str, Any], p: str, n_layer: int | None, layer_types: list[str] | None = None) -> None:
+    """The hybrid section agrees with itself, with its step and with the config (as
+    :mod:`infertrace.capture.hybrid_rec` writes it): the layer map is ``config.layer_types`` (GDN =
+    linear_attention, attn = full_attention) and partitions the layers, positions cover the step's N
+    tokens, every slot index lies below ``n_slots``, listed layers are of the right kind."""
     h = st.get("hybrid")
     if h is None:
         return
@@ -522,6 +570,8 @@ def _hybrid_consistent(st: dict[str, Any], p: str, n_layer: int | None) -> None:
     types = lm["types"]
     if n_layer is not None and len(types) != n_layer:
         raise Bad(f"{q}.layer_map.types", f"has {len(types)} layers but config.n_layer = {n_layer}")
+    if layer_types and types != [{"linear_attention": "GDN"}.get(t, "attn") for t in layer_types]:
+        raise Bad(f"{q}.layer_map.types", "must be config.layer_types (GDN = linear_attention, attn = full_attention)")
     lin = [i for i, t in enumerate(types) if t == "GDN"]
     full = [i for i, t in enumerate(types) if t == "attn"]
     if lm["linear_attention"] != lin or lm["full_attention"] != full:

@@ -235,7 +235,8 @@ class LlamaCppEngine(Engine):
         flash_attn: ``auto`` | ``on`` | ``off`` (``--llamacpp-flash-attn``; see :class:`LlamaCppContext`).
 
     Raises:
-        InfertraceError: llama-cpp-python missing, non-GGUF model, ``--backend paged``.
+        InfertraceError: llama-cpp-python missing, non-GGUF model, ``--backend paged``, a model with
+            sliding-window layers (llama.cpp's iSWA cache is two caches; not captured).
     """
 
     def __init__(self, loaded: Any, opts: EngineOptions, tracer: Any, layer: int = 0,
@@ -243,6 +244,12 @@ class LlamaCppEngine(Engine):
                  flash_attn: str = "auto"):
         if opts.backend != "cells":
             raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
+        win = loaded.config.windowed_layers
+        if win:  # llama_kv_cache_iswa: two caches, two masks, both inputs named attn_inp_kq_mask in the graph
+            raise InfertraceError(f"--engine llama.cpp: this model has {len(win)} sliding-window layers; llama.cpp keeps them "
+                                  "in a second KV cache (llama_kv_cache_iswa) whose cells and mask this engine does not "
+                                  "capture yet (its trace would show the windowed mask as the global one); run it on the "
+                                  "default engine")
         n_batch = max(1, min(opts.max_batch_tokens, opts.ctx_size))
         self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads, flash_attn,
                                     kv_unified=opts.kv_unified)
