@@ -1,0 +1,199 @@
+"""Issue 23, re-probe of hostile input (cases X4, X5, X6, L3, G3, R6, X9 of ../shared/cases.md).
+
+Each test drives the command (or the one helper every command goes through) with the hostile
+input and asserts the outcome the issue asks for: exit 0 with the named effect, or exit 2 with one
+``error:`` line and no traceback. Device nodes and FIFOs are made in a temporary directory; the
+machine's own ``/dev/null`` is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import hostile as H
+from infertrace import safe_io
+from infertrace.cli.app import app
+from infertrace.errors import InfertraceError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def invoke(*args, env=None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+def refused(res, *needles):
+    """Exit 2 with exactly one ``error:`` line holding every needle; no traceback."""
+    assert res.exit_code == 2, (res.exit_code, res.stdout[-400:], res.stderr[-800:], res.exception)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "internal error" not in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def _trace(tmp_path: Path) -> Path:
+    t = tmp_path / "t"
+    shutil.copytree(H.GOLDEN / "worked-example-cells", t)
+    return t
+
+
+def _chardev(path: Path) -> Path:
+    """A character device node with /dev/null's numbers (1, 3) at ``path``, or skip."""
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except (PermissionError, OSError) as e:
+        pytest.skip(f"cannot make a device node here ({e.strerror}): needs root and CAP_MKNOD")
+    return path
+
+
+# ----------------------------------------------------------------------------- X4: --force and special files
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_report_into_a_character_device_writes_through_and_keeps_the_node(tmp_path, force):
+    t = _trace(tmp_path)
+    dev = _chardev(tmp_path / "devnull")
+    res = invoke("report", t, "-o", dev, *(["--force"] if force else []))
+    assert res.exit_code == 0, (res.stderr, res.exception)
+    st = os.lstat(dev)
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)  # still /dev/null's node, not a 260 kB file
+    assert "wrote" in res.stderr and "wrote" not in res.stdout  # the message never goes into the output stream
+
+
+def test_report_through_a_symlink_to_a_device_keeps_link_and_node(tmp_path):
+    t = _trace(tmp_path)
+    dev = _chardev(tmp_path / "devnull")
+    link = tmp_path / "stdout-alias"
+    link.symlink_to(dev)
+    res = invoke("report", t, "-o", link, "--force")
+    assert res.exit_code == 0, res.stderr
+    assert link.is_symlink() and os.readlink(link) == str(dev) and stat.S_ISCHR(os.lstat(dev).st_mode)
+
+
+def test_report_into_a_fifo_with_a_reader_writes_the_page(tmp_path):
+    t = _trace(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    res = invoke("report", t, "-o", fifo, "--force")
+    reader.join(30)
+    assert res.exit_code == 0, res.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert got and got[0].startswith(b"<!DOCTYPE html>") and got[0].rstrip().endswith(b"</html>")
+
+
+def test_report_into_a_fifo_without_a_reader_is_refused_within_the_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(safe_io, "FIFO_WAIT_S", 0.3)
+    t = _trace(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    refused(invoke("report", t, "-o", fifo, "--force"), "is a FIFO with no reader after 0.3 s")
+    assert time.monotonic() - t0 < 20
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_report_never_replaces_a_socket_or_a_symlink_to_a_directory(tmp_path):
+    t = _trace(tmp_path)
+    sock_path = tmp_path / "s.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(sock_path))
+    try:
+        refused(invoke("report", t, "-o", sock_path, "--force"), "is a socket", "never replaced")
+        assert stat.S_ISSOCK(os.lstat(sock_path).st_mode)
+    finally:
+        s.close()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("k")
+    link = tmp_path / "dirlink"
+    link.symlink_to(outside)
+    refused(invoke("report", t, "-o", link, "--force"), "is a directory")
+    assert link.is_symlink() and (outside / "keep").read_text() == "k"
+
+
+def test_write_output_refuses_devices_for_caches(tmp_path):
+    fifo = tmp_path / "entry.json"
+    os.mkfifo(fifo)
+    with pytest.raises(InfertraceError, match="not a regular file"):
+        safe_io.write_output(fifo, b"{}", force=True, option="header cache", devices=False)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_model_cache_note_planted_as_a_fifo_is_refused_not_replaced(tmp_path):
+    from infertrace.loading.registry import _write_note
+
+    target = tmp_path / "m.gguf"
+    target.write_bytes(b"x")
+    note = tmp_path / "m.gguf.sha256"
+    os.mkfifo(note)
+    with pytest.raises(InfertraceError, match="not a regular file"):
+        _write_note(note, target, "ab" * 32)
+    assert stat.S_ISFIFO(os.lstat(note).st_mode)
+
+
+def test_header_cache_entry_planted_as_a_fifo_stays_a_fifo(tmp_path, monkeypatch):
+    from infertrace.loading import gguf_meta
+    from tests.tiny import make_weights, write_gguf
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("INFERTRACE_NO_CACHE", raising=False)
+    g = tmp_path / "m.gguf"
+    write_gguf(g, *make_weights())
+    res = invoke("inspect", g)
+    assert res.exit_code == 0, res.stderr
+    entries = [p for p in (tmp_path / "cache").rglob("*.json")]
+    assert len(entries) == 1, entries
+    entries[0].unlink()
+    os.mkfifo(entries[0])
+    res = invoke("inspect", g)  # the cache write fails quietly (an optimisation); the FIFO is left alone
+    assert res.exit_code == 0, res.stderr
+    assert stat.S_ISFIFO(os.lstat(entries[0]).st_mode)
+    assert gguf_meta is not None
+
+
+def test_save_force_never_deletes_a_fifo_under_a_trace_files_name(tmp_path):
+    from infertrace.trace.store import load_saved, save_trace
+
+    trace, _ = load_saved(H.GOLDEN / "worked-example-cells")
+    d = tmp_path / "D"
+    d.mkdir()
+    os.mkfifo(d / "trace.json")
+    with pytest.raises(InfertraceError, match="is a FIFO, not a saved trace file"):
+        save_trace(trace, d, None, replace=True)
+    assert stat.S_ISFIFO(os.lstat(d / "trace.json").st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["D"]  # no staging directory left behind
+
+
+def test_make_qwen35_out_special_file_is_refused_and_kept(tmp_path):
+    fifo = tmp_path / "ckpt"
+    os.mkfifo(fifo)
+    refused(invoke("make-qwen35", "--out", fifo), "exists and is not an empty directory")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_publish_dir_never_renames_onto_a_device_or_fifo(tmp_path):
+    for make in (os.mkfifo, _chardev):
+        target = tmp_path / f"out-{make.__name__}"
+        make(target)
+        tmp = safe_io.fresh_dir_beside(target)
+        with pytest.raises(safe_io.DirTaken):
+            safe_io.publish_dir(tmp, target, replace=True)
+        mode = os.lstat(target).st_mode
+        assert stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
+        shutil.rmtree(tmp)
