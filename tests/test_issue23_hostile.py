@@ -197,3 +197,63 @@ def test_publish_dir_never_renames_onto_a_device_or_fifo(tmp_path):
         mode = os.lstat(target).st_mode
         assert stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
         shutil.rmtree(tmp)
+
+
+# ----------------------------------------------------------------------------- L3: two reports, one new path
+
+
+def test_concurrent_reports_to_one_new_path_exactly_one_wins(tmp_path):
+    """Four ``report T -o new.html`` started together: one exit 0, three exit 2 "exists", the page whole."""
+    t = _trace(tmp_path)
+    out = tmp_path / "new.html"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, "-m", "infertrace", "report", str(t), "-o", str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [(p.wait(120), p.stderr.read()) for p in procs]
+    codes = sorted(c for c, _ in results)
+    assert codes == [0, 2, 2, 2], results
+    for c, err in results:
+        if c == 2:
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: ") and "exists" in lines[0], err
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.html", "t"]  # no temporary file left
+
+
+def test_write_output_racing_threads_create_once(tmp_path):
+    """Eight threads racing for each of 20 new names: exactly one creates it, whole; the rest are refused."""
+    for i in range(20):
+        out = tmp_path / f"o{i}"
+        barrier = threading.Barrier(8)
+        wins, losses = [], []
+
+        def go(k):
+            barrier.wait()
+            try:
+                safe_io.write_output(out, bytes([k]) * 4096, force=False)
+                wins.append(k)
+            except InfertraceError as e:
+                assert "exists" in e.message
+                losses.append(k)
+
+        ths = [threading.Thread(target=go, args=(k,)) for k in range(8)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        assert len(wins) == 1 and len(losses) == 7
+        assert out.read_bytes() == bytes([wins[0]]) * 4096
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"o{i}" for i in range(20))
+
+
+def test_report_force_replaces_a_regular_file_atomically(tmp_path):
+    t = _trace(tmp_path)
+    out = tmp_path / "r.html"
+    out.write_text("old")
+    ino = os.lstat(out).st_ino
+    refused(invoke("report", t, "-o", out), "exists", "--force")
+    assert out.read_text() == "old"
+    res = invoke("report", t, "-o", out, "--force")
+    assert res.exit_code == 0 and "wrote" in res.stdout
+    assert out.read_text().startswith("<!DOCTYPE html>") and os.lstat(out).st_ino != ino  # a new file renamed in
