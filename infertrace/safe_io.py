@@ -111,7 +111,7 @@ def read_input(path: str | Path, limit: int, what: str = "file") -> bytes:
     try:
         st = os.stat(path)
     except OSError as e:
-        raise InfertraceError(f"cannot read {p}: {e.strerror or e}") from None
+        raise InfertraceError(f"cannot read the {what} {p}: {e.strerror or e}") from None
     if stat.S_ISREG(st.st_mode):
         return read_regular(path, limit, what)
     if not stat.S_ISFIFO(st.st_mode):

@@ -257,3 +257,52 @@ def test_report_force_replaces_a_regular_file_atomically(tmp_path):
     res = invoke("report", t, "-o", out, "--force")
     assert res.exit_code == 0 and "wrote" in res.stdout
     assert out.read_text().startswith("<!DOCTYPE html>") and os.lstat(out).st_ino != ino  # a new file renamed in
+
+
+# ----------------------------------------------------------------------------- X6: a FIFO with no writer
+
+
+def test_prompts_fifo_without_a_writer_is_refused_within_seconds(tmp_path):
+    """``mkfifo p; run --prompts p``: refused after FIFO_WAIT_S (5 s), not a hang in open()."""
+    fifo = tmp_path / "p"
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    refused(invoke("run", "--prompts", fifo), "is a FIFO with nothing written to it after 5 s")
+    assert time.monotonic() - t0 < 60  # without the bound, open() never returns
+
+
+def test_prompts_fifo_with_a_writer_is_read(tmp_path):
+    from infertrace.cli.common import read_prompts_file
+
+    fifo = tmp_path / "p"
+    os.mkfifo(fifo)
+
+    def writer():
+        time.sleep(0.3)  # the reader is already waiting
+        with open(fifo, "w") as f:
+            f.write('{"prompt": "hi", "max_new_tokens": 3}\n{"prompt": "yo"}\n')
+
+    th = threading.Thread(target=writer, daemon=True)
+    th.start()
+    specs = read_prompts_file(fifo, {"max_new_tokens": 5}, chat=False)
+    th.join(10)
+    assert [(s.text, s.params.max_new_tokens) for s in specs] == [("hi", 3), ("yo", 5)]
+
+
+def test_prompts_process_substitution_pipe_is_read():
+    """``--prompts <(echo ...)``: bash hands over /dev/fd/N, an anonymous pipe whose writer exists."""
+    from infertrace.cli.common import read_prompts_file
+
+    r, w = os.pipe()
+    os.write(w, b'{"prompt": "abc"}\n')
+    os.close(w)
+    try:
+        specs = read_prompts_file(Path(f"/proc/self/fd/{r}"), {"max_new_tokens": 2}, chat=False)
+    finally:
+        os.close(r)
+    assert [s.text for s in specs] == ["abc"]
+
+
+def test_prompts_device_is_refused_before_reading(tmp_path):
+    dev = _chardev(tmp_path / "zeroish")
+    refused(invoke("run", "--prompts", dev), "is a character device", "or a pipe")
