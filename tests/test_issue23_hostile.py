@@ -306,3 +306,60 @@ def test_prompts_process_substitution_pipe_is_read():
 def test_prompts_device_is_refused_before_reading(tmp_path):
     dev = _chardev(tmp_path / "zeroish")
     refused(invoke("run", "--prompts", dev), "is a character device", "or a pipe")
+
+
+# ----------------------------------------------------------------------------- X5: thread counts
+
+
+def _no_thread_env(monkeypatch):
+    for var in ("INFERTRACE_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("cmd", [["run", "-p", "hi"], ["dump-kv", "--step", "0", "-p", "hi"],
+                                 ["diff-backends", "-p", "hi"]])
+@pytest.mark.parametrize("value", [str(2**63), "1000000000", "1000"])
+def test_threads_option_over_the_limit_is_one_line(monkeypatch, cmd, value):
+    from infertrace.threads import MAX_THREADS_PER_CPU, available_cpus, max_threads
+
+    _no_thread_env(monkeypatch)
+    limit = max(MAX_THREADS_PER_CPU * available_cpus(), 8)
+    assert max_threads() == limit and limit < 1000
+    refused(invoke(*cmd, "--threads", value), "--threads", f"is more than {limit} threads")
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_threads_option_below_one_is_one_line(monkeypatch, value):
+    _no_thread_env(monkeypatch)
+    refused(invoke("run", "-p", "hi", "--threads", value), "--threads must be >= 1")
+
+
+def test_threads_option_not_an_integer_is_a_usage_error(monkeypatch):
+    _no_thread_env(monkeypatch)
+    res = invoke("run", "-p", "hi", "--threads", "1e9")
+    assert res.exit_code == 2 and "Traceback" not in res.stderr and "Invalid value for '--threads'" in res.stderr
+
+
+@pytest.mark.parametrize("var", ["INFERTRACE_THREADS", "OMP_NUM_THREADS"])
+@pytest.mark.parametrize("value, needle", [
+    ("1000", "is more than"), ("1000000000", "is more than"), (str(2**63), "is more than"), ("9" * 5000, "is more than"),
+    ("1e9", "is not a thread count"), ("-4", "is not a thread count"), ("4,2", "is not a thread count"),
+    ("0", "must be >= 1"),
+])
+def test_thread_variables_are_bounded(monkeypatch, var, value, needle):
+    _no_thread_env(monkeypatch)
+    monkeypatch.setenv(var, value)
+    refused(invoke("run", "-p", "hi"), f"{var}=", needle)
+
+
+def test_huge_omp_num_threads_is_refused_before_torch_loads(tmp_path):
+    """A fresh interpreter: one line, exit 2, and torch (whose libgomp reads OMP_NUM_THREADS) never imported."""
+    code = ("import sys\nfrom infertrace.cli.app import main\n"
+            "try:\n    main()\nfinally:\n    print('torch' in sys.modules, file=sys.stderr)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1000000000", "PYTHONPATH": str(ROOT)}
+    env.pop("INFERTRACE_THREADS", None)
+    p = subprocess.run([sys.executable, "-c", code, "run", "-p", "hi"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert lines[-1] == "False" and len(lines) == 2 and lines[0].startswith("error: OMP_NUM_THREADS= 1000000000 is more than")

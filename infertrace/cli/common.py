@@ -76,14 +76,13 @@ def load_with_progress(model: Optional[Path], dtype: str, device: str, progress:
     (:func:`infertrace.threads.choose_threads`).
 
     Raises:
-        InfertraceError: as :func:`load_model`; ``threads`` < 1.
+        InfertraceError: as :func:`load_model`; ``threads`` or the thread variables outside 1..max_threads().
     """
     from infertrace.loading.registry import resolve_model
     from infertrace.runner import load_model
     from infertrace.threads import apply_threads, choose_threads
 
-    check_min("--threads", threads, 1)
-    apply_threads(choose_threads(threads))
+    apply_threads(choose_threads(threads))  # bounded: 1..max_threads() (threads.check_thread_settings)
 
     asm = progress.add_task("preparing model", total=None)
     path = resolve_model(model, lambda d, n, label: progress.update(asm, completed=d, total=n, description=label))

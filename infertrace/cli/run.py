@@ -142,13 +142,15 @@ def run(
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
     # -- validate everything that does not need the model, before loading it
+    from infertrace.threads import check_thread_settings
+
+    check_thread_settings(threads)  # --threads, OMP_NUM_THREADS, INFERTRACE_THREADS: bounded before any pool starts
     show_vars = parse_show(show)
     step_filter = parse_steps(steps)
     keep_tensors = save_options(save, keep, layers)
     if save is not None:
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
-    check_min("--threads", threads, 1)
     engine, backend, llamacpp_flash_attn = check_engine_options(engine, backend, device, dtype, prefix_cache, context_shift,
                                                                 audit_kv, teacher_force, llamacpp_flash_attn,
                                                                 tensor_parallel_size, replay)
