@@ -363,3 +363,41 @@ def test_huge_omp_num_threads_is_refused_before_torch_loads(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2, p.stderr[-2000:]
     assert lines[-1] == "False" and len(lines) == 2 and lines[0].startswith("error: OMP_NUM_THREADS= 1000000000 is more than")
+
+
+# ----------------------------------------------------------------------------- G3: odd tensor names, hybrid drafts
+
+
+@pytest.mark.parametrize("name", ["blk.x.attn_q.weight", "blk.", "blk.\u00b2.attn_q.weight", "blk.\u0663.attn_q.weight",
+                                  "blk.1234567890.attn_q.weight"])
+def test_tensor_without_a_layer_number_is_one_line_in_inspect_and_run(tmp_path, name, monkeypatch):
+    """``int("x")`` / ``int("²")`` on the layer field was an internal error; an Arabic-Indic digit aliased layer 3."""
+    import numpy as np
+
+    from tests.tiny import make_weights, write_gguf
+
+    monkeypatch.setenv("INFERTRACE_NO_CACHE", "1")
+    g = write_gguf(tmp_path / "m.gguf", *make_weights(), extra_tensors={name: np.zeros(4, np.float32)})
+    shown = name.removesuffix(".weight")
+    refused(invoke("inspect", g), f"tensor '{shown}' has no layer number after 'blk.'")
+    refused(invoke("run", "-m", g, "-p", "hi", "-n", "1"), f"tensor {shown}")
+
+
+def test_layer_number_is_ascii_digits_only():
+    from infertrace.model.families import FAMILIES, hf_to_engine_name, layer_number
+
+    assert [layer_number(x) for x in ("0", "17", "x", "", "\u00b2", "\u0663", "1" * 10, "-1", " 1")] == \
+        [0, 17, None, None, None, None, None, None, None]
+    fam = FAMILIES["llama"]
+    assert hf_to_engine_name(fam, "model.layers.\u0663.self_attn.q_proj.weight") is None
+    assert hf_to_engine_name(fam, "model.layers.3.self_attn.q_proj.weight") == "blk.3.attn_q"
+
+
+def test_hybrid_draft_model_is_refused_in_one_line(tmp_path):
+    from tests import tiny_qwen35 as Q
+    from tests.tiny import make_weights, write_gguf
+
+    target = write_gguf(tmp_path / "t.gguf", *make_weights())
+    draft = Q.write_gguf(tmp_path / "q35.gguf", *Q.make_weights())
+    refused(invoke("run", "-m", target, "-p", "hello", "-n", "3", "--speculative", "draft", "--draft-model", draft),
+            "--draft-model is a hybrid model", "--draft-layers k or --speculative ngram")

@@ -136,12 +136,20 @@ class DraftModelDrafter:
         n_sample_rows: the tokenizer's size when the vocabulary is padded (the draft's logits past it
             are masked as the target's: :func:`~infertrace.engine.sampler.mask_padded_rows`), else None.
         kv_dtype: storage dtype of the draft's cache (``--kv-dtype``, as the target's); None = the draft's dtype.
+
+    Raises:
+        InfertraceError: a hybrid draft (Gated DeltaNet layers: refused, its recurrent state is not
+            kept here), or a vocabulary that differs from the target's.
     """
 
     name = "draft"
 
     def __init__(self, draft: Any, target: Any, size: int, n_seq_max: int, n_sample_rows: int | None = None,
                  kv_dtype: torch.dtype | None = None):
+        if draft.cfg.is_hybrid:  # its Gated DeltaNet state would need a rollback per rejected draft token
+            raise InfertraceError("--draft-model is a hybrid model (Gated DeltaNet layers, e.g. Qwen3.5): a draft model "
+                                  "here keeps only a cells KV cache, not a recurrent state it could roll back on a "
+                                  "rejection; use an attention-only draft model, --draft-layers k or --speculative ngram")
         if draft.cfg.vocab_size != target.cfg.vocab_size:
             raise InfertraceError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) differs from the target's "
                                   f"({target.cfg.vocab_size}); use a draft model with the target's tokenizer")
