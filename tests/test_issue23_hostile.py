@@ -401,3 +401,95 @@ def test_hybrid_draft_model_is_refused_in_one_line(tmp_path):
     draft = Q.write_gguf(tmp_path / "q35.gguf", *Q.make_weights())
     refused(invoke("run", "-m", target, "-p", "hello", "-n", "3", "--speculative", "draft", "--draft-model", draft),
             "--draft-model is a hybrid model", "--draft-layers k or --speculative ngram")
+
+
+# ----------------------------------------------------------------------------- R6: what run saves, show reads
+
+
+def test_tokens_per_block_over_the_schema_limit_is_refused_before_the_run(tmp_path):
+    from infertrace.trace.schema import LIMITS
+
+    d = tmp_path / "D"
+    refused(invoke("run", "-p", "hi", "--backend", "paged", "--tokens-per-block", LIMITS["MAX_TOKENS_PER_BLOCK"] + 1,
+                   "--save", d), f"--tokens-per-block {LIMITS['MAX_TOKENS_PER_BLOCK'] + 1} is over the limit of "
+                                 f"{LIMITS['MAX_TOKENS_PER_BLOCK']}")
+    assert not d.exists()
+
+
+@pytest.mark.parametrize("opt, value, needle", [
+    ("--max-batch-tokens", (1 << 24) + 1, "--max-batch-tokens 16777217 is over the limit of 16777216 tokens"),
+    ("--prefill-chunk", (1 << 24) + 1, "--prefill-chunk 16777217 is over the limit of 16777216 tokens"),
+    ("--max-new-tokens", 10**9, "--max-new-tokens 1000000000 is over the limit of 16777216 tokens per request"),
+])
+def test_recorded_options_over_the_schema_limits_are_refused(opt, value, needle):
+    from infertrace.trace.schema import LIMITS
+
+    assert LIMITS["MAX_CTX"] == 1 << 24
+    refused(invoke("run", "-p", "hi", opt, value), needle)
+
+
+def test_arrival_over_max_steps_is_refused():
+    refused(invoke("run", "-p", "hi", "--arrival", (1 << 20) + 1), "--arrival 1048577 is over the limit of 1048576 steps")
+
+
+@pytest.mark.parametrize("n", [10**9, 2_000_000])
+def test_context_shift_steps_are_bounded_before_the_run(n):
+    """-n 1e9 --context-shift ran for ever; now refused up front: a trace holds at most MAX_STEPS steps."""
+    t0 = time.monotonic()
+    line = refused(invoke("run", "-p", "hi", "-n", n, "--context-shift"))
+    assert ("is over the limit" in line) if n > 1 << 24 else \
+        (f"could take up to {n} steps (with --context-shift every request generates all its --max-new-tokens), "
+         "more than the 1048576 a trace holds" in line)
+    assert time.monotonic() - t0 < 60
+
+
+def test_step_bound_counts_context_shift_and_arrivals():
+    from infertrace.cli.run_options import run_step_bound
+    from infertrace.engine.drive import PromptSpec
+    from infertrace.engine.options import SamplingParams
+
+    specs = [PromptSpec("a", SamplingParams(max_new_tokens=100), 0), PromptSpec("b", SamplingParams(max_new_tokens=10), 7)]
+    assert run_step_bound(specs, 32, context_shift=False) == 7 + 31 + 10  # capped by ctx_size - 1 without a shift
+    assert run_step_bound(specs, 32, context_shift=True) == 7 + 100 + 10
+
+
+def test_startup_estimate_is_true_under_context_shift():
+    import torch
+
+    from infertrace.engine.options import EngineOptions
+    from infertrace.kv.budget import run_cost_warnings
+
+    class Cfg:
+        n_ctx_train, n_layer, n_head_kv, head_dim = 16, 2, 2, 8
+
+    plain = run_cost_warnings(Cfg, EngineOptions(ctx_size=32), [100], torch.float32)
+    shifted = run_cost_warnings(Cfg, EngineOptions(ctx_size=32, context_shift=True), [100], torch.float32)
+    assert "up to 31 decode steps per request (" in plain[-1]
+    assert "up to 100 decode steps per request (with --context-shift" in shifted[-1]
+
+
+def test_a_run_past_max_steps_stops_with_one_line(monkeypatch):
+    """The safety net behind the up-front bound: the driver stops at MAX_STEPS and says so."""
+    from infertrace.engine import drive as D
+    from infertrace.errors import InfertraceError as E
+    from infertrace.trace import schema
+
+    class Req:
+        seq_id, status = 0, "running"
+
+    class Eng:
+        requests = {0: Req()}
+        n = 0
+
+        def add_request(self, *a):
+            pass
+
+        def step(self):
+            self.n += 1
+            return object()
+
+    monkeypatch.setitem(schema.LIMITS, "MAX_STEPS", 5)
+    eng = Eng()
+    with pytest.raises(E, match="did not finish within 5 steps"):
+        D.drive_bounded(eng, [])
+    assert eng.n == 5
