@@ -493,3 +493,37 @@ def test_a_run_past_max_steps_stops_with_one_line(monkeypatch):
     with pytest.raises(E, match="did not finish within 5 steps"):
         D.drive_bounded(eng, [])
     assert eng.n == 5
+
+
+# ----------------------------------------------------------------------------- X9: sliding_window 0
+
+
+def test_hf_mask_with_window_zero_hides_every_key():
+    """The fact behind the refusal: HF's sliding-window causal mask with window 0 admits no (q, kv) pair."""
+    import torch
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    fn = sliding_window_causal_mask_function(0)
+    b, h = torch.tensor(0), torch.tensor(0)
+    assert not any(bool(fn(b, h, torch.tensor(q), torch.tensor(k))) for q in range(6) for k in range(6))
+    fn1 = sliding_window_causal_mask_function(1)  # window 1: the query's own key only
+    assert [(q, k) for q in range(4) for k in range(4) if bool(fn1(b, h, torch.tensor(q), torch.tensor(k)))] == \
+        [(0, 0), (1, 1), (2, 2), (3, 3)]
+
+
+def test_gemma3_gguf_sliding_window_zero_is_refused(tmp_path):
+    from tests.tiny import make_weights, write_gguf
+
+    g = write_gguf(tmp_path / "g.gguf", *make_weights(family="gemma3"), kv={"attention.sliding_window": 0})
+    refused(invoke("run", "-m", g, "-p", "hi", "-n", "1"), "gemma3.attention.sliding_window", "a window of 0 keys hides every key")
+
+
+@pytest.mark.parametrize("family, extra", [("gemma3", {"sliding_window": 0}), ("mistral", {"sliding_window": 0}),
+                                           ("qwen2", {"use_sliding_window": True, "sliding_window": 0,
+                                                      "max_window_layers": 1})])
+def test_hf_sliding_window_zero_is_refused(tmp_path, family, extra):
+    from tests.tiny import make_weights, write_hf
+
+    w, s = make_weights(family=family)
+    d = write_hf(tmp_path / family, w, s, **extra)
+    refused(invoke("run", "-m", d, "-p", "hi", "-n", "1"), "sliding_window", "a window of 0 keys hides every key")
