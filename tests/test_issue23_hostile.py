@@ -527,3 +527,53 @@ def test_hf_sliding_window_zero_is_refused(tmp_path, family, extra):
     w, s = make_weights(family=family)
     d = write_hf(tmp_path / family, w, s, **extra)
     refused(invoke("run", "-m", d, "-p", "hi", "-n", "1"), "sliding_window", "a window of 0 keys hides every key")
+
+
+# ----------------------------------------------------------------------------- lower severity (item 9)
+
+
+def test_teacher_force_of_other_prompts_is_refused(llama_cpp):
+    golden = H.GOLDEN / "worked-example-cells"  # one request: "The capital of"
+    refused(invoke("run", "--engine", "llama.cpp", "-p", "Another prompt", "--teacher-force", golden),
+            "request 0 had the prompt 'The capital of', this run has 'Another prompt'")
+    refused(invoke("run", "--engine", "llama.cpp", "-p", "The capital of", "-p", "x", "--teacher-force", golden),
+            "holds 1 request(s), this run has 2")
+
+
+def test_teacher_force_of_another_model_file_warns(capsys):
+    from infertrace.cli.run import check_teacher_force
+    from infertrace.engine.drive import PromptSpec
+
+    golden = H.GOLDEN / "worked-example-cells"
+    check_teacher_force(golden, [PromptSpec("The capital of")], Path("SmolLM2-135M-Instruct.Q4_1.gguf"))
+    assert capsys.readouterr().err == ""
+    check_teacher_force(golden, [PromptSpec("The capital of")], Path("/m/other.gguf"))
+    err = capsys.readouterr().err
+    assert err.startswith("warning: --teacher-force") and "'SmolLM2-135M-Instruct.Q4_1.gguf'" in err and "'other.gguf'" in err
+
+
+def test_n_discard_beyond_the_context_is_refused_not_clamped():
+    refused(invoke("run", "-p", "hi", "--context-shift", "--n-discard", 1000, "--ctx-size", 16),
+            "--n-discard 1000 is more than a context shift in --ctx-size 16 can drop (at most ctx-size - 2 - n-keep = 14)")
+    refused(invoke("run", "-p", "hi", "--context-shift", "--n-keep", 4, "--n-discard", 11, "--ctx-size", 16),
+            "(at most ctx-size - 2 - n-keep = 10)")
+
+
+def test_n_discard_over_n_left_at_the_shift_is_refused(tmp_path):
+    """The up-front bound cannot know BOS or --n-keep -1; the shift itself refuses instead of clamping."""
+    from tests.tiny import make_weights, write_gguf
+
+    g = write_gguf(tmp_path / "b.gguf", *make_weights(), add_bos=True)  # BOS: n_keep 0 keeps 1 token
+    res = invoke("run", "-m", g, "-p", "hello", "-n", 20, "--ctx-size", 16, "--context-shift", "--n-discard", 14,
+                 "--ignore-eos")
+    refused(res, "--n-discard 14 is more than the 13 tokens a context shift of request 0 can drop (n_past 15, n_keep 1")
+
+
+@pytest.mark.parametrize("tree", ["-1,,0", "-1,0,", ",-1", "-1, ,0"])
+def test_spec_tree_with_an_empty_item_is_refused(tree):
+    refused(invoke("run", "-p", "hi", "--speculative", "ngram", f"--spec-tree={tree}"), "--spec-tree has an empty item")
+
+
+def test_num_spec_tokens_beside_spec_tree_is_refused():
+    refused(invoke("run", "-p", "hi", "--speculative", "ngram", "--spec-tree=-1,0,0", "--num-spec-tokens", 5),
+            "--num-spec-tokens sets a chain's length; --spec-tree gives the tree itself (3 nodes)")

@@ -107,6 +107,11 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     check_min("--n-discard", n_discard, 0)
     if (n_keep or n_discard) and not context_shift:
         raise InfertraceError("--n-keep / --n-discard set how a context shift works: add --context-shift")
+    if context_shift and n_discard > max(ctx_size - 2 - max(n_keep, 0), 0):
+        # a shift happens at n_past = ctx_size - 1 and must keep n_keep tokens and at least one more
+        raise InfertraceError(f"--n-discard {n_discard} is more than a context shift in --ctx-size {ctx_size} can drop "
+                              f"(at most ctx-size - 2 - n-keep = {max(ctx_size - 2 - max(n_keep, 0), 0)}); lower --n-discard "
+                              "or raise --ctx-size")
     if context_shift and n_keep > ctx_size - 4:  # llama.cpp's server clamps n_keep (+ BOS) to n_ctx - 4
         raise InfertraceError(f"--n-keep {n_keep} leaves nothing to shift in --ctx-size {ctx_size} (a context shift keeps at "
                               f"most n_ctx - 4 = {max(ctx_size - 4, 0)} tokens, BOS included, as llama.cpp's server); "
@@ -259,6 +264,9 @@ def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec
     from infertrace.engine.speculative import MAX_DRAFT, parse_tree
 
     tree = parse_tree(spec_tree) if spec_tree is not None else None  # "" is a tree of 0 nodes: refused
+    if tree is not None and num_spec_tokens != EngineOptions.num_spec_tokens:
+        raise InfertraceError(f"--num-spec-tokens sets a chain's length; --spec-tree gives the tree itself ({len(tree)} "
+                              "nodes): drop one of them")
     if tree is not None and list(tree) != list(range(-1, len(tree) - 1)) and opts.attention == "triton":
         raise InfertraceError("--spec-tree with branches needs --attention torch on --backend paged "
                               "(the Triton kernel reads causal lengths only); drop --attention triton")
