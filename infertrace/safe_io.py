@@ -13,8 +13,9 @@ the model and GGUF-header caches). It looks at what is at the destination first 
   planted there is never followed or reused), which is then hard-linked to the destination
   (``os.link`` fails when the name exists): the destination is created exclusively and whole;
   of two writers racing for one new name, one gets it and the other "exists (taken ...)", exit 2;
-* a regular file: refused without ``force``; with it, replaced atomically (temporary file +
-  ``os.replace``) after checking it is still the same regular file;
+* a regular file: refused without ``force``; with it, replaced atomically: the temporary file and
+  the name are swapped (``renameat2(RENAME_EXCHANGE)``) and what came out must be the file seen
+  before, else it is swapped back (``os.replace`` after a re-check where the call is missing);
 * a character device (``/dev/null``, a terminal) or a FIFO, directly or through a symlink
   (``/dev/stdout``): written through, never unlinked or replaced (a FIFO must get a reader
   within :data:`FIFO_WAIT_S` seconds, else one line);
@@ -444,18 +445,52 @@ def _create_exclusive(target: Path, data: Payload, shown: str, option: str) -> s
     return "created"
 
 
-def _replace(target: Path, data: Payload, before: os.stat_result, shown: str, option: str) -> str:
-    tmp = _write_temp(target, data)
+def _same(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino, stat.S_IFMT(a.st_mode)) == (b.st_dev, b.st_ino, stat.S_IFMT(b.st_mode))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    call or flag is not available (then the caller falls back to ``os.replace``).
+
+    Raises:
+        OSError: the exchange failed for another reason (``ENOENT``: ``b`` vanished).
+    """
+    import ctypes
+
     try:
-        now = os.lstat(target)
-        if (now.st_dev, now.st_ino, stat.S_IFMT(now.st_mode)) != (before.st_dev, before.st_ino, stat.S_IFMT(before.st_mode)):
-            raise InfertraceError(f"{option} {shown} changed while the output was being written; nothing was replaced")
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _replace(target: Path, data: Payload, before: os.stat_result, shown: str, option: str) -> str:
+    """Replace the regular file (or symlink) ``target`` seen as ``before``. With ``RENAME_EXCHANGE`` the new
+    file and the old name are swapped atomically and what came out is checked: anything but the file
+    seen before (a device node or FIFO swapped in meanwhile) is swapped back, never unlinked."""
+    tmp = _write_temp(target, data)
+    changed = InfertraceError(f"{option} {shown} changed while the output was being written; nothing was replaced")
+    try:
+        if _exchange(tmp, target):
+            if not _same(os.lstat(tmp), before):  # tmp now names what was at target
+                _exchange(tmp, target)
+                raise changed
+            return "replaced"
+        if not _same(os.lstat(target), before):  # no RENAME_EXCHANGE: check, then replace (a narrow window)
+            raise changed
         os.replace(tmp, target)
         return "replaced"
     except FileNotFoundError:
         raise InfertraceError(f"{option} {shown} disappeared while the output was being written; run again") from None
     finally:
-        _unlink_quietly(tmp)
+        _unlink_quietly(tmp)  # the old file after an exchange; the unused new one otherwise
 
 
 def _write_through(target: Path, data: Payload, shown: str) -> str:

@@ -577,3 +577,23 @@ def test_spec_tree_with_an_empty_item_is_refused(tree):
 def test_num_spec_tokens_beside_spec_tree_is_refused():
     refused(invoke("run", "-p", "hi", "--speculative", "ngram", "--spec-tree=-1,0,0", "--num-spec-tokens", 5),
             "--num-spec-tokens sets a chain's length; --spec-tree gives the tree itself (3 nodes)")
+
+
+def test_a_fifo_swapped_in_after_the_check_is_never_replaced(tmp_path, monkeypatch):
+    """The race behind X4: the destination was a regular file when looked at, a FIFO (or device) when replaced.
+    The swap (RENAME_EXCHANGE) brings the FIFO out, sees it is not the file seen before, and swaps it back."""
+    out = tmp_path / "r.html"
+    out.write_text("old")
+    real = safe_io._classify
+
+    def classify_then_swap(target, force, option):
+        got = real(target, force, option)
+        os.unlink(out)
+        os.mkfifo(out)  # another process swaps the name between the check and the write
+        return got
+
+    monkeypatch.setattr(safe_io, "_classify", classify_then_swap)
+    with pytest.raises(InfertraceError, match="changed while the output was being written; nothing was replaced"):
+        safe_io.write_output(out, b"new", force=True)
+    assert stat.S_ISFIFO(os.lstat(out).st_mode)  # (the FIFO may reuse the old inode number: the type tells them apart)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]  # the temporary file is gone, nothing else left
