@@ -597,3 +597,11 @@ def test_a_fifo_swapped_in_after_the_check_is_never_replaced(tmp_path, monkeypat
         safe_io.write_output(out, b"new", force=True)
     assert stat.S_ISFIFO(os.lstat(out).st_mode)  # (the FIFO may reuse the old inode number: the type tells them apart)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]  # the temporary file is gone, nothing else left
+
+
+def test_top_k_over_max_id_is_refused_before_the_run(tmp_path):
+    """SAMPLER.top_k is at most MAX_ID in the schema: a larger --top-k (or JSONL top_k) was saved, then refused by show."""
+    refused(invoke("run", "-p", "hi", "--top-k", 2**40), f"--top-k {2**40} is over the limit of {2**31} (MAX_ID")
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi", "top_k": 3000000000}\n')
+    refused(invoke("run", "--prompts", f), "--top-k 3000000000 is over the limit")

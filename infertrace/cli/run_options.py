@@ -210,7 +210,7 @@ def run_step_bound(specs: list[PromptSpec], ctx_size: int, context_shift: bool) 
 
 def check_request_limits(specs: list[PromptSpec], ctx_size: int, context_shift: bool) -> None:
     """Each request's recorded fields within the trace schema's limits (``max_new_tokens`` at most ``MAX_CTX``,
-    ``arrival`` at most ``MAX_STEPS``), and the run's steps (:func:`run_step_bound`) at most ``MAX_STEPS``:
+    ``top_k`` at most ``MAX_ID``, ``arrival`` at most ``MAX_STEPS``, at most ``MAX_LIST`` requests), and the run's steps (:func:`run_step_bound`) at most ``MAX_STEPS``:
     ``-n 1000000000 --context-shift`` ran for ever and could never be saved.
 
     Raises:
@@ -218,7 +218,12 @@ def check_request_limits(specs: list[PromptSpec], ctx_size: int, context_shift: 
     """
     from infertrace.trace.schema import LIMITS
 
+    if len(specs) > LIMITS["MAX_LIST"]:
+        raise InfertraceError(f"{len(specs)} requests are more than the {LIMITS['MAX_LIST']} a trace holds (MAX_LIST)")
     for s in specs:
+        if s.params.top_k > LIMITS["MAX_ID"]:  # a token id bound: larger is "off" in effect, but the trace must hold it
+            raise InfertraceError(f"--top-k {s.params.top_k} is over the limit of {LIMITS['MAX_ID']} (MAX_ID of the trace "
+                                  "format); use 0 for off")
         if s.params.max_new_tokens > LIMITS["MAX_CTX"]:
             raise InfertraceError(f"--max-new-tokens {s.params.max_new_tokens} is over the limit of {LIMITS['MAX_CTX']} "
                                   "tokens per request (MAX_CTX of the trace format)")
