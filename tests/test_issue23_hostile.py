@@ -605,3 +605,12 @@ def test_top_k_over_max_id_is_refused_before_the_run(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "hi", "top_k": 3000000000}\n')
     refused(invoke("run", "--prompts", f), "--top-k 3000000000 is over the limit")
+
+
+@pytest.mark.parametrize("key", ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                                 "presence_penalty"])
+def test_prompts_file_integer_past_float_range_is_one_line(tmp_path, key):
+    """A 401-digit integer for a float field: math.isfinite raised OverflowError (an internal error)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi", "%s": 1%s}\n' % (key, "0" * 400))
+    refused(invoke("run", "--prompts", f), "must be a finite number (got an integer of 401 digits)")
