@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from infertrace.engine.drive import PromptSpec, drive, encode_prompt, encode_requests  # noqa: F401 - re-exported
+from infertrace.engine.drive import PromptSpec, drive, drive_bounded, encode_prompt, encode_requests  # noqa: F401 - re-exported
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.errors import InfertraceError
 from infertrace.loading.model import DTYPES, Loaded, load_model, model_identity, parse_dtype  # noqa: F401 - re-exported
@@ -73,7 +73,7 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
             on_step(st)  # type: ignore[misc]
         emitted = len(rec.steps)
 
-    done = drive(eng, encode_requests(tok, prompts), emit if on_step is not None and trace else None, max_steps=None)
+    done = drive_bounded(eng, encode_requests(tok, prompts), emit if on_step is not None and trace else None)
     reqs = []
     for r in done:
         reqs.append({"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,

@@ -10,6 +10,11 @@ one busy process on 2 cores). The default here is therefore
 where "busy" is sampled from ``/proc/stat`` over ``sample_s`` (50 ms) minus this process's own
 CPU time. ``--threads N``, else ``INFERTRACE_THREADS`` or ``OMP_NUM_THREADS``, override it. Linux sources: ``os.sched_getaffinity``, cgroup v2
 ``cpu.max`` / v1 ``cpu.cfs_quota_us`` + ``cpu.cfs_period_us``. Torch-free until :func:`apply_threads`.
+
+Every explicit count is bounded by :func:`max_threads` (:data:`MAX_THREADS_PER_CPU` per available
+core, at least :data:`MIN_THREAD_LIMIT`) and checked by :func:`check_thread_settings` before torch,
+libgomp, llama.cpp or vLLM start: ``OMP_NUM_THREADS=1000000000`` made libgomp abort allocating
+216 GB, ``--threads 1000`` started 1000 threads on 2 cores, 2^63 overflowed (issue 23, X5).
 """
 
 from __future__ import annotations
@@ -19,6 +24,20 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from infertrace.errors import InfertraceError
+
+#: explicit thread counts may be at most this many per available core ...
+MAX_THREADS_PER_CPU = 4
+#: ... but never less than this limit (a 1-core container may still ask for a few)
+MIN_THREAD_LIMIT = 8
+#: the variables that set a thread count (INFERTRACE_THREADS for torch here; OMP_NUM_THREADS is read
+#: by libgomp when torch loads, and inherited by llama.cpp and vLLM)
+THREAD_ENV = ("INFERTRACE_THREADS", "OMP_NUM_THREADS")
+
+
+class ThreadCountError(InfertraceError, ValueError):
+    """A thread count outside ``1..max_threads()`` or not a whole number (one line, exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -100,22 +119,72 @@ def busy_elsewhere(sample_s: float = 0.05) -> float:
     return max(0.0, busy)
 
 
+def max_threads() -> int:
+    """The largest thread count accepted: ``max(MAX_THREADS_PER_CPU * available_cpus(), MIN_THREAD_LIMIT)``."""
+    return max(MAX_THREADS_PER_CPU * available_cpus(), MIN_THREAD_LIMIT)
+
+
+def check_count(n: int, source: str) -> int:
+    """``n`` when ``1 <= n <= max_threads()``.
+
+    Raises:
+        ThreadCountError: naming ``source`` (``--threads``, an environment variable) and the limit.
+    """
+    if n < 1:
+        raise ThreadCountError(f"{source} must be >= 1 (got {n})")
+    limit = max_threads()
+    if n > limit:
+        shown = str(n) if n < 10**12 else f"{str(n)[:6]}..."
+        raise ThreadCountError(f"{source} {shown} is more than {limit} threads ({MAX_THREADS_PER_CPU} per available core, "
+                               f"{available_cpus()} here); use at most {limit}")
+    return n
+
+
+def env_threads(var: str) -> int | None:
+    """The thread count the environment variable ``var`` sets (None when unset or empty).
+
+    Raises:
+        ThreadCountError: not a whole decimal number (``1e9``, ``-3``, ``4,2``), or out of
+            ``1..max_threads()``.
+    """
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()):
+        raise ThreadCountError(f"{var}={raw[:40]!r} is not a thread count; set a whole number in 1..{max_threads()} "
+                               "or unset it")
+    return check_count(int(raw[:40]), f"{var}=")  # 40 digits are over any limit: no need to parse more
+
+
+def check_thread_settings(requested: int | None = None) -> None:
+    """Check ``--threads`` (``requested``) and every variable of :data:`THREAD_ENV` before anything
+    starts a thread pool (commands call it first, before torch is imported).
+
+    Raises:
+        ThreadCountError: the first bad setting, one line.
+    """
+    if requested is not None:
+        check_count(requested, "--threads")
+    for var in THREAD_ENV:
+        env_threads(var)
+
+
 def choose_threads(requested: int | None = None, sample_s: float = 0.05) -> ThreadChoice:
     """The thread count for torch: ``requested`` when given, else ``INFERTRACE_THREADS`` or
     ``OMP_NUM_THREADS`` when set, else the available cores minus those busy elsewhere (rounded
     to the nearest core), at least 1.
 
     Raises:
-        ValueError: ``requested`` < 1.
+        ThreadCountError: (a ValueError) ``requested`` or a variable outside ``1..max_threads()``
+            or not a whole number.
     """
+    check_thread_settings(requested)
     if requested is not None:
-        if requested < 1:
-            raise ValueError(f"threads must be >= 1 (got {requested})")
         return ThreadChoice(requested, "--threads")
-    for var in ("INFERTRACE_THREADS", "OMP_NUM_THREADS"):  # an explicit setting wins over the policy
-        v = os.environ.get(var, "").strip()
-        if v.isdigit() and int(v) >= 1:
-            return ThreadChoice(int(v), var)
+    for var in THREAD_ENV:  # an explicit setting wins over the policy
+        n = env_threads(var)
+        if n is not None:
+            return ThreadChoice(n, var)
     avail = available_cpus()
     busy = busy_elsewhere(sample_s) if avail > 1 else 0.0
     n = max(1, min(avail, int(math.floor(avail - busy + 0.5))))

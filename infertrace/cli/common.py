@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from infertrace.engine.options import SamplingParams
 from infertrace.errors import InfertraceError
-from infertrace.safe_text import SafeConsole
+from infertrace.safe_text import SafeConsole, visible
 from infertrace.trace.records import VARIABLES
 
 if TYPE_CHECKING:
@@ -76,14 +76,13 @@ def load_with_progress(model: Optional[Path], dtype: str, device: str, progress:
     (:func:`infertrace.threads.choose_threads`).
 
     Raises:
-        InfertraceError: as :func:`load_model`; ``threads`` < 1.
+        InfertraceError: as :func:`load_model`; ``threads`` or the thread variables outside 1..max_threads().
     """
     from infertrace.loading.registry import resolve_model
     from infertrace.runner import load_model
     from infertrace.threads import apply_threads, choose_threads
 
-    check_min("--threads", threads, 1)
-    apply_threads(choose_threads(threads))
+    apply_threads(choose_threads(threads))  # bounded: 1..max_threads() (threads.check_thread_settings)
 
     asm = progress.add_task("preparing model", total=None)
     path = resolve_model(model, lambda d, n, label: progress.update(asm, completed=d, total=n, description=label))
@@ -168,17 +167,15 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
         InfertraceError: unreadable file, or a malformed line (message names the line number).
     """
     from infertrace.loading.limits import MAX_PROMPTS_FILE_BYTES
+    from infertrace.safe_io import read_input
 
+    # a regular file or a pipe (--prompts <(cmd)); a FIFO nobody writes is refused within seconds,
+    # /dev/zero and other devices are refused, a huge file or pipe stops at the limit
+    data = read_input(path, MAX_PROMPTS_FILE_BYTES, "--prompts JSONL file")
     try:
-        with open(path, "rb") as fh:  # a pipe (--prompts <(cmd)) is fine; /dev/zero or a huge file stops at the limit
-            data = fh.read(MAX_PROMPTS_FILE_BYTES + 1)
-        if len(data) > MAX_PROMPTS_FILE_BYTES:
-            raise InfertraceError(f"--prompts {path} is over the limit of {MAX_PROMPTS_FILE_BYTES} bytes")
         lines = data.decode("utf-8").splitlines()
-    except IsADirectoryError:
-        raise InfertraceError(f"--prompts {path} is a directory; pass a JSONL file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InfertraceError(f"cannot read --prompts {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    except UnicodeDecodeError as e:
+        raise InfertraceError(f"cannot read --prompts {visible(str(path))}: {e}") from None
     from infertrace.runner import PromptSpec
 
     specs = []

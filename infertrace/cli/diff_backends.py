@@ -13,7 +13,7 @@ import typer
 
 from infertrace.safe_text import json_text
 from infertrace.cli import run_options as o
-from infertrace.cli.common import check_min, check_choice, load_with_progress, progress_display, stdout_console
+from infertrace.cli.common import check_choice, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
 
 HELP = ("Run the same requests through both cache backends (cells and paged) step by step and compare the logical "
@@ -66,6 +66,9 @@ def diff_backends(
     kv_unified: o.KvUnified = "on",
 ) -> None:
     """Prints the report; ``typer.Exit(1)`` after it when anything logical differs."""
+    from infertrace.threads import check_thread_settings
+
+    check_thread_settings(threads)  # --threads and OMP_NUM_THREADS/INFERTRACE_THREADS, before torch loads
     against, llamacpp_flash_attn = check_against(against, atol, threads, llamacpp_flash_attn)
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
@@ -103,7 +106,7 @@ def check_against(against: Optional[str], atol: Optional[float], threads: Option
 
     Raises:
         InfertraceError: unknown reference, ``--atol`` negative or given with llama.cpp (whose tolerance is a
-            measured floor), ``--threads`` < 1, ``--llamacpp-flash-attn`` without ``--against llama.cpp``.
+            measured floor), ``--threads`` outside 1..max_threads(), ``--llamacpp-flash-attn`` without ``--against llama.cpp``.
     """
     if against is not None:
         against = check_choice("--against", against, ("hf", "llama.cpp", "vllm"))
@@ -111,7 +114,9 @@ def check_against(against: Optional[str], atol: Optional[float], threads: Option
         raise InfertraceError(f"--atol does not apply to --against {against}: its tolerance is a measured noise floor; drop --atol")
     if atol is not None and not atol >= 0:
         raise InfertraceError(f"--atol must be >= 0 (got {atol})")
-    check_min("--threads", threads, 1)
+    from infertrace.threads import check_thread_settings
+
+    check_thread_settings(threads)  # 1..max_threads(), and the thread environment variables
     if llamacpp_flash_attn is not None:
         if against != "llama.cpp":
             raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --against llama.cpp")

@@ -13,7 +13,7 @@ import typer
 
 from infertrace.safe_text import json_text
 from infertrace.cli import run_options as o
-from infertrace.cli.common import check_min, load_with_progress, progress_display, stdout_console
+from infertrace.cli.common import load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
 from infertrace.trace.kv_dump import parse_positions
 
@@ -77,7 +77,9 @@ def dump_kv(
             raise InfertraceError("--prompt/--prompts are for a live run; the saved trace DIR already holds its prompts")
         d = dump_saved(trace_dir, step, layer=layer, head=head, positions=pos, full=full)
         return typer.echo(json_text(d)) if as_json else render_kv_dump(stdout_console(), d)
-    check_min("--threads", threads, 1)
+    from infertrace.threads import check_thread_settings
+
+    check_thread_settings(threads)  # --threads and OMP_NUM_THREADS/INFERTRACE_THREADS, before torch loads
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 HELP = "Show a model's architecture, config, tokenizer, load notes and tensor table (GGUF file or HF directory)."
 
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)$|^model\.layers\.(\d+)\.(.+)$")
+_BLK = re.compile(r"^blk\.([0-9]{1,9})\.(.+)$|^model\.layers\.([0-9]{1,9})\.(.+)$")  # ASCII digits: int() takes them all
 
 
 def _numel(shape: list[int]) -> int:

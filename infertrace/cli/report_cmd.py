@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from infertrace.errors import InfertraceError
-from infertrace.safe_io import write_file_atomic
+from infertrace.safe_io import check_destination, write_output
 from infertrace.safe_text import visible
 from infertrace.trace.store import load_saved
 
@@ -23,7 +23,7 @@ HELP = ("Write one self-contained HTML page (inline CSS/JS/SVG, no network) for 
 def report(
     trace_dir: Annotated[Path, typer.Argument(help="Directory written by 'infertrace run --save DIR'.", show_default=False)],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML file to write (default: DIR/report.html).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing regular output file (a device such as /dev/null or a FIFO is written into, never replaced).")] = False,
 ) -> None:
     """Errors (missing/broken/newer trace, unwritable output) are one ``error:`` line, exit 2."""
     from infertrace.present.report import build_report
@@ -35,8 +35,7 @@ def report(
         raise InfertraceError(f"-o {shown} is a file of the trace itself; write the report somewhere else")
     if out.is_dir():
         raise InfertraceError(f"-o {shown} is a directory; give a file name such as {visible(str(out / 'report.html'))}")
-    if os.path.lexists(out) and not force:
-        raise InfertraceError(f"{shown} exists; pass --force to replace it or choose another -o")
+    check_destination(out, force, "-o")  # refused before the page is built; write_output checks again
     try:
         html = build_report(trace, source=str(trace_dir))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, ZeroDivisionError) as e:
@@ -44,12 +43,14 @@ def report(
                               f"({type(e).__name__}: {visible(str(e))[:200]})") from None
     data = html.encode("utf-8")
     try:
-        # temp file O_EXCL|O_NOFOLLOW in out's directory, then os.replace: a symlink planted at the
-        # temp name or at out is never followed, a reader never sees half a page
-        write_file_atomic(out, data)
+        # a new name is created exclusively (temp file + link: two racing reports, one wins), a regular
+        # file is replaced atomically with --force only, /dev/null or a FIFO is written through, never
+        # unlinked; a planted symlink is never written through (safe_io.write_output)
+        how = write_output(out, data, force, "-o")
     except OSError as e:
         raise InfertraceError(f"cannot write {shown}: {e.strerror or e}") from None
-    typer.echo(f"wrote {shown} ({len(data) / 1e3:.1f} kB, {len(trace.steps)} steps)")
+    # written into a device or pipe (-o /dev/stdout): the message goes to stderr, not into the page
+    typer.echo(f"wrote {shown} ({len(data) / 1e3:.1f} kB, {len(trace.steps)} steps)", err=how == "written through")
 
 
 def _is_trace_file(out: Path, trace_dir: Path) -> bool:

@@ -62,6 +62,33 @@ def save_options(save: Optional[Path], keep: Optional[str], layers: Optional[str
     return k == "tensors"
 
 
+def check_teacher_force(directory: Path, specs: list[Any], model: Optional[Path]) -> None:
+    """``--teacher-force DIR`` feeds DIR's generated tokens to this run's requests by seq_id: refuse a
+    trace of other prompts (count or text), warn on stderr when ``--model`` names another file than
+    the trace's ``model.file`` (a renamed copy is legitimate; another model makes the comparison meaningless).
+
+    Raises:
+        InfertraceError: unreadable trace, or its prompts differ from this run's.
+    """
+    from infertrace.trace.store import read_manifest
+
+    m = read_manifest(directory)
+    theirs = [r.get("prompt") for r in sorted(m["requests"], key=lambda r: r.get("seq_id", 0))]
+    ours = [s.text for s in specs]
+    shown = visible(str(directory))
+    if len(theirs) != len(ours):
+        raise InfertraceError(f"--teacher-force {shown} holds {len(theirs)} request(s), this run has {len(ours)}: teacher "
+                              "forcing feeds that trace's tokens request by request; give the same prompts")
+    for i, (a, b) in enumerate(zip(theirs, ours)):
+        if a != b:
+            raise InfertraceError(f"--teacher-force {shown}: request {i} had the prompt {visible(str(a))[:60]!r}, this run "
+                                  f"has {visible(str(b))[:60]!r}; give the same prompts (the forced tokens belong to them)")
+    file = (m.get("model") or {}).get("file")
+    if model is not None and isinstance(file, str) and Path(model).name != file:
+        typer.echo(f"warning: --teacher-force {shown} was made with the model file {visible(file)!r}, this run uses "
+                   f"{visible(Path(model).name)!r}: the forced tokens are that model's choices", err=True)
+
+
 def forced_tokens(directory: Path) -> dict[int, list[int]]:
     """``{seq_id: output_ids}`` of a saved trace, for ``--teacher-force`` (validated: ints only).
 
@@ -143,13 +170,15 @@ def run(
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
     # -- validate everything that does not need the model, before loading it
+    from infertrace.threads import check_thread_settings
+
+    check_thread_settings(threads)  # --threads, OMP_NUM_THREADS, INFERTRACE_THREADS: bounded before any pool starts
     show_vars = parse_show(show)
     step_filter = parse_steps(steps)
     keep_tensors = save_options(save, keep, layers)
     if save is not None:
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
-    check_min("--threads", threads, 1)
     engine, backend, llamacpp_flash_attn = check_engine_options(engine, backend, device, dtype, prefix_cache, context_shift,
                                                                 audit_kv, teacher_force, llamacpp_flash_attn,
                                                                 tensor_parallel_size, replay)
@@ -165,6 +194,8 @@ def run(
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
         penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
         kv_dtype=kv_dtype, kv_unified=kv_unified)
+    if teacher_force is not None:
+        check_teacher_force(teacher_force, specs, model)
     if replay is not None and opts.kv_dtype is not None:
         raise InfertraceError("--replay rebuilds vLLM's pool in the model dtype; drop --kv-dtype")
     if engine != "infertrace" and opts.kv_dtype is not None:

@@ -115,6 +115,11 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     check_min("--n-discard", n_discard, 0)
     if (n_keep or n_discard) and not context_shift:
         raise InfertraceError("--n-keep / --n-discard set how a context shift works: add --context-shift")
+    if context_shift and n_discard > max(ctx_size - 2 - max(n_keep, 0), 0):
+        # a shift happens at n_past = ctx_size - 1 and must keep n_keep tokens and at least one more
+        raise InfertraceError(f"--n-discard {n_discard} is more than a context shift in --ctx-size {ctx_size} can drop "
+                              f"(at most ctx-size - 2 - n-keep = {max(ctx_size - 2 - max(n_keep, 0), 0)}); lower --n-discard "
+                              "or raise --ctx-size")
     if context_shift and n_keep > ctx_size - 4:  # llama.cpp's server clamps n_keep (+ BOS) to n_ctx - 4
         raise InfertraceError(f"--n-keep {n_keep} leaves nothing to shift in --ctx-size {ctx_size} (a context shift keeps at "
                               f"most n_ctx - 4 = {max(ctx_size - 4, 0)} tokens, BOS included, as llama.cpp's server); "
@@ -137,6 +142,8 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
                          ("--prefill-chunk", prefill_chunk, 1), ("--seed", seed, 0)):
         check_min(opt, val, lo)
     check_ctx_bounds(ctx_size, num_blocks, tokens_per_block)
+    check_option_limits(max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, n_keep=n_keep,
+                        n_discard=n_discard)
     defaults = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                 "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "ignore_eos": ignore_eos,
                 "penalty_last_n": penalty_last_n, "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty}
@@ -157,6 +164,7 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
 
     for spec in specs:  # the order's penalties, before a model loads (the engine checks again)
         check_penalties(spec.params, sampler_order or default_order("infertrace", backend))
+    check_request_limits(specs, ctx_size, context_shift)
     opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
                          max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention,
                          sampler_order=sampler_order,
@@ -184,17 +192,75 @@ def kv_streams_options(opts: EngineOptions, n_requests: int) -> EngineOptions:
 
 
 def check_ctx_bounds(ctx_size: int, num_blocks: Optional[int], tokens_per_block: int) -> None:
-    """Refuse a context / pool over :data:`infertrace.kv.budget.MAX_CTX_TOKENS` tokens before a model loads.
+    """Refuse a context / pool over :data:`infertrace.kv.budget.MAX_CTX_TOKENS` tokens (the trace schema's
+    ``MAX_CTX``) or a block over ``MAX_TOKENS_PER_BLOCK`` before a model loads.
 
     Raises:
         InfertraceError: naming the option and the limit.
     """
     from infertrace.kv.budget import MAX_CTX_TOKENS
+    from infertrace.trace.schema import LIMITS
 
     if ctx_size > MAX_CTX_TOKENS:
         raise InfertraceError(f"--ctx-size {ctx_size} is over the limit of {MAX_CTX_TOKENS} tokens")
-    if tokens_per_block > MAX_CTX_TOKENS or (num_blocks is not None and num_blocks * tokens_per_block > MAX_CTX_TOKENS):
+    if tokens_per_block > LIMITS["MAX_TOKENS_PER_BLOCK"]:  # what `show` accepts in a saved trace
+        raise InfertraceError(f"--tokens-per-block {tokens_per_block} is over the limit of {LIMITS['MAX_TOKENS_PER_BLOCK']} "
+                              "slots per block (MAX_TOKENS_PER_BLOCK of the trace format)")
+    if num_blocks is not None and num_blocks * tokens_per_block > MAX_CTX_TOKENS:
         raise InfertraceError(f"--num-blocks x --tokens-per-block is over the limit of {MAX_CTX_TOKENS} tokens")
+
+
+def check_option_limits(*, max_batch_tokens: int, prefill_chunk: Optional[int], n_keep: int, n_discard: int) -> None:
+    """The engine options a trace records, against the trace schema's limits (:data:`infertrace.trace.schema.LIMITS`),
+    so ``run --save`` never writes what ``show`` refuses.
+
+    Raises:
+        InfertraceError: an option over its limit, naming both.
+    """
+    from infertrace.trace.schema import LIMITS
+
+    ctx = LIMITS["MAX_CTX"]
+    for opt, val, hi in (("--max-batch-tokens", max_batch_tokens, ctx), ("--prefill-chunk", prefill_chunk, ctx),
+                         ("--n-keep", n_keep, ctx - 1), ("--n-discard", n_discard, ctx - 1)):
+        if val is not None and val > hi:
+            raise InfertraceError(f"{opt} {val} is over the limit of {hi} tokens (MAX_CTX of the trace format)")
+
+
+def run_step_bound(specs: list[PromptSpec], ctx_size: int, context_shift: bool) -> int:
+    """An upper bound on the decode steps of a run: the latest arrival plus every request's decode steps
+    one after another (no batching). A request without a context shift stops when it fills ``ctx_size``
+    (at most ``ctx_size - 1`` new tokens); with one it generates all ``max_new_tokens``."""
+    per = [s.params.max_new_tokens if context_shift else min(s.params.max_new_tokens, ctx_size - 1) for s in specs]
+    return max((s.arrival_step for s in specs), default=0) + sum(per)
+
+
+def check_request_limits(specs: list[PromptSpec], ctx_size: int, context_shift: bool) -> None:
+    """Each request's recorded fields within the trace schema's limits (``max_new_tokens`` at most ``MAX_CTX``,
+    ``top_k`` at most ``MAX_ID``, ``arrival`` at most ``MAX_STEPS``, at most ``MAX_LIST`` requests), and the run's steps (:func:`run_step_bound`) at most ``MAX_STEPS``:
+    ``-n 1000000000 --context-shift`` ran for ever and could never be saved.
+
+    Raises:
+        InfertraceError: naming the option, the value and the limit.
+    """
+    from infertrace.trace.schema import LIMITS
+
+    if len(specs) > LIMITS["MAX_LIST"]:
+        raise InfertraceError(f"{len(specs)} requests are more than the {LIMITS['MAX_LIST']} a trace holds (MAX_LIST)")
+    for s in specs:
+        if s.params.top_k > LIMITS["MAX_ID"]:  # a token id bound: larger is "off" in effect, but the trace must hold it
+            raise InfertraceError(f"--top-k {s.params.top_k} is over the limit of {LIMITS['MAX_ID']} (MAX_ID of the trace "
+                                  "format); use 0 for off")
+        if s.params.max_new_tokens > LIMITS["MAX_CTX"]:
+            raise InfertraceError(f"--max-new-tokens {s.params.max_new_tokens} is over the limit of {LIMITS['MAX_CTX']} "
+                                  "tokens per request (MAX_CTX of the trace format)")
+        if s.arrival_step > LIMITS["MAX_STEPS"]:
+            raise InfertraceError(f"--arrival {s.arrival_step} is over the limit of {LIMITS['MAX_STEPS']} steps (MAX_STEPS)")
+    bound = run_step_bound(specs, ctx_size, context_shift)
+    if bound > LIMITS["MAX_STEPS"]:
+        why = "with --context-shift every request generates all its --max-new-tokens" if context_shift else \
+            "each request generates up to min(--max-new-tokens, --ctx-size - 1) tokens"
+        raise InfertraceError(f"the run could take up to {bound} steps ({why}), more than the {LIMITS['MAX_STEPS']} a trace "
+                              "holds (MAX_STEPS); lower --max-new-tokens")
 
 
 def print_run_cost(progress: Any, loaded: Any, specs: list[PromptSpec], opts: EngineOptions, dtype: str) -> None:
@@ -229,6 +295,9 @@ def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec
     from infertrace.engine.speculative import MAX_DRAFT, parse_tree
 
     tree = parse_tree(spec_tree) if spec_tree is not None else None  # "" is a tree of 0 nodes: refused
+    if tree is not None and num_spec_tokens != EngineOptions.num_spec_tokens:
+        raise InfertraceError(f"--num-spec-tokens sets a chain's length; --spec-tree gives the tree itself ({len(tree)} "
+                              "nodes): drop one of them")
     if tree is not None and list(tree) != list(range(-1, len(tree) - 1)) and opts.attention == "triton":
         raise InfertraceError("--spec-tree with branches needs --attention torch on --backend paged "
                               "(the Triton kernel reads causal lengths only); drop --attention triton")

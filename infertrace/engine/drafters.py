@@ -136,6 +136,10 @@ class DraftModelDrafter:
         n_sample_rows: the tokenizer's size when the vocabulary is padded (the draft's logits past it
             are masked as the target's: :func:`~infertrace.engine.sampler.mask_padded_rows`), else None.
         kv_dtype: storage dtype of the draft's cache (``--kv-dtype``, as the target's); None = the draft's dtype.
+
+    Raises:
+        InfertraceError: a vocabulary that differs from the target's. A hybrid draft (Gated DeltaNet
+            layers) keeps a hybrid memory (:func:`draft_memory`) and rolls back to a state checkpoint.
     """
 
     name = "draft"

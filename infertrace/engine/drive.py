@@ -125,3 +125,24 @@ def drive(engine: Steppable, requests: Iterable[EncodedRequest], on_step: Callab
         if on_step is not None:
             on_step(batch)
     return [engine.requests[k] for k in sorted(engine.requests)]
+
+
+def drive_bounded(engine: Steppable, requests: Iterable[EncodedRequest],
+                  on_step: Callable[[Any], None] | None = None) -> list[Any]:
+    """:func:`drive` for a traced run: at most the trace format's ``MAX_STEPS`` steps (the CLI refuses a run
+    whose bound is larger before it starts: ``cli/run_options.check_request_limits``); a run still
+    unfinished there is an error rather than a trace no reader accepts.
+
+    Raises:
+        InfertraceError: as :func:`drive`, or requests left unfinished after ``MAX_STEPS`` steps.
+    """
+    from infertrace.errors import InfertraceError
+    from infertrace.trace.schema import LIMITS
+
+    done = drive(engine, requests, on_step, max_steps=LIMITS["MAX_STEPS"])
+    left = [r.seq_id for r in done if getattr(r, "status", "finished") != "finished"]
+    if left:
+        raise InfertraceError(f"the run did not finish within {LIMITS['MAX_STEPS']} steps (MAX_STEPS of the trace format; "
+                              f"seq {left[0]} still running); lower --max-new-tokens")
+    return done
+

@@ -50,6 +50,8 @@ class SamplingParams:
         for name, val in (("temperature", self.temperature), ("top-p", self.top_p), ("min-p", self.min_p),
                           ("repetition-penalty", self.repetition_penalty), ("frequency-penalty", self.frequency_penalty),
                           ("presence-penalty", self.presence_penalty)):
+            if isinstance(val, int) and not isinstance(val, bool) and abs(val) > 1e300:  # isfinite() would overflow
+                raise InfertraceError(f"--{name} must be a finite number (got an integer of {len(str(abs(val)))} digits)")
             if not math.isfinite(val):
                 raise InfertraceError(f"--{name} must be a finite number (got {val})")
         if self.temperature < 0 or 0 < self.temperature < 1e-3:

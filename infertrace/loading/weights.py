@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from infertrace.errors import InfertraceError
+from infertrace.safe_text import visible
 from infertrace.model.config import ModelConfig
 from infertrace.loading.gguf_check import check_gguf_header, check_gguf_tokenizer_fields, gguf_byte_order, gguf_file_byte_order
 from infertrace.loading.hparams_check import check_hf_config, check_layer_count, check_gguf_hparams
 from infertrace.loading.limits import MAX_JSON_BYTES, read_json_file, require_regular_file
 from infertrace.loading.registry import MODEL_NAMES
-from infertrace.model.families import config_from_gguf, config_from_hf, expected_tensors, family_for_hf, family_of, hf_to_engine_name
+from infertrace.model.families import (config_from_gguf, config_from_hf, expected_tensors, family_for_hf, family_of,
+                                       hf_to_engine_name, layer_number)
 from infertrace.model.families.base import REFUSED
 
 if TYPE_CHECKING:  # torch loads only when tensor data is read (header_only = inspect stays torch-free)
@@ -338,7 +340,8 @@ def refuse_stray_tensors(cfg: ModelConfig, names: dict[str, Any], file_names: di
 
 def _extra_layer(cfg: ModelConfig, n: str) -> bool:
     parts = n.split(".")
-    return n.startswith("blk.") and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) >= cfg.n_layer
+    il = layer_number(parts[1]) if n.startswith("blk.") and len(parts) > 1 else None
+    return il is not None and il >= cfg.n_layer
 
 
 def raise_refusals(cfg: ModelConfig, where: str) -> None:
@@ -371,6 +374,10 @@ def _check_weights(cfg: ModelConfig, w: dict[str, Any], where: str) -> None:
         InfertraceError: a missing tensor or a shape that disagrees with the config.
     """
     _check_names(cfg, set(w), where)
+    for n in w:  # "blk.x.attn_q.weight", "blk.": a per-layer name without a layer number no runtime writes
+        if n.startswith("blk.") and (n.count(".") < 2 or layer_number(n.split(".")[1]) is None):
+            raise InfertraceError(f"{where}: tensor {visible(n)[:80]!r} has no layer number after 'blk.' (1 to 9 ASCII digits); "
+                                  "the file is not a valid model")
     extra = sorted({n.split(".")[1] for n in w if n.startswith("blk.") and int(n.split(".")[1]) >= cfg.n_layer}, key=int)
     if extra:
         raise InfertraceError(f"{where} has tensors for layer {extra[0]} but the config says {cfg.n_layer} layers; the checkpoint is inconsistent")

@@ -105,8 +105,11 @@ class Snapshot:
         live = json.loads(golden_text(manifest_dict(trace)))
         p = self.path(name)
         if self.update:
+            from infertrace.safe_io import write_output
+
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(golden_text(live), encoding="utf-8")
+            # atomic; a FIFO, device node or directory at the golden's name is refused, never replaced
+            write_output(p, golden_text(live).encode("utf-8"), force=True, option="golden trace", devices=False)
             if self.announce:  # listed at the end of the pytest run
                 _WRITTEN.append(str(p))
             return

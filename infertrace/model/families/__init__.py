@@ -12,6 +12,7 @@ decoder reads, so anything else in a file is refused by the loader.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from infertrace.errors import InfertraceError
@@ -156,17 +157,28 @@ def hf_to_engine_name(fam: Family, hf_name: str) -> str | None:
     if hf_name == "lm_head.weight":
         return "output"
     parts = k.split(".")
-    if fam.hf_bare_names and len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
+    il = layer_number(parts[1]) if len(parts) >= 3 and parts[0] == "layers" else None
+    if fam.hf_bare_names and il is not None:
         bare = fam.hf_bare_names.get(".".join(parts[2:]))
         if bare:
-            return f"blk.{int(parts[1])}.{bare}"
-    if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit() and parts[-1] in ("weight", "bias"):
+            return f"blk.{il}.{bare}"
+    if len(parts) >= 4 and il is not None and parts[-1] in ("weight", "bias"):
         sub = ".".join(parts[2:-1])
         if sub in fam.hf_layer_names:
-            base = f"blk.{int(parts[1])}.{fam.hf_layer_names[sub]}"
+            base = f"blk.{il}.{fam.hf_layer_names[sub]}"
             return base if parts[-1] == "weight" else base + ".bias"
     return None
 
 
-__all__ = ["FAMILIES", "config_from_gguf", "config_from_hf", "engine_name", "expected_tensors", "family_for_hf",
+_LAYER_NUMBER = re.compile(r"[0-9]{1,9}")
+
+
+def layer_number(part: str) -> int | None:
+    """The layer index written in a tensor name's layer field (``blk.<N>.…``, ``layers.<N>.…``):
+    1 to 9 ASCII digits, else None. ``str.isdigit``/``int`` would take ``²`` (then fail) or Arabic-Indic
+    digits (an alias of a real layer), which are names no runtime writes."""
+    return int(part) if _LAYER_NUMBER.fullmatch(part) else None
+
+
+__all__ = ["FAMILIES", "layer_number", "config_from_gguf", "config_from_hf", "engine_name", "expected_tensors", "family_for_hf",
            "family_of", "hf_to_engine_name"]

@@ -116,6 +116,20 @@ class Ledger:
         self.add(key, value, REFUSED, note)
 
 
+#: why a sliding window of 0 is refused (issue 23, X9): it is not "no window"
+ZERO_WINDOW = ("a window of 0 keys hides every key, the query's own included (HF's mask: kv_idx > q_idx - 0; "
+               "llama.cpp's: p1 - p0 >= n_swa), so the windowed layers would attend to nothing; use a window >= 1, "
+               "or null / no key for full attention")
+
+
+def refuse_zero_window(led: Ledger, key: str, w: Any) -> bool:
+    """Record ``key = 0`` as refused (:data:`ZERO_WINDOW`) and return True; False for any other value."""
+    if w is not None and not isinstance(w, bool) and w == 0:
+        led.refuse(key, 0, ZERO_WINDOW)
+        return True
+    return False
+
+
 class Fields:
     """Typed access to one ``{arch}.*`` GGUF header or an HF config dict, recording what is read."""
 

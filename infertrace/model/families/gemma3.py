@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from infertrace.model.families.base import Family, Ledger, gguf_common, gguf_unknown_keys, hf_act, hf_common, hf_rope_params, hf_rope_scaling, hf_window_layers
+from infertrace.model.families.base import Family, Ledger, gguf_common, gguf_unknown_keys, hf_act, hf_common, hf_rope_params, hf_rope_scaling, hf_window_layers, refuse_zero_window
 from infertrace.model.families.qwen3 import QK_NORM_NAMES
 
 #: llama.cpp ``hparams.set_swa_pattern(6)`` / HF ``sliding_window_pattern`` default.
@@ -57,6 +57,8 @@ def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, A
     """``gemma3.*`` keys -> ModelConfig kwargs (llama.cpp ``LLM_ARCH_GEMMA3``)."""
     kw, f = gguf_common(meta, "gemma3", led)
     w = f.num("attention.sliding_window", 0, int) or 0
+    if f.has("attention.sliding_window"):
+        refuse_zero_window(led, f.key("attention.sliding_window"), f.get("attention.sliding_window"))
     pattern = f.num("attention.sliding_window_pattern", SWA_PATTERN, int)
     if pattern is None or pattern < 1:
         led.refuse(f.key("attention.sliding_window_pattern"), pattern, "must be >= 1")
@@ -95,6 +97,7 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
     default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     swa = hf_window_layers(cfg, n, led, default)
     w = cfg.get("sliding_window", 4096)
+    refuse_zero_window(led, "sliding_window", w)
     w = int(w) if w is not None else 0
     led.honour("sliding_window", w, f"layers {_ranges(swa, True)}: query at p sees keys p-W+1..p")
     if "sliding_window_pattern" in cfg:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infertrace.model.families.base import LLAMA_LAYER_NAMES, Family, Ledger, hf_act, hf_common
+from infertrace.model.families.base import LLAMA_LAYER_NAMES, Family, Ledger, hf_act, hf_common, refuse_zero_window
 
 #: HF ``MistralConfig`` default when ``sliding_window`` is absent from config.json.
 HF_DEFAULT_WINDOW = 4096
@@ -25,6 +25,7 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
         led.honour("sliding_window", None, "full attention on every layer")
         w = 0
     else:
+        refuse_zero_window(led, "sliding_window", w)
         w = int(w)
         led.honour("sliding_window", w if "sliding_window" in cfg else f"absent (HF default {w})",
                    f"every layer: query at p sees keys p-{w}+1..p")

@@ -11,6 +11,7 @@ from typing import Any
 
 from infertrace.model.families.base import (
     LLAMA_LAYER_NAMES, Family, Ledger, gguf_common, gguf_unknown_keys, hf_act, hf_common, hf_window_layers,
+    refuse_zero_window,
 )
 from infertrace.model.families.llama import gguf_biases, refuse_gguf_window
 
@@ -28,6 +29,7 @@ def hf_sliding(cfg: dict[str, Any], led: Ledger, n_layer: int) -> dict[str, Any]
         if cfg.get("layer_types") and any(t == "sliding_attention" for t in cfg["layer_types"]):
             led.refuse("layer_types", "sliding layers", "sliding_attention layers while use_sliding_window is false (HF drops the window)")
         return {"sliding_window": 0, "swa_layers": tuple(False for _ in range(n_layer))}
+    refuse_zero_window(led, "sliding_window", w)
     mwl = int(cfg.get("max_window_layers", 28))
     led.honour("max_window_layers", mwl)
     default = ["sliding_attention" if (w is not None and i >= mwl) else "full_attention" for i in range(n_layer)]

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from infertrace.engine.drive import drive, encode_requests
+from infertrace.engine.drive import drive_bounded, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
@@ -302,7 +302,7 @@ def run_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, recorder:
                 on_step(st)  # type: ignore[misc]
             emitted = len(steps)
 
-    drive(eng, encode_requests(loaded.tokenizer, prompts), emit if on_step is not None else None, max_steps=None)
+    drive_bounded(eng, encode_requests(loaded.tokenizer, prompts), emit if on_step is not None else None)
     st = eng.lctx.settings()
     notes = [f"engine llama.cpp (llama-cpp-python {_version()}): n_ctx {eng.lctx.n_ctx}, n_ubatch = n_batch "
              f"{min(opts.max_batch_tokens, opts.ctx_size)}, "

@@ -11,7 +11,6 @@ beside it and renamed into place (a half-written directory is never read).
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from pathlib import Path
 
@@ -69,7 +68,7 @@ def _convert(gguf: Path, target: Path) -> None:
     except ImportError:
         raise InfertraceError("--engine vllm with a GGUF file needs transformers to dequantise it: "
                               "pip install 'infertrace[vllm]'") from None
-    from infertrace.safe_io import fresh_dir_beside
+    from infertrace.safe_io import DirTaken, fresh_dir_beside, publish_dir
 
     tmp = fresh_dir_beside(target)
     try:
@@ -90,11 +89,12 @@ def _convert(gguf: Path, target: Path) -> None:
         tok.save_pretrained(str(tmp))
         (tmp / "SOURCE").write_text(f"dequantised from {gguf.name} by transformers {transformers.__version__}\n")
         try:
-            os.rename(tmp, target)
-        except OSError:
-            if not all((target / n).is_file() for n in NEEDED):  # not a concurrent writer that finished first
-                shutil.rmtree(target, ignore_errors=True)
-                os.rename(tmp, target)
+            publish_dir(tmp, target, replace=False)  # onto a new or empty name only: never a file, FIFO or symlink
+        except DirTaken:
+            if not (target.is_dir() and not target.is_symlink() and all((target / n).is_file() for n in NEEDED)):
+                raise InfertraceError(f"the vLLM cache entry {target} exists but is not a whole converted model "
+                                      "(not a directory, or files missing); remove it and run again") from None
+            # else: a concurrent writer finished first; its copy is used
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
