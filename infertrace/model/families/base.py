@@ -48,7 +48,9 @@ class Family:
         hf_text_config: ``config.json`` -> its text-decoder part (multimodal layouts), or None.
         hf_key: HF state-dict key -> the key :func:`hf_to_engine_name` maps (layout aliases), or None.
         hf_bare_names: bare HF parameters (no ``.weight``; key after ``layers.N.``) -> engine names.
-        hf_skip: HF key -> why it is not loaded (None: load it), or None when everything is loaded.
+        hf_skip: ``(config, HF key)`` -> why it is not loaded (None: load it), or None when everything is loaded.
+        hf_name: ``(config, HF key)`` -> engine name for keys whose name depends on the config (Qwen3.5's
+            ``mtp.*`` -> ``blk.{n_layer}.*``), None to fall back to :func:`hf_to_engine_name`; or None.
         gguf_weights: ``(config, weights)`` in place after dequantisation and the Q/K un-permutation.
         hf_weights: ``(config, weights) -> weights`` converting HF tensors into the convention the
             decoder runs (llama.cpp's converter's), or None.
@@ -69,7 +71,8 @@ class Family:
     hf_text_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     hf_key: Callable[[str], str] | None = None
     hf_bare_names: dict[str, str] = field(default_factory=dict)
-    hf_skip: Callable[[str], str | None] | None = None
+    hf_skip: Callable[[Any, str], str | None] | None = None
+    hf_name: Callable[[Any, str], str | None] | None = None
     gguf_weights: Callable[[Any, dict[str, Any]], None] | None = None
     hf_weights: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
     load_notes: Callable[[Any, str, dict[str, Any]], list[str]] | None = None
