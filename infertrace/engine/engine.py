@@ -311,6 +311,8 @@ class Engine:
                                         sampler_order=self.sampler_order, serving=serving, spec=spec_rec))
         for sid, reason in finished.items():
             self.scheduler.finish(self.requests[sid], reason)
+            if self.spec is not None:
+                self.spec.drafter.release(sid)  # the drafter's own cache / buffers of a finished request
         if self.serving.active:
             self.serving.after_finish(batch, finished)
         self.step_no += 1

@@ -1,0 +1,281 @@
+"""Qwen3.5's MTP draft head (``--speculative mtp``) on tiny random checkpoints.
+
+* loading: HF ``mtp.*`` and the GGUF's ``blk.N.nextn.*`` (written as llama.cpp's converter writes
+  them: ``block_count`` counts the MTP block, norms ``1 + w``) give the same engine tensors; a file
+  that declares the head without its tensors runs without it and refuses ``--speculative mtp``.
+* the draft's inputs, recorded in the trace, against a step computed by hand from the raw weights:
+  the main model's final-normed hidden state from HF transformers' ``Qwen3_5ForCausalLM``, the MTP
+  step with torch ops (``fc(cat(enorm(embed(token)), hnorm(hidden)))``) and HF's own full-attention
+  decoder layer / norm / lm head loaded with the ``mtp.layers.0`` weights (vLLM ``qwen3_5_mtp.py``
+  wiring); the draft tokens and top logits must agree, and the chained row must read the MTP's own
+  hidden state at the previous position.
+* MTP speculative == plain greedy (cells and paged, chain and tree); with a head built to copy the
+  main model's prediction (every draft accepted) and with a perturbed one (some accepted, some not),
+  the acceptance counts agree with the emitted tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from infertrace.cli.app import app
+from infertrace.engine.engine import Engine, EngineOptions
+from infertrace.engine.sampler import SamplingParams
+from infertrace.errors import InfertraceError
+from infertrace.loading.weights import load_checkpoint
+from infertrace.model.decoder import DecoderModel
+from tests.tiny_qwen35 import hf_config, make_weights, write_gguf, write_hf_dir
+
+IDS = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]  # "Hello world" in the byte-level tiny tokenizer
+PROMPT = "Hello world"
+
+
+def _hybrid_refused(m) -> bool:
+    """Speculative decoding on a hybrid model is refused until the hybrid verify lands (branch hybspec)."""
+    try:
+        Engine(m, None, EngineOptions(ctx_size=32, speculative="ngram"))
+    except InfertraceError as e:
+        return "hybrid" in str(e)
+    return False
+
+
+def _load(d):
+    ck = load_checkpoint(d)
+    return ck, DecoderModel(ck.config, ck.weights)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["all-attention", "hybrid"])
+def tiny(request, tmp_path_factory):
+    w, s = make_weights(seed=11, mtp=True, interval=request.param)
+    root = tmp_path_factory.mktemp(f"mtp{request.param}")
+    d = write_hf_dir(root / "hf", w, s)
+    g = write_gguf(root / "m.gguf", w, s)
+    ck, m = _load(d)
+    if request.param == 2 and _hybrid_refused(m):
+        pytest.skip("speculative decoding on a hybrid model needs the hybrid verify (branch hybspec)")
+    return {"w": w, "s": s, "dir": d, "gguf": g, "ck": ck, "m": m, "root": root}
+
+
+def _run(m, tok, spec=None, backend="cells", n=10, k=3, tree=None, prompts=(IDS,)):
+    e = Engine(m, tok, EngineOptions(backend=backend, ctx_size=96, tokens_per_block=4, speculative=spec, num_spec_tokens=k,
+                                     spec_tree=tree))
+    rs = [e.add_request(list(p), SamplingParams(max_new_tokens=n, ignore_eos=True)) for p in prompts]
+    e.run()
+    return [r.output_ids for r in rs], e
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_hf_and_gguf_mtp_tensors_agree(tiny):
+    ckg = load_checkpoint(tiny["gguf"])
+    ck = tiny["ck"]
+    n = tiny["s"]["n_layer"]
+    assert ck.config.n_layer == ckg.config.n_layer == n and ck.config.mtp_layers == ckg.config.mtp_layers == 1
+    names = sorted(k for k in ck.weights if k.startswith(f"blk.{n}."))
+    assert names == sorted(k for k in ckg.weights if k.startswith(f"blk.{n}."))
+    assert {f"blk.{n}.nextn.{x}" for x in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} <= set(names)
+    for k in names:
+        torch.testing.assert_close(ck.weights[k], ckg.weights[k], rtol=0, atol=0)
+    w = tiny["w"]  # the HF norm weights are zero-centred: loaded as 1 + w, as the converter stores them
+    torch.testing.assert_close(ck.weights[f"blk.{n}.nextn.enorm"], 1 + w["mtp.pre_fc_norm_embedding.weight"])
+    torch.testing.assert_close(ck.weights[f"blk.{n}.nextn.eh_proj"], w["mtp.fc.weight"])
+    assert any("MTP draft head loaded" in x for x in ck.notes) and not any("not loaded: mtp." in x for x in ck.notes)
+    rows = {r[0]: r for r in ckg.config.settings}
+    assert rows["qwen35.nextn_predict_layers"][2] == "honoured"
+
+
+def test_declared_head_without_tensors_runs_without_it(tmp_path):
+    w, s = make_weights(seed=2, mtp=True, interval=1)
+    w = {k: v for k, v in w.items() if not k.startswith("mtp.")}  # config says mtp_num_hidden_layers 1, no tensors
+    ck, m = _load(write_hf_dir(tmp_path / "hf", w, s))
+    assert ck.config.mtp_layers == 0 and m.mtp is None
+    assert any(r[0] == "mtp head" and "no MTP tensors" in r[3] for r in ck.config.settings)
+    with pytest.raises(InfertraceError, match="needs a model with an MTP head"):
+        Engine(m, ck.tokenizer, EngineOptions(ctx_size=32, speculative="mtp"))
+    w2, s2 = make_weights(seed=2, mtp=False, interval=1)  # no MTP in config or file: the same, said once
+    ck2, m2 = _load(write_hf_dir(tmp_path / "hf2", w2, s2))
+    assert ck2.config.mtp_layers == 0 and "mtp_layers" not in ck2.config.to_dict()
+
+
+def test_gguf_partial_mtp_head_is_incomplete(tmp_path):
+    w, s = make_weights(seed=2, mtp=True, interval=1)
+    w.pop("mtp.layers.0.mlp.up_proj.weight")
+    g = write_gguf(tmp_path / "m.gguf", w, s)
+    with pytest.raises(InfertraceError, match="lacks tensor blk.4.ffn_up"):
+        load_checkpoint(g)
+
+
+# ----------------------------------------------------------------------------- the draft's inputs, by hand
+
+
+def _rms(x, w, eps=1e-6):
+    """HF ``Qwen3_5RMSNorm``: x / rms(x) * (1 + w) in float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())
+
+
+def _hf_mtp_layer(w, s):
+    """HF's own one-layer ``Qwen3_5ForCausalLM`` holding the MTP block: layer 0 = ``mtp.layers.0``
+    (full attention), norm = ``mtp.norm``, lm head = the main model's (shared)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = hf_config(dict(s, n_layer=1))
+    for k in ("architectures", "model_type", "torch_dtype", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"):
+        cfg.pop(k, None)
+    cfg["layer_types"] = ["full_attention"]
+    m = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).eval()
+    sd = {"model.norm.weight": w["mtp.norm.weight"], "lm_head.weight": w["lm_head.weight"],
+          "model.embed_tokens.weight": w["model.embed_tokens.weight"]}
+    sd.update({"model.layers.0." + k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")})
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return m
+
+
+def _by_hand(w, s, prompt, g0):
+    """The first draft step computed from the raw HF weights: returns the main hidden at n-1, the
+    MTP rows' (hidden read, logits) for the pending token's row and the chained row."""
+    from tests.tiny_qwen35 import hf_model
+
+    E = w["model.embed_tokens.weight"]
+    fc = w["mtp.fc.weight"]
+    with torch.no_grad():
+        H = hf_model(w, s).model(input_ids=torch.tensor([prompt])).last_hidden_state[0]  # [n, H] after the final norm
+        toks = prompt[1:] + [g0]  # row p pairs the hidden at p with the token at p + 1
+        x = torch.cat([_rms(E[toks], w["mtp.pre_fc_norm_embedding.weight"]),
+                       _rms(H, w["mtp.pre_fc_norm_hidden.weight"])], -1) @ fc.T  # [n, H] fc([e | h])
+        mtp = _hf_mtp_layer(w, s)
+        out = mtp.model(inputs_embeds=x[None]).last_hidden_state[0]  # [n, H] after mtp.norm
+        l1 = mtp.lm_head(out[-1])  # [V] the pending token's row: draft 1
+        d1 = int(l1.argmax())
+        x2 = torch.cat([_rms(E[[d1]], w["mtp.pre_fc_norm_embedding.weight"]),
+                        _rms(out[-1:], w["mtp.pre_fc_norm_hidden.weight"])], -1) @ fc.T  # [1, H] chained: own hidden
+        out2 = mtp.model(inputs_embeds=torch.cat([x, x2])[None]).last_hidden_state[0]  # positions 0..n
+        l2 = mtp.lm_head(out2[-1])  # [V] draft 2
+    return H[-1], (out[-1], l1), (out2[-1], l2)
+
+
+def _cli_run(path, out, *extra):
+    r = CliRunner().invoke(app, ["run", "--model", str(path), "--prompt", PROMPT, "-n", "8", "--ignore-eos",
+                                 "--speculative", "mtp", "--num-spec-tokens", "2", "--save", str(out), *map(str, extra)],
+                           env={"COLUMNS": "120"})
+    assert r.exit_code == 0, r.output
+    return r.output, json.loads((out / "trace.json").read_text())
+
+
+@pytest.mark.parametrize("src", ["dir", "gguf"])
+def test_draft_inputs_in_trace_match_a_hand_computed_step(tiny, src):
+    pytest.importorskip("transformers")
+    w, s = tiny["w"], tiny["s"]
+    out, tr = _cli_run(tiny[src], tiny["root"] / f"trace-{src}")
+    n = len(IDS)
+    g0 = tr["steps"][0]["batch"][0]["sampled"]  # the prefill's token: the pending token of the first draft
+    st = tr["steps"][1]["batch"][0]
+    sp = st["spec"]
+    assert st["C"] == n and st["token_ids"][0] == g0 and sp["parents"] == [-1, 0, 1]
+    rows = sp["mtp"]["rows"]
+    assert sp["mtp"]["catch_up"]["positions"] == [0, n - 1]  # every prompt position's hidden state fed at its position
+    r0, r1 = rows[0], rows[1]
+    h_main, (h1, l1), (_, l2) = _by_hand(w, s, IDS, g0)
+    # row 1: the target's hidden at n-1 (after output_norm) with the pending token, at position n-1
+    assert (r0["node"], r0["position"], r0["token"], r0["hidden_from"], r0["hidden_position"]) == (-1, n - 1, g0, "target", n - 1)
+    assert r0["hidden_norm"] == "output_norm"
+    assert r0["hidden_l2"] == pytest.approx(float(h_main.norm()), rel=1e-5)
+    assert r0["argmax"] == int(l1.argmax()) == sp["mtp"]["drafts"][0] == st["token_ids"][1]
+    assert r0["logit_max"] == pytest.approx(float(l1.max()), rel=1e-4, abs=1e-5)
+    # row 2 (chained): the MTP's own hidden at n-1 (after shared_head_norm) with draft 1, at position n
+    assert (r1["node"], r1["position"], r1["token"], r1["hidden_from"], r1["hidden_position"]) == (0, n, r0["argmax"], "mtp", n - 1)
+    assert r1["hidden_norm"] == "nextn.shared_head_norm"
+    assert r1["hidden_l2"] == pytest.approx(float(h1.norm()), rel=1e-5)
+    assert r1["argmax"] == int(l2.argmax()) == st["token_ids"][2]
+    assert r1["logit_max"] == pytest.approx(float(l2.max()), rel=1e-4, abs=1e-5)
+    assert tr["run"]["spec"]["method"] == "mtp" if "run" in tr else True
+    r = CliRunner().invoke(app, ["check", str(tiny["root"] / f"trace-{src}")])
+    assert r.exit_code == 0, r.output
+
+
+# ----------------------------------------------------------------------------- speculative == greedy
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_mtp_speculative_equals_plain_greedy(tiny, backend):
+    m, tok = tiny["m"], tiny["ck"].tokenizer
+    prompts = (IDS, IDS[3:9], [33, 34, 35, 33, 34])
+    plain, _ = _run(m, tok, None, backend, n=12, prompts=prompts)
+    for k, tree in ((3, None), (1, None), (None, (-1, -1, 0, 0, 1))):
+        spec, e = _run(m, tok, "mtp", backend, n=12, k=k or 3, tree=tree, prompts=prompts)
+        assert spec == plain, (k, tree)
+        assert e.spec.drafter.forwards > 0
+        assert set(e.spec.drafter.cached) == set()  # every finished request's MTP cells and buffers released
+        assert int((e.spec.drafter.kv.pos >= 0).sum()) == 0
+
+
+def _copy_head(w, s, perturb: float):
+    """Weights whose main model predicts from the current token only (every block's output projections
+    zero: the next token is ``argmax(head(norm(embed(t))))``) and whose MTP head computes the same
+    function of the token it reads (``fc = [I | perturb * R]``, its block's outputs zero, ``mtp.norm``
+    = the main final norm): with ``perturb`` 0 its draft is what the main model will predict at the
+    next position; a perturbation mixes the hidden state in and makes some drafts wrong."""
+    w = dict(w)
+    H = s["H"]
+    for k in list(w):
+        if k.startswith("model.layers.") and k.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+            w[k] = torch.zeros_like(w[k])
+    R = torch.randn(H, H, generator=torch.Generator().manual_seed(7)) / H ** 0.5  # [H, H] entries of the mix ~ perturb
+    w["mtp.fc.weight"] = torch.cat([torch.eye(H), perturb * R], 1)
+    w["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(H)
+    w["mtp.norm.weight"] = w["model.norm.weight"].clone()
+    for k in ("mtp.layers.0.self_attn.o_proj.weight", "mtp.layers.0.mlp.down_proj.weight"):
+        w[k] = torch.zeros_like(w[k])
+    return w
+
+
+@pytest.mark.parametrize("perturb", [0.0, 0.4])
+def test_acceptance_counts_agree_with_emitted_tokens(tiny, tmp_path, perturb):
+    w = _copy_head(tiny["w"], tiny["s"], perturb)
+    d = write_hf_dir(tmp_path / "hf", w, tiny["s"])
+    ck, m = _load(d)
+    plain, _ = _run(m, ck.tokenizer, None, n=16)
+    spec, e = _run(m, ck.tokenizer, "mtp", n=16, k=3)
+    assert spec == plain
+    st = e.spec.req_stats[0]
+    acc, drafted = sum(st["accepted_by_pos"]), sum(st["drafted_by_pos"])
+    if perturb == 0.0:  # the head copies the main model's prediction: every draft is accepted
+        assert acc == drafted > 0 and st["verify_forwards"] <= -(-15 // 4) + 1
+    else:  # some accepted, some rejected; the counts are what the outputs imply
+        assert 0 < acc < drafted
+    assert st["tokens"] == 15  # the prefill's token is not a decode-step token
+    assert st["verify_forwards"] + acc == 15  # each target forward emits 1 + its accepted drafts
+    _, tr = _cli_run(d, tmp_path / "trace")  # per verify step: accepted k <=> the first k drafts are what was emitted
+    n_verify = 0
+    for step in tr["steps"]:
+        for r in step["batch"]:
+            sp = r.get("spec")
+            if not sp:
+                continue
+            n_verify += 1
+            k, drafts = sp["accepted"], r["token_ids"][1:]
+            assert sp["emitted"][:k] == drafts[:k] and sp["accepted_nodes"] == list(range(k + 1))
+            assert k == len(drafts) or len(sp["emitted"]) == k or sp["emitted"][k] != drafts[k]
+            assert sp["mtp"]["drafts"][: len(drafts)] == drafts
+    assert n_verify > 0
+
+
+def test_trace_check_and_budget_count_the_mtp_cache(tiny, tmp_path):
+    from infertrace.kv.budget import check_kv_budget, mtp_kv_bytes
+
+    cfg = tiny["ck"].config
+    o = EngineOptions(ctx_size=64, speculative="mtp", num_spec_tokens=3)
+    plain = check_kv_budget(cfg, EngineOptions(ctx_size=64), torch.float32)
+    cells = 64 + o.n_seq_max * 4
+    assert mtp_kv_bytes(cfg, o, torch.float32) == 2 * cells * cfg.n_head_kv * cfg.head_dim * 4 + cells * (8 + o.n_seq_max)
+    assert check_kv_budget(cfg, o, torch.float32) == plain + mtp_kv_bytes(cfg, o, torch.float32)
+    _, e = _run(tiny["m"], tiny["ck"].tokenizer, "mtp", n=4)
+    kv = e.spec.summary()["draft_kv"]
+    assert kv["cells"] == e.spec.drafter.kv.capacity_tokens == 96 + o.n_seq_max * 4
+    assert kv["bytes"] == 2 * kv["cells"] * cfg.n_head_kv * cfg.head_dim * 4
