@@ -147,19 +147,27 @@ class DraftModelDrafter:
                                   f"({target.cfg.vocab_size}); use a draft model with the target's tokenizer")
         self.model = draft
         self.n_sample_rows = n_sample_rows
-        cfg = draft.cfg
-        n_layer = len(draft.layers)
-        self.kv = CellsKV(n_layer, cfg.n_head_kv, cfg.head_dim, size, n_seq_max, kv_dtype or draft.dtype, draft.device,
-                          windows=[cfg.layer_window(i) for i in range(n_layer)])
+        self.kv = draft_memory(draft, size, n_seq_max, kv_dtype)
         self.cached: dict[int, list[int]] = {}  # token ids in the draft cache, by seq_id
         self.gens: dict[int, torch.Generator] = {}
         self.forwards = 0
+        self.recomputed = 0  # a hybrid draft: sequences re-evaluated from position 0 after a rejected draft
 
     def release(self, seq_id: int) -> None:
         """Free ``seq_id``'s cells in the draft model's own cache (llama.cpp ``seq_rm(seq, -1, -1)``)."""
         if seq_id in self.cached:
             self.kv.release(seq_id)
             del self.cached[seq_id]
+
+    def _truncate(self, seq_id: int, n: int, have: Sequence[int]) -> int:
+        """Drop the draft cache's positions ``n..`` of ``seq_id`` (llama.cpp ``seq_rm(seq, n, -1)``);
+        returns how many positions it still holds: ``n``, or 0 when the memory refused (a hybrid
+        draft's recurrent state cannot drop a tail: its whole sequence is freed and re-evaluated)."""
+        if self.kv.seq_rm(seq_id, n, -1):
+            return n
+        self.kv.release(seq_id)
+        self.recomputed += 1
+        return 0
 
     def _forward(self, chunks: list[ChunkSpec], ids: list[int]) -> torch.Tensor:
         inp = self.kv.prepare(chunks)
@@ -184,7 +192,7 @@ class DraftModelDrafter:
             while n < min(len(have), len(want) - 1) and have[n] == want[n]:
                 n += 1
             if n < len(have):
-                self.kv.seq_rm(r.seq_id, n, -1)
+                n = self._truncate(r.seq_id, n, have)
             chunks.append(ChunkSpec(r.seq_id, n, len(want) - n))
             ids += want[n:]
             self.cached[r.seq_id] = want
@@ -259,11 +267,36 @@ class DraftModelDrafter:
                         a = parents[a]
                     path = path[::-1]
                     node_logits[p] = self._forward([ChunkSpec(r.seq_id, base, len(path))], path)[0]
-                    self.kv.seq_rm(r.seq_id, base, -1)
+                    if self._truncate(r.seq_id, base, self.cached[r.seq_id]) < base:  # a recurrent draft: re-evaluate
+                        self._forward([ChunkSpec(r.seq_id, 0, base)], self.cached[r.seq_id][:base])
                 seen = list(r.all_ids) + [toks[a] for a in _path(parents, p)]
                 toks.append(self._pick(node_logits[p], r, seen, rk[j], order)[0])
             res[r.seq_id] = (toks, [None] * len(toks))
         return res
+
+
+def draft_memory(draft: Any, size: int, n_seq_max: int, kv_dtype: torch.dtype | None = None) -> Any:
+    """The draft model's own memory: a cells KV cache of ``size`` cells over its layers, or for a hybrid
+    draft (a Qwen3.5-type model, or ``--draft-layers`` of one) a :class:`~infertrace.kv.recurrent.HybridKV`
+    (K/V for its attention layers, one GDN state slot per sequence, llama.cpp cells convention).
+
+    A hybrid draft cannot drop a rejected tail from its recurrent state (``seq_rm`` answers False,
+    as llama.cpp's ``memory_recurrent`` without ``n_rs_seq``): :class:`DraftModelDrafter` then frees
+    the sequence and re-evaluates its accepted tokens (llama.cpp server's checkpoint-less fallback)."""
+    cfg = draft.cfg
+    n_layer = len(draft.layers)
+    dt = kv_dtype or draft.dtype
+    if not getattr(cfg, "is_hybrid", False):
+        return CellsKV(n_layer, cfg.n_head_kv, cfg.head_dim, size, n_seq_max, dt, draft.device,
+                       windows=[cfg.layer_window(i) for i in range(n_layer)])
+    from infertrace.kv.recurrent import HybridKV, RecurrentState
+
+    attn = [i for i in range(n_layer) if not cfg.is_linear(i)]
+    lin = [i for i in range(n_layer) if cfg.is_linear(i)]
+    state = RecurrentState(lin, cfg.conv_dim, cfg.ssm_conv_kernel, cfg.ssm_n_v_heads, cfg.ssm_k_head_dim,
+                           cfg.ssm_v_head_dim, n_seq_max, "cells", draft.dtype, draft.device)
+    return HybridKV(CellsKV(len(attn), cfg.n_head_kv, cfg.head_dim, size, n_seq_max, dt, draft.device,
+                            windows=[0] * len(attn)), state, attn)
 
 
 def _path(parents: Sequence[int], node: int) -> list[int]:

@@ -75,20 +75,17 @@ def make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
 def _make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
     cfg = model.cfg
     if cfg.is_hybrid:
+        from infertrace.kv.budget import spec_snapshots
         from infertrace.kv.recurrent import HybridKV, RecurrentState
 
         if opts.context_shift:
             raise InfertraceError("--context-shift cannot be used with a hybrid model: a recurrent (GDN) state cannot drop "
                                   "its oldest tokens (llama.cpp refuses partial seq_rm on recurrent memory); drop the flag")
-        if opts.speculative:
-            raise InfertraceError("--speculative cannot be used with a hybrid model: rejected drafts would need the GDN "
-                                  "state rolled back to the accepted length (llama.cpp refuses partial seq_rm on "
-                                  "recurrent memory; per-token state snapshots are not implemented); drop --speculative")
         attn_layers = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
         attn_kv = _make_attn_kv(model, replace(opts, prefix_cache=False), attn_impl, n_layer=len(attn_layers))
         state = RecurrentState([i for i in range(cfg.n_layer) if cfg.is_linear(i)], cfg.conv_dim, cfg.ssm_conv_kernel,
                                cfg.ssm_n_v_heads, cfg.ssm_k_head_dim, cfg.ssm_v_head_dim, opts.n_seq_max, opts.backend,
-                               model.dtype, model.device)
+                               model.dtype, model.device, n_snap=spec_snapshots(opts))  # verify: a state per candidate
         return HybridKV(attn_kv, state, attn_layers)
     return _make_attn_kv(model, opts, attn_impl)
 

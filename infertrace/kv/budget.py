@@ -65,17 +65,29 @@ def kv_bytes_per_layer(cfg: Any, tokens: int, dtype: torch.dtype) -> int:
     return 2 * tokens * cfg.n_head_kv * cfg.head_dim * itemsize
 
 
+def spec_snapshots(opts: Any) -> int:
+    """GDN state snapshots per slot a speculative run keeps (0 without ``--speculative``): the largest
+    verify chunk, the pending token plus every draft node (``len(spec_tree)`` or ``num_spec_tokens``)
+    -- TensorRT-LLM's ``draft_len + 1`` intermediate states per slot."""
+    if not getattr(opts, "speculative", None):
+        return 0
+    tree = getattr(opts, "spec_tree", None)
+    return (len(tree) if tree is not None else int(getattr(opts, "num_spec_tokens", 0))) + 1
+
+
 def recurrent_state_bytes(cfg: Any, opts: Any, dtype: torch.dtype) -> int:
     """Bytes of the GDN state of a hybrid model (0 for others): ``n_seq_max`` slots x GDN layers x
-    (conv state ``conv_dim x (K-1)`` + recurrent state ``Hv x dk x dv``) x itemsize, as
-    :class:`~infertrace.kv.recurrent.RecurrentState` allocates (llama.cpp ``memory_recurrent``:
-    ``n_seq_max`` cells; TensorRT-LLM ``MambaCacheManager``: ``max_batch_size`` slots)."""
+    (conv state ``conv_dim x (K-1)`` + recurrent state ``Hv x dk x dv``) x itemsize x (1 +
+    :func:`spec_snapshots`), as :class:`~infertrace.kv.recurrent.RecurrentState` allocates (llama.cpp
+    ``memory_recurrent``: ``n_seq_max`` cells, ``mem_size * (1 + n_rs_seq)`` rows with rollback
+    snapshots; TensorRT-LLM ``MambaCacheManager``: ``max_batch_size`` slots plus ``draft_len + 1``
+    intermediate conv / SSM states per slot when speculative)."""
     if not getattr(cfg, "is_hybrid", False):
         return 0
     itemsize = torch.empty((), dtype=dtype).element_size()
     n_lin = sum(1 for i in range(cfg.n_layer) if cfg.is_linear(i))
     per_slot = cfg.conv_dim * (cfg.ssm_conv_kernel - 1) + cfg.ssm_n_v_heads * cfg.ssm_k_head_dim * cfg.ssm_v_head_dim
-    return int(getattr(opts, "n_seq_max", 1)) * n_lin * per_slot * itemsize
+    return int(getattr(opts, "n_seq_max", 1)) * n_lin * per_slot * itemsize * (1 + spec_snapshots(opts))
 
 
 def mtp_kv_bytes(cfg: Any, opts: Any, dtype: torch.dtype) -> int:
@@ -142,6 +154,7 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
             f"the KV cache for {tokens} tokens would take {human_bytes(total)} ({human_bytes(per_layer)} per layer x "
             f"{n_kv_layers} layers at {str(kv_dtype).replace('torch.', '')}{f' + {human_bytes(book)} of cell bookkeeping' if book else ''}"
             f"{f' + {human_bytes(state)} of GDN state for {opts.n_seq_max} sequences' if state else ''}"
+            f"{f' (with {spec_snapshots(opts)} verify snapshots each)' if state and spec_snapshots(opts) else ''}"
             f"{f' + {human_bytes(mtp)} of MTP draft-head KV' if mtp else ''}), "
             f"over the limit of {human_bytes(limit)} "
             f"(half of this machine's memory); lower {what}")

@@ -13,6 +13,20 @@ and the hybrid memory that pairs it with a KV cache.
   ``free_resources``; the step's ``state_indices`` say which slot each request reads and writes.
   Not paged: the size is constant whatever the sequence length.
 
+Speculative verify (both conventions): a recurrent state cannot drop its last tokens, so a verify
+chunk keeps the state after *every* candidate in per-slot snapshots, the request's own state is
+left as it was before the chunk, and after acceptance the accepted candidate's snapshot becomes
+the state (:meth:`RecurrentState.select`); the other snapshots are dropped (overwritten by the next
+verify). TensorRT-LLM: ``intermediate_conv_window`` / ``intermediate_ssm`` ``[layers, slots,
+draft_len+1, ...]`` (``_torch/pyexecutor/mamba_cache_manager.py`` ``SpeculativeState``), written by
+``_torch/modules/mamba/gdn_mixer.py`` ``forward_decode`` (``is_target_verify``) and chosen in
+``update_mamba_states()`` by ``num_accepted_draft_tokens`` (a chain) or ``accepted_leaf_positions``
+(a tree). llama.cpp: ``llama_memory_recurrent`` allocates ``mem_size * (1 + n_rs_seq)`` rows of
+``r_l`` / ``s_l`` (``src/llama-memory-recurrent.cpp``); ``seq_rm(seq, p0, -1)`` of a tail of at most
+``n_rs_seq`` tokens sets ``rs_idx[seq] = rollback`` and the next graph reads the state from that
+snapshot plane. A tree here continues each branch from its parent's snapshot; llama.cpp would give
+each branch its own seq_id, here one seq owns the tree (as :mod:`infertrace.kv.spec_ops` does).
+
 Either way a request whose chunk starts at ``C == 0`` (a new request, or one recomputed after
 preemption) starts from zero state; the state is never shared between requests, so prefix / block
 reuse is off for hybrid models (TensorRT-LLM disables it: the state has no block-sharing semantics).
@@ -48,13 +62,20 @@ class RecurrentState:
         n_slots: slots (llama.cpp ``n_seq_max`` cells; TensorRT-LLM ``max_batch_size``).
         convention: ``"cells"`` (llama.cpp memory_recurrent) or ``"paged"`` (TensorRT-LLM state slots).
         dtype, device: storage.
+        n_snap: speculative verify snapshots per slot (the largest verify chunk: draft nodes + 1);
+            0 = no speculative decoding. Storage ``snap_conv[il]`` ``[n_slots, n_snap, conv_dim, K-1]``
+            and ``snap_rec[il]`` ``[n_slots, n_snap, Hv, dk, dv]``, counted by
+            :func:`~infertrace.kv.budget.recurrent_state_bytes`.
 
     Raises:
-        InfertraceError: ``n_slots`` < 1.
+        InfertraceError: ``n_slots`` < 1 or ``n_snap`` < 0.
     """
 
     def __init__(self, layers: Sequence[int], conv_dim: int, kernel: int, n_v_heads: int, k_head_dim: int, v_head_dim: int,
-                 n_slots: int, convention: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 n_slots: int, convention: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 n_snap: int = 0):
+        if n_snap < 0:
+            raise InfertraceError(f"the recurrent state's verify snapshots per slot must be >= 0 (got {n_snap})")
         if n_slots < 1:
             raise InfertraceError("the recurrent state needs at least one slot; raise EngineOptions.n_seq_max (the CLI uses 64; a running batch never needs more)")
         self.layers = list(layers)
@@ -68,6 +89,14 @@ class RecurrentState:
         self.free: list[int] = list(range(n_slots))
         self.rs_z = -1  # cells: the cell zeroed in the last prepare (-1 = none)
         self.last_indices: list[int] = []
+        self.n_snap = n_snap
+        snap = (n_slots, n_snap)
+        self.snap_conv = {il: torch.zeros(*snap, *self.conv_shape, dtype=dtype, device=device)
+                          for il in self.layers} if n_snap else {}  # [S, n_snap, C, K-1]
+        self.snap_rec = {il: torch.zeros(*snap, *self.rec_shape, dtype=dtype, device=device)
+                         for il in self.layers} if n_snap else {}  # [S, n_snap, Hv, dk, dv]
+        #: seq_id -> (slot, parents) of the verify chunk whose snapshots await :meth:`select`
+        self.pending: dict[int, tuple[int, list[int]]] = {}
 
     # --- bookkeeping ------------------------------------------------------------
     def slot_of(self, seq_id: int) -> int | None:
@@ -106,6 +135,11 @@ class RecurrentState:
             if c.C == 0:
                 self._zero(slot)
                 self.rs_z = slot if self.rs_z < 0 else min(self.rs_z, slot)
+            if c.parents is not None:  # a speculative verify chunk: one snapshot per candidate
+                if c.T > self.n_snap:
+                    raise InfertraceError(f"a verify chunk of {c.T} candidates needs {c.T} state snapshots per slot but the "
+                                          f"recurrent state keeps {self.n_snap}; build the memory with the speculative options")
+                self.pending[c.seq_id] = (slot, list(c.parents))
             idx.append(slot)
         self.last_indices = idx
         return idx
@@ -113,6 +147,7 @@ class RecurrentState:
     def release(self, seq_id: int) -> None:
         """Free the slot of ``seq_id`` (finish, preemption, ``seq_rm`` of the whole sequence)."""
         slot = self.owner.pop(seq_id, None)
+        self.pending.pop(seq_id, None)
         if slot is not None:
             self.free.append(slot)
             self.free.sort()
@@ -148,6 +183,75 @@ class RecurrentState:
         """``llama_memory_recurrent::seq_keep``: every other sequence's slot is freed."""
         for s in [s for s in self.owner if s != seq_id]:
             self.release(s)
+
+    # --- speculative verify snapshots ----------------------------------------------
+    def keep_snapshots(self, il: int, slot: int, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        """Store the states after each candidate of a verify chunk in layer ``il``'s snapshots of ``slot``.
+
+        Args:
+            conv: ``[T, conv_dim, K-1]``; rec: ``[T, Hv, dk, dv]`` (entry i: after candidate i).
+
+        Raises:
+            InfertraceError: more candidates than snapshots per slot.
+        """
+        T = conv.shape[0]
+        if T > self.n_snap:
+            raise InfertraceError(f"{T} verify candidates but {self.n_snap} state snapshots per slot")
+        self.snap_conv[il][slot, :T].copy_(conv)  # [T, conv_dim, K-1]
+        self.snap_rec[il][slot, :T].copy_(rec)  # [T, Hv, dk, dv]
+
+    def _stats(self, slot: int, il: int, node: int | None = None) -> dict[str, float]:
+        """L2 norm and sum (checksum) of layer ``il``'s conv / recurrent state of ``slot`` (or its snapshot ``node``)."""
+        if node is None:
+            c, r = self.conv[il][slot].float(), self.rec[il][slot].float()
+        else:
+            c, r = self.snap_conv[il][slot, node].float(), self.snap_rec[il][slot, node].float()
+        return {"conv_norm": round(float(c.norm()), 6), "conv_sum": round(float(c.sum()), 6),
+                "rec_norm": round(float(r.norm()), 6), "rec_sum": round(float(r.sum()), 6)}
+
+    def _shown_layers(self) -> list[int]:
+        return self.layers[:2] + ([self.layers[-1]] if len(self.layers) > 2 else [])
+
+    def select(self, seq_id: int, accepted: Sequence[int], is_chain: bool) -> dict[str, Any] | None:
+        """After a verify chunk of ``seq_id``: the snapshot of the last accepted candidate becomes the
+        state of every GDN layer; the others are dropped.
+
+        Args:
+            accepted: chunk-local accepted nodes, root 0 first (a path down the tree).
+            is_chain: the chunk was a chain (then ``accepted == 0..a``).
+
+        Returns:
+            None when ``seq_id`` ran no verify chunk since the last select (nothing to choose), else the
+            JSON-ready record: ``convention``, ``slot``, ``snapshots`` (T kept by the verify),
+            ``kept_node``, ``kept_snapshot`` and ``index_name`` (what the runtime calls the index:
+            llama.cpp ``rs_idx`` = tokens rolled back for a chain on cells, TensorRT-LLM
+            ``num_accepted_draft_tokens`` for a chain / ``accepted_leaf_positions`` for a tree on paged;
+            a tree on cells is indexed by its node), ``dropped_nodes``, and per shown GDN layer the
+            L2 norm / sum of the conv and recurrent state ``before`` (the state before the chunk) and
+            ``after`` (the kept snapshot).
+
+        Mirrors TensorRT-LLM ``MambaCacheManager.update_mamba_states`` (``_torch/pyexecutor/
+        mamba_cache_manager.py``: ``ssm_states[:, state_indices_d] = intermediate_ssm[:, src, accepted]``)
+        and llama.cpp ``llama_memory_recurrent::seq_rm`` (``set_rs_idx(seq_id, rollback)``).
+        """
+        got = self.pending.pop(seq_id, None)
+        if got is None:
+            return None
+        slot, parents = got
+        T = len(parents)
+        node = int(accepted[-1])
+        shown = self._shown_layers()
+        before = {il: self._stats(slot, il) for il in shown}
+        for il in self.layers:
+            self.conv[il][slot].copy_(self.snap_conv[il][slot, node])  # [conv_dim, K-1]
+            self.rec[il][slot].copy_(self.snap_rec[il][slot, node])  # [Hv, dk, dv]
+        if self.convention == "cells":
+            name, idx = ("rs_idx", T - len(accepted)) if is_chain else ("node", node)
+        else:
+            name, idx = ("num_accepted_draft_tokens", node) if is_chain else ("accepted_leaf_positions", node)
+        return {"convention": self.convention, "slot": slot, "snapshots": T, "kept_node": node, "kept_snapshot": idx,
+                "index_name": name, "dropped_nodes": [i for i in range(T) if i != node],
+                "layers": [{"layer": il, "before": before[il], "after": self._stats(slot, il)} for il in shown]}
 
     # --- reading ------------------------------------------------------------------
     def state_of(self, il: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,7 +396,17 @@ class HybridKV(MemoryDefaults):
 
     def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: AttnInputs, row: int,
                is_chain: bool) -> MemOp:
-        return MemOp.refused("rewind", _partial("rewind", seq_id, C + len(accepted), -1))
+        """After a speculative verify chunk: the accepted candidate's state snapshot becomes the GDN
+        state (:meth:`RecurrentState.select`), then the attention part rewinds its K/V as on a plain
+        model. The answer is the attention rewind's record plus ``state`` (the snapshot kept, norms
+        before / after); refused (nothing changed) when the chunk kept no snapshots."""
+        sel = self.state.select(seq_id, accepted, is_chain)
+        if sel is None:
+            return MemOp.refused("rewind", _partial("rewind", seq_id, C + len(accepted), -1) +
+                                 "; the verify chunk kept no per-candidate state snapshots")
+        op = self.attn.rewind(seq_id, C, T, accepted, inp, row, is_chain)
+        op["state"] = sel
+        return op
 
     def lookup(self, seq_id: int, prompt: Sequence[int]) -> dict[str, Any]:
         return {"hit": 0, "refused": NO_REUSE_REASON}

@@ -148,3 +148,50 @@ def gdn_sequence(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_w:
     fn = delta_rule_recurrent if T == 1 else delta_rule_chunked
     o, S_new = fn(q, k, v, g, beta, S.float())  # [T, Hv, dv], [Hv, dk, dv]
     return o.to(qkv.dtype), new_conv, S_new.to(S.dtype), {"q": q, "k": k, "v": v}
+
+
+def gdn_tree(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor,
+             S: torch.Tensor, parents: list[int], n_k: int, n_v: int, dk: int, dv: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A speculative verify chunk through conv + delta rule, keeping the state after every candidate.
+
+    Candidate i continues from its parent's state (``parents[i]``; -1 = the state before the chunk),
+    one decode step each (:func:`gdn_sequence` with ``T == 1``, the same update a plain decode runs),
+    so a tree branch never sees a sibling's tokens and a chain is the special case
+    ``parents = [-1, 0, 1, ..]``. The states before the chunk are not changed: the accepted
+    candidate's state is selected afterwards (:meth:`~infertrace.kv.recurrent.RecurrentState.select`).
+
+    Args:
+        qkv: ``[T, conv_dim]`` output of ``in_proj_qkv`` of the candidates (model dtype).
+        g, beta: ``[T, Hv]`` float32. conv_w: ``[conv_dim, K]``.
+        conv_state: ``[conv_dim, K-1]`` and S: ``[Hv, dk, dv]``: the request's state before the chunk.
+        parents: chunk-local parent per candidate (``parents[0] == -1``; each parent an earlier node).
+        n_k, n_v, dk, dv: key heads, value heads, key / value head dims.
+
+    Returns:
+        ``(o [T, Hv, dv]`` in qkv's dtype, conv states ``[T, conv_dim, K-1]`` in conv_state's dtype,
+        recurrent states ``[T, Hv, dk, dv]`` in S's dtype): entry i is the state after candidate i.
+
+    Raises:
+        ValueError: ``parents`` is not a tree over the T candidates (a parent not before its node).
+
+    Mirrors TensorRT-LLM ``_torch/modules/mamba/gdn_mixer.py`` ``forward_decode`` with
+    ``is_target_verify``: ``causal_conv1d_update`` writes ``intermediate_conv_window`` and
+    ``fused_recurrent_gated_delta_rule_update`` (``disable_state_update=True``) writes
+    ``intermediate_states_buffer`` per draft token, the final state chosen later in
+    ``MambaCacheManager.update_mamba_states`` (``accepted_leaf_positions`` for a tree).
+    """
+    T = qkv.shape[0]
+    if len(parents) != T or any(not -1 <= p < i for i, p in enumerate(parents)) or (T and parents[0] != -1):
+        raise ValueError(f"parents must be -1 then earlier nodes, one per candidate (got {parents[:8]} for {T} candidates)")
+    o = torch.empty(T, n_v, dv, dtype=qkv.dtype, device=qkv.device)  # [T, Hv, dv]
+    convs = torch.empty(T, *conv_state.shape, dtype=conv_state.dtype, device=conv_state.device)  # [T, conv_dim, K-1]
+    Ss = torch.empty(T, *S.shape, dtype=S.dtype, device=S.device)  # [T, Hv, dk, dv]
+    for i, p in enumerate(parents):
+        c0, s0 = (conv_state, S) if p < 0 else (convs[p], Ss[p])  # the parent's state, not the previous row's
+        o_i, conv_i, S_i, _ = gdn_sequence(qkv[i:i + 1], g[i:i + 1], beta[i:i + 1], conv_w, c0, s0,
+                                           n_k, n_v, dk, dv)  # [1, Hv, dv]
+        o[i] = o_i[0]
+        convs[i] = conv_i
+        Ss[i] = S_i
+    return o, convs, Ss

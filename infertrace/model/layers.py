@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from infertrace.errors import InfertraceError
-from infertrace.model.gdn import gated_rms_norm, gdn_sequence
+from infertrace.model.gdn import gated_rms_norm, gdn_sequence, gdn_tree
 from infertrace.model.layout import block_tensor_name
 from infertrace.model.ops import Ops, Weight
 from infertrace.model.rope import apply_rope_neox
@@ -154,7 +154,11 @@ class GatedDeltaNet:
 
     def forward(self, h: Tensor, s: Step, il: int, tp: LayerTaps | None) -> Tensor:
         """``h`` ``[N, H]`` -> ``[N, H]``; each request's tokens run through its own conv / recurrent
-        state (``kv.state``, slot ``state_indices[i]``), advanced in place."""
+        state (``kv.state``, slot ``state_indices[i]``), advanced in place. A speculative verify chunk
+        (``parents`` set) leaves the slot's state as it is and keeps the state after every candidate
+        in the slot's snapshots instead (:func:`~infertrace.model.gdn.gdn_tree`; chosen after
+        acceptance by :meth:`~infertrace.kv.recurrent.RecurrentState.select`), as TensorRT-LLM's
+        ``gdn_mixer.py`` verify path writes ``intermediate_conv_states`` / ``intermediate_ssm_states``."""
         cfg = s.cfg
         N = h.shape[0]
         nk, nv, dk, dv = cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_k_head_dim, cfg.ssm_v_head_dim
@@ -169,6 +173,14 @@ class GatedDeltaNet:
         slots = []
         for c, slot in zip(s.attn.chunks, s.attn.state_indices):
             conv_s, rec_s = st.conv[il][slot], st.rec[il][slot]
+            if c.parents is not None:  # speculative verify: a state per candidate, the slot's state untouched
+                o_c, convs, recs = gdn_tree(qkv[r:r + c.T], g[r:r + c.T], beta[r:r + c.T], self.conv, conv_s, rec_s,
+                                            list(c.parents), nk, nv, dk, dv)  # [T, Hv, dv]
+                st.keep_snapshots(il, slot, convs, recs)  # [T, conv_dim, K-1], [T, Hv, dk, dv]
+                o[r:r + c.T] = o_c
+                slots.append((c.seq_id, slot))
+                r += c.T
+                continue
             o_c, new_conv, new_rec, _ = gdn_sequence(qkv[r:r + c.T], g[r:r + c.T], beta[r:r + c.T], self.conv, conv_s,
                                                      rec_s, nk, nv, dk, dv)  # [T, Hv, dv]
             st.conv[il][slot].copy_(new_conv)  # [conv_dim, K-1] advanced in place
