@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -34,15 +35,6 @@ IDS = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]  # "Hello world" in 
 PROMPT = "Hello world"
 
 
-def _hybrid_refused(m) -> bool:
-    """Speculative decoding on a hybrid model is refused until the hybrid verify lands (branch hybspec)."""
-    try:
-        Engine(m, None, EngineOptions(ctx_size=32, speculative="ngram"))
-    except InfertraceError as e:
-        return "hybrid" in str(e)
-    return False
-
-
 def _load(d):
     ck = load_checkpoint(d)
     return ck, DecoderModel(ck.config, ck.weights)
@@ -55,8 +47,6 @@ def tiny(request, tmp_path_factory):
     d = write_hf_dir(root / "hf", w, s)
     g = write_gguf(root / "m.gguf", w, s)
     ck, m = _load(d)
-    if request.param == 2 and _hybrid_refused(m):
-        pytest.skip("speculative decoding on a hybrid model needs the hybrid verify (branch hybspec)")
     return {"w": w, "s": s, "dir": d, "gguf": g, "ck": ck, "m": m, "root": root}
 
 
@@ -271,7 +261,7 @@ def test_trace_check_and_budget_count_the_mtp_cache(tiny, tmp_path):
 
     cfg = tiny["ck"].config
     o = EngineOptions(ctx_size=64, speculative="mtp", num_spec_tokens=3)
-    plain = check_kv_budget(cfg, EngineOptions(ctx_size=64), torch.float32)
+    plain = check_kv_budget(cfg, dataclasses.replace(o, speculative="ngram"), torch.float32)  # same GDN snapshots, no MTP
     cells = 64 + o.n_seq_max * 4
     assert mtp_kv_bytes(cfg, o, torch.float32) == 2 * cells * cfg.n_head_kv * cfg.head_dim * 4 + cells * (8 + o.n_seq_max)
     assert check_kv_budget(cfg, o, torch.float32) == plain + mtp_kv_bytes(cfg, o, torch.float32)
