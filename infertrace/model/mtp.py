@@ -45,7 +45,6 @@ from infertrace.model.layers import Block, build_block, on_device
 
 if TYPE_CHECKING:
     from infertrace.kv.base import AttnInputs, KVBackend
-    from infertrace.model.decoder import DecoderModel
 
 #: what the trace says of each hidden-state source of an MTP row
 TARGET_HIDDEN = "target: last layer's output after output_norm (llama.cpp t_h_nextn, vLLM/TRT-LLM model output)"
@@ -65,7 +64,7 @@ class MTPHead:
         InfertraceError: a tensor is missing.
     """
 
-    def __init__(self, model: DecoderModel, weights: Mapping[str, Any]):
+    def __init__(self, model: Any, weights: Mapping[str, Any]):
         cfg = model.cfg
         self.il = il = cfg.n_layer
         self.model = model
