@@ -355,6 +355,10 @@ def load_notes(cfg: Any, source: str, raw: dict[str, Any]) -> list[str]:
                                    "/ mtp.pre_fc_norm_hidden / mtp.norm (norms + 1)")
             + "; read only by --speculative mtp (model/mtp.py), never by the main forward pass"] if cfg.mtp_layers else [])
     if source == "gguf":
+        from infertrace.loading.synth import RANDOM_NOTE
+
+        if raw.get("general.description") == RANDOM_NOTE:  # make-qwen35 --format gguf
+            mtp = [RANDOM_NOTE] + mtp
         if cfg.ssm_n_k_heads != cfg.ssm_n_v_heads:
             return ["Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm), ssm_a = -exp(A_log) and GDN "
                     "V heads in tiled order; norms and ssm_a used as stored, V heads put back in HF's grouped order"] + mtp
