@@ -269,3 +269,94 @@ def test_trace_check_and_budget_count_the_mtp_cache(tiny, tmp_path):
     kv = e.spec.summary()["draft_kv"]
     assert kv["cells"] == e.spec.drafter.kv.capacity_tokens == 96 + o.n_seq_max * 4
     assert kv["bytes"] == 2 * kv["cells"] * cfg.n_head_kv * cfg.head_dim * 4
+
+
+# ----------------------------------------------------------------------------- make-qwen35 writes the head (HF and GGUF)
+
+SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+             intermediate_size=96, vocab_size=300, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+             linear_num_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                                        "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """``make-qwen35``'s writer at a small size (the 0.8B shape is tests/test_qwen35_08b.py's): HF dir and GGUF."""
+    from infertrace.loading.synth import write_qwen35_08b
+
+    root = tmp_path_factory.mktemp("made")
+    return write_qwen35_08b(root / "hf", 3, **SMALL), write_qwen35_08b(root / "m.gguf", 3, fmt="gguf", **SMALL)
+
+
+def test_make_qwen35_writes_the_mtp_head_in_hf_and_gguf(made):
+    from safetensors import safe_open
+
+    hf, gg = made
+    with safe_open(str(hf / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+            "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.down_proj.weight"} <= keys
+    assert json.loads((hf / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    import gguf
+
+    r = gguf.GGUFReader(str(gg))
+    assert int(r.fields["qwen35.block_count"].contents()) == 5 and int(r.fields["qwen35.nextn_predict_layers"].contents()) == 1
+    names = {t.name for t in r.tensors}
+    assert {"blk.4.nextn.eh_proj.weight", "blk.4.nextn.enorm.weight", "blk.4.attn_q.weight", "blk.4.ffn_up.weight"} <= names
+    a, b = load_checkpoint(hf), load_checkpoint(gg)  # the same weights through both loaders (GGUF norms stored 1 + w)
+    assert a.config.mtp_layers == b.config.mtp_layers == 1 and set(a.weights) == set(b.weights)
+    for k in a.weights:
+        torch.testing.assert_close(a.weights[k], b.weights[k], rtol=0, atol=0)
+    assert any("random weights" in n for n in b.notes)
+    assert a.tokenizer.encode("Hi Qwen!") == b.tokenizer.encode("Hi Qwen!") == list(b"Hi Qwen!")
+
+
+def test_llama_cpp_loads_the_made_gguf_and_agrees(made):
+    """llama.cpp (llama-cpp-python) reads the GGUF, MTP block included (its loader skips it unless
+    load_mtp), and its logits agree with ours within bfloat16 rounding."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    ids = list(b"Hi Qwen!")
+    lm = llama_cpp.Llama(str(made[1]), n_ctx=64, verbose=False, logits_all=True, n_threads=1)
+    lm.eval(ids)
+    theirs = torch.tensor(np.array(lm.scores[: len(ids)]))  # [T, V]
+    ck, m = _load(made[1])
+    from infertrace.engine.engine import make_kv
+    from infertrace.kv.base import ChunkSpec
+
+    kv = make_kv(m, EngineOptions(ctx_size=64), "torch")
+    ours = m.forward(torch.tensor(ids), kv.prepare([ChunkSpec(0, 0, len(ids))]), kv, torch.arange(len(ids)))
+    assert (theirs - ours).abs().max() < 1e-2 * theirs.abs().max(), (theirs - ours).abs().max()
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+def test_made_gguf_speculative_mtp_equals_greedy_through_the_cli(made, tmp_path):
+    args = ["run", "--model", str(made[1]), "--prompt", "Hi Qwen!", "-n", "6", "--ignore-eos", "--backend", "paged"]
+    plain = CliRunner().invoke(app, args + ["--save", str(tmp_path / "p")])
+    spec = CliRunner().invoke(app, args + ["--speculative", "mtp", "--save", str(tmp_path / "s")])
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    out = [json.loads((tmp_path / d / "trace.json").read_text())["requests"][0]["output_ids"] for d in ("p", "s")]
+    assert out[0] == out[1] and len(out[0]) == 6
+    bad = CliRunner().invoke(app, ["make-qwen35", "--out", str(tmp_path / "x"), "--format", "onnx"])
+    assert bad.exit_code == 2 and "--format must be hf or gguf" in bad.output
+
+
+def test_mtp_position_convention_does_not_change_the_draft(tiny):
+    """vLLM runs the MTP row of (hidden at p, token at p+1) at position p (``set_inputs_first_pass``);
+    llama.cpp's ``common_speculative_impl_draft_mtp::process`` at p+1 (the token's position). RoPE
+    attention depends on position differences only, so both give the same logits (float rounding)."""
+    from infertrace.kv.base import ChunkSpec
+    from infertrace.kv.cells import CellsKV
+
+    m, cfg = tiny["m"], tiny["m"].cfg
+    g = torch.Generator().manual_seed(0)
+    hid = torch.randn(6, cfg.n_embd, generator=g)  # [6, H]
+    ids = torch.tensor([5, 9, 77, 3, 140, 12])
+    outs = []
+    for start in (0, 1):
+        kv = CellsKV(1, cfg.n_head_kv, cfg.head_dim, 16, 1, torch.float32, "cpu")
+        lg, h = m.mtp.forward(ids, hid, kv.prepare([ChunkSpec(0, start, 6)]), kv, torch.arange(6))
+        outs.append((lg, h))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)

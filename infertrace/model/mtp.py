@@ -27,7 +27,10 @@ TensorRT-LLM sets the last layer's ``next_layer_layernorm`` to ``model.norm``, l
 target's hidden at position ``p`` with the token at ``p + 1`` and runs at position ``p``
 (vLLM ``llm_base_proposer.py`` ``set_inputs_first_pass``: input ids shifted by one, positions
 unchanged); its logits propose the token at ``p + 2``. A chained draft feeds the MTP's own
-post-norm hidden state back with the drafted token at the next position.
+post-norm hidden state back with the drafted token at the next position. llama.cpp
+(``common/speculative.cpp`` ``common_speculative_impl_draft_mtp::process`` / ``draft``) runs the same
+row at the token's position ``p + 1`` instead; every row shifts by one, and RoPE attention depends
+on position differences only, so the draft is the same (tests/test_mtp.py checks it).
 
 Norm weights are in the engine's stored convention (``1 + w``: llama.cpp's converter adds 1 to
 every ``*norm.weight`` of Qwen3.5, the MTP's included; HF weights get +1 at load).
