@@ -200,3 +200,119 @@ def test_budget_counts_the_snapshots(models, backend):
         plain_total = check_kv_budget(cfg, EngineOptions(backend=backend, ctx_size=64, tokens_per_block=4, n_seq_max=3),
                                       torch.float32)
         assert check_kv_budget(cfg, o, torch.float32) - plain_total == 3 * n_lin * per_slot * 4 * snaps
+
+
+# --- the trace: which snapshot was kept, the state before / after, through the CLI -------------------------------------
+def _invoke(*args):
+    from typer.testing import CliRunner
+
+    from infertrace.cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "120"})
+
+
+@pytest.fixture(scope="module", params=[("cells", ["--num-spec-tokens", "3"]), ("paged", ["--spec-tree=-1,-1,0,0,1,2"])],
+                ids=["cells-chain", "paged-tree"])
+def saved(request, tmp_path_factory):
+    backend, shape = request.param
+    root = tmp_path_factory.mktemp("hybtrace")
+    w, s = make_weights(seed=3)
+    _echo(w, 10.0)
+    model = write_hf_dir(root / "m", w, s)
+    d = root / backend
+    res = _invoke("run", "--model", model, "--prompt", "HelloHel", "-n", "12", "--ignore-eos", "--backend", backend,
+                  "--tokens-per-block", "4", "--speculative", "draft", "--draft-layers", "3", *shape, "--save", d,
+                  "--keep", "summary")
+    assert res.exit_code == 0, res.output
+    return backend, d, res.output
+
+
+def test_trace_records_the_kept_snapshot_and_state_before_after(saved, models, plain):
+    import json
+
+    backend, d, out = saved
+    m = json.loads((d / "trace.json").read_text())
+    assert PROMPTS[0] == [72, 101, 108, 108, 111, 72, 101, 108]  # "HelloHel": the plain run's first request
+    ref_states = plain[backend][2]
+    st_layers = models["m"].cfg
+    gdn = [i for i in range(st_layers.n_layer) if st_layers.is_linear(i)]
+    rows, prev = 0, None
+    for st in m["steps"]:
+        for r in st["batch"]:
+            sp = r.get("spec")
+            if not sp:
+                continue
+            gs = sp["rewind"]["state"]
+            acc = sp["accepted_nodes"]
+            assert gs["convention"] == backend and gs["kept_node"] == acc[-1] and gs["snapshots"] == r["T"]
+            assert gs["index_name"] == ("rs_idx" if backend == "cells" else "accepted_leaf_positions")
+            # before = the state the previous step left; after = the state this step leaves (hybrid panel)
+            now = {ly["layer"]: ly for ly in st["hybrid"]["state"]["per_seq"][0]["layers"]}
+            was = {ly["layer"]: ly for ly in prev["hybrid"]["state"]["per_seq"][0]["layers"]}
+            for ly in gs["layers"]:
+                for k in ("conv_norm", "conv_sum", "rec_norm", "rec_sum"):
+                    assert ly["before"][k] == was[ly["layer"]][k] and ly["after"][k] == now[ly["layer"]][k]
+                # and the kept state is the plain run's at the same length (an independent run)
+                conv, rec = ref_states[(0, r["C"] + len(acc))]
+                j = gdn.index(ly["layer"])
+                assert abs(ly["after"]["rec_norm"] - float(rec[j].norm())) <= 1e-5 * max(1.0, ly["after"]["rec_norm"])
+                assert abs(ly["after"]["conv_norm"] - float(conv[j].norm())) <= 1e-5 * max(1.0, ly["after"]["conv_norm"])
+            rows += 1
+        prev = st
+    assert rows >= 2
+    assert "GDN state slot 0: kept snapshot of node" in out
+    assert ("rs_idx = " in out) if backend == "cells" else ("accepted_leaf_positions = " in out)
+    res = _invoke("check", d)
+    assert res.exit_code == 0 and "no violation" in res.output, res.output
+    res = _invoke("report", d, "-o", d.parent / f"{backend}.html")
+    assert res.exit_code == 0 and "GDN state: kept snapshot of node" in (d.parent / f"{backend}.html").read_text()
+
+
+def test_tampered_state_record_is_caught(saved, tmp_path):
+    import json
+
+    _, d, _ = saved
+    m = json.loads((d / "trace.json").read_text())
+    r = next(r for st in m["steps"] for r in st["batch"] if r.get("spec") and r["spec"]["rejected_nodes"])
+    gs = r["spec"]["rewind"]["state"]
+    gs["kept_node"] = r["spec"]["rejected_nodes"][0]  # as if a rejected candidate's state had been kept
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "trace.json").write_text(json.dumps(m))
+    res = _invoke("check", bad)
+    assert res.exit_code != 0 and "GDN state kept snapshot" in res.output, res.output
+    gs["kept_node"], gs["layers"][0]["after"]["rec_norm"] = 10 ** 9, -1.0  # out of bounds: refused on load
+    (bad / "trace.json").write_text(json.dumps(m))
+    res = _invoke("show", bad)
+    assert res.exit_code == 2 and "Traceback" not in res.output and ("kept_node" in res.output or "rec_norm" in res.output)
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_sampling_chain_keeps_the_state_of_the_tokens_it_emitted(models, backend):
+    """Speculative sampling (temperature 0.8, rejection sampling) on the hybrid model: after every verify the
+    state equals a fresh prefill of exactly the tokens the request then holds (one chunk, the chunked delta
+    rule), so the state follows whatever was accepted, not the drafts."""
+    from infertrace.kv.base import ChunkSpec
+
+    ck, m = models["ck"], models["m"]
+    e = Engine(m, ck.tokenizer, EngineOptions(backend=backend, ctx_size=256, tokens_per_block=4, speculative="draft",
+                                              draft_layers=3, num_spec_tokens=3))
+    for i, p in enumerate(PROMPTS[:2]):
+        e.add_request(p, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, temperature=0.8, seed=11 + i))
+    st, seen, partial = e.kv.state, [], 0
+    while (b := e.step()) is not None:
+        for c in b.chunks:
+            if c.parents is None or c.req.seq_id not in st.owner:
+                continue
+            n = c.req.num_computed
+            partial += n < c.C + c.T
+            slot = st.owner[c.req.seq_id]
+            seen.append((list(c.req.cache_ids[:n]), [st.rec[il][slot].clone() for il in st.layers],
+                         [st.conv[il][slot].clone() for il in st.layers]))
+    assert len(seen) >= 4 and partial >= 1  # verifies with a rejected draft among them
+    for ids, rec, conv in seen:
+        kv = make_kv(m, EngineOptions(backend="cells", ctx_size=256), "torch")
+        m.forward(torch.tensor(ids), kv.prepare([ChunkSpec(0, 0, len(ids))]), kv, torch.tensor([len(ids) - 1]))
+        for j, il in enumerate(kv.state.layers):
+            torch.testing.assert_close(rec[j], kv.state.rec[il][0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(conv[j], kv.state.conv[il][0], atol=1e-5, rtol=1e-5)

@@ -116,6 +116,9 @@ def spec_kv_view(st: Any) -> RenderableType | None:
         if "freed_blocks" in rw:
             t.append(f" · blocks released {_s(rw.get('freed_blocks'))}")
         parts.append(t)
+        gs = rw.get("state")
+        if isinstance(gs, dict):
+            parts.append(state_select_text(gs))
     return Group(*parts) if parts else None
 
 
@@ -143,6 +146,31 @@ def spec_mtp_view(st: Any) -> RenderableType | None:
                 f"] |h| {_s(row.get('hidden_l2'))} -> draft ", (f"{_s(row.get('argmax'))}", "bold"),
                 f" (logit {_s(row.get('logit_max'))})"))
     return Group(*parts) if parts else None
+
+
+def _num(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else _s(x)
+
+
+def state_select_text(gs: dict[str, Any]) -> Text:
+    """A hybrid verify's GDN state: the snapshot kept (its index as the convention names it: llama.cpp
+    ``rs_idx``, TensorRT-LLM ``num_accepted_draft_tokens`` / ``accepted_leaf_positions``), the ones
+    dropped, and per shown GDN layer the conv / recurrent state's L2 norm and sum before -> after."""
+    where = ("llama.cpp rollback snapshot" if gs.get("convention") == "cells"
+             else "TensorRT-LLM intermediate state (update_mamba_states)")
+    t = Text.assemble(("  GDN state ", "bold"), f"slot {_s(gs.get('slot'))}: kept snapshot of node ",
+                      (_s(gs.get("kept_node")), "green"), f" of {_s(gs.get('snapshots'))} ({where}, ",
+                      (f"{_s(gs.get('index_name'))} = {_s(gs.get('kept_snapshot'))}", "cyan"),
+                      f") · dropped nodes {_s(gs.get('dropped_nodes'))}")
+    for ly in (gs.get("layers") or [])[:3]:
+        if not isinstance(ly, dict):
+            continue
+        b = ly.get("before") if isinstance(ly.get("before"), dict) else {}
+        a = ly.get("after") if isinstance(ly.get("after"), dict) else {}
+        t.append(f"\n    layer {_s(ly.get('layer'))}: conv ‖·‖ {_num(b.get('conv_norm'))} → {_num(a.get('conv_norm'))}"
+                 f" Σ {_num(b.get('conv_sum'))} → {_num(a.get('conv_sum'))} · recurrent ‖·‖ {_num(b.get('rec_norm'))} → "
+                 f"{_num(a.get('rec_norm'))} Σ {_num(b.get('rec_sum'))} → {_num(a.get('rec_sum'))}", style=_DIM)
+    return t
 
 
 def with_extra(body: RenderableType | None, extra: RenderableType | None) -> RenderableType | None:

@@ -214,6 +214,19 @@ def _decode(st: StepTrace) -> Markup:
     return J(out)
 
 
+def _state_kept(gs: Any) -> str:
+    """A hybrid verify's GDN state snapshot choice as one plain-text clause ('' when the row has none)."""
+    if not isinstance(gs, dict):
+        return ""
+    ly = next((x for x in gs.get("layers") or [] if isinstance(x, dict)), {})
+    b = ly.get("before") if isinstance(ly.get("before"), dict) else {}
+    a = ly.get("after") if isinstance(ly.get("after"), dict) else {}
+    return (f" · GDN state: kept snapshot of node {gs.get('kept_node')} of {gs.get('snapshots')} "
+            f"({gs.get('index_name')} = {gs.get('kept_snapshot')}), dropped {str(gs.get('dropped_nodes'))[:200]}; "
+            f"layer {ly.get('layer')} recurrent norm {b.get('rec_norm')} → {a.get('rec_norm')}, "
+            f"sum {b.get('rec_sum')} → {a.get('rec_sum')}")
+
+
 def _spec(st: StepTrace) -> Markup:
     """Speculative verify rows of the step: the verify mask over the candidates (■ sees, · not;
     accepted nodes marked ✓, rejected ✗), each recorded form of it, and the KV rewind."""
@@ -238,7 +251,8 @@ def _spec(st: StepTrace) -> Markup:
         rewind = (f"rewind: {rw.get('op')} {rw.get('range') or ''} · kept pos {rw.get('kept_pos')} · removed pos {rw.get('removed_pos')}"
                   + (f" · cells freed {rw.get('freed')}" if "freed" in rw else "")
                   + (f" · K/V moved slot→slot {str(rw.get('moved_slots'))[:400]}" if rw.get("moved_slots") else "")
-                  + (f" · blocks released {str(rw.get('freed_blocks'))[:400]}" if "freed_blocks" in rw else "")) if rw else ""
+                  + (f" · blocks released {str(rw.get('freed_blocks'))[:400]}" if "freed_blocks" in rw else "")
+                  + _state_kept(rw.get("state"))) if rw else ""
         out.append(M('<div class="spec-row" data-seq="{}"><p><b>seq {}</b>: {} candidates at positions {} · tree parents {} · '
                      'accepted {} of {} drafts · emitted {}</p>{}{}<p class="dim">{}</p></div>').format(
             r.seq_id, r.seq_id, r.T, v.int_list_text(r.positions), v.int_list_text(sp.get("parents")), sp.get("accepted"),

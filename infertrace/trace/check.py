@@ -487,7 +487,10 @@ def verify_row_problem(r: dict[str, Any]) -> str | None:
     T - 1, ``accepted`` = accepted path - 1, ``rejected_nodes`` = the other nodes, ``emitted`` = the
     accepted drafts' tokens then one more (cut short only when the request finished), and every
     recorded verify-mask form (``verify_mask`` rows, llama.cpp ``kq_mask_block``, TensorRT-LLM
-    ``position_offsets`` / ``packed_mask``) equal to the ancestor relation / depths."""
+    ``position_offsets`` / ``packed_mask``) equal to the ancestor relation / depths; on a hybrid
+    model the kept GDN state snapshot (``rewind.state``) is the accepted path's last node (indexed as
+    the convention names it: llama.cpp ``rs_idx`` = tokens rolled back for a chain on cells) and
+    every other snapshot is dropped."""
     sp, T, toks = r["spec"], r["T"], r.get("token_ids")
     par, acc = sp["parents"], sp["accepted_nodes"]
     if sp.get("drafted") != T - 1:
@@ -501,6 +504,16 @@ def verify_row_problem(r: dict[str, Any]) -> str | None:
         return f"emits {len(em) if isinstance(em, list) else em!r} tokens for an accepted path of {len(acc)} (one per accepted node)"
     if isinstance(toks, list) and len(toks) == T and em[: len(acc) - 1] != [toks[a] for a in acc[1 : len(em) + 1]]:
         return "the emitted tokens do not begin with the accepted drafts' tokens"
+    rw = sp.get("rewind")
+    gs = rw.get("state") if isinstance(rw, dict) else None
+    if isinstance(gs, dict):  # a hybrid model: the kept GDN state snapshot is the last accepted candidate's
+        chain = par == list(range(-1, T - 1))
+        idx = T - len(acc) if chain and gs.get("convention") == "cells" else acc[-1]
+        if gs.get("snapshots") != T or gs.get("kept_node") != acc[-1] or gs.get("kept_snapshot") != idx:
+            return (f"the GDN state kept snapshot {gs.get('kept_snapshot')!r} (node {gs.get('kept_node')!r} of "
+                    f"{gs.get('snapshots')!r}) but the accepted path ends at node {acc[-1]} of {T}")
+        if sorted(gs.get("dropped_nodes") or []) != [i for i in range(T) if i != acc[-1]]:
+            return "the GDN state's dropped_nodes are not every snapshot but the kept one"
     anc = _ancestors(par)
     want = ["".join("1" if j in anc[i] else "0" for j in range(T)) for i in range(T)]
     if "verify_mask" in sp and sp["verify_mask"] != want:

@@ -251,9 +251,18 @@ SERVING = Obj({}, {"prefix": Map(PREFIX), "ops_before_step": List(SHIFT_OP), "ev
               extra=True, null=True)
 # speculative decoding (engine/speculative.py, trace/spec_capture.py): per verify chunk, per step, per run
 NODE = Int(0, L["MAX_LIST"])
+#: a hybrid model's verify: which GDN state snapshot was kept (kv/recurrent.py RecurrentState.select) and the
+#: state's L2 norm / sum before (the state before the chunk) and after (the kept snapshot), per shown GDN layer
+STATE_STATS = Obj({"conv_norm": Num(lo=0), "conv_sum": F, "rec_norm": Num(lo=0), "rec_sum": F})
+SPEC_STATE = Obj({"convention": Str(choices=("cells", "paged")), "slot": DIM, "snapshots": Int(1, 4096),
+                  "kept_node": Int(0, 4095), "kept_snapshot": Int(0, 4095),
+                  "index_name": Str(choices=("rs_idx", "node", "num_accepted_draft_tokens", "accepted_leaf_positions")),
+                  "dropped_nodes": List(Int(0, 4095), 4096),
+                  "layers": List(Obj({"layer": DIM, "before": STATE_STATS, "after": STATE_STATS}), 3)})
 SPEC_REWIND = Obj({}, {"op": S, "seq_id": SEQ, "kept_pos": OPT_RANGE, "n_removed": NODE, "range": Str(null=True),
                        "removed_pos": OPT_RANGE, "freed": OPT_RANGE, "freed_blocks": List(BLK),
-                       "moved_slots": List(List(Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"]), length=2))},
+                       "moved_slots": List(List(Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"]), length=2)),
+                       "state": SPEC_STATE},
                   extra=True, null=True)
 #: --speculative mtp: what each MTP row read (engine/drafters.py MTPDrafter: position, token, which hidden state)
 MTP_ROW = Obj({"node": Int(-1, 4096), "position": Int(-1, L["MAX_CTX"] - 1), "token": U,
