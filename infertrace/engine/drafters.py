@@ -151,21 +151,32 @@ class DraftModelDrafter:
         self.cached: dict[int, list[int]] = {}  # token ids in the draft cache, by seq_id
         self.gens: dict[int, torch.Generator] = {}
         self.forwards = 0
-        self.recomputed = 0  # a hybrid draft: sequences re-evaluated from position 0 after a rejected draft
+        self.recomputed = 0  # a hybrid draft: sequences re-evaluated from position 0
+        self.restored = 0  # a hybrid draft: rollbacks to the state checkpoint of the last sync
+        #: a hybrid draft: per seq_id the state after the last sync (HybridKV.checkpoint), for rollbacks
+        self.ckpt: dict[int, dict[str, Any]] = {}
 
     def release(self, seq_id: int) -> None:
         """Free ``seq_id``'s cells in the draft model's own cache (llama.cpp ``seq_rm(seq, -1, -1)``)."""
         if seq_id in self.cached:
             self.kv.release(seq_id)
             del self.cached[seq_id]
+        self.ckpt.pop(seq_id, None)
 
     def _truncate(self, seq_id: int, n: int, have: Sequence[int]) -> int:
         """Drop the draft cache's positions ``n..`` of ``seq_id`` (llama.cpp ``seq_rm(seq, n, -1)``);
-        returns how many positions it still holds: ``n``, or 0 when the memory refused (a hybrid
-        draft's recurrent state cannot drop a tail: its whole sequence is freed and re-evaluated)."""
+        returns how many positions it still holds. A hybrid draft's recurrent state cannot drop a tail
+        (``seq_rm`` answers False): it goes back to the checkpoint taken after the last sync when that
+        is at or before ``n`` (llama.cpp server's speculative checkpointing: restore, then re-decode the
+        accepted tokens), else the whole sequence is freed and re-evaluated (0)."""
         if self.kv.seq_rm(seq_id, n, -1):
             return n
+        ck = self.ckpt.get(seq_id)
+        if ck is not None and ck["n"] <= n and self.kv.restore(seq_id, ck):
+            self.restored += 1
+            return int(ck["n"])
         self.kv.release(seq_id)
+        self.ckpt.pop(seq_id, None)
         self.recomputed += 1
         return 0
 
@@ -196,7 +207,11 @@ class DraftModelDrafter:
             chunks.append(ChunkSpec(r.seq_id, n, len(want) - n))
             ids += want[n:]
             self.cached[r.seq_id] = want
-        return self._forward(chunks, ids)
+        logits = self._forward(chunks, ids)
+        if hasattr(self.kv, "checkpoint"):  # a hybrid draft: the state at the accepted tokens, before drafting
+            for r in reqs:
+                self.ckpt[r.seq_id] = self.kv.checkpoint(r.seq_id)
+        return logits
 
     def _pick(self, logits: torch.Tensor, r: Any, seen: list[int], rank: int, order: str) -> tuple[int, torch.Tensor | None]:
         if r.params.greedy:
@@ -281,8 +296,10 @@ def draft_memory(draft: Any, size: int, n_seq_max: int, kv_dtype: torch.dtype | 
     (K/V for its attention layers, one GDN state slot per sequence, llama.cpp cells convention).
 
     A hybrid draft cannot drop a rejected tail from its recurrent state (``seq_rm`` answers False,
-    as llama.cpp's ``memory_recurrent`` without ``n_rs_seq``): :class:`DraftModelDrafter` then frees
-    the sequence and re-evaluates its accepted tokens (llama.cpp server's checkpoint-less fallback)."""
+    as llama.cpp's ``memory_recurrent`` without ``n_rs_seq``): :class:`DraftModelDrafter` then goes
+    back to the checkpoint it took after the last sync (:meth:`~infertrace.kv.recurrent.HybridKV.checkpoint`,
+    llama.cpp server's speculative checkpointing, ggml-org/llama.cpp PR 19493) and re-evaluates the
+    tokens accepted since."""
     cfg = draft.cfg
     n_layer = len(draft.layers)
     dt = kv_dtype or draft.dtype

@@ -253,6 +253,31 @@ class RecurrentState:
                 "index_name": name, "dropped_nodes": [i for i in range(T) if i != node],
                 "layers": [{"layer": il, "before": before[il], "after": self._stats(slot, il)} for il in shown]}
 
+    def checkpoint(self, seq_id: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of ``seq_id``'s conv ``[conv_dim, K-1]`` and recurrent ``[Hv, dk, dv]`` state per GDN layer
+        (llama.cpp server's speculative checkpoint: ``llama_state_seq_get_data`` of the recurrent part).
+
+        Raises:
+            InfertraceError: ``seq_id`` holds no state.
+        """
+        slot = self.owner.get(seq_id)
+        if slot is None:
+            raise InfertraceError(f"checkpoint: seq {seq_id} holds no recurrent state")
+        return {il: (self.conv[il][slot].clone(), self.rec[il][slot].clone()) for il in self.layers}
+
+    def restore(self, seq_id: int, ckpt: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put a :meth:`checkpoint` back into ``seq_id``'s slot (``llama_state_seq_set_data``).
+
+        Raises:
+            InfertraceError: ``seq_id`` holds no state, or the checkpoint is of other layers.
+        """
+        slot = self.owner.get(seq_id)
+        if slot is None or set(ckpt) != set(self.layers):
+            raise InfertraceError(f"restore: seq {seq_id} holds no recurrent state or the checkpoint is of other layers")
+        for il, (c, r) in ckpt.items():
+            self.conv[il][slot].copy_(c)  # [conv_dim, K-1]
+            self.rec[il][slot].copy_(r)  # [Hv, dk, dv]
+
     # --- reading ------------------------------------------------------------------
     def state_of(self, il: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Conv ``[conv_dim, K-1]`` and recurrent ``[Hv, dk, dv]`` state of ``seq_id`` in layer ``il``."""
@@ -263,7 +288,8 @@ class RecurrentState:
         """JSON-ready view for traces and ``dump-kv``: convention, slots, shapes, dtype (GGUF-style name),
         bytes per request, ``state_indices`` / ``rs_z`` of the last step (when ``active``) and, per
         request holding a slot, the L2 norm and sum (checksum) of the conv and recurrent state of the
-        first two and the last GDN layer."""
+        first two and the last GDN layer; with speculative verify snapshots also ``snapshots_per_slot``
+        and ``snapshot_bytes_per_seq``."""
         per = []
         shown = self.layers[:2] + ([self.layers[-1]] if len(self.layers) > 2 else [])
         for sid, slot in sorted(self.owner.items()):
@@ -275,12 +301,16 @@ class RecurrentState:
             per.append({"seq_id": sid, "slot": slot, "layers": rows})
         any_rec = next(iter(self.rec.values()), None)
         size = self.conv_shape[0] * self.conv_shape[1] + self.rec_shape[0] * self.rec_shape[1] * self.rec_shape[2]
-        return {"convention": self.convention, "n_slots": self.n_slots, "n_layers": len(self.layers),
-                "conv_shape": list(self.conv_shape), "rec_shape": list(self.rec_shape),
-                "dtype": _dt(any_rec) if any_rec is not None else "",
-                "state_indices": list(self.last_indices) if active else [], "rs_z": self.rs_z if active else -1,
-                "free": list(self.free)[:64], "per_seq": per,
-                "bytes_per_seq": int(len(self.layers) * size * (any_rec.element_size() if any_rec is not None else 4))}
+        out = {"convention": self.convention, "n_slots": self.n_slots, "n_layers": len(self.layers),
+               "conv_shape": list(self.conv_shape), "rec_shape": list(self.rec_shape),
+               "dtype": _dt(any_rec) if any_rec is not None else "",
+               "state_indices": list(self.last_indices) if active else [], "rs_z": self.rs_z if active else -1,
+               "free": list(self.free)[:64], "per_seq": per,
+               "bytes_per_seq": int(len(self.layers) * size * (any_rec.element_size() if any_rec is not None else 4))}
+        if self.n_snap:  # speculative: verify snapshots per slot (only then, so other traces keep their bytes)
+            out["snapshots_per_slot"] = self.n_snap
+            out["snapshot_bytes_per_seq"] = out["bytes_per_seq"] * self.n_snap
+        return out
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready view: shapes, slots, owners and per (layer, seq) L2 norm + checksum (sum)."""
@@ -410,6 +440,19 @@ class HybridKV(MemoryDefaults):
 
     def lookup(self, seq_id: int, prompt: Sequence[int]) -> dict[str, Any]:
         return {"hit": 0, "refused": NO_REUSE_REASON}
+
+    def checkpoint(self, seq_id: int) -> dict[str, Any]:
+        """``{"n": cached tokens, "state": RecurrentState.checkpoint}`` of ``seq_id``: what llama.cpp server's
+        speculative checkpointing saves of a hybrid context before drafting (``tools/server``,
+        ``llama_state_seq_get_data_ext`` with ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``)."""
+        return {"n": self.attn.seq_len(seq_id), "state": self.state.checkpoint(seq_id)}
+
+    def restore(self, seq_id: int, ckpt: dict[str, Any]) -> MemOp:
+        """Back to a :meth:`checkpoint`: its GDN state restored, the attention part's positions from
+        ``ckpt["n"]`` on removed (``seq_rm(seq, n, -1)``); then the tokens accepted since are re-evaluated
+        by the caller."""
+        self.state.restore(seq_id, ckpt["state"])
+        return self.attn.seq_rm(seq_id, int(ckpt["n"]), -1)
 
     # --- state read ----------------------------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:

@@ -194,7 +194,9 @@ def state_view(s: dict[str, Any]) -> list[RenderableType]:
     parts: list[RenderableType] = [Text(
         f"state ({conv}) per GDN layer: conv {_sh(s.get('conv_shape'))} + recurrent {_sh(s.get('rec_shape'))} "
         f"{s.get('dtype')} × {s.get('n_layers')} layers = {s.get('bytes_per_seq')} bytes per request, constant · "
-        f"slots {s.get('n_slots')} · state_indices {int_list_text(s.get('state_indices') or [])} · rs_z {s.get('rs_z')}")]
+        f"slots {s.get('n_slots')} · state_indices {int_list_text(s.get('state_indices') or [])} · rs_z {s.get('rs_z')}"
+        + (f" · speculative verify: {s.get('snapshots_per_slot')} state snapshots per slot "
+           f"(+{s.get('snapshot_bytes_per_seq')} bytes per request)" if s.get("snapshots_per_slot") else ""))]
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     for c in ("seq", "slot", "layer", "conv shape", "‖conv‖", "Σconv", "recurrent shape", "‖S‖", "ΣS"):
         t.add_column(c, justify="right" if c not in ("conv shape", "recurrent shape") else "left")

@@ -380,7 +380,8 @@ HYBRID = Obj({"layer_map": Obj({"linear_attention": List(DIM), "full_attention":
                             "per_seq": List(Obj({"seq_id": SEQ, "slot": DIM, "layers": List(Obj(
                                 {"layer": DIM, "conv_norm": F, "conv_sum": F, "rec_norm": F, "rec_sum": F}), 3)})),
                             "bytes_per_seq": Int(0, 1 << 50)},
-                           {"gdn_layer": DIM, "qkv": TSHAPE})}, null=True)
+                           {"gdn_layer": DIM, "qkv": TSHAPE, "snapshots_per_slot": Int(1, 4096),
+                            "snapshot_bytes_per_seq": Int(0, 1 << 50)})}, null=True)
 #: run --engine vllm (runtimes/vllm/engine.py): vLLM's scheduler output and attention metadata as vLLM built them
 #: (vLLM's names: seq_lens = kv length, query_start_loc = cu_seqlens; block 0 is its null block)
 SLOT = Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"])
