@@ -360,3 +360,36 @@ def test_mtp_position_convention_does_not_change_the_draft(tiny):
         outs.append((lg, h))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_draft_equals_llama_cpp_graph_mtp(made):
+    """llama.cpp's own MTP graph on the made GGUF: its ``t_h_nextn`` is our hidden after the final norm
+    (the MTP's input), and its MTP logits for the pending token's row are our draft logits (bfloat16
+    weights: within 1 % of the logits' scale, same draft)."""
+    pytest.importorskip("llama_cpp")
+    from infertrace.engine.engine import make_kv
+    from infertrace.kv.base import ChunkSpec
+    from infertrace.kv.cells import CellsKV
+    from tests.llama_mtp import llama_cpp_mtp
+
+    ck, m = _load(made[1])
+    ids = list(b"Hi Qwen!")
+    kv = make_kv(m, EngineOptions(ctx_size=64), "torch")
+    hid: list = []
+    lg = m.forward(torch.tensor(ids), kv.prepare([ChunkSpec(0, 0, len(ids))]), kv, torch.tensor([len(ids) - 1]),
+                   hidden_out=hid)
+    pending = int(lg[0].argmax())
+    res = llama_cpp_mtp(str(made[1]), ids, pending)
+    if res is None:
+        pytest.skip("this llama-cpp-python build has no MTP context API")
+    h_ref, mtp_ref = torch.tensor(res[0]), torch.tensor(res[1])
+    assert (hid[0] - h_ref).abs().max() < 1e-2 * h_ref.abs().max()
+    mk = CellsKV(1, m.cfg.n_head_kv, m.cfg.head_dim, 32, 1, torch.float32, "cpu")
+    ours, _ = m.mtp.forward(torch.tensor(ids[1:] + [pending]), hid[0], mk.prepare([ChunkSpec(0, 0, len(ids))]), mk,
+                            torch.tensor([len(ids) - 1]))
+    assert (ours[0] - mtp_ref).abs().max() < 1e-2 * mtp_ref.abs().max(), (ours[0] - mtp_ref).abs().max()
+    assert int(ours[0].argmax()) == int(mtp_ref.argmax())
+    mk = CellsKV(1, m.cfg.n_head_kv, m.cfg.head_dim, 32, 1, torch.float32, "cpu")
+    wrong, _ = m.mtp.forward(torch.tensor(ids[1:] + [pending]), hid[0] * 0, mk.prepare([ChunkSpec(0, 0, len(ids))]), mk,
+                             torch.tensor([len(ids) - 1]))  # the comparison can fail: no hidden state, other logits
+    assert (wrong[0] - mtp_ref).abs().max() > 5e-2 * mtp_ref.abs().max()
