@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -393,3 +394,42 @@ def test_draft_equals_llama_cpp_graph_mtp(made):
     wrong, _ = m.mtp.forward(torch.tensor(ids[1:] + [pending]), hid[0] * 0, mk.prepare([ChunkSpec(0, 0, len(ids))]), mk,
                              torch.tensor([len(ids) - 1]))  # the comparison can fail: no hidden state, other logits
     assert (wrong[0] - mtp_ref).abs().max() > 5e-2 * mtp_ref.abs().max()
+
+
+# ----------------------------------------------------------------------------- hostile input
+
+
+def test_tampered_mtp_record_refused_or_shown_escaped(tiny, tmp_path):
+    _, tr = _cli_run(tiny["dir"], tmp_path / "t")
+    step, row = next((s, r) for s in tr["steps"] for r in s["batch"] if r.get("spec"))
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "t", bad)
+    row["spec"]["mtp"]["rows"][0]["hidden_from"] = "oracle"  # not one of target / mtp
+    (bad / "trace.json").write_text(json.dumps(tr))
+    r = CliRunner().invoke(app, ["show", str(bad)])
+    assert r.exit_code == 2 and "hidden_from" in r.output and "Traceback" not in r.output
+    row["spec"]["mtp"]["rows"][0]["hidden_from"] = "target"
+    row["spec"]["mtp"]["rows"][0]["hidden_norm"] = "output_norm\x1b[2J\x07"  # terminal control codes
+    (bad / "trace.json").write_text(json.dumps(tr))
+    r = CliRunner().invoke(app, ["show", str(bad), "--steps", str(step["step"]), "--show", "hidden"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "MTP draft inputs" in r.output and "\x1b[2J" not in r.output and "\x07" not in r.output
+
+
+@pytest.mark.parametrize("nextn,msg", [(4, "must be in 0..block_count-1"), (2, "more than one MTP block")])
+def test_gguf_bad_nextn_predict_layers(tmp_path, nextn, msg):
+    w, s = make_weights(seed=2, interval=2)
+    g = write_gguf(tmp_path / "m.gguf", w, s, extra_kv={"nextn_predict_layers": nextn})
+    with pytest.raises(InfertraceError, match=msg):
+        load_checkpoint(g)
+
+
+def test_speculative_mtp_option_errors(tiny):
+    for extra, msg in ((["--draft-layers", "1"], "need --speculative draft"), (["--ngram-max", "5"], "--speculative ngram")):
+        r = CliRunner().invoke(app, ["run", "--model", str(tiny["dir"]), "--prompt", "hi", "-n", "2", "--speculative", "mtp",
+                                     *extra])
+        assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output
+    w, s = make_weights(seed=2, interval=1)
+    r = CliRunner().invoke(app, ["run", "--model", str(write_hf_dir(tiny["root"] / "nomtp", w, s)), "--prompt", "hi", "-n", "2",
+                                 "--speculative", "mtp"])
+    assert r.exit_code == 2 and "needs a model with an MTP head" in r.output
