@@ -409,6 +409,12 @@ def test_tampered_mtp_record_refused_or_shown_escaped(tiny, tmp_path):
     r = CliRunner().invoke(app, ["show", str(bad)])
     assert r.exit_code == 2 and "hidden_from" in r.output and "Traceback" not in r.output
     row["spec"]["mtp"]["rows"][0]["hidden_from"] = "target"
+    assert CliRunner().invoke(app, ["check", str(tmp_path / "t")]).exit_code == 0
+    row["spec"]["mtp"]["rows"][0]["hidden_position"] -= 1  # as if the MTP had read the hidden one position early
+    (bad / "trace.json").write_text(json.dumps(tr))
+    r = CliRunner().invoke(app, ["check", str(bad)])
+    assert r.exit_code != 0 and "the MTP's first row must pair" in r.output
+    row["spec"]["mtp"]["rows"][0]["hidden_position"] += 1
     row["spec"]["mtp"]["rows"][0]["hidden_norm"] = "output_norm\x1b[2J\x07"  # terminal control codes
     (bad / "trace.json").write_text(json.dumps(tr))
     r = CliRunner().invoke(app, ["show", str(bad), "--steps", str(step["step"]), "--show", "hidden"], env={"COLUMNS": "200"})
