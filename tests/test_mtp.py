@@ -439,3 +439,30 @@ def test_speculative_mtp_option_errors(tiny):
     r = CliRunner().invoke(app, ["run", "--model", str(write_hf_dir(tiny["root"] / "nomtp", w, s)), "--prompt", "hi", "-n", "2",
                                  "--speculative", "mtp"])
     assert r.exit_code == 2 and "needs a model with an MTP head" in r.output
+
+
+def test_preemption_and_recompute_keep_mtp_greedy(tiny):
+    """A pool too small for three requests preempts two; their recompute hands the MTP the hidden rows
+    again from position 0 (its cache from there is dropped) and the output still equals plain greedy."""
+    m, tok = tiny["m"], tiny["ck"].tokenizer
+    prompts = (IDS, IDS[3:9], [33, 34, 35, 33, 34])
+    outs, pre = {}, {}
+    for spec in (None, "mtp"):
+        e = Engine(m, tok, EngineOptions(backend="paged", ctx_size=96, tokens_per_block=4, num_blocks=10, speculative=spec,
+                                         num_spec_tokens=3))
+        rs = [e.add_request(list(p), SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
+        e.run()
+        outs[spec], pre[spec] = [r.output_ids for r in rs], sum(r.num_preemptions for r in rs)
+    assert pre["mtp"] > 0 and outs["mtp"] == outs[None]
+
+
+def test_sampling_chain_counts(tiny, tmp_path):
+    """Speculative sampling with MTP drafts (q = the MTP's sampling distribution): every target forward
+    emits 1 + its accepted drafts, and a head that copies the main model gets most drafts accepted."""
+    ck, m = _load(write_hf_dir(tmp_path / "hf", _copy_head(tiny["w"], tiny["s"], 0.0), tiny["s"]))
+    e = Engine(m, ck.tokenizer, EngineOptions(ctx_size=96, speculative="mtp", num_spec_tokens=3))
+    e.add_request(IDS, SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.7, seed=3))
+    e.run()
+    st = e.spec.req_stats[0]
+    acc = sum(st["accepted_by_pos"])
+    assert st["verify_forwards"] + acc == 19 and acc > sum(st["drafted_by_pos"]) // 2
