@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from infertrace.engine.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, layer_skip, target_probs
+from infertrace.engine.drafters import DraftModelDrafter, NgramDrafter, layer_skip, target_probs
+from infertrace.engine.mtp_drafter import MTPDrafter
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.errors import InfertraceError
 

@@ -230,7 +230,7 @@ def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, A
         raise InfertraceError(f"GGUF {arch}.rope.dimension_sections must be up to 4 small integers; the file is broken")
     sec = list(sec)
     led.honour(f.key("rope.dimension_sections"), sec, "M-RoPE sections (ggml_rope_multi); text positions equal on all axes")
-    mtp = _gguf_nextn(f, kw, led, names)
+    mtp = _gguf_nextn(f, kw, led)
     n = kw["n_layer"]
     rec = meta.get(f"{arch}.attention.recurrent_layers")
     n_all = n + (f.num("nextn_predict_layers", 0, int) or 0)
@@ -268,7 +268,7 @@ def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, A
     return dict(kw, family="qwen35", act="silu", qk_norm=True, mtp_layers=mtp, **hybrid)
 
 
-def _gguf_nextn(f: Any, kw: dict[str, Any], led: Ledger, names: set[str]) -> int:
+def _gguf_nextn(f: Any, kw: dict[str, Any], led: Ledger) -> int:
     """``{arch}.nextn_predict_layers``: llama.cpp counts the MTP blocks in ``block_count``
     (``n_layer_all``; ``hparams.n_layer() = n_layer_all - n_layer_nextn``, src/llama-hparams.cpp) and
     stores them as ``blk.{n_layer}.*`` (``load_block_mtp`` in src/models/qwen35.cpp). Sets
