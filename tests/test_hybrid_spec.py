@@ -189,6 +189,8 @@ def test_tree_snapshots_are_each_path_run_as_one_chunk():
 
 @pytest.mark.parametrize("backend", ["cells", "paged"])
 def test_budget_counts_the_snapshots(models, backend):
+    from infertrace.kv.base import ChunkSpec
+
     m = models["m"]
     cfg = m.cfg
     n_lin = sum(1 for i in range(cfg.n_layer) if cfg.is_linear(i))
@@ -199,12 +201,26 @@ def test_budget_counts_the_snapshots(models, backend):
         o = EngineOptions(backend=backend, ctx_size=64, tokens_per_block=4, n_seq_max=3, **kw)
         assert spec_snapshots(o) == snaps
         assert recurrent_state_bytes(cfg, o, torch.float32) == 3 * n_lin * per_slot * 4 * (1 + snaps)
-        st = make_kv(m, o, "torch").state  # what is allocated is what is counted
-        allocated = sum(t.numel() * t.element_size() for d in (st.conv, st.rec, st.snap_conv, st.snap_rec) for t in d.values())
+        kv = make_kv(m, o, "torch")  # what is allocated once every slot verified is what is counted
+        st = kv.state
+        if snaps:
+            for sid in range(3):
+                kv.prepare([ChunkSpec(sid, 0, 1)])
+                kv.prepare([ChunkSpec(sid, 1, snaps, [-1] + list(range(snaps - 1)))])
+                for il in st.layers:
+                    st.keep_snapshots(il, st.owner[sid], torch.zeros(snaps, *st.conv_shape), torch.zeros(snaps, *st.rec_shape))
+        allocated = sum(t.numel() * t.element_size() for d in (st.conv, st.rec) for t in d.values()) + st.snapshot_bytes()
         assert allocated == recurrent_state_bytes(cfg, o, torch.float32)
         plain_total = check_kv_budget(cfg, EngineOptions(backend=backend, ctx_size=64, tokens_per_block=4, n_seq_max=3),
                                       torch.float32)
         assert check_kv_budget(cfg, o, torch.float32) - plain_total == 3 * n_lin * per_slot * 4 * snaps
+    # a budget over the limit says the snapshots are in it
+    from infertrace.errors import InfertraceError
+
+    big = EngineOptions(backend=backend, ctx_size=64, tokens_per_block=4, n_seq_max=10 ** 7, speculative="ngram",
+                        num_spec_tokens=3)
+    with pytest.raises(InfertraceError, match=r"GDN state for 10000000 sequences \(with 4 verify snapshots each\)"):
+        check_kv_budget(cfg, big, torch.float32)
 
 
 # --- the trace: which snapshot was kept, the state before / after, through the CLI -------------------------------------

@@ -12,7 +12,8 @@ from the tensors the forward tapped, never derived from the config):
   into Q / gate / K / V, attention output ``* sigmoid(gate)`` -> ``o_proj``;
 * memory: per GDN layer the conv state ``[conv_dim, K-1]`` and recurrent state ``[Hv, dk, dv]`` of
   each request (shape constant; L2 norm and checksum per step show the values advance), the
-  slots / cells holding them (``state_indices``, ``rs_z``), and why prefix reuse is off.
+  slots / cells holding them (``state_indices``, ``rs_z``), and why prefix reuse is off; a speculative
+  run adds the verify snapshots per slot and their bytes (``snapshots_per_slot``).
 
 Mirrors TensorRT-LLM ``_torch/pyexecutor/model_engine.py`` (mRoPE position ids),
 ``mamba_cache_manager.py`` (state slots) and llama.cpp ``src/llama-graph.cpp`` /

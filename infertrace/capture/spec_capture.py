@@ -2,7 +2,8 @@
 
 Per verify chunk: the draft tree (chunk-local parents, root 0 = the pending token), the
 candidates' positions ``C + depth``, which nodes were accepted / rejected, the emitted tokens, the
-KV rewind, and the verify mask *read back from what attention consumed*: on ``cells`` the rows of
+KV rewind (on a hybrid model with ``rewind.state``: the GDN state snapshot kept and the state's norm /
+sum before and after, :meth:`~infertrace.kv.recurrent.RecurrentState.select`), and the verify mask *read back from what attention consumed*: on ``cells`` the rows of
 ``kq_mask`` over the chunk's own cells (llama.cpp), on ``paged`` the unpacked
 ``spec_decoding_packed_mask`` rows plus ``spec_decoding_position_offsets`` (TensorRT-LLM).
 """

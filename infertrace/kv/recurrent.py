@@ -63,9 +63,10 @@ class RecurrentState:
         convention: ``"cells"`` (llama.cpp memory_recurrent) or ``"paged"`` (TensorRT-LLM state slots).
         dtype, device: storage.
         n_snap: speculative verify snapshots per slot (the largest verify chunk: draft nodes + 1);
-            0 = no speculative decoding. Storage ``snap_conv[il]`` ``[n_slots, n_snap, conv_dim, K-1]``
-            and ``snap_rec[il]`` ``[n_slots, n_snap, Hv, dk, dv]``, counted by
-            :func:`~infertrace.kv.budget.recurrent_state_bytes`.
+            0 = no speculative decoding. Storage per slot ``snap[slot] = (conv, rec)`` with, per GDN
+            layer, ``conv[il]`` ``[n_snap, conv_dim, K-1]`` and ``rec[il]`` ``[n_snap, Hv, dk, dv]``,
+            allocated on the slot's first verify (TensorRT-LLM and llama.cpp allocate them for every
+            slot up front; :func:`~infertrace.kv.budget.recurrent_state_bytes` counts them all).
 
     Raises:
         InfertraceError: ``n_slots`` < 1 or ``n_snap`` < 0.
@@ -90,11 +91,9 @@ class RecurrentState:
         self.rs_z = -1  # cells: the cell zeroed in the last prepare (-1 = none)
         self.last_indices: list[int] = []
         self.n_snap = n_snap
-        snap = (n_slots, n_snap)
-        self.snap_conv = {il: torch.zeros(*snap, *self.conv_shape, dtype=dtype, device=device)
-                          for il in self.layers} if n_snap else {}  # [S, n_snap, C, K-1]
-        self.snap_rec = {il: torch.zeros(*snap, *self.rec_shape, dtype=dtype, device=device)
-                         for il in self.layers} if n_snap else {}  # [S, n_snap, Hv, dk, dv]
+        self.dtype, self.device = dtype, device
+        #: slot -> (conv, rec) snapshots per GDN layer: [n_snap, C, K-1] / [n_snap, Hv, dk, dv]
+        self.snap: dict[int, tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]] = {}
         #: seq_id -> (slot, parents) of the verify chunk whose snapshots await :meth:`select`
         self.pending: dict[int, tuple[int, list[int]]] = {}
 
@@ -197,15 +196,21 @@ class RecurrentState:
         T = conv.shape[0]
         if T > self.n_snap:
             raise InfertraceError(f"{T} verify candidates but {self.n_snap} state snapshots per slot")
-        self.snap_conv[il][slot, :T].copy_(conv)  # [T, conv_dim, K-1]
-        self.snap_rec[il][slot, :T].copy_(rec)  # [T, Hv, dk, dv]
+        if slot not in self.snap:  # the slot's first verify
+            kw = dict(dtype=self.dtype, device=self.device)
+            self.snap[slot] = ({i: torch.zeros(self.n_snap, *self.conv_shape, **kw) for i in self.layers},  # [n_snap, C, K-1]
+                               {i: torch.zeros(self.n_snap, *self.rec_shape, **kw) for i in self.layers})  # [n_snap, Hv, dk, dv]
+        sc, sr = self.snap[slot]
+        sc[il][:T].copy_(conv)  # [T, conv_dim, K-1]
+        sr[il][:T].copy_(rec)  # [T, Hv, dk, dv]
 
-    def _stats(self, slot: int, il: int, node: int | None = None) -> dict[str, float]:
-        """L2 norm and sum (checksum) of layer ``il``'s conv / recurrent state of ``slot`` (or its snapshot ``node``)."""
-        if node is None:
-            c, r = self.conv[il][slot].float(), self.rec[il][slot].float()
-        else:
-            c, r = self.snap_conv[il][slot, node].float(), self.snap_rec[il][slot, node].float()
+    def snapshot_bytes(self) -> int:
+        """Bytes of the verify snapshots allocated so far (slots that ran a verify)."""
+        return sum(t.numel() * t.element_size() for sc, sr in self.snap.values() for d in (sc, sr) for t in d.values())
+
+    def _stats(self, slot: int, il: int) -> dict[str, float]:
+        """L2 norm and sum (checksum) of layer ``il``'s conv / recurrent state of ``slot``."""
+        c, r = self.conv[il][slot].float(), self.rec[il][slot].float()
         return {"conv_norm": round(float(c.norm()), 6), "conv_sum": round(float(c.sum()), 6),
                 "rec_norm": round(float(r.norm()), 6), "rec_sum": round(float(r.sum()), 6)}
 
@@ -242,9 +247,10 @@ class RecurrentState:
         node = int(accepted[-1])
         shown = self._shown_layers()
         before = {il: self._stats(slot, il) for il in shown}
+        sc, sr = self.snap[slot]
         for il in self.layers:
-            self.conv[il][slot].copy_(self.snap_conv[il][slot, node])  # [conv_dim, K-1]
-            self.rec[il][slot].copy_(self.snap_rec[il][slot, node])  # [Hv, dk, dv]
+            self.conv[il][slot].copy_(sc[il][node])  # [conv_dim, K-1]
+            self.rec[il][slot].copy_(sr[il][node])  # [Hv, dk, dv]
         if self.convention == "cells":
             name, idx = ("rs_idx", T - len(accepted)) if is_chain else ("node", node)
         else:
