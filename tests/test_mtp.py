@@ -466,3 +466,17 @@ def test_sampling_chain_counts(tiny, tmp_path):
     st = e.spec.req_stats[0]
     acc = sum(st["accepted_by_pos"])
     assert st["verify_forwards"] + acc == 19 and acc > sum(st["drafted_by_pos"]) // 2
+
+
+def test_chunked_prefill_late_arrivals_keep_mtp_greedy(tiny):
+    """Prefill in 4-token chunks under an 8-token step budget, requests arriving at steps 0, 2, 5: the MTP
+    is handed each chunk's hidden rows in order and drafts only once a request decodes; output == greedy."""
+    m, tok = tiny["m"], tiny["ck"].tokenizer
+    outs = {}
+    for spec in (None, "mtp"):
+        e = Engine(m, tok, EngineOptions(ctx_size=96, prefill_chunk=4, max_batch_tokens=8, speculative=spec, num_spec_tokens=2))
+        rs = [e.add_request(list(p), SamplingParams(max_new_tokens=10, ignore_eos=True), arrival_step=a)
+              for p, a in ((IDS, 0), (IDS[2:10], 2), ([40, 41, 42, 43, 44, 45], 5))]
+        e.run()
+        outs[spec] = [r.output_ids for r in rs]
+    assert outs["mtp"] == outs[None]
