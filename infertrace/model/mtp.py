@@ -9,7 +9,7 @@ The wiring, as the three runtimes build it (they agree on every point below):
   ``x = fc(cat([e, h], -1))`` (embedding first), one ``Qwen3_5DecoderLayer(layer_type="full_attention")``,
   then the MTP's own ``norm`` (``mtp.norm``); ``Qwen3_5MTP.compute_logits`` (lines 295-300) applies the
   shared ``lm_head``; ``embed_tokens`` is the main model's (``load_weights`` lines 307-319).
-* TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_qwen3_next.py`` ``Qwen3NextMTP.forward``:
+* TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_qwen3_next.py`` (commit 00022b04) ``Qwen3NextMTP.forward``:
   ``concat([pre_fc_norm_embedding(embed_tokens(input_ids)), pre_fc_norm_hidden(hidden_states)])``,
   ``fc``, the full-attention decoder layer, ``shared_head.norm``; ``Qwen3NextMTPHead`` applies the lm head.
 * llama.cpp ``src/models/qwen35.cpp`` ``llama_model_qwen35::graph_mtp`` (lines 485-644 of the source
