@@ -18,7 +18,11 @@ from safetensors.torch import save_file
 from tests.tiny import VOCAB, add_tiny_tokenizer, write_hf
 
 SHAPE = dict(n_layer=4, H=32, n_head=4, n_kv=2, head_dim=16, ff=48, vocab=VOCAB, nk=2, nv=4, dk=8, dv=8, conv=4,
-             interval=2, partial=0.25, tie=False)
+             interval=2, partial=0.25, tie=False, mtp=False)
+
+#: the MTP head's HF tensors (Qwen3.5 checkpoints: ``mtp.*``; vLLM ``qwen3_5_mtp.py`` names)
+MTP_LAYER = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+             "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def make_weights(seed: int = 0, **over) -> tuple[dict[str, torch.Tensor], dict]:
@@ -58,6 +62,17 @@ def make_weights(seed: int = 0, **over) -> tuple[dict[str, torch.Tensor], dict]:
             w[q + "o_proj.weight"] = r(H, nh * hd)
             w[q + "q_norm.weight"] = r(hd)
             w[q + "k_norm.weight"] = r(hd)
+    if s["mtp"]:  # one MTP block (full attention) + fc / pre-fc norms / its own final norm
+        w["mtp.fc.weight"] = r(H, 2 * H)
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            w[f"mtp.{n}.weight"] = r(H)
+        q = "mtp.layers.0."
+        shapes = {"input_layernorm": (H,), "post_attention_layernorm": (H,), "self_attn.q_proj": (2 * nh * hd, H),
+                  "self_attn.k_proj": (nkv * hd, H), "self_attn.v_proj": (nkv * hd, H), "self_attn.o_proj": (H, nh * hd),
+                  "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,), "mlp.gate_proj": (ff, H), "mlp.up_proj": (ff, H),
+                  "mlp.down_proj": (H, ff)}
+        for n in MTP_LAYER:
+            w[q + n + ".weight"] = r(*shapes[n])
     return w, s
 
 
@@ -72,7 +87,8 @@ def hf_config(s: dict) -> dict:
             "linear_conv_kernel_dim": s["conv"], "linear_key_head_dim": s["dk"], "linear_value_head_dim": s["dv"],
             "linear_num_key_heads": s["nk"], "linear_num_value_heads": s["nv"], "torch_dtype": "float32",
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": s["partial"],
-                                "mrope_section": [1, 1, 0], "mrope_interleaved": True}}
+                                "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+            **({"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False} if s.get("mtp") else {})}
 
 
 def write_hf_dir(d: Path, w: dict, s: dict) -> Path:
@@ -104,11 +120,18 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_
               "linear_attn.out_proj": "ssm_out"}
 
 
+MTP_GGUF = {"mtp.fc.weight": "nextn.eh_proj", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm",
+            "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm", "mtp.norm.weight": "nextn.shared_head_norm"}
+
+
 def write_gguf(path: Path, w: dict, s: dict, extra_kv: dict | None = None) -> Path:
     """The same weights as a ``qwen35`` GGUF (F32), converted as llama.cpp's converter does."""
     nk, nv, dk, dv = s["nk"], s["nv"], s["dk"], s["dv"]
     wr = gguf.GGUFWriter(str(path), "qwen35")
-    wr.add_block_count(s["n_layer"])
+    n_mtp = 1 if s.get("mtp") else 0
+    wr.add_block_count(s["n_layer"] + n_mtp)  # llama.cpp's converter counts the MTP block (_Qwen35MtpMixin)
+    if n_mtp:
+        wr.add_uint32("qwen35.nextn_predict_layers", n_mtp)
     wr.add_context_length(256)
     wr.add_embedding_length(s["H"])
     wr.add_feed_forward_length(s["ff"])
@@ -137,6 +160,12 @@ def write_gguf(path: Path, w: dict, s: dict, extra_kv: dict | None = None) -> Pa
             n, t = "output_norm.weight", t + 1
         elif k == "lm_head.weight":
             n = "output.weight"
+        elif k in MTP_GGUF:  # converter: mtp.fc -> eh_proj, pre_fc_norm_* -> enorm / hnorm, norm -> shared_head.norm (+1)
+            n, t = f"blk.{s['n_layer']}.{MTP_GGUF[k]}.weight", (t if k == "mtp.fc.weight" else t + 1)
+        elif k.startswith("mtp.layers.0."):  # -> model.layers.{n_layer}.*, then the usual names (+1 on norms)
+            mod = k[len("mtp.layers.0."):-len(".weight")]
+            n = f"blk.{s['n_layer']}.{GGUF_NAMES[mod]}.weight"
+            t = t + 1 if mod.endswith("norm") else t
         else:
             parts = k.split(".")
             bid, sub = parts[2], ".".join(parts[3:])
@@ -176,6 +205,6 @@ def hf_model(w: dict, s: dict):
     cfg.pop("model_type")
     cfg.pop("torch_dtype")
     m = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).eval()
-    missing, unexpected = m.load_state_dict(w, strict=False)
+    missing, unexpected = m.load_state_dict({k: v for k, v in w.items() if not k.startswith("mtp.")}, strict=False)
     assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
     return m

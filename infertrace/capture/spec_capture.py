@@ -33,4 +33,6 @@ def verify_record(inp: Any, chunk_index: int, row: int, rec: dict[str, Any]) -> 
         "drafted": rec["drafted"], "accepted": rec["accepted"], "rewind": rec.get("rewind"),
     }
     out.update(inp.verify_record(chunk_index, row, T))  # cells: kq_mask block; paged: offsets + packed mask
+    if rec.get("mtp"):  # --speculative mtp: the draft's inputs (which hidden state, which token, each row)
+        out["mtp"] = rec["mtp"]
     return out

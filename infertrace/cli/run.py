@@ -205,7 +205,7 @@ def run(
     if engine == "llama.cpp" and opts.speculative:
         raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
     if engine == "vllm" and opts.speculative not in (None, "ngram"):
-        raise InfertraceError("--engine vllm runs --speculative ngram here; drop --speculative draft")
+        raise InfertraceError(f"--engine vllm runs --speculative ngram here; drop --speculative {opts.speculative}")
     factory = None
     if replay is not None:  # the vLLM trace is read and checked before the model loads
         from infertrace.runtimes.vllm.replay import replay_factory

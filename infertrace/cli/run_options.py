@@ -59,7 +59,7 @@ NDiscard = Annotated[int, typer.Option("--n-discard", help="Context shift: token
 AuditKv = Annotated[bool, typer.Option("--audit-kv", help="Record each cached K/V entry's provenance and recompute the cache from scratch every step (max |Δ| per provenance).")]
 
 # speculative decoding (engine/speculative.py)
-Speculative = Annotated[Optional[str], typer.Option("--speculative", help="Speculative decoding: ngram (prompt lookup, as llama.cpp lookup / vLLM ngram) or draft (a draft model: --draft-model or --draft-layers). Default off.")]
+Speculative = Annotated[Optional[str], typer.Option("--speculative", help="Speculative decoding: ngram (prompt lookup, as llama.cpp lookup / vLLM ngram), draft (a draft model: --draft-model or --draft-layers) or mtp (the model's own MTP head: Qwen3.5 mtp.* / GGUF nextn tensors). Default off.")]
 NumSpecTokens = Annotated[int, typer.Option("--num-spec-tokens", help="Speculative: K draft tokens per step (a chain).")]
 SpecTree = Annotated[Optional[str], typer.Option("--spec-tree", help="Speculative: a static draft tree instead of a chain, as the parent index of each draft node (-1 = the last accepted token), e.g. -1,-1,0,0,1. Greedy only.")]
 DraftModel = Annotated[Optional[str], typer.Option("--draft-model", help="Speculative draft: the draft model file (same vocabulary as the target).")]
@@ -291,7 +291,7 @@ def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec
             raise InfertraceError("--num-spec-tokens, --spec-tree, --draft-model, --draft-layers and --ngram-min/--ngram-max "
                                   "need --speculative ngram|draft")
         return opts
-    method = check_choice("--speculative", speculative, ("ngram", "draft"))
+    method = check_choice("--speculative", speculative, ("ngram", "draft", "mtp"))
     from infertrace.engine.speculative import MAX_DRAFT, parse_tree
 
     tree = parse_tree(spec_tree) if spec_tree is not None else None  # "" is a tree of 0 nodes: refused
@@ -301,7 +301,7 @@ def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec
     if tree is not None and list(tree) != list(range(-1, len(tree) - 1)) and opts.attention == "triton":
         raise InfertraceError("--spec-tree with branches needs --attention torch on --backend paged "
                               "(the Triton kernel reads causal lengths only); drop --attention triton")
-    if method == "draft" and (ngram_min, ngram_max) != (EngineOptions.ngram_min, EngineOptions.ngram_max):
+    if method != "ngram" and (ngram_min, ngram_max) != (EngineOptions.ngram_min, EngineOptions.ngram_max):
         raise InfertraceError("--ngram-min/--ngram-max set the n-gram drafter: use them with --speculative ngram")
     from infertrace.engine.drafters import NgramDrafter
 
@@ -310,7 +310,7 @@ def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec
         raise InfertraceError(f"--num-spec-tokens must be in 1..{MAX_DRAFT} (got {num_spec_tokens})")
     if method == "draft" and (draft_model is None) == (draft_layers is None):
         raise InfertraceError("--speculative draft needs exactly one of --draft-model PATH or --draft-layers k")
-    if method == "ngram" and (draft_model is not None or draft_layers is not None):
+    if method != "draft" and (draft_model is not None or draft_layers is not None):
         raise InfertraceError("--draft-model/--draft-layers need --speculative draft")
     if draft_layers is not None:
         check_min("--draft-layers", draft_layers, 1)

@@ -326,3 +326,4 @@ def _path(parents: Sequence[int], node: int) -> list[int]:
         out.append(node)
         node = parents[node]
     return out[::-1]
+

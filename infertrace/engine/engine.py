@@ -291,7 +291,9 @@ class Engine:
         tracer = self.tracer
         if tracer.enabled:
             tracer.begin_step()
-        logits = self.model.forward(ids, inp, self.kv, torch.tensor(rows, dtype=torch.int64), tracer)  # [M, V]
+        hid: list[torch.Tensor] | None = [] if self.spec is not None and self.spec.wants_hidden else None
+        logits = self.model.forward(ids, inp, self.kv, torch.tensor(rows, dtype=torch.int64), tracer,
+                                    **({"hidden_out": hid} if hid is not None else {}))  # [M, V]
         if rows and not bool(torch.isfinite(logits).all()):
             raise InfertraceError(
                 f"the model produced NaN/inf logits at step {self.step_no}; its weights or hyper-parameters "
@@ -318,6 +320,8 @@ class Engine:
             reason = self._emit(req, res.token)
             if reason:
                 finished[req.seq_id] = reason
+        if hid is not None:  # the MTP drafter's input: final-normed hidden rows of the kept positions
+            self.spec.keep_hidden(batch, hid[0], spec_rec)
         if spec_rec is not None:
             spec_rec = self._spec_step(batch, spec_rec, finished)
         if self.serving.active:
@@ -330,6 +334,8 @@ class Engine:
                                         sampler_order=self.sampler_order, serving=serving, spec=spec_rec))
         for sid, reason in finished.items():
             self.scheduler.finish(self.requests[sid], reason)
+            if self.spec is not None:
+                self.spec.drafter.release(sid)  # the drafter's own cache / buffers of a finished request
         if self.serving.active:
             self.serving.after_finish(batch, finished)
         self.step_no += 1
@@ -371,6 +377,9 @@ class Engine:
         spec_rec[req.seq_id] = {**counts, "C": c.C, "tokens": list(c.token_ids), "parents": list(c.parents),
                                 "positions": [c.C + d for d in c.depths()], "accepted_nodes": accepted,
                                 "emitted": emitted, "rewind": rewind}
+        drec = self.spec.draft_record(req.seq_id)
+        if drec:  # --speculative mtp: which hidden state and token each MTP row read
+            spec_rec[req.seq_id]["mtp"] = drec
         return j + c.T
 
     def _spec_step(self, batch: ScheduledBatch, reqs: dict, finished: dict) -> dict[str, Any] | None:

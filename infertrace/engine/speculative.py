@@ -24,12 +24,14 @@ forward.
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
 import torch
 
 from infertrace.engine.drafters import DraftModelDrafter, NgramDrafter, layer_skip, target_probs
+from infertrace.engine.mtp_drafter import MTPDrafter
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.errors import InfertraceError
 
@@ -92,8 +94,8 @@ class Speculator:
 
     def __init__(self, engine: Any):
         o = engine.opts
-        if o.speculative not in ("ngram", "draft"):
-            raise InfertraceError(f"--speculative must be ngram or draft (got {o.speculative!r})")
+        if o.speculative not in ("ngram", "draft", "mtp"):
+            raise InfertraceError(f"--speculative must be ngram, draft or mtp (got {o.speculative!r})")
         if o.prefix_cache or o.context_shift or o.audit_kv:
             raise InfertraceError("--speculative cannot be combined with --prefix-cache, --context-shift or --audit-kv yet; drop one")
         if o.spec_tree is not None:
@@ -104,10 +106,18 @@ class Speculator:
                 raise InfertraceError(f"--num-spec-tokens must be in 1..{MAX_DRAFT} (got {o.num_spec_tokens})")
             self.parents = list(range(-1, o.num_spec_tokens - 1))
         self.chain = self.parents == list(range(-1, len(self.parents) - 1))
+        #: the drafter reads the target's final-normed hidden states (the engine hands them over: keep_hidden)
+        self.wants_hidden = o.speculative == "mtp"
+        if o.speculative in ("ngram", "mtp") and (o.draft_model or o.draft_layers):
+            raise InfertraceError("--draft-model/--draft-layers need --speculative draft")
         if o.speculative == "ngram":
-            if o.draft_model or o.draft_layers:
-                raise InfertraceError("--draft-model/--draft-layers need --speculative draft")
             self.drafter: Any = NgramDrafter(o.ngram_min, o.ngram_max)
+        elif o.speculative == "mtp":
+            from infertrace.kv.budget import kv_cache_dtype
+
+            size = engine.kv.capacity_tokens + o.n_seq_max * (len(self.parents) + 1)
+            self.drafter = MTPDrafter(engine.model, size, o.n_seq_max, getattr(engine, "n_sample_rows", None),
+                                      kv_cache_dtype(o, engine.model.dtype))
         else:
             if bool(o.draft_model) == bool(o.draft_layers):
                 raise InfertraceError("--speculative draft needs exactly one of --draft-model PATH or --draft-layers k")
@@ -150,6 +160,25 @@ class Speculator:
             t, p, kept = prune(toks, self.parents, left)
             r.draft, r.draft_parents = t, p
             r.draft_q = [qs[i] for i in kept] if any(q is not None for q in qs) else None
+
+    def keep_hidden(self, batch: Any, hidden: torch.Tensor, spec_rec: dict[int, Any]) -> None:
+        """Hand the drafter the target's final-normed hidden rows ``hidden`` ``[N, H]`` of the positions
+        each chunk kept: every row of a prefill / plain decode chunk, the accepted nodes of a verify
+        chunk (``spec_rec[seq_id]["accepted_nodes"]``, chunk-local, in path order)."""
+        r0 = 0
+        for c in batch.chunks:
+            if c.parents is not None:
+                keep = [r0 + a for a in spec_rec[c.req.seq_id]["accepted_nodes"]]
+            else:
+                keep = list(range(r0, r0 + c.T))
+            self.drafter.keep_hidden(c.req.seq_id, c.C, hidden[keep])  # [k, H]
+            r0 += c.T
+
+    def draft_record(self, seq_id: int) -> dict[str, Any] | None:
+        """What the drafter read for ``seq_id``'s current draft (the MTP's inputs), or None."""
+        recs = getattr(self.drafter, "records", None)
+        rec = recs.get(seq_id) if recs else None
+        return copy.deepcopy(rec) if rec else None  # the drafter updates its record in place next step
 
     # --- after the verify forward -------------------------------------------------
     def verify(self, engine: Any, chunk: Any, logits: torch.Tensor) -> tuple[list[SampleResult], list[int]]:
@@ -231,7 +260,13 @@ class Speculator:
             rate = [round(a / d, 4) if d else None for a, d in zip(st["accepted_by_pos"], st["drafted_by_pos"])]
             reqs[str(sid)] = {**st, "acceptance_by_pos": rate,
                               "tokens_per_forward": round(st["tokens"] / st["verify_forwards"], 4) if st["verify_forwards"] else None}
-        return {"method": self.drafter.name, "tree": list(self.parents), "target_forwards": self.target_forwards,
+        extra = {}
+        if isinstance(self.drafter, MTPDrafter):  # the MTP head's own KV cache (counted in the budget: kv/budget.py)
+            kv = self.drafter.kv
+            extra["draft_kv"] = {"kind": "cells, 1 attention layer (the MTP block)", "cells": kv.capacity_tokens,
+                                 "bytes": sum(t.numel() * t.element_size() for t in kv.k + kv.v),
+                                 "mtp_forwards": self.drafter.forwards}
+        return {"method": self.drafter.name, "tree": list(self.parents), "target_forwards": self.target_forwards, **extra,
                 "decode_tokens": self.decode_tokens,
                 "tokens_per_target_forward": round(self.decode_tokens / self.target_forwards, 4) if self.target_forwards else None,
                 "requests": reqs}

@@ -92,6 +92,20 @@ def recurrent_state_bytes(cfg: Any, opts: Any, dtype: torch.dtype) -> int:
     return int(getattr(opts, "n_seq_max", 1)) * n_lin * per_slot * itemsize * (1 + spec_snapshots(opts))
 
 
+def mtp_kv_bytes(cfg: Any, opts: Any, dtype: torch.dtype) -> int:
+    """Bytes of the MTP draft head's own KV cache under ``--speculative mtp`` (0 otherwise): one
+    attention layer over ``kv_tokens + n_seq_max x (drafts + 1)`` cells (the target's capacity plus
+    each sequence's speculative rows, as :class:`~infertrace.engine.drafters.MTPDrafter` allocates),
+    K and V at ``dtype``, plus the cells' ``pos`` / ``seq_id`` bookkeeping (vLLM allocates the MTP
+    layer's KV in the same pool as the target's layers; llama.cpp's MTP context has its own cache)."""
+    if getattr(opts, "speculative", None) != "mtp" or not getattr(cfg, "mtp_layers", 0):
+        return 0
+    drafts = len(opts.spec_tree) if opts.spec_tree is not None else opts.num_spec_tokens
+    n_seq = getattr(opts, "n_seq_max", 1)
+    cells = kv_tokens(opts) + n_seq * (drafts + 1)
+    return kv_bytes_per_layer(cfg, cells, dtype) + cells * (8 + n_seq)
+
+
 def memory_limit_bytes(device: str | torch.device = "cpu") -> int | None:
     """``KV_MEMORY_FRACTION`` of the device's memory, or None when it cannot be told."""
     dev = torch.device(device)
@@ -116,7 +130,8 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
 
     Returns:
         The cache size in bytes (all attention layers, K and V, the cells' ``pos`` / ``seq_id`` bookkeeping,
-        and for hybrid models the GDN state of ``n_seq_max`` sequences).
+        for hybrid models the GDN state of ``n_seq_max`` sequences, and under ``--speculative mtp`` the
+        MTP head's own KV cache, :func:`mtp_kv_bytes`).
 
     Raises:
         InfertraceError: the cache would exceed the limit; the message gives its size and the limit.
@@ -132,6 +147,8 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
     if getattr(opts, "backend", "cells") == "cells":  # cell bookkeeping: pos (int64) + seq_id set (n_seq_max bools)
         book = tokens * (8 + getattr(opts, "n_seq_max", 64))
     total += book
+    mtp = mtp_kv_bytes(cfg, opts, kv_dtype)  # --speculative mtp: the MTP layer's own cache
+    total += mtp
     limit = memory_limit_bytes(device)
     if limit is not None and total > limit:
         what = "--ctx-size" if getattr(opts, "backend", "cells") == "cells" else "--num-blocks x --tokens-per-block"
@@ -139,7 +156,8 @@ def check_kv_budget(cfg: Any, opts: Any, dtype: torch.dtype, device: str | torch
             f"the KV cache for {tokens} tokens would take {human_bytes(total)} ({human_bytes(per_layer)} per layer x "
             f"{n_kv_layers} layers at {str(kv_dtype).replace('torch.', '')}{f' + {human_bytes(book)} of cell bookkeeping' if book else ''}"
             f"{f' + {human_bytes(state)} of GDN state for {opts.n_seq_max} sequences' if state else ''}"
-            f"{f' (with {spec_snapshots(opts)} verify snapshots each)' if state and spec_snapshots(opts) else ''}), "
+            f"{f' (with {spec_snapshots(opts)} verify snapshots each)' if state and spec_snapshots(opts) else ''}"
+            f"{f' + {human_bytes(mtp)} of MTP draft-head KV' if mtp else ''}), "
             f"over the limit of {human_bytes(limit)} "
             f"(half of this machine's memory); lower {what}")
     return total

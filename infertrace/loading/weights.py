@@ -203,6 +203,7 @@ def _gguf_config(p: Path, header: Any, meta: dict[str, Any], mm: np.ndarray, hea
     metas = {(t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name):
              _Shape(tuple(int(x) for x in reversed(list(t.shape)))) for t in header.tensors}  # shapes only, torch order
     metas.pop("rope_freqs", None)
+    cfg = drop_absent_mtp(cfg, metas)
     cfg = refuse_stray_tensors(cfg, metas, {})
     if not header_only:
         raise_refusals(cfg, p.name)
@@ -338,10 +339,27 @@ def refuse_stray_tensors(cfg: ModelConfig, names: dict[str, Any], file_names: di
     return replace(cfg, settings=tuple(rows))
 
 
+def drop_absent_mtp(cfg: ModelConfig, names: Any) -> ModelConfig:
+    """``cfg`` without its MTP blocks when the file declares them (HF ``mtp_num_hidden_layers``, GGUF
+    ``nextn_predict_layers``) but holds none of their tensors (a trunk-only conversion, llama.cpp's
+    ``--no-mtp``; a fine-tune saved without the head): ``mtp_layers`` 0 and a ledger row saying so.
+    A file holding only part of them fails :func:`_check_weights` (incomplete checkpoint)."""
+    if not cfg.mtp_layers:
+        return cfg
+    from infertrace.model.layout import NEXTN_SLOTS
+
+    if any(f"blk.{cfg.n_layer}.{s}" in names for s in NEXTN_SLOTS):
+        return cfg
+    rows = [r for r in cfg.settings if r[0] not in ("mtp_num_hidden_layers", f"{cfg.arch}.nextn_predict_layers")]
+    rows.append(("mtp head", "declared, no tensors", "not applicable",
+                 "the file declares an MTP block but holds no MTP tensors; --speculative mtp is refused"))
+    return replace(cfg, mtp_layers=0, settings=tuple(rows))
+
+
 def _extra_layer(cfg: ModelConfig, n: str) -> bool:
     parts = n.split(".")
     il = layer_number(parts[1]) if n.startswith("blk.") and len(parts) > 1 else None
-    return il is not None and il >= cfg.n_layer
+    return il is not None and il >= cfg.n_layer + cfg.mtp_layers  # past the main blocks and the MTP blocks
 
 
 def raise_refusals(cfg: ModelConfig, where: str) -> None:
@@ -378,9 +396,11 @@ def _check_weights(cfg: ModelConfig, w: dict[str, Any], where: str) -> None:
         if n.startswith("blk.") and (n.count(".") < 2 or layer_number(n.split(".")[1]) is None):
             raise InfertraceError(f"{where}: tensor {visible(n)[:80]!r} has no layer number after 'blk.' (1 to 9 ASCII digits); "
                                   "the file is not a valid model")
-    extra = sorted({n.split(".")[1] for n in w if n.startswith("blk.") and int(n.split(".")[1]) >= cfg.n_layer}, key=int)
+    n_blk = cfg.n_layer + cfg.mtp_layers  # MTP blocks follow the main blocks (blk.{n_layer}.*)
+    extra = sorted({n.split(".")[1] for n in w if n.startswith("blk.") and int(n.split(".")[1]) >= n_blk}, key=int)
     if extra:
-        raise InfertraceError(f"{where} has tensors for layer {extra[0]} but the config says {cfg.n_layer} layers; the checkpoint is inconsistent")
+        raise InfertraceError(f"{where} has tensors for layer {extra[0]} but the config says {cfg.n_layer} layers"
+                              f"{f' + {cfg.mtp_layers} MTP' if cfg.mtp_layers else ''}; the checkpoint is inconsistent")
     exp = dict(expected_tensors(cfg))
     exp.setdefault("output", (cfg.vocab_size, cfg.n_embd))
     for n, shp in exp.items():
@@ -402,6 +422,7 @@ def _load_hf_dir(d: Path, dtype: torch.dtype, progress: Progress | None, header_
     check_layer_count("config.json", "num_hidden_layers", cfg.n_layer, sd)  # before per-layer names are built
     fam = family_for_hf(raw)
     w, file_names, ignored, not_loaded = _hf_engine_names(fam, cfg, sd)
+    cfg = drop_absent_mtp(cfg, w)
     cfg = refuse_stray_tensors(cfg, w, file_names)
     if not header_only:
         raise_refusals(cfg, d.name)
@@ -515,11 +536,12 @@ def _hf_engine_names(fam: Any, cfg: ModelConfig, sd: dict[str, torch.Tensor]
     ignored: list[str] = []
     not_loaded: list[str] = []
     for k, t in sd.items():
-        why = fam.hf_skip(k) if fam.hf_skip is not None else None
+        why = fam.hf_skip(cfg, k) if fam.hf_skip is not None else None
         if why:
             not_loaded.append(f"{k}: {why}")
             continue
-        n = hf_to_engine_name(fam, k)
+        n = fam.hf_name(cfg, k) if fam.hf_name is not None else None
+        n = n if n is not None else hf_to_engine_name(fam, k)
         if n is None and k.endswith("rotary_emb.inv_freq"):
             ignored.append(k)  # a non-persistent buffer some old checkpoints saved; HF recomputes it too
             continue

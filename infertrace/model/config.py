@@ -85,6 +85,10 @@ class ModelConfig:
             DeltaNet shape (HF ``linear_conv_kernel_dim``, ``linear_num_key_heads`` ...; GGUF
             ``ssm.conv_kernel``, ``ssm.group_count``, ``ssm.time_step_rank``, ``ssm.state_size``).
         mrope_sections: M-RoPE ``mrope_section`` (pairs per t/h/w axis; text: all axes equal).
+        mtp_layers: multi-token-prediction (MTP / NextN) draft blocks stored after the main blocks
+            (``blk.{n_layer}.*`` + ``blk.{n_layer}.nextn.*``; HF ``mtp.*``, ``mtp_num_hidden_layers``;
+            GGUF ``{arch}.nextn_predict_layers``, counted in ``block_count``). 0 = none loaded. Not part
+            of the main forward pass; ``--speculative mtp`` drafts with them (model/mtp.py).
         settings: the ledger ``(key, value, status, note)``; status ``honoured``,
             ``not applicable`` or ``refused`` (the loader refuses to run a model with any refused row).
     """
@@ -133,6 +137,7 @@ class ModelConfig:
     ssm_k_head_dim: int = 0
     ssm_v_head_dim: int = 0
     mrope_sections: tuple[int, ...] = ()
+    mtp_layers: int = 0
     settings: tuple[tuple[str, str, str, str], ...] = ()
 
     @property
@@ -183,6 +188,8 @@ class ModelConfig:
         if not self.layer_types:  # hybrid fields only for hybrid models (traces of other models stay as they were)
             for k in HYBRID_FIELDS:
                 d.pop(k, None)
+        if not self.mtp_layers:  # only models that carry an MTP head (traces of other models stay as they were)
+            d.pop("mtp_layers", None)
         d["settings"] = [{"key": k, "value": v, "status": st, "note": n} for k, v, st, n in self.settings]
         return d
 

@@ -73,6 +73,11 @@ class DecoderModel:
         self.scale = config.softmax_scale
         self.embed_scale = (torch.tensor(config.embed_scale, dtype=self.dtype, device=dev)
                             if config.embed_scale is not None else None)  # scalar, model dtype (as HF)
+        self.mtp = None  # the MTP draft head (model/mtp.py) when the checkpoint carries one; never run by forward()
+        if config.mtp_layers:
+            from infertrace.model.mtp import MTPHead
+
+            self.mtp = MTPHead(self, w)
 
     def with_ops(self, ops: Ops) -> "DecoderModel":
         """The same model (weights shared, not copied) computing its linear layers with ``ops``."""
@@ -82,7 +87,7 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attn: AttnInputs, kv: KVBackend, logits_rows: torch.Tensor,
-                tracer: Tracer = NULL_TRACER) -> torch.Tensor:
+                tracer: Tracer = NULL_TRACER, hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
         """One step over the packed batch.
 
         Args:
@@ -94,6 +99,8 @@ class DecoderModel:
                 (last prompt token of a finished prefill, each decode token).
             tracer: tap observer; ``embed`` every step, the block taps (:data:`~infertrace.model.taps.BLOCK_TAPS`)
                 it subscribes to for the layers in ``tracer.layers``.
+            hidden_out: when a list, every row's last hidden state after the final norm ``[N, H]`` is
+                appended to it (llama.cpp ``t_h_nextn``, the MTP draft head's input); the logits are unchanged.
 
         Returns:
             ``[M, vocab]`` float32 logits.
@@ -109,6 +116,8 @@ class DecoderModel:
         else:
             for il, block in enumerate(self.layers):
                 x = block.forward(x, s, il, None)  # [N, H]
+        if hidden_out is not None:
+            hidden_out.append(self.norm(x, self.output_norm, self.cfg.rms_eps))  # [N, H] after output_norm
         return self.head(x[logits_rows.to(self.device)])  # [M, V]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -87,10 +87,37 @@ def block_tensor_name(il: int, slot: str, names: Mapping[str, str]) -> str:
     return f"blk.{il}.{names.get(slot, slot)}"
 
 
+#: the NextN / MTP tensors of an MTP block beside its decoder-block slots (gguf-py ``MODEL_TENSOR.NEXTN_*``):
+#: ``eh_proj`` = HF ``mtp.fc`` ``[H, 2H]``, ``enorm`` = ``mtp.pre_fc_norm_embedding``, ``hnorm`` =
+#: ``mtp.pre_fc_norm_hidden``, ``shared_head_norm`` = ``mtp.norm`` (llama.cpp ``conversion/qwen.py``
+#: ``_Qwen35MtpMixin.modify_tensors``)
+NEXTN_SLOTS = ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm")
+
+
+def mtp_block_slots(cfg: Any) -> dict[str, Shape]:
+    """An MTP block's slots (llama.cpp ``llama_model_qwen35::load_arch_tensors`` ``load_block_mtp``): a
+    full-attention decoder block (as :func:`block_slots` of a non-linear layer) plus the NextN tensors."""
+    H = cfg.n_embd
+    per = {"attn_norm": (H,)}
+    per.update(attention_slots(cfg))
+    per["ffn_norm"] = (H,)
+    per.update(ffn_slots(cfg))
+    per.update(attention_feature_slots(cfg))
+    if cfg.mlp_bias:
+        per.update({"ffn_gate.bias": (cfg.n_ff,), "ffn_up.bias": (cfg.n_ff,), "ffn_down.bias": (H,)})
+    if cfg.qk_norm:
+        per.update({"attn_q_norm": (cfg.head_dim,), "attn_k_norm": (cfg.head_dim,)})
+    per.update({"nextn.eh_proj": (H, 2 * H), "nextn.enorm": (H,), "nextn.hnorm": (H,), "nextn.shared_head_norm": (H,)})
+    return per
+
+
 def expected_tensors(cfg: Any, names: Mapping[str, str]) -> dict[str, Shape]:
     """Every tensor the decoder reads for ``cfg``: global tensors, then each block's slots under the
-    family's names (``names``: slot -> name where the family differs from llama.cpp's default)."""
+    family's names (``names``: slot -> name where the family differs from llama.cpp's default), then
+    the MTP blocks ``blk.{n_layer + j}`` when ``cfg.mtp_layers`` (:func:`mtp_block_slots`)."""
     exp = global_tensors(cfg)
     for il in range(cfg.n_layer):
         exp.update({block_tensor_name(il, s, names): shp for s, shp in block_slots(cfg, il).items()})
+    for il in range(cfg.n_layer, cfg.n_layer + getattr(cfg, "mtp_layers", 0)):
+        exp.update({block_tensor_name(il, s, names): shp for s, shp in mtp_block_slots(cfg).items()})
     return exp

@@ -31,7 +31,7 @@ from infertrace.safe_text import visible
 from infertrace.present.text import piece_text  # noqa: F401 - used here and re-exported
 from infertrace.present.render_serving import serving_mark, serving_view
 from infertrace.present.render_streams import stream_mask_grids, streams_line, streams_state
-from infertrace.present.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_output_text,
+from infertrace.present.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_mtp_view, spec_output_text,
                                             spec_tokens_text, with_extra)
 
 KEEP_STYLE, DROP_STYLE, DIM = "bold green", "red", "dim"
@@ -583,7 +583,7 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
     if st.serving:
         console.print(serving_view(st))
     views = {
-        "hidden": lambda: st.hidden and hidden_view(st, st.hidden),
+        "hidden": lambda: st.hidden and with_extra(hidden_view(st, st.hidden), spec_mtp_view(st)),
         "positions": lambda: st.positions and positions_view(st, st.positions),
         "mask": lambda: st.mask and with_extra(mask_view(st, st.mask, st.kv), spec_mask_view(st)),
         "kv": lambda: st.kv and with_extra(kv_view(st, st.kv), spec_kv_view(st)),

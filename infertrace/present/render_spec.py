@@ -122,6 +122,32 @@ def spec_kv_view(st: Any) -> RenderableType | None:
     return Group(*parts) if parts else None
 
 
+def spec_mtp_view(st: Any) -> RenderableType | None:
+    """``--speculative mtp``: what each MTP row of the step's drafts read -- its position, the token
+    embedded, which hidden state (the target's after ``output_norm``, or the MTP's own after
+    ``shared_head_norm`` for a chained draft) from which position, its L2 norm -- and the draft it gave."""
+    parts: list[RenderableType] = []
+    for r in st.batch:
+        sp = r.spec if isinstance(getattr(r, "spec", None), dict) else None
+        mt = sp.get("mtp") if sp else None
+        if not isinstance(mt, dict) or not isinstance(mt.get("rows"), list):
+            continue
+        cu = mt.get("catch_up") if isinstance(mt.get("catch_up"), dict) else None
+        head = Text.assemble(("MTP draft inputs ", "bold"), f"seq {r.seq_id}")
+        if cu:
+            head.append(f" · catch-up rows at positions {_s(cu.get('positions'))} (target hidden at p + token at p+1)", style=_DIM)
+        parts.append(head)
+        for row in mt["rows"][:32]:
+            if not isinstance(row, dict):
+                continue
+            parts.append(Text.assemble(
+                f"  node {_s(row.get('node'))} @ pos {_s(row.get('position'))}: embed(token {_s(row.get('token'))}) + hidden[",
+                (f"{_s(row.get('hidden_from'))} pos {_s(row.get('hidden_position'))}, after {_s(row.get('hidden_norm'))}", "cyan"),
+                f"] |h| {_s(row.get('hidden_l2'))} -> draft ", (f"{_s(row.get('argmax'))}", "bold"),
+                f" (logit {_s(row.get('logit_max'))})"))
+    return Group(*parts) if parts else None
+
+
 def _num(x: Any) -> str:
     return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else _s(x)
 
@@ -162,6 +188,10 @@ def render_spec_summary(console: Console, trace: Any) -> None:
     console.print(Text.assemble(("speculative ", "bold"), f"{_s(sp.get('method'))} · tree {_s(sp.get('tree'))} · ",
                                 ("tokens per target forward ", "bold"), f"{_s(sp.get('tokens_per_target_forward'))}",
                                 f" ({_s(sp.get('decode_tokens'))} tokens / {_s(sp.get('target_forwards'))} decode forwards)"))
+    kv = sp.get("draft_kv")
+    if isinstance(kv, dict):
+        console.print(Text(f"  draft KV: {_s(kv.get('kind'))}, {_s(kv.get('cells'))} cells, {_s(kv.get('bytes'))} bytes · "
+                           f"{_s(kv.get('mtp_forwards'))} MTP forwards", style=_DIM))
     reqs = sp.get("requests") if isinstance(sp.get("requests"), dict) else {}
     for sid, st in list(reqs.items())[:64]:
         if not isinstance(st, dict):

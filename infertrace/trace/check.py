@@ -933,6 +933,32 @@ def _ancestors(parents: list[int]) -> list[set[int]]:
     return out
 
 
+def _mtp_problem(mt: Any, C: int, toks: Any) -> str | None:
+    """What in an MTP draft record (``spec.mtp``, engine/drafters.py ``MTPDrafter``) contradicts the
+    verify row it drafted, else None: its first row is the pending token's (position C-1, the token
+    verified first, the target's hidden state at C-1); a chained row reads the MTP's own hidden state
+    from the position before its own; the catch-up ends at C-1."""
+    if not isinstance(mt, dict):
+        return None
+    rows = mt.get("rows") or []
+    if not rows:
+        return "the MTP record has no rows"
+    r0 = rows[0]
+    if (r0.get("node"), r0.get("position"), r0.get("hidden_from"), r0.get("hidden_position")) != (-1, C - 1, "target", C - 1):
+        return (f"the MTP's first row must pair the target's hidden at position {C - 1} with the pending token "
+                f"(node -1 at {C - 1}); it is node {r0.get('node')!r} at {r0.get('position')!r} reading "
+                f"{r0.get('hidden_from')!r} at {r0.get('hidden_position')!r}")
+    if isinstance(toks, list) and toks and r0.get("token") != toks[0]:
+        return f"the MTP's first row embeds token {r0.get('token')!r}, the verify row's pending token is {toks[0]}"
+    for x in rows[1:]:
+        if x.get("hidden_from") != "mtp" or x.get("hidden_position") != x.get("position", 0) - 1 or x.get("position", 0) < C:
+            return f"a chained MTP row (node {x.get('node')!r}) must read the MTP's own hidden state at its position - 1"
+    cu = mt.get("catch_up")
+    if isinstance(cu, dict) and (cu.get("positions") or [None, None])[1] != C - 1:
+        return f"the MTP catch-up ends at {(cu.get('positions') or [None, None])[1]!r}, not at the pending token's row {C - 1}"
+    return None
+
+
 def verify_row_problem(r: dict[str, Any]) -> str | None:
     """What in a speculative verify row (``r["spec"]``, its tree already checked by
     :func:`~infertrace.trace.schema.spec_positions`) contradicts its tree, else None: ``drafted`` =
@@ -966,6 +992,9 @@ def verify_row_problem(r: dict[str, Any]) -> str | None:
                     f"{gs.get('snapshots')!r}) but the accepted path ends at node {acc[-1]} of {T}")
         if sorted(gs.get("dropped_nodes") or []) != [i for i in range(T) if i != acc[-1]]:
             return "the GDN state's dropped_nodes are not every snapshot but the kept one"
+    bad = _mtp_problem(sp.get("mtp"), r["C"], toks)
+    if bad:
+        return bad
     anc = _ancestors(par)
     want = ["".join("1" if j in anc[i] else "0" for j in range(T)) for i in range(T)]
     if "verify_mask" in sp and sp["verify_mask"] != want:

@@ -264,14 +264,24 @@ SPEC_REWIND = Obj({}, {"op": S, "seq_id": SEQ, "kept_pos": OPT_RANGE, "n_removed
                        "moved_slots": List(List(Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"]), length=2)),
                        "state": SPEC_STATE},
                   extra=True, null=True)
+#: --speculative mtp: what each MTP row read (engine/drafters.py MTPDrafter: position, token, which hidden state)
+MTP_ROW = Obj({"node": Int(-1, 4096), "position": Int(-1, L["MAX_CTX"] - 1), "token": U,
+               "hidden_from": Str(choices=("target", "mtp")), "hidden_position": Int(-1, L["MAX_CTX"] - 1),
+               "hidden_norm": S, "hidden": S, "hidden_l2": F, "argmax": U, "logit_max": F})
+SPEC_MTP = Obj({"rows": List(MTP_ROW, 4096)},
+               {"catch_up": Obj({"positions": List(POS, length=2), "tokens": List(U, 8), "hidden": S}),
+                "drafts": List(Int(0, L["MAX_ID"], null=True), 4096)})
 SPEC_REQ = Obj({"parents": List(Int(-1, L["MAX_LIST"]), 4096), "accepted_nodes": List(NODE, 4096), "emitted": List(U, 4096),
                 "drafted": NODE, "accepted": NODE},
                {"rejected_nodes": List(NODE, 4096), "rewind": SPEC_REWIND, "cells": List(POS, 4096),
                 "kq_mask_block": List(List(Str(choices=("0", "-inf")), 4096), 4096),
                 "verify_mask": List(Str(max_len=4096), 4096), "position_offsets": List(Int(0, 4096), 4096),
-                "packed_mask": List(List(Int(-(2 ** 31), 2 ** 31 - 1), 128), 4096), "emitted_pieces": List(S, 4096)}, null=True)
+                "packed_mask": List(List(Int(-(2 ** 31), 2 ** 31 - 1), 128), 4096), "emitted_pieces": List(S, 4096),
+                "mtp": SPEC_MTP}, null=True)
 SPEC_STEP = Obj({}, {"drafted": NODE, "accepted": NODE, "acceptance_rate": Num(null=True, lo=0, hi=1)}, null=True)
 SPEC_RUN = Obj({}, {"method": S, "tree": List(Int(-1, 4096), 4096), "target_forwards": Int(0, L["MAX_STEPS"]),
+                    "draft_kv": Obj({"kind": S, "cells": Int(0, L["MAX_CTX"] * 64)},
+                                    {"bytes": Int(0, 2 ** 62, null=True), "mtp_forwards": Int(0, L["MAX_STEPS"] * 4096)}),
                     "decode_tokens": Int(0, L["MAX_CTX"] * 64), "tokens_per_target_forward": Num(null=True),
                     "requests": Map(Obj({}, {"drafted_by_pos": List(Int(0, L["MAX_STEPS"]), 4096),
                                              "accepted_by_pos": List(Int(0, L["MAX_STEPS"]), 4096),

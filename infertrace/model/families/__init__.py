@@ -18,7 +18,7 @@ from typing import Any
 from infertrace.errors import InfertraceError
 from infertrace.model.config import ModelConfig
 from infertrace.model.families import gemma3, llama, mistral, qwen2, qwen3, qwen35
-from infertrace.model.families.base import Family, Ledger
+from infertrace.model.families.base import Family, Ledger, layer_number
 from infertrace.model.layout import expected_tensors as layout_tensors
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY,
@@ -170,14 +170,6 @@ def hf_to_engine_name(fam: Family, hf_name: str) -> str | None:
     return None
 
 
-_LAYER_NUMBER = re.compile(r"[0-9]{1,9}")
-
-
-def layer_number(part: str) -> int | None:
-    """The layer index written in a tensor name's layer field (``blk.<N>.…``, ``layers.<N>.…``):
-    1 to 9 ASCII digits, else None. ``str.isdigit``/``int`` would take ``²`` (then fail) or Arabic-Indic
-    digits (an alias of a real layer), which are names no runtime writes."""
-    return int(part) if _LAYER_NUMBER.fullmatch(part) else None
 
 
 __all__ = ["FAMILIES", "layer_number", "config_from_gguf", "config_from_hf", "engine_name", "expected_tensors", "family_for_hf",

@@ -8,6 +8,8 @@ with any ``refused`` row). Field names follow llama.cpp ``src/llama-arch.cpp``
 
 from __future__ import annotations
 
+import re
+
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -48,7 +50,9 @@ class Family:
         hf_text_config: ``config.json`` -> its text-decoder part (multimodal layouts), or None.
         hf_key: HF state-dict key -> the key :func:`hf_to_engine_name` maps (layout aliases), or None.
         hf_bare_names: bare HF parameters (no ``.weight``; key after ``layers.N.``) -> engine names.
-        hf_skip: HF key -> why it is not loaded (None: load it), or None when everything is loaded.
+        hf_skip: ``(config, HF key)`` -> why it is not loaded (None: load it), or None when everything is loaded.
+        hf_name: ``(config, HF key)`` -> engine name for keys whose name depends on the config (Qwen3.5's
+            ``mtp.*`` -> ``blk.{n_layer}.*``), None to fall back to :func:`hf_to_engine_name`; or None.
         gguf_weights: ``(config, weights)`` in place after dequantisation and the Q/K un-permutation.
         hf_weights: ``(config, weights) -> weights`` converting HF tensors into the convention the
             decoder runs (llama.cpp's converter's), or None.
@@ -69,7 +73,8 @@ class Family:
     hf_text_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     hf_key: Callable[[str], str] | None = None
     hf_bare_names: dict[str, str] = field(default_factory=dict)
-    hf_skip: Callable[[str], str | None] | None = None
+    hf_skip: Callable[[Any, str], str | None] | None = None
+    hf_name: Callable[[Any, str], str | None] | None = None
     gguf_weights: Callable[[Any, dict[str, Any]], None] | None = None
     hf_weights: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
     load_notes: Callable[[Any, str, dict[str, Any]], list[str]] | None = None
@@ -390,3 +395,13 @@ def hf_window_layers(cfg: dict[str, Any], n_layer: int, led: Ledger, default_typ
     else:
         led.honour("layer_types", f"{sum(t == 'sliding_attention' for t in lt)} sliding of {n_layer}")
     return tuple(t == "sliding_attention" for t in lt)
+
+
+_LAYER_NUMBER = re.compile(r"[0-9]{1,9}")
+
+
+def layer_number(part: str) -> int | None:
+    """The layer index written in a tensor name's layer field (``blk.<N>.…``, ``layers.<N>.…``):
+    1 to 9 ASCII digits, else None. ``str.isdigit``/``int`` would take ``²`` (then fail) or Arabic-Indic
+    digits (an alias of a real layer), which are names no runtime writes."""
+    return int(part) if _LAYER_NUMBER.fullmatch(part) else None

@@ -23,7 +23,7 @@ from typing import Any
 
 from infertrace.errors import InfertraceError
 from infertrace.model.families.base import (
-    Family, Ledger, gguf_common, gguf_unknown_keys, hf_act, hf_common, hf_rope_params,
+    Family, Ledger, gguf_common, gguf_unknown_keys, hf_act, hf_common, hf_rope_params, layer_number,
 )
 
 #: HF decoder-layer sub-modules -> llama.cpp tensor names (``blk.N.*``). Bare parameters
@@ -157,9 +157,8 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
               "linear_value_head_dim"):
         if k in cfg:
             led.honour(k, cfg[k])
-    for k, note in (("mtp_num_hidden_layers", "MTP draft head (mtp.* tensors): not part of the main forward pass"),
-                    ("mtp_use_dedicated_embeddings", "MTP draft head option"),
-                    ("attention_dropout", "training only"), ("use_cache", "HF generation option"),
+    mtp = _hf_mtp_layers(cfg, led)
+    for k, note in (("attention_dropout", "training only"), ("use_cache", "HF generation option"),
                     ("image_token_id", "vision input"), ("video_token_id", "vision input"),
                     ("vision_start_token_id", "vision input"), ("vision_end_token_id", "vision input")):
         if k in cfg:
@@ -174,7 +173,36 @@ def from_hf(cfg: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]
         led.add("rms_norm_eps", "absent (Qwen3.5 default 1e-6)", "honoured")
     hybrid = dict(layer_types=types, attn_output_gate=True, norm_mul_f32=True, mrope_sections=tuple(sec), **gdn)
     _ledger_hybrid(led, hybrid, "hf")
-    return dict(kw, family="qwen35", act=act, qk_norm=True, **hybrid)
+    return dict(kw, family="qwen35", act=act, qk_norm=True, mtp_layers=mtp, **hybrid)
+
+
+#: what the ledger says of a loaded MTP head
+MTP_NOTE = ("MTP draft head loaded as blk.{n}.* + blk.{n}.nextn.* (one full-attention block after the main blocks): "
+            "drafts for --speculative mtp, not part of the main forward pass")
+
+
+def _hf_mtp_layers(cfg: dict[str, Any], led: Ledger) -> int:
+    """``mtp_num_hidden_layers`` / ``mtp_use_dedicated_embeddings`` -> MTP blocks to load (0 or 1).
+
+    One block, drafting with the main model's ``embed_tokens`` (vLLM ``qwen3_5_mtp.py`` loads
+    ``embed_tokens`` from the main model; llama.cpp ``graph_mtp`` falls back to ``tok_embd`` when
+    ``nextn.embed_tokens`` is absent). Dedicated MTP embeddings or more than one block: the head is
+    not loaded (the main forward pass does not read it either way) and ``--speculative mtp`` is refused."""
+    n = cfg.get("mtp_num_hidden_layers", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 64:
+        raise InfertraceError(f"config.json mtp_num_hidden_layers must be an integer in 0..64, got {n!r}")
+    ded = cfg.get("mtp_use_dedicated_embeddings", False)
+    if "mtp_use_dedicated_embeddings" in cfg:
+        led.na("mtp_use_dedicated_embeddings", ded, "MTP drafts embed with the main embed_tokens" if not ded else
+               "dedicated MTP embeddings are not implemented: the MTP head is not loaded (--speculative mtp refused)")
+    if "mtp_num_hidden_layers" not in cfg:
+        return 0
+    if n == 1 and not ded:
+        led.honour("mtp_num_hidden_layers", n, MTP_NOTE.format(n=cfg.get("num_hidden_layers", "N")))
+        return 1
+    led.na("mtp_num_hidden_layers", n, "no MTP head" if n == 0 else "only one MTP block is implemented (llama.cpp "
+           "graph_mtp asserts one): the mtp.* tensors are not loaded (--speculative mtp refused)")
+    return 0
 
 
 def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, Any]:
@@ -202,10 +230,15 @@ def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, A
         raise InfertraceError(f"GGUF {arch}.rope.dimension_sections must be up to 4 small integers; the file is broken")
     sec = list(sec)
     led.honour(f.key("rope.dimension_sections"), sec, "M-RoPE sections (ggml_rope_multi); text positions equal on all axes")
+    mtp = _gguf_nextn(f, kw, led)
     n = kw["n_layer"]
     rec = meta.get(f"{arch}.attention.recurrent_layers")
-    if rec is not None and not (isinstance(rec, (list, tuple)) and len(rec) == n):
-        raise InfertraceError(f"GGUF {arch}.attention.recurrent_layers must list {n} flags (one per block); the file is broken")
+    n_all = n + (f.num("nextn_predict_layers", 0, int) or 0)
+    if rec is not None and not (isinstance(rec, (list, tuple)) and len(rec) in (n, n_all)):
+        raise InfertraceError(f"GGUF {arch}.attention.recurrent_layers must list {n_all} flags (one per block); the file is broken")
+    if rec is not None and any(rec[n:]):
+        raise InfertraceError(f"GGUF {arch}.attention.recurrent_layers flags an MTP block recurrent (llama.cpp: MTP "
+                              "layers are dense attention); the file is broken")
     if rec is not None:
         types = tuple(LINEAR if rec[i] else FULL for i in range(n))
         led.honour(f.key("attention.recurrent_layers"), f"{sum(bool(x) for x in rec[:n])} recurrent of {n}")
@@ -229,16 +262,38 @@ def from_gguf(meta: dict[str, Any], led: Ledger, names: set[str]) -> dict[str, A
         raise InfertraceError(f"GGUF {arch}.ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {n_v}")
     for k in ("ssm.conv_kernel", "ssm.group_count", "ssm.time_step_rank", "ssm.state_size", "ssm.inner_size"):
         led.honour(f.key(k), f.get(k))
-    nextn = f.num("nextn_predict_layers", 0, int)
-    if f.has("nextn_predict_layers"):
-        if nextn:
-            led.refuse(f.key("nextn_predict_layers"), nextn, "MTP layers appended to the block stack are not implemented")
-        else:
-            led.na(f.key("nextn_predict_layers"), nextn, "no MTP layers")
     gguf_unknown_keys(meta, arch, led)
     hybrid = dict(layer_types=types, attn_output_gate=True, norm_mul_f32=True, mrope_sections=tuple(sec), **gdn)
     _ledger_hybrid(led, hybrid, "gguf")
-    return dict(kw, family="qwen35", act="silu", qk_norm=True, **hybrid)
+    return dict(kw, family="qwen35", act="silu", qk_norm=True, mtp_layers=mtp, **hybrid)
+
+
+def _gguf_nextn(f: Any, kw: dict[str, Any], led: Ledger) -> int:
+    """``{arch}.nextn_predict_layers``: llama.cpp counts the MTP blocks in ``block_count``
+    (``n_layer_all``; ``hparams.n_layer() = n_layer_all - n_layer_nextn``, src/llama-hparams.cpp) and
+    stores them as ``blk.{n_layer}.*`` (``load_block_mtp`` in src/models/qwen35.cpp). Sets
+    ``kw["n_layer"]`` to the main blocks; returns the MTP blocks to load (0 or 1).
+
+    Raises:
+        InfertraceError: ``nextn_predict_layers`` not smaller than ``block_count``.
+    """
+    nextn = f.num("nextn_predict_layers", 0, int)
+    if not f.has("nextn_predict_layers"):
+        return 0
+    if nextn is None or not 0 <= nextn < kw["n_layer"]:
+        raise InfertraceError(f"GGUF {f.key('nextn_predict_layers')} = {nextn} must be in 0..block_count-1 "
+                              f"(block_count {kw['n_layer']} counts the MTP blocks too); the file is broken")
+    kw["n_layer"] -= nextn
+    if nextn == 0:
+        led.na(f.key("nextn_predict_layers"), 0, "no MTP layers")
+        return 0
+    if nextn > 1:
+        led.refuse(f.key("nextn_predict_layers"), nextn, "more than one MTP block is not implemented (llama.cpp "
+                   "graph_mtp asserts one)")
+        return 0
+    led.honour(f.key("nextn_predict_layers"), nextn, MTP_NOTE.format(n=kw["n_layer"]) + f"; block_count {kw['n_layer'] + 1} "
+           f"= {kw['n_layer']} main + 1 MTP")
+    return 1
 
 
 def v_heads_tiled_to_grouped(t: Any, dim: int, n_k: int, n_v: int, head: int) -> Any:
@@ -294,24 +349,57 @@ def fix_hf_weights(cfg: Any, w: dict[str, Any]) -> dict[str, Any]:
 
 def load_notes(cfg: Any, source: str, raw: dict[str, Any]) -> list[str]:
     """What the loader did to this file's tensors (and whether the weights are random)."""
+    n = cfg.n_layer
+    mtp = ([f"MTP draft head loaded: blk.{n}.* (full-attention block) + blk.{n}.nextn.{{eh_proj,enorm,hnorm,"
+            "shared_head_norm}" + ("" if source == "gguf" else " from mtp.layers.0.* / mtp.fc / mtp.pre_fc_norm_embedding "
+                                   "/ mtp.pre_fc_norm_hidden / mtp.norm (norms + 1)")
+            + "; read only by --speculative mtp (model/mtp.py), never by the main forward pass"] if cfg.mtp_layers else [])
     if source == "gguf":
+        from infertrace.loading.synth import RANDOM_NOTE
+
+        if raw.get("general.description") == RANDOM_NOTE:  # make-qwen35 --format gguf
+            mtp = [RANDOM_NOTE] + mtp
         if cfg.ssm_n_k_heads != cfg.ssm_n_v_heads:
             return ["Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm), ssm_a = -exp(A_log) and GDN "
-                    "V heads in tiled order; norms and ssm_a used as stored, V heads put back in HF's grouped order"]
-        return ["Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm) and ssm_a = -exp(A_log); used as stored"]
+                    "V heads in tiled order; norms and ssm_a used as stored, V heads put back in HF's grouped order"] + mtp
+        return ["Qwen3.5: llama.cpp's converter stored norms as 1 + w (not ssm_norm) and ssm_a = -exp(A_log); used as stored"] + mtp
     from infertrace.loading.synth import RANDOM_KEY, RANDOM_NOTE
 
     notes = [RANDOM_NOTE] if raw.get(RANDOM_KEY) else []
     return notes + ["Qwen3.5 zero-centred RMSNorm (1 + w): +1 folded into every norm but the gated ssm_norm at load; "
-                    "A_log -> ssm_a = -exp(A_log) (as llama.cpp's converter)"]
+                    "A_log -> ssm_a = -exp(A_log) (as llama.cpp's converter)"] + mtp
 
 
-def hf_skip(key: str) -> str | None:
-    """Why an HF tensor outside the text decoder is not loaded (None: it is part of it)."""
-    if key.startswith("mtp."):
-        return "MTP draft head (not part of the main forward pass; HF Qwen3_5ForCausalLM ignores it too)"
+def hf_skip(cfg: Any, key: str) -> str | None:
+    """Why an HF tensor outside the text decoder (and its loaded MTP head) is not loaded (None: load it)."""
+    if key.startswith("mtp.") and not cfg.mtp_layers:
+        return "MTP draft head not loaded (see mtp_num_hidden_layers in inspect; not part of the main forward pass)"
     if key.startswith(("model.visual.", "visual.")):
         return "vision tower (text-only run; HF Qwen3_5ForCausalLM ignores it too)"
+    return None
+
+
+#: HF ``mtp.*`` tensors outside ``mtp.layers.J`` -> NextN slots (llama.cpp ``conversion/qwen.py``
+#: ``_Qwen35MtpMixin.modify_tensors`` remapper, then gguf-py ``MODEL_TENSOR.NEXTN_*`` names)
+MTP_NAMES = {"mtp.fc.weight": "nextn.eh_proj", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm",
+             "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm", "mtp.norm.weight": "nextn.shared_head_norm"}
+
+
+def hf_mtp_name(cfg: Any, key: str) -> str | None:
+    """An HF ``mtp.*`` key -> engine name (None for any other key): ``mtp.layers.J.X`` ->
+    ``blk.{n_layer + J}.X`` under the decoder-layer names (llama.cpp's converter renames it
+    ``model.layers.{n_layer + J}``), ``mtp.fc`` / ``pre_fc_norm_*`` / ``norm`` -> ``blk.{n_layer}.nextn.*``."""
+    if not key.startswith("mtp.") or not cfg.mtp_layers:
+        return None
+    if key in MTP_NAMES:
+        return f"blk.{cfg.n_layer}.{MTP_NAMES[key]}"
+    parts = key.split(".")
+    j = layer_number(parts[2]) if len(parts) >= 5 and parts[1] == "layers" else None
+    if j is not None and j < cfg.mtp_layers:
+        sub, last = ".".join(parts[3:-1]), parts[-1]
+        if sub in LAYER_NAMES and last in ("weight", "bias"):
+            base = f"blk.{cfg.n_layer + j}.{LAYER_NAMES[sub]}"
+            return base if last == "weight" else base + ".bias"
     return None
 
 
@@ -327,8 +415,9 @@ FAMILY = Family(
     features=("hybrid: Gated DeltaNet (linear_attention) + gated full attention layers",
               "GDN: causal conv + L2-normed q/k + gated delta rule + gated RMSNorm; fixed-size state per request",
               "full attention: Q+gate projection, QK-norm, partial RoPE (M-RoPE sections), out * sigmoid(gate)",
-              "zero-centred RMSNorm (1 + w)"),
+              "zero-centred RMSNorm (1 + w)",
+              "MTP draft head (mtp.* / blk.N.nextn.*): loaded when present; drafts for --speculative mtp (model/mtp.py)"),
     block_names={"ffn_norm": "post_attention_norm"},  # llama.cpp LLM_TENSOR_ATTN_POST_NORM is the pre-FFN norm here
-    hf_text_config=text_config, hf_key=hf_key, hf_bare_names=BARE_NAMES, hf_skip=hf_skip,
+    hf_text_config=text_config, hf_key=hf_key, hf_bare_names=BARE_NAMES, hf_skip=hf_skip, hf_name=hf_mtp_name,
     gguf_weights=fix_gguf_weights, hf_weights=fix_hf_weights, load_notes=load_notes,
 )
