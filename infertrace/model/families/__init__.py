@@ -12,7 +12,6 @@ decoder reads, so anything else in a file is refused by the loader.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from infertrace.errors import InfertraceError
