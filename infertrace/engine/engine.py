@@ -102,6 +102,11 @@ def _make_attn_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str, n_la
     kv_dtype = kv_cache_dtype(opts, model.dtype)
     windows = ([cfg.layer_window(i) for i in range(cfg.n_layer)] if n_layer is None else [0] * n_layer)  # 0 = full attention
     if opts.backend == "cells":
+        if any(windows) and not opts.prefix_cache:  # llama.cpp's iSWA cache: a second, smaller pool for the windowed layers
+            from infertrace.kv.iswa import IswaCellsKV
+
+            return IswaCellsKV(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, kv_dtype, model.device,
+                               windows=windows, n_ubatch=max(1, min(opts.max_batch_tokens, opts.ctx_size)))
         cls = CachingCellsKV if opts.prefix_cache else CellsKV
         return cls(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, kv_dtype, model.device,
                    windows=windows)
