@@ -379,6 +379,12 @@ def swa_parts(st: StepTrace, swa: dict[str, Any]) -> list[RenderableType]:
                 g.append("\n")
             g.rstrip()
             parts.append(g)
+    if swa.get("pool"):  # llama.cpp's iSWA cache: the SWA pool kq_mask_swa is built over (kv/iswa.py)
+        pl = swa["pool"]
+        parts.append(_kv("SWA pool", f"{pl['size']} cells (llama_kv_cache_iswa: GGML_PAD(min(n_ctx, n_swa·n_seq_max + n_ubatch), "
+                                     f"256)), n_kv {pl['n_kv']}; this step's cells (k_idxs_swa) {pl.get('k_idxs', '-')}, head "
+                                     f"{pl.get('head_before', '?')}→{pl.get('head_after', '?')}; reused (left every window) "
+                                     f"{pl.get('reused', '-')}; purged {pl.get('purged', '-')}"))
     if swa.get("attention_window"):
         parts.append(_kv("paged window", f"attention_window_size per layer {{{', '.join(f'{k}: {v}' for k, v in list(swa['attention_window'].items())[:6])}"
                                          f"{', …' if len(swa['attention_window']) > 6 else ''}}} (TensorRT-LLM attention_window_size, "

@@ -105,6 +105,11 @@ class LlamaCppKV(CellsKV):
             if name not in t:
                 raise InfertraceError(f"llama.cpp graph gave no {name} at step {step}; this model's graph is not supported by --engine llama.cpp")
         N = inp.n_tokens
+        if t["attn_inp_k_idxs"].size < N:  # llama.cpp split the batch (hybrid memory: split_equal, equal tokens per sequence)
+            raise InfertraceError(f"llama.cpp split step {step} ({N} tokens) into several ubatches (a hybrid model's memory "
+                                  "needs the same number of new tokens per sequence in a ubatch: split_equal); --engine "
+                                  "llama.cpp records one ubatch per step: run one request at a time, or requests of equal "
+                                  "prompt length arriving together")
         idx = torch.from_numpy(t["attn_inp_k_idxs"].reshape(-1)[:N].astype(np.int64))  # [N] cells
         pos = torch.from_numpy(t["inp_pos"].reshape(-1)[:N].astype(np.int64))  # [N]
         head_before = self.head
@@ -199,6 +204,8 @@ class LlamaCppKV(CellsKV):
             lo, hi = self.lctx.seq_pos_range(sid)
             ranges[str(sid)] = [lo, hi]
             ps = [p for _, p in pool.cells_of(sid)]
+            if ps and self.rs_cells:  # llama_memory_hybrid::seq_pos_min/max: the recurrent cell holds the last pos only
+                ps = [max(ps)]
             if ps and (min(ps), max(ps)) != (lo, hi):
                 self.notes.append(f"step {step}: seq {sid} cells read from k_idxs hold pos {min(ps)}..{max(ps)}, "
                                   f"llama_memory_seq_pos_min/max say {lo}..{hi}")
@@ -412,6 +419,10 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
     if not prompts:
         raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
+    if getattr(cfg, "is_hybrid", False) and cfg.is_linear(layer):
+        attn = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
+        raise InfertraceError(f"--layer {layer} is a Gated DeltaNet layer (no K/V for llama.cpp to show); pass --layer "
+                              f"{attn[0] if attn else 0} (attention layers: {attn})")
     show = tuple(show or VARIABLES)
     rec = Recorder(loaded.tokenizer, cfg, layer=layer, show=show, layers=[layer], tensors=tensors)
     eng, notes = run_llamacpp(loaded, prompts, opts, rec, layer, forced, on_step, flash_attn=flash_attn)
