@@ -357,10 +357,10 @@ def structural_diff(a: list[dict[str, Any]], b: list[dict[str, Any]], name_b: st
     """Exact comparison of two :class:`StepTap` step lists (``a`` ours, ``b`` the other engine).
 
     Returns:
-        ``{"checked": int, "mismatches": [{"step", "variable", "detail"}], "placement": text,
-        "mask_dtype": {"ours", name_b}}``.
+        ``{"checked": int, "swa_checked": int (of which on the iSWA SWA pool, :func:`swa_diff`),
+        "mismatches": [{"step", "variable", "detail"}], "placement": text, "mask_dtype": {"ours", name_b}}``.
     """
-    mism, n, placement_same = [], 0, True
+    mism, n, placement_same, n_swa = [], 0, True, 0
     dtypes = set()
 
     def bad(step: int, var: str, detail: str) -> None:
@@ -389,7 +389,8 @@ def structural_diff(a: list[dict[str, Any]], b: list[dict[str, Any]], name_b: st
             if u != v:
                 bad(s, var, f"{what}: ours {str(u)[:120]} vs {name_b} {str(v)[:120]}")
         dtypes.add((x["mask_dtype"], y["mask_dtype"]))
-        n += swa_diff(x, y, bad, name_b)
+        k = swa_diff(x, y, bad, name_b)
+        n, n_swa = n + k, n_swa + k
         if y.get("memory_seq_pos"):
             for sid, (lo, hi) in y["memory_seq_pos"].items():
                 n += 1
@@ -418,7 +419,7 @@ def structural_diff(a: list[dict[str, Any]], b: list[dict[str, Any]], name_b: st
                     break
     placement = ("identical: every token went to the same cell index" if placement_same else
                  "differs: llama.cpp chose other cell indices; kq_mask columns compared after mapping each cell to its (pos, seq_ids)")
-    return {"checked": n, "mismatches": mism, "placement": placement,
+    return {"checked": n, "swa_checked": n_swa, "mismatches": mism, "placement": placement,
             "mask_dtype": {"ours": sorted({d[0] for d in dtypes}), name_b: sorted({d[1] for d in dtypes})}}
 
 
