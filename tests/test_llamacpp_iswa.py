@@ -129,3 +129,41 @@ def test_tiny_qwen35_recurrent_cells_captured(tiny_q35):
     assert sd["state_indices"] == [0, 1] and sd["rs_z"] == 0
     with pytest.raises(Exception, match="Gated DeltaNet layer"):
         run_requests_llamacpp(tiny_q35, specs, EngineOptions(ctx_size=256), layer=0)
+
+
+def test_swa_pool_purge_after_seq_rm_equals_llama_cpp(tiny_g3):
+    """A hole, then reuse past it: 256 tokens fill the 256-cell SWA pool, ``seq_rm(0, 100, 101)`` frees
+    cell 100 (head back to 100), and two tokens at pos 256, 257 take cell 100 (empty) and cell 101
+    (pos 101 left every window: 256 - 101 >= 4). apply_ubatch then purges pos 0..99 of seq 0
+    (``seq_rm(0, seq_pos_min 0, 101 + 1)``): seq_pos_min 102, 156 cells used, head 102 — by hand from
+    llama_kv_cache::find_slot / apply_ubatch, and what llama.cpp itself reports."""
+    import numpy as np
+
+    from infertrace.kv.base import ChunkSpec
+    from infertrace.kv.iswa import IswaCellsKV
+    from infertrace.runtimes.llamacpp.capture import LlamaCppContext
+
+    cfg = tiny_g3.config
+    lc = LlamaCppContext(tiny_g3.ckpt.path, 512, 64, 1, 0, 1, "auto", swa_layers=cfg.windowed_layers)
+    try:
+        for a in range(0, 256, 64):
+            lc.decode([5] * 64, list(range(a, a + 64)), [0] * 64, [False] * 63 + [True])
+        lc.L.llama_memory_seq_rm(lc.mem, 0, 100, 101)
+        cap = lc.decode([6, 7], [256, 257], [0, 0], [False, True])
+        l_idx = cap.tensors["attn_inp_k_idxs_swa"].reshape(-1).astype(np.int64).tolist()
+        l_base = cap.tensors["attn_inp_k_idxs"].reshape(-1).astype(np.int64).tolist()
+        l_range = lc.seq_pos_range(0)
+    finally:
+        lc.close()
+    kv = IswaCellsKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, 512, 1,
+                     windows=[cfg.layer_window(i) for i in range(cfg.n_layer)], n_ubatch=64)
+    assert kv.swa.size == 256
+    for a in range(0, 256, 64):
+        kv.prepare([ChunkSpec(0, a, 64)])
+    assert kv.seq_rm(0, 100, 101)
+    inp = kv.prepare([ChunkSpec(0, 256, 2)])
+    assert l_idx == inp.swa.cell_idx.tolist() == [100, 101]
+    assert l_base == inp.cell_idx.tolist() == [100, 256]  # the base pool: the hole, then the next free cell
+    assert inp.swa.extra["reused"] == "101" and inp.swa.extra["purged"] == "seq 0: 0..99"
+    assert l_range == (kv.seq_pos_min(0), kv.seq_pos_max(0)) == (102, 257)
+    assert kv.swa.used == 156 and kv.swa.head == 102
