@@ -81,6 +81,10 @@ def test_tiny_gemma3_swa_pool_reuse_equals_llama_cpp(tiny_g3):
         assert tr.steps[4].kv.physical["swa_pool"]["used"] == 256
         validate_manifest(manifest_dict(tr), "t")
         assert check_trace(manifest_dict(tr))[0] is None
+    from infertrace.trace.engine_diff import cross_engine_diff
+
+    res, cross = cross_engine_diff(manifest_dict(lt), manifest_dict(ot))  # `infertrace diff` of the two saved traces
+    assert res.equal, res.differences[:3]
     # llama.cpp's own answer: llama_kv_cache_iswa::seq_pos_min is the SWA pool's, 45 once pos 0..44 are gone
     assert lt.steps[4].kv.physical["llama_memory_seq_pos"] == {"0": [45, 300]}
     assert lt.steps[3].kv.physical["llama_memory_seq_pos"] == {"0": [0, 255]}

@@ -219,6 +219,7 @@ class LlamaCppKV(CellsKV):
         snap["llama_memory_seq_pos"] = dict(getattr(self, "_memory_seq_pos", {}))
         if self.swa is not None:
             snap["swa_pool"] = self.swa.pool_record(None)
+            snap["n_swa"], snap["swa_layers"] = self.swa.n_swa, list(self.cfg.windowed_layers)
         if self.rs_cells:
             snap["recurrent_cells"] = [dict(r) for r in self.rs_cells]
         return snap
