@@ -228,8 +228,9 @@ class IswaInputs(CellsInputs):
         if s is None:
             return {}
         m, n_kv = s.kq_mask_swa, s.n_kv  # [1, 1, n_pad, n_kv_swa]
-        keep0 = (m[0, 0, 0, :n_kv] == 0).nonzero().flatten()
-        c0 = int(keep0[0]) if keep0.numel() else 0
+        keep0 = (m[0, 0, 0, :n_kv] == 0).nonzero().flatten()  # cells the first query sees
+        # the window edge: the kept cell of smallest pos (after reuse the pool is not in position order)
+        c0 = int(keep0[s.cell_pos[keep0].argmin()]) if keep0.numel() else 0
         start = max(0, min(c0 - max_cols // 2, n_kv - max_cols))
         sl = m[0, 0, : min(self.n_tokens, max_rows), start : start + max_cols]
         return {"kq_mask_swa": {"ne": [n_kv, s.n_tokens_pad, 1, 1], "dtype": str(m.dtype).replace("torch.", ""),
