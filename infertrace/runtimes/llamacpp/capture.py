@@ -15,6 +15,12 @@ What is read, and from where (llama.cpp as vendored by llama-cpp-python 0.3.x):
   (``build_inp_out_ids``), ``Qcur-{il}`` / ``Kcur-{il}`` / ``Vcur-{il}`` of one layer (first node
   of a name = the projection, last = after RoPE) and that layer's cache after the write
   (``cache_k_l{il} (view)``, the ``ggml_set_rows`` result);
+* models with sliding-window layers (Gemma 3): llama.cpp's iSWA graph (``build_attn_inp_kv_iswa``)
+  builds ``attn_inp_kq_mask`` / ``attn_inp_k_idxs`` / ``attn_inp_v_idxs`` once per pool under the
+  same names; the copy a windowed layer consumes (its ``cache_k_l{il}`` / ``-{il}`` node) is kept as
+  ``NAME_swa``; ``cache_k_l{il}`` ``ne[1]`` gives each pool's size;
+* hybrid models: the recurrent cells of every ubatch from ``build_rs`` (``rs_s_copy`` I32 ``[n_rs]``,
+  ``rs_z`` and ``head`` from view offsets; :meth:`LlamaCppContext._rs_meta`);
 * ``llama_get_logits_ith`` for the rows flagged in the batch;
 * the memory API: ``llama_memory_seq_pos_min`` / ``_max`` per sequence, ``llama_memory_seq_rm``.
 

@@ -15,6 +15,9 @@ kv cells / head           ``attn_inp_k_idxs`` (cell of each token; head = last c
                           ``apply_ubatch``), freed by ``llama_memory_seq_rm``; checked against
                           ``llama_memory_seq_pos_min/max`` every step
 kv layer view / cache     layer ``--layer``'s cache rows after ``ggml_set_rows`` (F16)
+mask.swa, kv swa_pool     iSWA (Gemma 3): ``attn_inp_kq_mask_swa`` / ``attn_inp_k_idxs_swa`` (the SWA
+                          pool's, applied as ``apply_ubatch``: reuse, purge; see kv/iswa.py)
+kv recurrent_cells        hybrid: per ubatch ``head``, ``n_rs``, ``rs_z``, ``rs_s_copy``
 hidden                    ``embd`` F32 ``ne=[H, N]`` (embedding output)
 RoPE evidence             ``Qcur-l``/``Kcur-l`` before and after ``ggml_rope_ext``, ``Vcur-l``
 decode logits             ``llama_get_logits_ith`` for the flagged rows; ``out_ids`` recorded
