@@ -281,6 +281,13 @@ class IswaCellsKV(CellsKV):
         self.n_ubatch = int(n_ubatch)
         self.swa = SwaCellsPool(n_layer, n_kv_heads, head_dim, swa_pool_size(size, self.n_swa, n_seq_max, n_ubatch, swa_full),
                                 n_seq_max, dtype, device, self.windows)
+        # the SWA pool stores the windowed layers only (llama.cpp's filter_swa); the global layers' slots point at
+        # one shared scratch pair the sequence operations may rotate or move but nothing reads
+        glob = [il for il, w in enumerate(self.windows) if not w]
+        if glob:
+            sk, sv = self.swa.k[glob[0]], self.swa.v[glob[0]]  # [size_swa, n_kv_heads, hd] each
+            for il in glob:
+                self.swa.k[il], self.swa.v[il] = sk, sv
 
     # --- per step --------------------------------------------------------------------------------
     def can_fit(self, plan: list[tuple[int, int]]) -> bool:
