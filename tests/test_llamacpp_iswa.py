@@ -171,3 +171,16 @@ def test_swa_pool_purge_after_seq_rm_equals_llama_cpp(tiny_g3):
     assert inp.swa.extra["reused"] == "101" and inp.swa.extra["purged"] == "seq 0: 0..99"
     assert l_range == (kv.seq_pos_min(0), kv.seq_pos_max(0)) == (102, 257)
     assert kv.swa.used == 156 and kv.swa.head == 102
+
+
+def test_tiny_gemma3_iswa_inputs_told_apart_without_flash_attention(tiny_g3):
+    """Flash attention off: the masks are consumed by kq_soft_max-{il} (not the flash-attention node);
+    both pools are still told apart and equal the cells backend's."""
+    from infertrace.compare.llamacpp import compare_with_llamacpp
+
+    specs = [PromptSpec(LONG, SamplingParams(max_new_tokens=2, ignore_eos=True))]
+    rep = compare_with_llamacpp(tiny_g3, specs, EngineOptions(ctx_size=512, max_batch_tokens=64), layer=5,
+                                flash_attn="off")
+    st = rep["structural"]
+    assert rep["llama_cpp"]["flash_attn"] == "off"
+    assert st["mismatches"] == [] and st["swa_checked"] > 40 and rep["first_exceeding"] is None
