@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -62,6 +62,10 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     if not prompts:
         raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
     opts = opts or EngineOptions()
+    if opts.backend == "cells" and getattr(cfg, "windowed_layers", None) and opts.n_seq_max == EngineOptions.n_seq_max:
+        # llama.cpp's n_seq_max is the number of parallel sequences (llama-cli 1, --parallel N), and it sizes the
+        # iSWA cache's SWA pool (kv/iswa.py): one per request here, as --engine llama.cpp runs them
+        opts = replace(opts, n_seq_max=max(1, len(prompts)))
     tok = loaded.tokenizer
     rec = Recorder(tok, cfg, layer=layer, show=tuple(show), layers=tensor_layers, tensors=tensors) if trace else NULL_TRACER
     eng = (engine_factory or Engine)(loaded.model, tok, opts, rec)

@@ -175,9 +175,11 @@ class GgmlAttentionKV:
     n_threads = 1
 
     def attend(self, layer: int, q: torch.Tensor, inp: Any, scale: float) -> torch.Tensor:  # type: ignore[override]
-        n_kv, N = int(inp.n_kv), q.shape[0]  # CellsInputs fields (no longer in inp.extra)
-        mask = inp.mask(bool(self.windows[layer]))[0, 0, :N].to(q.device).float()  # type: ignore[attr-defined]  # [N, n_kv]
-        k, v = self.k[layer][:n_kv].float(), self.v[layer][:n_kv].float()  # type: ignore[attr-defined]  # [n_kv, nkv, hd]
+        # iSWA (kv/iswa.py): a windowed layer reads the SWA pool with kq_mask_swa
+        pool, pinp = self.pool_for(layer, inp) if hasattr(self, "pool_for") else (self, inp)  # type: ignore[attr-defined]
+        n_kv, N = int(pinp.n_kv), q.shape[0]  # CellsInputs fields (no longer in inp.extra)
+        mask = pinp.mask(bool(self.windows[layer]))[0, 0, :N].to(q.device).float()  # type: ignore[attr-defined]  # [N, n_kv]
+        k, v = pool.k[layer][:n_kv].float(), pool.v[layer][:n_kv].float()  # type: ignore[attr-defined]  # [n_kv, nkv, hd]
         return ggml_cpu_attention(q.float(), k, v, mask, scale, self.flash_attn, self.n_threads).to(q.dtype)
 
 
@@ -261,6 +263,65 @@ class StepTap:
         })
         if hasattr(inp, "streams"):  # non-unified KV: one mask block per stream
             self.steps[-1].update(_stream_tap(inp))
+        sw = swa_step(inp, kv, ctx["requests"])
+        if sw is not None:
+            self.steps[-1]["swa"] = sw
+
+
+def swa_step(inp: Any, kv: Any, requests: Any) -> dict[str, Any] | None:
+    """The SWA pool's side of a step (llama.cpp's iSWA cache, kv/iswa.py) for :func:`structural_diff`:
+    ``n_kv``, ``ne``, ``kq_mask_swa`` ``[N, n_kv]``, the step's cells (``k_idxs_swa``), the cells' pos /
+    seq_ids, heads, cells reused / positions purged and per sequence its positions in the pool;
+    None without a SWA pool."""
+    s, pool = getattr(inp, "swa", None), getattr(kv, "swa", None)
+    if s is None or pool is None:
+        return None
+    N, n_kv = inp.n_tokens, int(s.n_kv)
+    own = {}
+    for sid in sorted(requests):
+        cells = pool.cells_of(sid)
+        if cells:
+            own[sid] = [p for _, p in cells]
+    return {"n_kv": n_kv, "ne": list(s.extra.get("kq_mask_ne") or [n_kv, int(s.n_tokens_pad), 1, 1]),
+            "mask": s.kq_mask_swa[0, 0, :N, :n_kv].float().clone(),  # [N, n_kv]
+            "cell_idx": s.cell_idx.tolist(), "cell_pos": s.cell_pos.tolist(),
+            "cell_seq": [frozenset(r.nonzero().flatten().tolist()) for r in s.cell_seq],
+            "head": (s.head_before, s.head_after), "reused": s.extra.get("reused", "-"),
+            "purged": s.extra.get("purged", "-"), "size": pool.size, "own": own}
+
+
+def swa_diff(x: dict[str, Any], y: dict[str, Any], bad: Any, name_b: str = "llama.cpp") -> int:
+    """Exact comparison of the SWA pool's side of one step (:func:`swa_step`) of ours ``x`` and ``name_b``'s
+    ``y``: pool size, ``n_kv``, ``kq_mask_swa`` ``ne``, the cells each token went to, heads, cells reused,
+    per sequence its positions in the pool, and ``kq_mask_swa`` cell for cell (placement identical) or
+    per query row as visible (pos, seq_ids). ``bad(step, variable, detail)`` records a difference.
+    Returns the number of checks made."""
+    a, b, s = x.get("swa"), y.get("swa"), x["step"]
+    if a is None and b is None:
+        return 0
+    if a is None or b is None:
+        bad(s, "swa", f"only {'ours' if b is None else name_b} has a separate SWA pool")
+        return 1
+    n = 0
+    for what, u, v in (("SWA pool size", a["size"], b["size"]), ("n_kv_swa", a["n_kv"], b["n_kv"]),
+                       ("kq_mask_swa ne", a["ne"], b["ne"]), ("k_idxs_swa (SWA-pool cell of each token)", a["cell_idx"], b["cell_idx"]),
+                       ("SWA pool head before/after", a["head"], b["head"]), ("SWA cells reused", a["reused"], b["reused"]),
+                       ("SWA pool positions per seq after the step", a["own"], b["own"])):
+        n += 1
+        if u != v:
+            bad(s, "swa", f"{what}: ours {str(u)[:120]} vs {name_b} {str(v)[:120]}")
+    n += 1
+    if a["cell_idx"] == b["cell_idx"] and a["mask"].shape == b["mask"].shape:
+        d = ((a["mask"] == 0) != (b["mask"] == 0)).nonzero().tolist()
+        if d:
+            r, c = d[0]
+            bad(s, "swa", f"kq_mask_swa[{r}][{c}] (query pos {x['positions'][r]}, SWA cell {c}) differs ({len(d)} cells)")
+    else:
+        for r in range(len(x["positions"])):
+            if _visible(a, r) != _visible(b, r):
+                bad(s, "swa", f"kq_mask_swa query row {r} (pos {x['positions'][r]}): visible (pos, seqs) differ")
+                break
+    return n
 
 
 class ForcedEngine(Engine):
@@ -291,18 +352,30 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
     :class:`F16CacheKV`, and :func:`ggml_cpu_attention` with the flash-attention setting llama.cpp
     ran with; matmul inputs through :class:`Q8ActivationOps`), forced to ``forced``."""
     from infertrace.kv.cells import CellsKV
+    from infertrace.kv.iswa import IswaCellsKV
 
     class _KV(GgmlAttentionKV, F16CacheKV, CellsKV):
         pass
 
+    class _IswaKV(GgmlAttentionKV, F16CacheKV, IswaCellsKV):
+        pass
+
     _KV.flash_attn, _KV.n_threads = flash_attn, n_threads
+    _IswaKV.flash_attn, _IswaKV.n_threads = flash_attn, n_threads
 
     tap = StepTap(layer)
     eng = ForcedEngine(loaded.model.with_ops(Q8ActivationOps()), loaded.tokenizer, opts, tap, forced=forced)
     cfg, m = loaded.model.cfg, loaded.model
-    eng.kv = eng.scheduler.kv = _KV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, m.dtype, m.device)
+    windows = [cfg.layer_window(i) for i in range(cfg.n_layer)]
     if not opts.kv_unified:  # non-unified KV: the same numerics per stream
         eng.kv = eng.scheduler.kv = _streams_emulated_kv(cfg, opts, m, flash_attn, n_threads)
+    elif any(windows):  # llama.cpp's iSWA cache, as the cells backend builds it (engine.make_kv)
+        eng.kv = eng.scheduler.kv = _IswaKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, m.dtype,
+                                            m.device, windows=windows,
+                                            n_ubatch=max(1, min(opts.max_batch_tokens, opts.ctx_size)))
+    else:
+        eng.kv = eng.scheduler.kv = _KV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, m.dtype,
+                                        m.device)
     drive(eng, encode_requests(loaded.tokenizer, prompts))
     return tap
 
@@ -332,10 +405,10 @@ def structural_diff(a: list[dict[str, Any]], b: list[dict[str, Any]], name_b: st
     """Exact comparison of two :class:`StepTap` step lists (``a`` ours, ``b`` the other engine).
 
     Returns:
-        ``{"checked": int, "mismatches": [{"step", "variable", "detail"}], "placement": text,
-        "mask_dtype": {"ours", name_b}}``.
+        ``{"checked": int, "swa_checked": int (of which on the iSWA SWA pool, :func:`swa_diff`),
+        "mismatches": [{"step", "variable", "detail"}], "placement": text, "mask_dtype": {"ours", name_b}}``.
     """
-    mism, n, placement_same = [], 0, True
+    mism, n, placement_same, n_swa = [], 0, True, 0
     dtypes = set()
 
     def bad(step: int, var: str, detail: str) -> None:
@@ -364,10 +437,12 @@ def structural_diff(a: list[dict[str, Any]], b: list[dict[str, Any]], name_b: st
             if u != v:
                 bad(s, var, f"{what}: ours {str(u)[:120]} vs {name_b} {str(v)[:120]}")
         dtypes.add((x["mask_dtype"], y["mask_dtype"]))
+        k = swa_diff(x, y, bad, name_b)
+        n, n_swa = n + k, n_swa + k
         if y.get("memory_seq_pos"):
             for sid, (lo, hi) in y["memory_seq_pos"].items():
                 n += 1
-                own = x["own"].get(int(sid), [])
+                own = (x.get("swa") or x)["own"].get(int(sid), [])  # iSWA: llama.cpp answers from the SWA pool
                 if own and [lo, hi] != [min(own), max(own)]:
                     bad(s, "kv", f"seq {sid}: llama_memory_seq_pos_min/max {lo}..{hi}, ours {min(own)}..{max(own)}")
         same_cells = x["cell_idx"] == y["cell_idx"]
@@ -392,7 +467,7 @@ def structural_diff(a: list[dict[str, Any]], b: list[dict[str, Any]], name_b: st
                     break
     placement = ("identical: every token went to the same cell index" if placement_same else
                  "differs: llama.cpp chose other cell indices; kq_mask columns compared after mapping each cell to its (pos, seq_ids)")
-    return {"checked": n, "mismatches": mism, "placement": placement,
+    return {"checked": n, "swa_checked": n_swa, "mismatches": mism, "placement": placement,
             "mask_dtype": {"ours": sorted({d[0] for d in dtypes}), name_b: sorted({d[1] for d in dtypes})}}
 
 
@@ -428,6 +503,8 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
     from infertrace.runtimes.llamacpp.engine import run_llamacpp
 
     o = replace(opts, backend="cells", attention="torch")
+    if getattr(loaded.config, "windowed_layers", None):  # the SWA pool's size depends on n_seq_max: llama.cpp's (one per request)
+        o = replace(o, n_seq_max=max(1, len(prompts)))
     if getattr(loaded.config, "is_hybrid", False):
         raise InfertraceError("--against llama.cpp reads per-layer K/V from llama.cpp's graph, which this comparison does not "
                               "do yet for hybrid (GDN) models; use --against hf (tests compare llama.cpp's logits directly)")

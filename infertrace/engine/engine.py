@@ -104,6 +104,11 @@ def _make_attn_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str, n_la
     if opts.backend == "cells" and not opts.kv_unified:
         return _make_streams_kv(cfg, opts, windows, kv_dtype, model.device)
     if opts.backend == "cells":
+        if any(windows) and not opts.prefix_cache:  # llama.cpp's iSWA cache: a second, smaller pool for the windowed layers
+            from infertrace.kv.iswa import IswaCellsKV
+
+            return IswaCellsKV(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, kv_dtype, model.device,
+                               windows=windows, n_ubatch=max(1, min(opts.max_batch_tokens, opts.ctx_size)))
         cls = CachingCellsKV if opts.prefix_cache else CellsKV
         return cls(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, kv_dtype, model.device,
                    windows=windows)

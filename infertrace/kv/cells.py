@@ -17,8 +17,9 @@ Mirrors llama.cpp ``src/llama-kv-cache.cpp`` / ``llama-kv-cells.h`` (standard
   ``build_attn_inp_kv_iswa``), the same mask with ``is_masked_swa`` also applied: a cell is
   dropped when ``query pos - cell pos >= n_swa``, so the query at p sees keys p-W+1..p
   (``LLAMA_SWA_TYPE_STANDARD``). Windowed layers read ``kq_mask_swa``, the others ``kq_mask``.
-  Here both masks index one cell pool (llama.cpp keeps a second, smaller pool for the SWA
-  layers and reuses its cells once they leave every window).
+  Here both masks index one cell pool; llama.cpp's second, smaller SWA pool (cells reused once
+  they leave every window) is :class:`~infertrace.kv.iswa.IswaCellsKV`, which the engine builds for
+  windowed models (this single pool remains for the prefix cache, draft models and the KV audit).
 """
 
 from __future__ import annotations

@@ -380,6 +380,12 @@ def swa_parts(st: StepTrace, swa: dict[str, Any]) -> list[RenderableType]:
                 g.append("\n")
             g.rstrip()
             parts.append(g)
+    if swa.get("pool"):  # llama.cpp's iSWA cache: the SWA pool kq_mask_swa is built over (kv/iswa.py)
+        pl = swa["pool"]
+        parts.append(_kv("SWA pool", f"{pl['size']} cells (llama_kv_cache_iswa: GGML_PAD(min(n_ctx, n_swa·n_seq_max + n_ubatch), "
+                                     f"256)), n_kv {pl['n_kv']}; this step's cells (k_idxs_swa) {pl.get('k_idxs', '-')}, head "
+                                     f"{pl.get('head_before', '?')}→{pl.get('head_after', '?')}; reused (left every window) "
+                                     f"{pl.get('reused', '-')}; purged {pl.get('purged', '-')}"))
     if swa.get("attention_window"):
         parts.append(_kv("paged window", f"attention_window_size per layer {{{', '.join(f'{k}: {v}' for k, v in list(swa['attention_window'].items())[:6])}"
                                          f"{', …' if len(swa['attention_window']) > 6 else ''}}} (TensorRT-LLM attention_window_size, "
@@ -473,6 +479,15 @@ def kv_view(st: StepTrace, kv: KVRec) -> RenderableType:
                                   f" / {ph['size']} · n_kv {ph['n_kv']} (cells the graph reads, padded)"))
         cmap = " · ".join(f"seq {s}: cells {v['cells']} hold pos {v['pos']}" for s, v in ph.get("seqs", {}).items())
         parts.append(_kv("cell map", cmap or "-"))
+        sp = ph.get("swa_pool")
+        if isinstance(sp, dict):  # llama.cpp's iSWA cache: the windowed layers' own pool (kv/iswa.py)
+            parts.append(_kv("SWA pool", f"{sp['size']} cells · head {sp['head']} · used {sp['used']} · n_kv {sp['n_kv']} "
+                                         "(windowed layers; a cell whose token left every window is reused)"))
+        for r in ph.get("recurrent_cells") or []:  # --engine llama.cpp, hybrid model: llama_memory_recurrent
+            parts.append(_kv(f"recurrent cells (ubatch {r['ubatch']})",
+                             f"cells {r.get('head', '?')}..{r.get('head', 0) + r.get('n_rs', 1) - 1} hold the ubatch's sequences "
+                             f"in order · rs_z {r['rs_z']} (zeroed for new sequences; -1 none) · s_copy {r['s_copy']} "
+                             "(the cell each reads its state from)", style="magenta"))
     else:
         parts.append(_kv("blocks", f"used {ph['used_blocks']} / free {ph['free_blocks']} of {ph['num_blocks']} · "
                                    f"tokens_per_block {ph['tokens_per_block']} · free list head {ph['free_list_head']}"))

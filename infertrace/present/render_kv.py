@@ -50,8 +50,15 @@ def _window_line(d: dict[str, Any]) -> Text | None:
         W = int(next(iter(aw.values()))) if aw else 0
     if not W or not layers:
         return None
-    how = ("one cell pool; windowed layers read kq_mask_swa (cells with pos_q - pos >= n_swa dropped), the others kq_mask"
-           if d["backend"] == "cells" else "windowed layers get attention_window_size in the metadata; blocks stay allocated")
+    sp = ph.get("swa_pool") if d["backend"] == "cells" else None
+    if sp:  # llama.cpp's iSWA cache (kv/iswa.py)
+        how = (f"windowed layers live in a separate SWA pool of {sp['size']} cells (used {sp['used']}, head {sp['head']}, "
+               f"n_kv {sp['n_kv']}) and read kq_mask_swa over it; a cell that left every window is reused; the others read "
+               "kq_mask over this pool")
+    elif d["backend"] == "cells":
+        how = "one cell pool; windowed layers read kq_mask_swa (cells with pos_q - pos >= n_swa dropped), the others kq_mask"
+    else:
+        how = "windowed layers get attention_window_size in the metadata; blocks stay allocated"
     return Text(f"layers {ranges_text(layers)} windowed, W={W}: query at p sees keys p-W+1..p (as HF and llama.cpp); {how}",
                 style="magenta")
 
@@ -188,6 +195,12 @@ def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
                           + f": its {freed} are freed right after this step (shown here still held)", style="yellow"))
     if d.get("values"):
         parts.append(_values_view(d))
+    rs = (d.get("physical") or {}).get("recurrent_cells")
+    if rs:  # --engine llama.cpp on a hybrid model: llama_memory_recurrent's cells per ubatch of the step
+        parts.append(Text("llama.cpp recurrent cells (build_rs): " + " · ".join(
+            f"ubatch {r['ubatch']}: cells {r.get('head', '?')}..{r.get('head', 0) + r.get('n_rs', 1) - 1} (head, n_rs "
+            f"{r.get('n_rs', '?')}), rs_z {r['rs_z']} (the cell zeroed for new sequences; -1 none), s_copy {r['s_copy']} "
+            "(the cell each reads its state from)" for r in rs[:8]), style="magenta"))
     if isinstance(d.get("state"), dict):  # hybrid models: the fixed-size GDN state beside the growing KV
         from infertrace.present.render_hybrid import state_view
 

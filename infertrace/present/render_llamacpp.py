@@ -49,6 +49,9 @@ def llamacpp_diff_lines(rep: dict[str, Any]) -> tuple[list[Text], Table, list[Te
             _t(f"structure: {st['checked']} exact checks (inp_pos, n_kv, kq_mask ne and cells, out_ids, ownership, head): ",
                ("all equal", "green") if ok else (f"{len(st['mismatches'])} differ", "red")),
             _t(f"cell placement: {visible(st['placement'])}")]
+    if st.get("swa_checked"):
+        head.append(_t(f"SWA pool (llama.cpp iSWA cache): {visible(st['swa_checked'])} of those checks: pool size, n_kv_swa, "
+                       "kq_mask_swa ne and cells, k_idxs_swa, head, cells reused, positions per sequence"))
     if isinstance(rep.get("llama_cpp"), dict):
         head.append(_t(settings_text(rep["llama_cpp"])))
     md = st.get("mask_dtype", {})

@@ -576,6 +576,12 @@ class _Checker:
             for k, rng in mem.items():
                 sid = int(k) if str(k).isdigit() else None
                 own = sorted(p for (q, p) in held if q == sid)
+                sp = phys.get("swa_pool")
+                if isinstance(sp, dict):  # iSWA: llama_kv_cache_iswa::seq_pos_min/max answer from the SWA pool
+                    own = sorted(c.get("pos") for c in sp.get("cells", []) if isinstance(c, dict) and sid in (c.get("seq_ids") or [])
+                                 and _int(c.get("pos")))
+                if own and phys.get("recurrent_cells"):  # llama_memory_hybrid: max of the mins, min of the maxes (recurrent: the last pos)
+                    own = [own[-1]]
                 self.n_checks += 1
                 if own and rng != [own[0], own[-1]]:
                     self.fail(s, sid, "kv", "memory API agrees with the cells",

@@ -3,7 +3,8 @@ trace against a ``cells`` trace of ours): structure exactly, floats as agreement
 
 The structural projection keeps every integer and text field of the five variables -- schedule,
 token ids, positions (``inp_pos``, cos/sin of the positions), the mask (visible keys, logical
-keep-matrix, kq_mask ``ne``, ``n_kv``, rows as 0/-inf, each cell's pos and seq_ids), the cache
+keep-matrix, kq_mask ``ne``, ``n_kv``, rows as 0/-inf, each cell's pos and seq_ids; on windowed models
+``kq_mask_swa`` and llama.cpp's iSWA SWA pool: size, ``n_kv``, ``k_idxs``, heads, reuse), the cache
 (cells written, ownership, head, used, ``n_kv``), the rows that produce logits -- and is compared
 with :func:`infertrace.trace.diff.diff_traces` (exactly: no float is left in it). Float fields
 (hidden statistics, RoPE evidence, K/V values, logits and probabilities) and what depends on
@@ -26,7 +27,7 @@ _BATCH_FLOATY = ("sampled", "sampled_piece")
 #: physical fields owned by a runtime's allocator policy, not by the convention: llama.cpp's memory-API
 #: ranges (checked by `check` / diff-backends), and the free pool of a paged cache (vLLM's free queue
 #: also counts freed blocks that keep their prefix hash; a --replay run places nothing itself)
-_POLICY = ("llama_memory_seq_pos", "free_blocks", "used_blocks", "free_list_head", "cached_blocks", "cached_free_blocks")
+_POLICY = ("llama_memory_seq_pos", "recurrent_cells", "free_blocks", "used_blocks", "free_list_head", "cached_blocks", "cached_free_blocks")
 
 
 def _pick(d: Any, keys: tuple[str, ...]) -> Any:
@@ -51,6 +52,10 @@ def structure(m: dict[str, Any]) -> dict[str, Any]:
         if isinstance(mk, dict):
             s["mask"] = {"visible": mk.get("visible"), "logical": mk.get("logical"), "kq_mask": _pick(mk.get("kq_mask"), _KQ),
                          "metadata": mk.get("metadata")}
+            sw = mk.get("swa")
+            if isinstance(sw, dict) and (sw.get("kq_mask_swa") or sw.get("pool")):  # iSWA: kq_mask_swa over the SWA pool
+                s["mask"]["swa"] = {"visible": sw.get("visible"), "pool": sw.get("pool"),
+                                    "kq_mask_swa": _pick(sw.get("kq_mask_swa"), ("ne", "rows", "col_start", "cell_pos"))}
         kv = st.get("kv")
         if isinstance(kv, dict):
             phys = kv.get("physical")

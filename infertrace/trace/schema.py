@@ -327,10 +327,23 @@ SWA = Obj({}, {"n_swa": Int(0, L["MAX_CTX"]), "layers": List(DIM), "global_layer
                "kq_mask_swa": Obj({"ne": List(DIM, 4, length=4), "dtype": S,
                                    "rows": List(List(Str(choices=("0", "-inf")), 4096), 4096)},
                                   {"col_start": Int(0, L["MAX_CTX"]), "cell_pos": List(Int(-1, L["MAX_CTX"] - 1))}),
-               "attention_window": Map(Int(0, L["MAX_CTX"]), key_int=False)}, extra=True, null=True)
+               "attention_window": Map(Int(0, L["MAX_CTX"]), key_int=False),
+               # llama.cpp's iSWA cache (kv/iswa.py): the SWA pool kq_mask_swa is built over
+               "pool": Obj({"size": Int(1, L["MAX_CTX"]), "n_kv": Int(0, L["MAX_CTX"])},
+                           {"k_idxs": Range(), "head_before": POS, "head_after": Int(0, L["MAX_CTX"]), "reused": Range(),
+                            "purged": Str(max_len=4096)})}, extra=True, null=True)
 MASK = Obj({"backend": S, "rule": S, "visible": VISIBLE,
             "kq_mask": KQ_MASK, "metadata": METADATA, "logical": List(List(List(Int(0, 1))))}, {"swa": SWA}, null=True)
 CELL = Obj({"cell": POS, "pos": POS, "seq_ids": List(SEQ, 4096)}, {"ref": Int(0, L["MAX_SEQ_ID"])})
+#: llama.cpp's iSWA SWA pool (kv/iswa.py SwaCellsPool.pool_record); head may equal size (apply_ubatch does not wrap it)
+SWA_POOL = Obj({"size": Int(1, L["MAX_CTX"]), "head": Int(0, L["MAX_CTX"]), "used": Int(0, L["MAX_CTX"]),
+                "n_kv": Int(0, L["MAX_CTX"]), "cells": List(CELL)},
+               {"k_idxs": Range(), "head_before": Int(0, L["MAX_CTX"]), "head_after": Int(0, L["MAX_CTX"]), "reused": Range(),
+                "purged": Str(max_len=4096)})
+#: llama.cpp's recurrent cells of one ubatch (hybrid models, --engine llama.cpp: capture.py LlamaCppContext._rs_meta)
+RS_CELLS = Obj({"ubatch": Int(0, L["MAX_LIST"]), "rs_z": Int(-1, L["MAX_SEQ_ID"]),
+                "s_copy": List(Int(0, L["MAX_SEQ_ID"] * 64), 4096)},
+               {"n_rs": Int(0, 4096), "head": Int(0, L["MAX_SEQ_ID"])})
 PHYS_CELLS = Obj({"kind": Str(choices=("cells",)), "size": Int(1, L["MAX_CTX"], limit="MAX_CTX"), "used": Int(0, L["MAX_CTX"]),
                   "n_kv": Int(0, L["MAX_CTX"]), "cells": List(CELL)},
                  {"head": POS, "head_before": POS, "head_after": POS,
@@ -340,7 +353,8 @@ PHYS_CELLS = Obj({"kind": Str(choices=("cells",)), "size": Int(1, L["MAX_CTX"], 
                   "n_stream": Int(1, MAX_STREAMS), "stream_size": Int(1, L["MAX_CTX"]),
                   "streams": List(Obj({"stream": Int(0, MAX_STREAMS - 1), "head": POS, "used": Int(0, L["MAX_CTX"]),
                                        "used_max_p1": Int(0, L["MAX_CTX"]), "n_kv": Int(0, L["MAX_CTX"]),
-                                       "seq_ids": List(SEQ, MAX_STREAMS)}), MAX_STREAMS)})
+                                       "seq_ids": List(SEQ, MAX_STREAMS)}), MAX_STREAMS),
+                  "swa_pool": SWA_POOL, "recurrent_cells": List(RS_CELLS, 64)})
 PHYS_PAGED = Obj({"kind": Str(choices=("paged",)), "num_blocks": Int(1, L["MAX_BLOCKS"], limit="MAX_BLOCKS"),
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], limit="MAX_TOKENS_PER_BLOCK"),
                   "used_blocks": Int(0, L["MAX_BLOCKS"]), "free_blocks": Int(0, L["MAX_BLOCKS"]),
@@ -692,6 +706,15 @@ def _kv_consistent(st: dict[str, Any], p: str) -> None:
         pad = max(N_KV_PAD_MAX, -(-used_max_p1 // N_KV_PAD_MAX) * N_KV_PAD_MAX)
         if ph["n_kv"] > pad:  # llama.cpp: n_kv = used_max_p1 padded (get_padding), never more
             raise Bad(f"{p}.kv.physical.n_kv", f"{ph['n_kv']} but the cells used end at {used_max_p1} (padded: {pad})")
+        sp = ph.get("swa_pool")
+        if sp is not None:  # the iSWA SWA pool: never larger than the base pool, its cells inside it
+            if sp["size"] > size or sp["n_kv"] > sp["size"] or sp["used"] > sp["size"] or sp["head"] > sp["size"]:
+                raise Bad(f"{p}.kv.physical.swa_pool", f"size must not exceed the base pool ({size}); n_kv, used, head not its size")
+            if any(c["cell"] >= sp["size"] for c in sp["cells"]) or len(sp["cells"]) > sp["size"]:
+                raise Bad(f"{p}.kv.physical.swa_pool.cells", f"cells must lie inside the SWA pool of size {sp['size']}")
+        for j, r in enumerate(ph.get("recurrent_cells") or []):
+            if "n_rs" in r and len(r["s_copy"]) != r["n_rs"]:
+                raise Bad(f"{p}.kv.physical.recurrent_cells[{j}]", f"s_copy has {len(r['s_copy'])} entries, n_rs says {r['n_rs']}")
         return
     B, nb = ph["tokens_per_block"], ph["num_blocks"]
     if nb * B > L["MAX_CTX"] * 4:

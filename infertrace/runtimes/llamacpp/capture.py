@@ -15,6 +15,12 @@ What is read, and from where (llama.cpp as vendored by llama-cpp-python 0.3.x):
   (``build_inp_out_ids``), ``Qcur-{il}`` / ``Kcur-{il}`` / ``Vcur-{il}`` of one layer (first node
   of a name = the projection, last = after RoPE) and that layer's cache after the write
   (``cache_k_l{il} (view)``, the ``ggml_set_rows`` result);
+* models with sliding-window layers (Gemma 3): llama.cpp's iSWA graph (``build_attn_inp_kv_iswa``)
+  builds ``attn_inp_kq_mask`` / ``attn_inp_k_idxs`` / ``attn_inp_v_idxs`` once per pool under the
+  same names; the copy a windowed layer consumes (its ``cache_k_l{il}`` / ``-{il}`` node) is kept as
+  ``NAME_swa``; ``cache_k_l{il}`` ``ne[1]`` gives each pool's size;
+* hybrid models: the recurrent cells of every ubatch from ``build_rs`` (``rs_s_copy`` I32 ``[n_rs]``,
+  ``rs_z`` and ``head`` from view offsets; :meth:`LlamaCppContext._rs_meta`);
 * ``llama_get_logits_ith`` for the rows flagged in the batch;
 * the memory API: ``llama_memory_seq_pos_min`` / ``_max`` per sequence, ``llama_memory_seq_rm``.
 
@@ -26,6 +32,7 @@ through a ctypes mirror of its layout in ``ggml/include/ggml.h``).
 from __future__ import annotations
 
 import ctypes
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +47,24 @@ GGML_MAX_DIMS, GGML_MAX_OP_PARAMS, GGML_MAX_SRC, GGML_MAX_NAME = 4, 64, 10, 64
 GGML_NP = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
 GGML_TYPE_NAME = {0: "f32", 1: "f16", 24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64", 30: "bf16"}
 INPUTS = ("inp_tokens", "inp_pos", "attn_inp_kq_mask", "attn_inp_kq_mask_swa", "attn_inp_k_idxs", "attn_inp_v_idxs",
-          "out_ids")
+          "out_ids", "rs_s_copy")
+#: inputs llama.cpp's iSWA graph builds twice under one name (``build_attn_inp_kv_iswa``: base pool and SWA pool);
+#: the copy a windowed layer consumes is stored as ``NAME_swa``
+PER_POOL = ("attn_inp_kq_mask", "attn_inp_k_idxs", "attn_inp_v_idxs")
+_LAYER_RE = re.compile(r"(?:cache_[kv]_l|-)(\d+)(?:\D|$)")
+
+
+def consumer_layer(name: str, src_names: list[str]) -> int | None:
+    """The model layer of a graph node that consumes a per-pool input: from ``cache_k_l{il}`` /
+    ``cache_v_l{il}`` in its own or its sources' names (``ggml_set_rows`` into the cache, the
+    attention node reading the cache view) or a ``-{il}`` suffix (``kq_soft_max-{il}``); None if
+    neither names a layer."""
+    for n in [name, *src_names]:
+        if n.startswith("cache_") or n.rsplit("-", 1)[-1].isdigit():
+            m = _LAYER_RE.search(n)
+            if m:
+                return int(m.group(1))
+    return None
 
 
 class GgmlTensor(ctypes.Structure):
@@ -94,6 +118,10 @@ class Captured:
     dtype: dict[str, str] = field(default_factory=dict)
     first: dict[str, np.ndarray] = field(default_factory=dict)  # first node of a repeated name (pre-RoPE Q/K)
     n_ubatch_calls: int = 0
+    #: hybrid models, per ubatch: llama.cpp's recurrent cells ``{"ubatch", "head", "n_rs", "rs_z", "s_copy"}``
+    #: (``llm_graph_context::build_rs``: cells ``head..head+n_rs-1`` hold the ubatch's sequences in order,
+    #: ``rs_z`` the cell zeroed for new sequences (-1: none), ``s_copy[i]`` the cell cell ``head+i`` reads from)
+    rs: list[dict[str, Any]] = field(default_factory=list)
 
 
 #: ``--llamacpp-flash-attn`` -> ``llama_flash_attn_type`` (``include/llama.h``)
@@ -134,6 +162,11 @@ class LlamaCppContext:
             ``ggml_compute_forward_flash_attn_ext_f16``; without it the softmax output is rounded
             to F16 for ``kqv = V·softmax(KQ)``); which one ran is read back from the graph
             (:attr:`flash_attn_used`: ``attn_inp_kq_mask`` is F16 iff ``cparams.flash_attn``).
+        swa_layers: the model's sliding-window layers (Gemma 3): llama.cpp builds its iSWA cache and
+            names both pools' inputs alike; what those layers consume is kept as ``attn_inp_kq_mask_swa``,
+            ``attn_inp_k_idxs_swa``, ``attn_inp_v_idxs_swa`` (:data:`PER_POOL`).
+        swa_full: ``llama_context_params.swa_full`` (False: the small SWA pool, as llama-cli /
+            llama-server's default ``common_params.swa_full``; llama.cpp's C default is true).
 
     Raises:
         InfertraceError: package missing, the file is not GGUF, llama.cpp refuses the file, an
@@ -141,7 +174,7 @@ class LlamaCppContext:
     """
 
     def __init__(self, path: Path, n_ctx: int, n_batch: int, n_seq_max: int, layer: int = 0, n_threads: int = 2,
-                 flash_attn: str = "auto", kv_unified: bool = True):
+                 flash_attn: str = "auto", kv_unified: bool = True, swa_layers: Any = (), swa_full: bool = False):
         flash_attn = check_flash_attn(flash_attn)
         llama_cpp = import_llama_cpp()
         self.L = llama_cpp
@@ -164,9 +197,14 @@ class LlamaCppContext:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.layer = layer
+        self.swa_layers = frozenset(int(i) for i in swa_layers)
+        #: cells of each layer's K cache as llama.cpp allocated it (``cache_k_l{il}`` ``ne[1]``): the base
+        #: pool's size for full-attention layers, the SWA pool's for windowed ones
+        self.cache_cells: dict[int, int] = {}
+        self._rs_layer: str | None = None  # the first recurrent layer (hybrid models), as named in cache_r_l{il}
         self.cap = Captured()
         self._want_layer = {f"Qcur-{layer}", f"Kcur-{layer}", f"Vcur-{layer}", f"cache_k_l{layer} (view)",
-                            f"cache_v_l{layer} (view)", "embd",
+                            f"cache_v_l{layer} (view)", "embd", "inp_scaled",  # inp_scaled: embd x sqrt(H) (Gemma)
                             # non-unified: ggml_set_rows into the streams merged to [n_embd_gqa, kv_size * n_stream] (cpy_k)
                             f"cache_k_l{layer} (reshaped) (view)", f"cache_v_l{layer} (reshaped) (view)"}
         self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval)  # kept alive for the context's life
@@ -178,6 +216,7 @@ class LlamaCppContext:
         cp.cb_eval = self._cb
         cp.cb_eval_user_data = None
         cp.no_perf = True
+        cp.swa_full = bool(swa_full)
         cp.flash_attn_type = FLASH_ATTN[flash_attn]
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -267,16 +306,22 @@ class LlamaCppContext:
             tp = ctypes.cast(addr, ctypes.POINTER(GgmlTensor))
             t = tp.contents
             name = t.name.decode("utf-8", "replace")
-            srcs = []
+            srcs, names = [], []
             for i in range(GGML_MAX_SRC):
                 s = t.src[i]
                 if not s:
                     break
-                sname = s.contents.name.decode("utf-8", "replace")
-                if sname in INPUTS and sname not in self.cap.tensors:
-                    srcs.append((sname, s))
+                names.append(s.contents.name.decode("utf-8", "replace"))
+            for i, sname in enumerate(names):
+                if ask and sname.startswith("cache_k_l") and sname[9:].isdigit() and int(sname[9:]) not in self.cache_cells:
+                    self.cache_cells[int(sname[9:])] = int(t.src[i].contents.ne[1])  # [n_embd_k_gqa, kv_size, n_stream]
+                if sname in PER_POOL and self.swa_layers and consumer_layer(name, names) in self.swa_layers:
+                    sname += "_swa"  # the SWA pool's copy (build_attn_inp_kv_iswa)
+                if sname in INPUTS + tuple(f"{n}_swa" for n in PER_POOL) and sname not in self.cap.tensors:
+                    srcs.append((sname, t.src[i]))
+            rs = self._rs_meta(t, name, names, ask)
             if ask:
-                return name in self._want_layer or bool(srcs)
+                return name in self._want_layer or bool(srcs) or rs
             if name in self._want_layer:
                 self._keep(name, tp)
             for sname, s in srcs:
@@ -284,6 +329,34 @@ class LlamaCppContext:
         except Exception:  # never let a Python error unwind through C
             return True
         return True
+
+    def _rs_meta(self, t: Any, name: str, names: list[str], ask: bool) -> bool:
+        """Recurrent cells of the ubatch, read (at ``ask`` time, graph order) from the first recurrent
+        layer's ``build_rs`` nodes: the zeroing view ``cache_r_l{il} (reshaped) (view)`` (size
+        ``state_size * (rs_z >= 0)`` at ``rs_z`` rows: starts the ubatch's record), ``rs_s_copy`` I32
+        ``[n_rs]`` (an input, already set) through its first view, and the extra-states copy destination
+        ``cache_r_l{il} (view)`` (``n_rs - n_seqs`` rows at ``head + n_seqs``: completes it).
+        Returns False (no node is needed after compute)."""
+        if not ask or not name.startswith(("cache_r_l", "rs_s_copy")):
+            return False
+        il = name[9:].split(" ", 1)[0] if name.startswith("cache_r_l") else None
+        if il is not None and self._rs_layer is None and il.isdigit():
+            self._rs_layer = il
+        cur = self.cap.rs[-1] if self.cap.rs and "head" not in self.cap.rs[-1] else None
+        row = int(t.nb[1])
+        if name.endswith("(reshaped) (view)") and il == self._rs_layer and cur is None and t.src[0]:  # view_1d(states, .., rs_z*nb[1])
+            srow = int(t.src[0].contents.nb[1])  # one state row of the reshaped states [state_size, size]
+            self.cap.rs.append({"ubatch": len(self.cap.rs),
+                                "rs_z": int(t.view_offs) // srow if int(t.ne[0]) > 0 and srow else -1})
+        elif name == "rs_s_copy (view)" and cur is not None and "s_copy" not in cur and int(t.view_offs) == 0:
+            got = self._read(t.src[0])
+            if got is not None:
+                cur["s_copy"] = got[0].reshape(-1).astype(int).tolist()
+        elif (cur is not None and il == self._rs_layer and name.endswith(" (view)") and "(reshaped)" not in name
+              and "s_copy" in cur and row and names and names[0] == f"cache_r_l{il}"):
+            n_rs = len(cur["s_copy"])  # ggml_view_2d(s, .., n_rs - n_seqs, .., (head + n_seqs) * nb[1])
+            cur["n_rs"], cur["head"] = n_rs, int(t.view_offs) // row - (n_rs - int(t.ne[1]))
+        return False
 
     # ------------------------------------------------------------------ decode
     def decode(self, tokens: list[int], pos: list[int], seq: list[int], logits: list[bool]) -> Captured:

@@ -15,6 +15,9 @@ kv cells / head           ``attn_inp_k_idxs`` (cell of each token; head = last c
                           ``apply_ubatch``), freed by ``llama_memory_seq_rm``; checked against
                           ``llama_memory_seq_pos_min/max`` every step
 kv layer view / cache     layer ``--layer``'s cache rows after ``ggml_set_rows`` (F16)
+mask.swa, kv swa_pool     iSWA (Gemma 3): ``attn_inp_kq_mask_swa`` / ``attn_inp_k_idxs_swa`` (the SWA
+                          pool's, applied as ``apply_ubatch``: reuse, purge; see kv/iswa.py)
+kv recurrent_cells        hybrid: per ubatch ``head``, ``n_rs``, ``rs_z``, ``rs_s_copy``
 hidden                    ``embd`` F32 ``ne=[H, N]`` (embedding output)
 RoPE evidence             ``Qcur-l``/``Kcur-l`` before and after ``ggml_rope_ext``, ``Vcur-l``
 decode logits             ``llama_get_logits_ith`` for the flagged rows; ``out_ids`` recorded
@@ -39,6 +42,7 @@ from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, CellsInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
+from infertrace.kv.iswa import IswaInputs, SwaCellsPool, swa_pool_size
 from infertrace.model.taps import EMBED, K, K_ROT, Q, Q_ROT, V
 
 ENGINE = "llama.cpp"
@@ -71,6 +75,16 @@ class LlamaCppKV(CellsKV):
         self.n_layer, self.kv_layers = cfg.n_layer, list(range(cfg.n_layer))  # llama.cpp caches every layer
         self._n_kv = 0
         self.notes: list[str] = []
+        #: llama.cpp's SWA pool as read back (models with windowed layers: ``llama_kv_cache_iswa``), else None
+        self.swa: SwaCellsPool | None = None
+        if getattr(cfg, "windowed_layers", None):
+            n_ub = int(lctx.settings().get("n_ubatch", lctx.n_batch))
+            size = swa_pool_size(lctx.n_ctx, int(cfg.sliding_window), int(lctx.settings().get("n_seq_max", 1)), n_ub,
+                                 bool(lctx.settings().get("swa_full")))
+            self.swa = SwaCellsPool(1, cfg.n_head_kv, cfg.head_dim, size, n_seq_max, torch.float16, "cpu",
+                                    windows=[int(cfg.sliding_window)])
+        #: llama.cpp's recurrent cells per ubatch of the last step (hybrid models; see :meth:`_recurrent`)
+        self.rs_cells: list[dict[str, Any]] = []
 
     def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
         positions, seq_ids = [], []
@@ -79,7 +93,7 @@ class LlamaCppKV(CellsKV):
             positions += list(range(c.C, c.C + c.T))
             seq_ids += [c.seq_id] * c.T
         none = torch.zeros(0, dtype=torch.int64)  # filled from llama.cpp's graph inputs by after_decode
-        return CellsInputs(list(chunks), torch.tensor(positions, dtype=torch.int64), torch.tensor(seq_ids, dtype=torch.int64),
+        return (IswaInputs if self.swa is not None else CellsInputs)(list(chunks), torch.tensor(positions, dtype=torch.int64), torch.tensor(seq_ids, dtype=torch.int64),
                            self.kind, cell_idx=none, n_kv=0, kq_mask=torch.zeros(1, 1, 0, 0), n_tokens_pad=0,
                            head_before=self.head, head_after=self.head, cell_pos=none, cell_seq=none)
 
@@ -94,6 +108,11 @@ class LlamaCppKV(CellsKV):
             if name not in t:
                 raise InfertraceError(f"llama.cpp graph gave no {name} at step {step}; this model's graph is not supported by --engine llama.cpp")
         N = inp.n_tokens
+        if t["attn_inp_k_idxs"].size < N:  # llama.cpp split the batch (hybrid memory: split_equal, equal tokens per sequence)
+            raise InfertraceError(f"llama.cpp split step {step} ({N} tokens) into several ubatches (a hybrid model's memory "
+                                  "needs the same number of new tokens per sequence in a ubatch: split_equal); --engine "
+                                  "llama.cpp records one ubatch per step: run one request at a time, or requests of equal "
+                                  "prompt length arriving together")
         idx = torch.from_numpy(t["attn_inp_k_idxs"].reshape(-1)[:N].astype(np.int64))  # [N] cells
         pos = torch.from_numpy(t["inp_pos"].reshape(-1)[:N].astype(np.int64))  # [N]
         head_before = self.head
@@ -113,14 +132,58 @@ class LlamaCppKV(CellsKV):
             "out_ids": t["out_ids"].reshape(-1).astype(int).tolist() if "out_ids" in t else None,
             "inp_tokens": t["inp_tokens"].reshape(-1).astype(int).tolist() if "inp_tokens" in t else None,
         })
-        self._store_layer(cap, idx)
+        sidx = self._after_decode_swa(inp, cap, step) if self.swa is not None else None
+        self._recurrent(inp, cap)
+        self._store_layer(cap, idx, sidx if sidx is not None and self.cfg.layer_window(self.layer) else None)
         self._check_memory(inp, step)
 
-    def _store_layer(self, cap: Captured, idx: torch.Tensor) -> None:
-        """Layer ``layer``'s K/V rows of the current tokens, as written into the cache."""
+    def _after_decode_swa(self, inp: AttnInputs, cap: Captured, step: int) -> torch.Tensor:
+        """The SWA pool's side of a step (``build_attn_inp_kv_iswa``): apply ``attn_inp_k_idxs_swa`` to the
+        read-back pool as ``apply_ubatch`` does (reused cells cleared, older positions purged) and put
+        ``attn_inp_kq_mask_swa`` in ``inp.swa``. Returns the step's SWA cells ``[N]`` int64.
+
+        Raises:
+            InfertraceError: the graph gave no SWA-pool inputs (not llama.cpp's iSWA cache).
+        """
+        t, N = cap.tensors, inp.n_tokens
+        for name in ("attn_inp_k_idxs_swa", "attn_inp_kq_mask_swa"):
+            if name not in t:
+                raise InfertraceError(f"llama.cpp graph gave no {name} at step {step}; the model has windowed layers but "
+                                      "llama.cpp did not build its iSWA cache")
+        pool = self.swa
+        size = self.lctx.cache_cells.get(min(i for i in range(self.cfg.n_layer) if self.cfg.layer_window(i)))
+        if size is not None and size != pool.size and step == 0:
+            self.notes.append(f"llama.cpp allocated an SWA pool of {size} cells; llama_kv_cache_iswa's formula gives {pool.size}")
+        sidx = torch.from_numpy(t["attn_inp_k_idxs_swa"].reshape(-1)[:N].astype(np.int64))  # [N] SWA-pool cells
+        head_before = pool.head
+        reused, purged = pool.apply_ubatch(sidx, inp.positions, inp.seq_ids)
+        ne = cap.ne["attn_inp_kq_mask_swa"]
+        m = torch.from_numpy(t["attn_inp_kq_mask_swa"].reshape(ne[3], ne[2], ne[1], ne[0]).copy())  # [n_stream, 1, n_tokens, n_kv]
+        n_kv = int(ne[0])
+        sinp = CellsInputs(list(inp.chunks), inp.positions, inp.seq_ids, self.kind, cell_idx=sidx, n_kv=n_kv, kq_mask=m,
+                           n_tokens_pad=int(ne[1]), head_before=head_before, head_after=pool.head,
+                           cell_pos=pool.pos[:n_kv].clone(), cell_seq=pool.seq[:n_kv].clone(), kq_mask_swa=m,
+                           n_swa=pool.n_swa, swa_layers=list(self.cfg.windowed_layers))
+        sinp.extra.update({"kq_mask_ne": list(ne), "kq_mask_dtype": cap.dtype["attn_inp_kq_mask_swa"], "reused": reused,
+                           "purged": purged, "pool_size": pool.size, "n_kv_read_back": pool.n_kv()})
+        inp.swa, inp.kq_mask_swa, inp.n_swa = sinp, m, pool.n_swa  # type: ignore[attr-defined]
+        inp.swa_layers = list(self.cfg.windowed_layers)
+        return sidx
+
+    def _recurrent(self, inp: AttnInputs, cap: Captured) -> None:
+        """Hybrid models: llama.cpp's recurrent cells of each ubatch of the step
+        (:attr:`~infertrace.runtimes.llamacpp.capture.Captured.rs`: ``head``, ``n_rs``, ``rs_z``, ``s_copy``)
+        into ``inp.extra["llama_rs"]`` and :attr:`rs_cells`."""
+        if cap.rs:
+            self.rs_cells = [dict(r) for r in cap.rs]
+            inp.extra["llama_rs"] = self.rs_cells
+
+    def _store_layer(self, cap: Captured, idx: torch.Tensor, src_idx: torch.Tensor | None = None) -> None:
+        """Layer ``layer``'s K/V rows of the current tokens, as written into the cache (``src_idx``: the
+        cells they went to in llama.cpp's cache when that is the SWA pool; stored here at ``idx``)."""
         t, il, N = cap.tensors, self.layer, int(idx.numel())
         nkv, hd = self.cfg.n_head_kv, self.cfg.head_dim
-        ii = idx.numpy()
+        ii = (src_idx if src_idx is not None else idx).numpy()
 
         def rows(name: str, fallback: str) -> np.ndarray:
             c = t.get(name)  # the ggml_set_rows result: a view of the cache from cell 0, [cells, nkv, hd]
@@ -130,16 +193,22 @@ class LlamaCppKV(CellsKV):
 
         k = rows(f"cache_k_l{il} (view)", f"Kcur-{il}")
         v = rows(f"cache_v_l{il} (view)", f"Vcur-{il}")
-        self.k[0][idx] = torch.from_numpy(norm_to_neox(np.asarray(k, dtype=np.float32))).to(self.k[0].dtype)
+        k = np.asarray(k, dtype=np.float32)
+        if getattr(self.cfg, "rope_pairing_in_file", "norm") == "norm":  # GGUF Q/K rows permuted (llama): back to half-split
+            k = norm_to_neox(k)
+        self.k[0][idx] = torch.from_numpy(k).to(self.k[0].dtype)
         self.v[0][idx] = torch.from_numpy(np.asarray(v, dtype=np.float32)).to(self.v[0].dtype)
 
     def _check_memory(self, inp: AttnInputs, step: int) -> None:
         """Per sequence in the cache: our reading of the cells vs ``llama_memory_seq_pos_min/max``."""
         ranges = {}
+        pool = self.swa if self.swa is not None else self  # llama_kv_cache_iswa::seq_pos_min/max answer from the SWA pool
         for sid in sorted(set(self.seq.any(dim=0).nonzero().flatten().tolist())):
             lo, hi = self.lctx.seq_pos_range(sid)
             ranges[str(sid)] = [lo, hi]
-            ps = [p for _, p in self.cells_of(sid)]
+            ps = [p for _, p in pool.cells_of(sid)]
+            if ps and self.rs_cells:  # llama_memory_hybrid::seq_pos_min/max: the recurrent cell holds the last pos only
+                ps = [max(ps)]
             if ps and (min(ps), max(ps)) != (lo, hi):
                 self.notes.append(f"step {step}: seq {sid} cells read from k_idxs hold pos {min(ps)}..{max(ps)}, "
                                   f"llama_memory_seq_pos_min/max say {lo}..{hi}")
@@ -151,7 +220,19 @@ class LlamaCppKV(CellsKV):
         ``[llama_memory_seq_pos_min, llama_memory_seq_pos_max]`` after the last ubatch."""
         snap = super().snapshot()
         snap["llama_memory_seq_pos"] = dict(getattr(self, "_memory_seq_pos", {}))
+        if self.swa is not None:
+            snap["swa_pool"] = self.swa.pool_record(None)
+            snap["n_swa"], snap["swa_layers"] = self.swa.n_swa, list(self.cfg.windowed_layers)
+        if self.rs_cells:
+            snap["recurrent_cells"] = [dict(r) for r in self.rs_cells]
         return snap
+
+    def logical_mask(self, inp: CellsInputs, swa: bool = False) -> list[torch.Tensor]:
+        """As :meth:`CellsKV.logical_mask`; ``swa`` with the iSWA cache: read back from llama.cpp's
+        ``kq_mask_swa`` over its SWA pool."""
+        if swa and self.swa is not None and getattr(inp, "swa", None) is not None:
+            return self.swa.logical_mask(inp.swa, True)  # type: ignore[attr-defined]
+        return super().logical_mask(inp, swa)
 
     def n_kv(self) -> int:
         """``n_kv`` of the last ubatch as llama.cpp built it (``attn_inp_kq_mask`` ``ne[0]``)."""
@@ -171,6 +252,8 @@ class LlamaCppKV(CellsKV):
         (``llama_kv_cache::seq_rm``)."""
         self.lctx.seq_rm(seq_id)
         super().release(seq_id)
+        if self.swa is not None:
+            self.swa.release(seq_id)
 
 
 class LlamaCppModel:
@@ -205,14 +288,16 @@ class LlamaCppModel:
 
     def _taps(self, cap: Captured, N: int, tracer: Any) -> None:
         cfg, t, il = self.cfg, cap.tensors, self.lctx.layer
-        if "embd" in t:
-            tracer.tap(EMBED, value=torch.from_numpy(t["embd"].reshape(N, -1).astype(np.float32)))  # [N, H]
+        emb = t.get("inp_scaled", t.get("embd"))  # Gemma: the scaled embedding (build_inp_embd output), as our EMBED tap
+        if emb is not None:
+            tracer.tap(EMBED, value=torch.from_numpy(emb.reshape(N, -1).astype(np.float32)))  # [N, H]
         names = (f"Qcur-{il}", f"Kcur-{il}", f"Vcur-{il}")
         if all(n in t for n in names):
             nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
 
             def qk(a: np.ndarray, heads: int) -> torch.Tensor:
-                return torch.from_numpy(norm_to_neox(a.reshape(N, heads, hd).astype(np.float32)))  # [N, heads, hd]
+                a = a.reshape(N, heads, hd).astype(np.float32)  # [N, heads, hd]
+                return torch.from_numpy(norm_to_neox(a) if getattr(cfg, "rope_pairing_in_file", "norm") == "norm" else a)
 
             got = {Q: qk(cap.first[names[0]], nh), Q_ROT: qk(t[names[0]], nh), K: qk(cap.first[names[1]], nkv),
                    K_ROT: qk(t[names[1]], nkv), V: torch.from_numpy(t[names[2]].reshape(N, nkv, hd).astype(np.float32))}
@@ -244,15 +329,13 @@ class LlamaCppEngine(Engine):
                  flash_attn: str = "auto"):
         if opts.backend != "cells":
             raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
-        win = loaded.config.windowed_layers
-        if win:  # llama_kv_cache_iswa: two caches, two masks, both inputs named attn_inp_kq_mask in the graph
-            raise InfertraceError(f"--engine llama.cpp: this model has {len(win)} sliding-window layers; llama.cpp keeps them "
-                                  "in a second KV cache (llama_kv_cache_iswa) whose cells and mask this engine does not "
-                                  "capture yet (its trace would show the windowed mask as the global one); run it on the "
-                                  "default engine")
+        if loaded.config.windowed_layers and not opts.kv_unified:  # an iSWA pool per stream: not captured
+            raise InfertraceError("--engine llama.cpp --kv-unified off on a model with sliding-window layers is not captured "
+                                  "(llama.cpp would keep an iSWA pool per stream); drop --kv-unified off")
         n_batch = max(1, min(opts.max_batch_tokens, opts.ctx_size))
         self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads, flash_attn,
-                                    kv_unified=opts.kv_unified)
+                                    kv_unified=opts.kv_unified,
+                                    swa_layers=getattr(loaded.config, "windowed_layers", None) or ())
         self.lmodel = LlamaCppModel(loaded.model, self.lctx)
         self._kv_args = (loaded.config, opts.n_seq_max, layer)
         super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)  # its cache: make_memory (llama.cpp's, read back)
@@ -354,6 +437,10 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
     if not prompts:
         raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
+    if getattr(cfg, "is_hybrid", False) and cfg.is_linear(layer):
+        attn = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
+        raise InfertraceError(f"--layer {layer} is a Gated DeltaNet layer (no K/V for llama.cpp to show); pass --layer "
+                              f"{attn[0] if attn else 0} (attention layers: {attn})")
     show = tuple(show or VARIABLES)
     rec = Recorder(loaded.tokenizer, cfg, layer=layer, show=show, layers=[layer], tensors=tensors)
     eng, notes = run_llamacpp(loaded, prompts, opts, rec, layer, forced, on_step, flash_attn=flash_attn)
