@@ -44,7 +44,7 @@ def release_free_memory() -> None:
     """Hand freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
 
     Building a kernel object frees temporaries several times its own size (codes as int8, then
-    int32 chunks for packing); glibc keeps such freed blocks in the process, so without this
+    uint8 chunks for packing); glibc keeps such freed blocks in the process, so without this
     the resident size after loading SmolLM2 was 549 MB instead of 389 MB (measured).
     """
     global _LIBC
