@@ -52,6 +52,7 @@ def dump_kv(
     attention: o.Attention = "auto",
     dtype: o.Dtype = "float32",
     device: o.Device = "cpu",
+    weights: o.Weights = "auto",
     threads: o.Threads = None,
     prefix_cache: o.PrefixCache = "off",
     context_shift: o.ContextShift = False,
@@ -77,6 +78,7 @@ def dump_kv(
         d = dump_saved(trace_dir, step, layer=layer, head=head, positions=pos, full=full)
         return typer.echo(json_text(d)) if as_json else render_kv_dump(stdout_console(), d)
     check_min("--threads", threads, 1)
+    weights = o.check_weights(weights)
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -85,12 +87,13 @@ def dump_kv(
         attention=attention, dtype=dtype, device=device,
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv)
     with progress_display(enabled=not as_json) as progress:
-        loaded = load_with_progress(model, dtype, device, progress, threads)
+        loaded = load_with_progress(model, dtype, device, progress, threads, weights)
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task(f"running to step {step}", total=None)
         from infertrace.runner import dump_kv_at_step  # the engine side (torch): only for a live run
 
         d = dump_kv_at_step(loaded, specs, opts, step, layer=layer, head=head, positions=pos, full=full)
+        d.update(o.weights_record(loaded))  # which weights path computed the K/V shown (absent: the float path)
     if as_json:
         typer.echo(json_text(d))
         return
