@@ -331,3 +331,40 @@ def test_source_builds_large_matrices_from_row_blocks(smol_path, monkeypatch):
     blocked = src.linear(["blk.4.ffn_gate", "blk.4.ffn_up"])
     assert torch.equal(blocked.packed, whole.packed) and torch.equal(blocked(x), whole(x))
     src.close()
+
+
+def test_untied_embedding_is_looked_up_from_the_file_not_built(tmp_path):
+    """An untied model (``output.weight`` present): build_unfused builds the lm head but not ``token_embd``
+    (only its rows are read), and the quantised model's logits equal the float path's (float32: the
+    dequant kernel multiplies gguf-py's weights exactly; the rows are gguf-py's values)."""
+    from tests.tiny import make_weights, write_gguf
+
+    from infertrace.engine.engine import EngineOptions, make_kv
+    from infertrace.kv.base import ChunkSpec
+    from infertrace.loading.model import load_model
+    from infertrace.model.decoder import DecoderModel
+    from infertrace.quant.ops import QuantOps
+    from infertrace.quant.source import build_unfused, quant_weights
+
+    def q8(name, arr):
+        if arr.ndim == 2:
+            return gq.quantize(arr, Q.Q8_0), Q.Q8_0
+        return None
+
+    w, s = make_weights(seed=4, ff=64, tie=False)
+    p = write_gguf(tmp_path / "untied.gguf", w, s, quant=q8)
+    ck, qw, src = quant_weights(p, torch.float32)
+    assert "output" in qw
+    DecoderModel(ck.config, qw, "cpu", QuantOps())
+    kernels = build_unfused(qw)
+    assert qw["token_embd"]._lin is None and qw["output"]._lin is not None and kernels == {"Q8_0": "dequant"}
+    src.close()
+
+    def logits(loaded):
+        kv = make_kv(loaded.model, EngineOptions(backend="cells", ctx_size=64), "torch")
+        ids = torch.tensor([1, 5, 9, 2])
+        return loaded.model.forward(ids, kv.prepare([ChunkSpec(0, 0, 4)]), kv, torch.arange(4))  # [4, V]
+
+    quant, flt = load_model(p, weights="quant"), load_model(p, weights="float")
+    assert quant.ckpt.weights["token_embd"]._lin is None
+    assert torch.allclose(logits(quant), logits(flt), rtol=0, atol=1e-5)
