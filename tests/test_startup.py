@@ -121,3 +121,23 @@ def test_torch_free_option_defaults_match_the_engine():
 
     assert engine.EngineOptions is options.EngineOptions and sampler.SamplingParams is options.SamplingParams
     assert paged.DEFAULT_TOKENS_PER_BLOCK == options.DEFAULT_TOKENS_PER_BLOCK == options.EngineOptions().tokens_per_block
+
+
+def test_gguf_is_imported_without_its_mistral_hook():
+    """infertrace imports gguf-py through ``loading/gguf_lib.py``: the optional mistral_common import of
+    ``gguf.vocab`` (pydantic, torch.export: ~0.45 s of CPU per ``run``, measured) does not happen, gguf-py
+    still reads the default model's header, and mistral_common imports normally afterwards."""
+    code = (
+        "import sys, importlib.util\n"
+        "from infertrace.loading.gguf_lib import gguf\n"
+        "from infertrace.loading.registry import default_model_path\n"
+        "g = gguf()\n"
+        "assert not any(m.startswith('mistral_common') for m in sys.modules), 'mistral_common was imported'\n"
+        "r = g.GGUFReader(str(default_model_path()))\n"
+        "assert r.fields['general.architecture'].contents() == 'llama'\n"
+        "if importlib.util.find_spec('mistral_common') is not None:\n"
+        "    import mistral_common.tokens.tokenizers.mistral  # not left blocked\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

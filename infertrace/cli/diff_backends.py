@@ -54,6 +54,7 @@ def diff_backends(
     attention: o.Attention = "auto",
     dtype: o.Dtype = "float32",
     device: o.Device = "cpu",
+    weights: o.Weights = "auto",
     threads: o.Threads = None,
     layer: Annotated[int, typer.Option("--layer", help="With --against llama.cpp: the layer whose K/V are compared.")] = 0,
     sampler_order: o.SamplerOrder = None,
@@ -70,6 +71,10 @@ def diff_backends(
 
     check_thread_settings(threads)  # --threads and OMP_NUM_THREADS/INFERTRACE_THREADS, before torch loads
     against, llamacpp_flash_attn = check_against(against, atol, threads, llamacpp_flash_attn)
+    weights = o.check_weights(weights)
+    if against == "vllm" and weights == "quant":
+        raise InfertraceError("--weights quant does not apply to --against vllm (vLLM loads its own float weights and ours "
+                              "replays its schedule in float32); drop --weights")
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -85,10 +90,11 @@ def diff_backends(
     if against == "vllm" and (dtype.lower() not in ("float32", "fp32") or device != "cpu"):
         raise InfertraceError("--against vllm compares float32 runs on the CPU; drop --dtype/--device")
     with progress_display(enabled=not as_json) as progress:
-        loaded = load_with_progress(model, dtype, device, progress, threads)
+        loaded = load_with_progress(model, dtype, device, progress, threads, "float" if against == "vllm" else weights)
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task("comparing" + (f" with {against}" if against else " cells and paged in lockstep"), total=None)
         rep = compare(loaded, specs, opts, against, atol, backend, dtype, layer, llamacpp_flash_attn)
+        rep.update(o.weights_record(loaded))  # which weights path our side computed with (absent: the float path)
     print_report(rep, against, as_json)
     if not rep["identical"]:
         raise typer.Exit(1)

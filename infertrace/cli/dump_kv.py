@@ -52,6 +52,7 @@ def dump_kv(
     attention: o.Attention = "auto",
     dtype: o.Dtype = "float32",
     device: o.Device = "cpu",
+    weights: o.Weights = "auto",
     threads: o.Threads = None,
     prefix_cache: o.PrefixCache = "off",
     context_shift: o.ContextShift = False,
@@ -80,6 +81,7 @@ def dump_kv(
     from infertrace.threads import check_thread_settings
 
     check_thread_settings(threads)  # --threads and OMP_NUM_THREADS/INFERTRACE_THREADS, before torch loads
+    weights = o.check_weights(weights)
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -89,12 +91,13 @@ def dump_kv(
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
         kv_unified=kv_unified)
     with progress_display(enabled=not as_json) as progress:
-        loaded = load_with_progress(model, dtype, device, progress, threads)
+        loaded = load_with_progress(model, dtype, device, progress, threads, weights)
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task(f"running to step {step}", total=None)
         from infertrace.runner import dump_kv_at_step  # the engine side (torch): only for a live run
 
         d = dump_kv_at_step(loaded, specs, opts, step, layer=layer, head=head, positions=pos, full=full)
+        d.update(o.weights_record(loaded))  # which weights path computed the K/V shown (absent: the float path)
     if as_json:
         typer.echo(json_text(d))
         return

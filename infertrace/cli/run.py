@@ -140,7 +140,7 @@ def run(
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")] = "float32",
     kv_dtype: o.KvDtype = None,
     kv_unified: o.KvUnified = "on",
-    weights: Annotated[str, typer.Option("--weights", help="GGUF weights: float (dequantised at load, the reference), quant (kept quantised, a kernel per tensor type) or auto (quant for a GGUF in bfloat16 on the CPU, where it measured faster).")] = "auto",
+    weights: o.Weights = "auto",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     steps: Annotated[Optional[str], typer.Option("--steps", help="Steps whose panels are printed: 0,1,2 or 0..3 or 5.. (the table and --json keep all).")] = None,
     save: Annotated[Optional[Path], typer.Option("--save", help="Also write the trace to this directory (trace.json, tensors.safetensors, timing.json) for show, diff, report, dump-kv.")] = None,

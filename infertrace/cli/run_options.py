@@ -44,6 +44,7 @@ Attention = Annotated[str, typer.Option("--attention", help="Attention implement
 Dtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")]
 KvDtype = Annotated[Optional[str], typer.Option("--kv-dtype", help="K/V cache storage type: f32, f16 or bf16 (llama.cpp's cache types; its default is f16). Attention reads the values back in --dtype. Default: --dtype.", show_default=False)]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
+Weights = Annotated[str, typer.Option("--weights", help="GGUF weights: float (dequantised at load, the reference), quant (kept quantised, a kernel per tensor type) or auto (quant for a GGUF in bfloat16 on the CPU, where it measured faster).")]
 Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)]
 SamplerOrder = Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature, then top-k/top-p/min-p: HF, vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last: common_sampler). Default: the convention of the runtime mirrored (cells and --engine llama.cpp: llama.cpp; paged: hf).")]
 EngineName = Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine, --backend cells or paged) or llama.cpp (llama.cpp itself through llama-cpp-python; its graph inputs and cache are captured).")]
@@ -316,3 +317,21 @@ def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec
         check_min("--draft-layers", draft_layers, 1)
     return dataclasses.replace(opts, speculative=method, num_spec_tokens=num_spec_tokens, spec_tree=tree,
                                draft_model=draft_model, draft_layers=draft_layers, ngram_min=ngram_min, ngram_max=ngram_max)
+
+
+def check_weights(weights: str) -> str:
+    """``--weights`` lower-cased if it is ``auto``, ``float`` or ``quant`` (checked before any model loads).
+
+    Raises:
+        InfertraceError: another value (one line naming the choices).
+    """
+    from infertrace.loading.model import WEIGHTS
+
+    return check_choice("--weights", weights, WEIGHTS)
+
+
+def weights_record(loaded: Any) -> dict[str, Any]:
+    """``{"weights": {...}}`` for a report or trace header when the quantised path computed (which kernel per
+    tensor type, :attr:`infertrace.loading.model.Loaded.weights`), else ``{}`` (the float path, as before)."""
+    w = getattr(loaded, "weights", None) or {}
+    return {"weights": w} if w.get("weights") not in (None, "float") else {}

@@ -25,7 +25,9 @@ CHUNK_VALUES = 1 << 18
 
 def _row_dequantizer(qtype: Any) -> Any:
     """gguf-py's class for ``qtype`` when it has ``dequantize_rows`` (None: use ``dequantize``)."""
-    import gguf.quants as gq
+    from infertrace.loading.gguf_lib import gguf
+
+    gq = gguf().quants
 
     q = getattr(gq, "_type_traits", {}).get(qtype)
     return q if q is not None and hasattr(q, "dequantize_rows") and hasattr(q, "init_grid") else None
@@ -49,7 +51,9 @@ def dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
         NotImplementedError: gguf-py cannot dequantise ``qtype``.
         ValueError: ``bytes_per_row`` is not a whole number of blocks.
     """
-    import gguf.quants as gq
+    from infertrace.loading.gguf_lib import gguf
+
+    gq = gguf().quants
 
     q = _row_dequantizer(qtype)
     if q is None:
@@ -87,7 +91,9 @@ def blocks_to_little_endian(data: np.ndarray, qtype: Any, tensor: str, file: str
         InfertraceError: a type whose big-endian block layout is not defined by gguf-py's converter
             (one line naming the big-endian byte order and how to convert the file).
     """
-    from gguf import GGML_QUANT_SIZES
+    from infertrace.loading.gguf_lib import gguf
+
+    GGML_QUANT_SIZES = gguf().GGML_QUANT_SIZES
 
     from infertrace.errors import InfertraceError
 

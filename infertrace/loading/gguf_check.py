@@ -227,7 +227,9 @@ def _unique_name(w: _Walker, what: str, limit: int, seen: set[str], kind: str) -
 
 
 def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from infertrace.loading.gguf_lib import gguf
+
+    GGML_QUANT_SIZES, GGMLQuantizationType = gguf().GGML_QUANT_SIZES, gguf().GGMLQuantizationType
 
     magic, version, n_tensors, n_kv = _HEADER.unpack_from(buf, 0)
     if magic != b"GGUF":

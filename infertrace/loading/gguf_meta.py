@@ -106,7 +106,9 @@ def _display_value(f: Any) -> Any:
 
 def header_from_reader(p: Path, reader: Any) -> GGUFHeader:
     """Build the :class:`GGUFHeader` from an open ``gguf.GGUFReader`` (the reader of record)."""
-    from gguf import GGMLQuantizationType
+    from infertrace.loading.gguf_lib import gguf
+
+    GGMLQuantizationType = gguf().GGMLQuantizationType
 
     from infertrace.tokenizer.vocab import _gguf_value
 

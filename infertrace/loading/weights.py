@@ -112,7 +112,9 @@ def read_gguf(p: Path):
     Raises:
         InfertraceError: wrong magic, truncated or otherwise unreadable file.
     """
-    from gguf import GGUFReader
+    from infertrace.loading.gguf_lib import gguf
+
+    GGUFReader = gguf().GGUFReader
 
     if not p.is_file():
         raise InfertraceError(f"{p} is not a regular file; pass a .gguf file or an HF model directory")
@@ -233,7 +235,9 @@ def _gguf_tensors(header: Any, mm: np.ndarray, progress: Progress | None,
         InfertraceError: a quant type gguf-py cannot dequantise, or corrupt data.
     """
     import torch
-    from gguf import GGMLQuantizationType
+    from infertrace.loading.gguf_lib import gguf
+
+    GGMLQuantizationType = gguf().GGMLQuantizationType
 
     from infertrace.loading.dequant import blocks_to_little_endian, dequantize
 

@@ -54,24 +54,82 @@ def _buffer(dtype: torch.dtype, n: int) -> torch.Tensor:
     return b[:n]
 
 
-#: rows packed per call of the packing op (a multiple of 64: packed row chunks of 64k rows concatenate to
-#: the packing of the whole, checked in tests/test_quant.py); bounds the int32 code temporaries to ~PACK_ROWS x in
+#: rows of a row block built at a time (a multiple of 64: packed row chunks of 64k rows concatenate to
+#: the packing of the whole, checked in tests/test_quant.py)
 PACK_ROWS = 2048
+#: codes packed per chunk (bounds the packing temporaries to a few MiB whatever the row length)
+PACK_VALUES = 1 << 22
+
+_PACK_OP = "aten._convert_weight_to_int4pack_for_cpu"
+_layout: Any = None  # (block_n, split) found by _pack_layout, False: none matched (torch's op packs)
 
 
-def pack_int4(codes: Callable[[int, int], torch.Tensor], n: int) -> torch.Tensor:
-    """``_convert_weight_to_int4pack_for_cpu`` of an ``[n, k]`` code matrix built a row chunk at a time.
+def _pack_np(u: np.ndarray, block_n: int, split: bool) -> np.ndarray:
+    """``uint8 [n, k]`` codes 0..15 -> ``uint8 [n, k/2]`` in the byte layout of torch's CPU int4 packing
+    (``weight_to_int4pack_kernel``, aten/src/ATen/native/cpu/int4mm_kernel.cpp): rows in blocks of
+    ``block_n`` (64 with AVX-512, 32 otherwise), each block stored ``[k, block_n/2]``; a full block pairs
+    row ``j`` with row ``j + block_n/2`` when ``split`` (vectorised builds), the last partial block (16, 32
+    or 48 rows) and non-vectorised builds pair adjacent rows, the second row in the high nibble."""
+    n, k = u.shape
+    out = np.empty((n, k // 2), np.uint8)
+    flat = out.reshape(-1)
+    nfull = n // block_n if split else 0
+    if nfull:
+        b = u[: nfull * block_n].reshape(nfull, block_n, k)  # [nb, block_n, k]
+        h = block_n // 2
+        pk = b[:, :h] | (b[:, h:] << 4)  # [nb, block_n/2, k]
+        flat[: nfull * block_n * k // 2].reshape(nfull, k, h)[:] = pk.transpose(0, 2, 1)  # [nb, k, block_n/2]
+    r0 = nfull * block_n
+    while r0 < n:  # adjacent pairs, block by block
+        r1 = min(n, r0 + block_n)
+        b = u[r0:r1]  # [nb_size, k]
+        pk = b[0::2] | (b[1::2] << 4)  # [nb_size/2, k]
+        flat[r0 * k // 2: r1 * k // 2].reshape(k, (r1 - r0) // 2)[:] = pk.T  # [k, nb_size/2]
+        r0 = r1
+    return out
+
+
+def _pack_layout() -> Any:
+    """The :func:`_pack_np` layout that reproduces torch's packing on this machine, found once on a probe
+    (two full 64-row blocks and a 48-row remainder of random codes); ``False`` when none does (then torch's
+    op packs every matrix, as before)."""
+    global _layout
+    if _layout is None:
+        g = np.random.default_rng(20)
+        probe = g.integers(0, 16, (176, 64), dtype=np.uint8)  # [176, 64]
+        want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(probe.astype(np.int32)), 1).numpy()
+        _layout = next((c for c in ((64, True), (32, True), (32, False))
+                        if want.shape == (176, 32) and np.array_equal(_pack_np(probe, *c), want)), False)
+    return _layout
+
+
+def pack_int4(codes: Callable[[int, int], np.ndarray], n: int) -> torch.Tensor:
+    """``_convert_weight_to_int4pack_for_cpu`` of an ``[n, k]`` code matrix, a chunk of rows at a time.
+
+    The bytes are written by :func:`_pack_np` in numpy from uint8 codes (measured ~10x faster than the op
+    and no int32 copy of the codes), in the layout :func:`_pack_layout` checked against the op on this
+    machine; torch's op packs when no layout matched.
 
     Args:
-        codes: ``codes(r0, r1)`` -> ``int32 [r1-r0, k]`` values 0..15 of rows ``r0:r1``.
+        codes: ``codes(r0, r1)`` -> ``uint8 [r1-r0, k]`` values 0..15 of rows ``r0:r1``.
         n: rows.
 
     Returns:
         ``uint8 [n, k/2]`` packed as the op packs the whole matrix.
     """
-    pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
-    parts = [pack(codes(r0, min(n, r0 + PACK_ROWS)).contiguous(), 1) for r0 in range(0, n, PACK_ROWS)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, k/2]
+    first = codes(0, min(n, 64))
+    k = first.shape[1]
+    step = max(64, min(PACK_ROWS, PACK_VALUES // max(1, k) // 64 * 64))  # rows per chunk, a multiple of 64
+    out = torch.empty((n, k // 2), dtype=torch.uint8)  # [n, k/2]
+    layout = _pack_layout()
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        u = first if r1 - r0 == first.shape[0] and r0 == 0 else codes(r0, r1)  # [r, k] uint8
+        if layout:
+            out[r0:r1] = torch.from_numpy(_pack_np(np.ascontiguousarray(u, dtype=np.uint8), *layout))
+        else:
+            out[r0:r1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(u.astype(np.int32)), 1)
+    return out
 
 
 class QuantLinear(ABC):
@@ -194,7 +252,8 @@ class _RowChunked:
     """Building an int4 kernel object a block of rows at a time (bounded temporaries for large tensors).
 
     ``_ROW_FIELDS`` names each tensor attribute and the dimension along which it follows the
-    matrix rows (packed codes: 0; ``[groups, out, 2]`` scales/zeros: 1).
+    matrix rows (packed codes: 0; ``[groups, out, 2]`` scales/zeros: 1); a field may be None
+    (int4pair16's correction for the symmetric types).
     """
 
     _ROW_FIELDS: dict[str, int] = {}
@@ -216,12 +275,16 @@ class _RowChunked:
             if obj is None:
                 obj = cls.__new__(cls)
                 obj.qtype, obj.act_dtype, obj.shape = qtype, act_dtype, (int(n), part.shape[1])
-                for f, dim in cls._ROW_FIELDS.items():
+                fields = {f: dim for f, dim in cls._ROW_FIELDS.items() if getattr(part, f) is not None}
+                for f in cls._ROW_FIELDS:
                     t = getattr(part, f)
-                    setattr(obj, f, t.new_empty([n if d == dim else size for d, size in enumerate(t.shape)]))
+                    setattr(obj, f, None if t is None else
+                            t.new_empty([n if d == fields[f] else size for d, size in enumerate(t.shape)]))
             if r1 > n:
                 raise ValueError(f"row blocks add up to more than {n} rows")
-            for f, dim in cls._ROW_FIELDS.items():
+            for f, dim in fields.items():
+                if getattr(part, f) is None:
+                    raise ValueError(f"row blocks disagree on {f}")
                 getattr(obj, f).narrow(dim, r0, r1 - r0).copy_(getattr(part, f))
             r0 = r1
             del part
@@ -230,8 +293,8 @@ class _RowChunked:
         return obj
 
 
-def int4_params(a: Affine) -> tuple[Callable[[int, int], torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(codes ``u(r0, r1)`` -> ``int32 [r1-r0, in]`` in 0..15, scale ``float32 [out, in/32]``, zero
+def int4_params(a: Affine) -> tuple[Callable[[int, int], np.ndarray], torch.Tensor, torch.Tensor]:
+    """(codes ``u(r0, r1)`` -> ``uint8 [r1-r0, in]`` in 0..15, scale ``float32 [out, in/32]``, zero
     ``float32 [out, in/32]``) such that ``(u - 8) * scale + zero`` is ``a``'s weight (zero rounded once
     in float32).
 
@@ -241,7 +304,7 @@ def int4_params(a: Affine) -> tuple[Callable[[int, int], torch.Tensor], torch.Te
     if a.group != 32:
         raise ValueError(f"int4pack needs groups of 32, not {a.group}")
     lo, hi = int(a.q.min(initial=0)), int(a.q.max(initial=0))
-    q = torch.from_numpy(np.ascontiguousarray(a.q))  # [out, in] int8
+    q = a.q  # [out, in] int8
     if a.offset is None:  # symmetric: q in -8..7
         if lo < -8 or hi > 7:
             raise ValueError("codes do not fit in 4 bits")
@@ -252,7 +315,7 @@ def int4_params(a: Affine) -> tuple[Callable[[int, int], torch.Tensor], torch.Te
             raise ValueError("codes do not fit in 4 bits")
         zero = a.offset + np.float32(8) * a.scale  # [out, in/32]; (u - 8) s + z = s u + offset
         shift = 0
-    return ((lambda r0, r1: q[r0:r1].to(torch.int32) + shift),
+    return ((lambda r0, r1: (q[r0:r1] + np.int8(shift)).view(np.uint8)),  # [r, in] 0..15
             torch.from_numpy(np.ascontiguousarray(a.scale)), torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)))
 
 
@@ -330,15 +393,15 @@ class Int4x2Linear(_RowChunked, _PackedKernel):
         n, k = a.q.shape
         if a.group != 32 or n % 16 or k % 32:
             raise ValueError(f"int4x2 needs groups of 32, out % 16 == 0 and in % 32 == 0, got group {a.group} [{n}, {k}]")
-        q8 = torch.from_numpy(np.ascontiguousarray(a.q))  # [out, in] int8
+        q8 = a.q  # [out, in] int8
         s = torch.from_numpy(np.ascontiguousarray(a.scale, dtype=np.float32))  # [out, in/32]
         if a.offset is None:
             o, c = torch.zeros_like(s), 0
         else:  # Q5_1 / Q5_K codes 0..31: centre them (q - 16) and move 16s into the offset (one float32 rounding)
             o, c = torch.from_numpy(np.ascontiguousarray(a.offset, dtype=np.float32)) + 16 * s, 16  # [out, in/32]
-        q = lambda r0, r1: q8[r0:r1].to(torch.int32) - c  # noqa: E731 - [r, in] centred codes
-        self.packed_hi = pack_int4(lambda r0, r1: (q(r0, r1) >> 4) + 8, n)  # [out, in/2] uint8, hi + 8
-        self.packed_lo = pack_int4(lambda r0, r1: q(r0, r1) & 15, n)  # [out, in/2] uint8, lo
+        q = lambda r0, r1: q8[r0:r1] - np.int8(c)  # noqa: E731 - [r, in] int8 centred codes (-128..127)
+        self.packed_hi = pack_int4(lambda r0, r1: ((q(r0, r1) >> 4) + np.int8(8)).view(np.uint8), n)  # [out, in/2] hi + 8
+        self.packed_lo = pack_int4(lambda r0, r1: (q(r0, r1) & np.int8(15)).view(np.uint8), n)  # [out, in/2] lo
         self.sz_hi = torch.stack([(16 * s).T, (8 * s).T], -1).to(act_dtype).contiguous()  # [in/32, out, 2] 16s·hi + 8s
         self.sz_lo = torch.stack([s.T, o.T], -1).to(act_dtype).contiguous()  # [in/32, out, 2] s·(lo - 8) + o
         self.qtype, self.act_dtype, self.shape = qtype, act_dtype, (int(n), int(k))
@@ -356,16 +419,19 @@ class Int4x2Linear(_RowChunked, _PackedKernel):
 class Int4Pair16Linear(_RowChunked, _PackedKernel):
     """Codes in groups of 16 (Q6_K, Q3_K, Q2_K) on the group-32 int4pack kernel, doubling ``in``.
 
-    Each group ``j`` of 16 becomes one kernel group of 32: its low nibbles ``lo = q & 15`` then
-    its high nibbles ``hi + 8`` (``hi = q >> 4``, -8..7), multiplied by ``[x_j, 16·x_j]`` (the
-    factor 16 is exact in any float format), scale ``s_j``, zero 0. The kernel then gives
-    ``Σ_j s_j·(Σ q·x - 8·Σ x)``; the group offsets and the ``-8`` come back as a dense product
-    ``G @ C.T`` of the per-group sums ``G = Σ_{k∈j} x_k`` (``[T, in/16]``) with
-    ``C = offset + 8s`` (``[out, in/16]``), 1/16 of the matrix. Exact arithmetic in float32 up
-    to summation order; in bf16 ``s``, ``C``, ``G`` and both partial outputs are rounded.
+    Each group ``j`` of 16 becomes one kernel group of 32: the low nibbles ``lo = (q+8) & 15`` of
+    the shifted codes, then their high nibbles ``hi + 8`` (``hi = (q+8) >> 4``, -2..2 for Q6_K),
+    multiplied by ``[x_j, 16·x_j]`` (the factor 16 is exact in any float format), scale ``s_j``,
+    zero 0. The kernel's ``(u - 8)·s`` then sums to ``s_j·Σ x·(lo - 8 + 16·hi) = s_j·Σ x·q``:
+    the shift by 8 cancels the kernel's own ``-8``, so no correction is held for the symmetric
+    types. The group offsets of Q2_K come back as a dense product ``G @ C.T`` of the per-group
+    sums ``G = Σ_{k∈j} x_k`` (``[T, in/16]``) with ``C = offset`` (``[out, in/16]``). Exact
+    arithmetic in float32 up to summation order; in bf16 ``s`` (and ``C``, ``G``) are rounded.
+    Held: 1 byte per weight plus ``[in/16, out, 2]`` scales (1.25 bytes per weight; Q6_K's file
+    has 0.82).
 
     Raises:
-        ValueError: group not 16 or ``out`` not a multiple of 16.
+        ValueError: group not 16, a code above 119, or ``out`` not a multiple of 16.
     """
 
     kernel = "int4pair16"
@@ -375,17 +441,23 @@ class Int4Pair16Linear(_RowChunked, _PackedKernel):
         n, k = a.q.shape
         if a.group != 16 or n % 16 or k % 16:
             raise ValueError(f"int4pair16 needs groups of 16 and out % 16 == 0, got group {a.group} [{n}, {k}]")
-        q8 = torch.from_numpy(np.ascontiguousarray(a.q))  # [out, in] int8
+        if int(a.q.max(initial=0)) > 119:  # q + 8 must stay in int8 (then hi = (q+8) >> 4 is -8..7)
+            raise ValueError("int4pair16 needs codes of at most 119")
+        q8 = a.q  # [out, in] int8
 
-        def u(r0: int, r1: int) -> torch.Tensor:
-            q = q8[r0:r1].to(torch.int32).view(r1 - r0, k // 16, 1, 16)  # [r, in/16, 1, 16]
-            return torch.cat([q & 15, (q >> 4) + 8], dim=2).reshape(r1 - r0, 2 * k)  # [r, 2*in] lo then hi+8 per group
+        def u(r0: int, r1: int) -> np.ndarray:
+            q = (q8[r0:r1] + np.int8(8)).reshape(r1 - r0, k // 16, 16)  # [r, in/16, 16] shifted codes
+            out = np.empty((r1 - r0, k // 16, 2, 16), np.int8)  # [r, in/16, 2, 16] lo then hi + 8 per group
+            np.bitwise_and(q, np.int8(15), out=out[:, :, 0])
+            np.right_shift(q, np.int8(4), out=out[:, :, 1])
+            out[:, :, 1] += np.int8(8)
+            return out.reshape(r1 - r0, 2 * k).view(np.uint8)  # [r, 2*in] 0..15
 
         s = torch.from_numpy(np.ascontiguousarray(a.scale, dtype=np.float32))  # [out, in/16]
-        o = torch.zeros_like(s) if a.offset is None else torch.from_numpy(np.ascontiguousarray(a.offset, dtype=np.float32))
         self.packed = pack_int4(u, n)  # [out, in] uint8
         self.sz = torch.stack([s.T, torch.zeros_like(s).T], -1).to(act_dtype).contiguous()  # [in/16, out, 2]
-        self.corr = (o + 8 * s).to(act_dtype).contiguous()  # [out, in/16]
+        self.corr = (None if a.offset is None else
+                     torch.from_numpy(np.ascontiguousarray(a.offset, dtype=np.float32)).to(act_dtype).contiguous())  # [out, in/16]
         self.qtype, self.act_dtype, self.shape = qtype, act_dtype, (int(n), int(k))
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
@@ -393,11 +465,14 @@ class Int4Pair16Linear(_RowChunked, _PackedKernel):
         xg = x2.reshape(t, k // 16, 1, 16)  # [T, in/16, 1, 16]
         xx = torch.cat([xg, xg * 16], dim=2).reshape(t, 2 * k)  # [T, 2*in]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xx, self.packed, 32, self.sz)  # [T, out]
+        if self.corr is None:
+            return y
         return y + F.linear(xg.sum(-1).reshape(t, k // 16), self.corr)  # [T, out]
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + (self.sz.numel() + self.corr.numel()) * self.sz.element_size()
+        corr = 0 if self.corr is None else self.corr.numel() * self.corr.element_size()
+        return self.packed.numel() + self.sz.numel() * self.sz.element_size() + corr
 
 
 class StackedLinear(QuantLinear):

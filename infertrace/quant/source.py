@@ -44,7 +44,7 @@ def release_free_memory() -> None:
     """Hand freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
 
     Building a kernel object frees temporaries several times its own size (codes as int8, then
-    int32 chunks for packing); glibc keeps such freed blocks in the process, so without this
+    uint8 chunks for packing); glibc keeps such freed blocks in the process, so without this
     the resident size after loading SmolLM2 was 549 MB instead of 389 MB (measured).
     """
     global _LIBC
@@ -390,12 +390,16 @@ def quant_weights(path: str | Path, act_dtype: torch.dtype) -> tuple[Any, dict[s
 def build_unfused(weights: dict[str, Any]) -> dict[str, str]:
     """Build now every :class:`QuantWeight` of ``weights`` that was not fused into a sibling's kernel
     (output projections, ``ffn_down``, the lm head), so loading — not the first step — pays for it.
+    ``token_embd`` is built only when it is also the lm head (tied, no ``output``): otherwise only its
+    rows are looked up, read from the file (an 8B-shaped Q4_K_M held 313 MiB of never-used kernel for it).
 
     Call after :class:`~infertrace.model.decoder.DecoderModel` was built with
     :class:`~infertrace.quant.ops.QuantOps`. Returns the source's ``kernels`` (type -> kernel).
     """
     src = None
-    for v in weights.values():
+    for name, v in weights.items():
+        if name == "token_embd" and "output" in weights:
+            continue  # an embedding table only: QuantWeight.rows reads rows from the file, no matmul ever runs
         if isinstance(v, QuantWeight) and not v.fused:
             v.built()
             src = v.source

@@ -197,7 +197,9 @@ def _gguf_value(reader: "gguf.GGUFReader", key: str) -> Any:
     if field is None:
         return None
     try:
-        import gguf as _gguf
+        from infertrace.loading.gguf_lib import gguf as _gguf_lib
+
+        _gguf = _gguf_lib()
 
         types = list(field.types)
         if types and types[0] == _gguf.GGUFValueType.ARRAY and types[-1] == _gguf.GGUFValueType.STRING:
