@@ -1,0 +1,73 @@
+"""Issue 23 re-probe by the adversary (breaker): findings on main after the issue-23 fixes.
+
+Each test drives the CLI with the hostile input and asserts exit 2 with one ``error:`` line and no
+traceback (never exit 1 "internal error"). Paths only; no device nodes are needed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import hostile as H
+from infertrace.cli.app import app
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def refused(res, *needles):
+    """Exit 2 with exactly one ``error:`` line holding every needle; no traceback."""
+    assert res.exit_code == 2, (res.exit_code, res.stdout[-400:], res.stderr[-800:], res.exception)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "internal error" not in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def _trace(tmp_path: Path) -> Path:
+    t = tmp_path / "t"
+    shutil.copytree(H.GOLDEN / "worked-example-cells", t)
+    return t
+
+
+# ------------------------------------------------------ report -o under a regular file (ENOTDIR)
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_report_output_under_a_regular_file_is_one_line(tmp_path, force):
+    t = _trace(tmp_path)
+    f = tmp_path / "plain"
+    f.write_text("keep me")
+    res = invoke("report", t, "-o", f / "x.html", *(["--force"] if force else []))
+    refused(res, "Not a directory")
+    assert f.read_text() == "keep me"
+
+
+# ------------------------------------------------------ a name longer than NAME_MAX (ENAMETOOLONG)
+
+
+LONG = "a" * 300  # NAME_MAX is 255 on Linux file systems
+
+
+@pytest.mark.parametrize("cmd", ["show", "check", "report", "inspect"])
+@pytest.mark.parametrize("deep", [False, True])
+def test_path_over_name_max_is_one_line_in_every_reader(tmp_path, cmd, deep):
+    p = tmp_path / LONG / "x" if deep else tmp_path / LONG
+    refused(invoke(cmd, p), "File name too long")
+
+
+def test_report_output_over_name_max_is_one_line(tmp_path):
+    t = _trace(tmp_path)
+    refused(invoke("report", t, "-o", tmp_path / LONG), "File name too long")
+
+
+def test_save_and_make_qwen35_out_over_name_max_are_one_line(tmp_path):
+    refused(invoke("make-qwen35", "--out", tmp_path / LONG), "File name too long")
+    refused(invoke("run", "-m", tmp_path / LONG, "-p", "a", "-n", "1"), "File name too long")
