@@ -71,3 +71,20 @@ def test_report_output_over_name_max_is_one_line(tmp_path):
 def test_save_and_make_qwen35_out_over_name_max_are_one_line(tmp_path):
     refused(invoke("make-qwen35", "--out", tmp_path / LONG), "File name too long")
     refused(invoke("run", "-m", tmp_path / LONG, "-p", "a", "-n", "1"), "File name too long")
+
+
+# ------------------------------------------------------ --kv-unified off: a prompt longer than its stream
+
+
+def test_kv_unified_off_full_stream_names_ctx_size_not_num_blocks(tmp_path):
+    """3 sequences, --ctx-size 16: llama.cpp's n_ctx_seq = 16 // 3 = 5 cells per stream; a 5-token
+    prompt plus one generated token does not fit. The refusal must name --ctx-size (the cells
+    backend has no --num-blocks) and the split."""
+    from tests.tiny import make_weights, write_gguf
+
+    w, s = make_weights(seed=0)
+    m = write_gguf(tmp_path / "m.gguf", w, s)
+    res = invoke("run", "-m", m, "-p", "abcab", "-p", "xyzxyzx", "-p", "qq", "-n", "2", "--kv-unified", "off",
+                 "--ctx-size", "16")
+    line = refused(res, "raise --ctx-size", "holds 5", "over 3 sequences")
+    assert "--num-blocks" not in line
