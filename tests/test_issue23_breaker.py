@@ -88,3 +88,27 @@ def test_kv_unified_off_full_stream_names_ctx_size_not_num_blocks(tmp_path):
                  "--ctx-size", "16")
     line = refused(res, "raise --ctx-size", "holds 5", "over 3 sequences")
     assert "--num-blocks" not in line
+
+
+# ------------------------------------------------------ thread variables: leading zeros, blank OMP_NUM_THREADS
+
+
+@pytest.mark.parametrize("var", ["INFERTRACE_THREADS", "OMP_NUM_THREADS"])
+def test_thread_variable_with_many_leading_zeros_is_its_value(monkeypatch, var):
+    """libgomp (strtoul) reads 45 zeros then 2 as 2; it was cut at 40 characters and refused as 0."""
+    from infertrace.threads import env_threads
+
+    monkeypatch.setenv(var, "0" * 45 + "2")
+    assert env_threads(var) == 2
+
+
+def test_blank_omp_num_threads_is_unset_before_torch_loads(monkeypatch):
+    """A blank OMP_NUM_THREADS is 'unset' for the tool but libgomp prints "Invalid value for
+    environment variable OMP_NUM_THREADS" on stderr when torch loads: the check removes it."""
+    import os
+
+    from infertrace.threads import check_thread_settings
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "  ")
+    check_thread_settings(None)
+    assert "OMP_NUM_THREADS" not in os.environ
