@@ -112,3 +112,27 @@ def test_blank_omp_num_threads_is_unset_before_torch_loads(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "  ")
     check_thread_settings(None)
     assert "OMP_NUM_THREADS" not in os.environ
+
+
+# ------------------------------------------------------ make-qwen35 --out a symlink: refused before writing
+
+
+@pytest.mark.parametrize("kind", ["dangling", "to-empty-dir"])
+def test_make_qwen35_out_symlink_is_refused_before_any_weight_is_written(tmp_path, monkeypatch, kind):
+    """publish_dir never renames onto a symlink, but the check came after writing the whole
+    1.5 GB checkpoint (minutes). Refused first; the link and its target stay as they were."""
+    import infertrace.loading.synth as synth
+
+    if kind == "dangling":
+        target = tmp_path / "nowhere"
+    else:
+        target = tmp_path / "empty"
+        target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    called = []
+    monkeypatch.setattr(synth, "_write_into", lambda *a, **k: called.append(a))
+    refused(invoke("make-qwen35", "--out", link), "symlink")
+    assert called == []
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["link"] + ([] if kind == "dangling" else ["empty"]))

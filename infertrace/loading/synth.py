@@ -26,6 +26,7 @@ from typing import Callable
 from safetensors import SafetensorError
 
 from infertrace.errors import InfertraceError
+from infertrace.safe_text import visible
 from infertrace.safe_io import DirTaken, publish_dir
 
 #: the marker config key: its value is the sentence every run on the checkpoint prints
@@ -89,6 +90,8 @@ def write_qwen35_08b(out: Path, seed: int = 0, progress: Callable[[str], None] |
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
         raise InfertraceError(f"--seed {seed} must be an integer in 0..2^63-1")
     out = Path(out)
+    if out.is_symlink():  # publish_dir never renames onto a symlink: refuse now, not after writing 1.5 GB
+        raise InfertraceError(f"--out {visible(str(out))} is a symlink; pass a new directory name (a symlink is never replaced)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InfertraceError(f"{out} exists and is not an empty directory; pass a new --out")
     try:
