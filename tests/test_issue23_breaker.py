@@ -136,3 +136,21 @@ def test_make_qwen35_out_symlink_is_refused_before_any_weight_is_written(tmp_pat
     assert called == []
     assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["link"] + ([] if kind == "dangling" else ["empty"]))
+
+
+# ------------------------------------------------------ check: an inv_freq that overflows the angle
+
+
+def test_check_inv_freq_overflowing_the_angle_is_a_violation_not_an_internal_error(tmp_path):
+    """inv_freq_first[0] = 1e308 passes the schema (a finite float); pos 2 * 1e308 = inf and
+    math.cos(inf) raised ValueError ("math domain error", exit 1). It is a RoPE violation."""
+    import json
+
+    t = _trace(tmp_path)
+    doc = json.loads((t / "trace.json").read_text())
+    doc["steps"][0]["positions"]["inv_freq_first"][0] = 1e308
+    (t / "trace.json").write_text(json.dumps(doc))
+    res = invoke("check", t)
+    assert res.exit_code == 1, (res.exit_code, res.stderr)
+    assert "internal error" not in res.stderr and "Traceback" not in res.stderr
+    assert "RoPE angle consistent with position" in res.stdout and "not a finite number" in res.stdout
