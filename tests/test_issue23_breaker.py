@@ -154,3 +154,50 @@ def test_check_inv_freq_overflowing_the_angle_is_a_violation_not_an_internal_err
     assert res.exit_code == 1, (res.exit_code, res.stderr)
     assert "internal error" not in res.stderr and "Traceback" not in res.stderr
     assert "RoPE angle consistent with position" in res.stdout and "not a finite number" in res.stdout
+
+
+# ------------------------------------------------------ check: a step's speculative totals
+
+
+@pytest.fixture(scope="module")
+def spec_trace(tmp_path_factory):
+    """A greedy draft-layers run of a tiny llama (2 layers, draft = layer 0), saved."""
+    from tests.tiny import make_weights, write_gguf
+
+    d = tmp_path_factory.mktemp("spec")
+    w, s = make_weights(seed=0)
+    m = write_gguf(d / "m.gguf", w, s)
+    res = invoke("run", "-m", m, "-p", "abcabcabc", "-n", "6", "--speculative", "draft", "--draft-layers", "1",
+                 "--save", d / "t")
+    assert res.exit_code == 0, (res.stderr, res.exception)
+    return d / "t"
+
+
+def _spec_mutant(src: Path, tmp_path: Path, edit) -> Path:
+    import json
+
+    t = tmp_path / "m"
+    shutil.copytree(src, t)
+    doc = json.loads((t / "trace.json").read_text())
+    st = next(s for s in doc["steps"] if s.get("spec") and s["spec"]["drafted"])
+    edit(st["spec"])
+    (t / "trace.json").write_text(json.dumps(doc))
+    return t
+
+
+def test_unmodified_speculative_trace_passes_check(spec_trace):
+    res = invoke("check", spec_trace)
+    assert res.exit_code == 0, (res.stdout[-600:], res.stderr)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda sp: sp.update(accepted=sp["drafted"] + 1), "spec.accepted"),  # more accepted than drafted
+    (lambda sp: sp.update(acceptance_rate=0.0 if sp["acceptance_rate"] else 0.5), "spec.acceptance_rate"),
+    (lambda sp: sp.update(acceptance_rate=None), "spec.acceptance_rate"),
+])
+def test_check_refuses_inconsistent_speculative_totals(spec_trace, tmp_path, edit, needle):
+    """Engine._spec_record writes accepted <= drafted and acceptance_rate = round(accepted / drafted, 4);
+    a trace that disagrees was accepted by check (exit 0)."""
+    res = invoke("check", _spec_mutant(spec_trace, tmp_path, edit))
+    assert res.exit_code in (1, 2), (res.exit_code, res.stdout[-400:])
+    assert needle in res.stdout + res.stderr and "internal error" not in res.stderr
