@@ -396,6 +396,8 @@ def _classify(target: Path, force: bool, option: str) -> tuple[str, os.stat_resu
         st = os.lstat(target)
     except FileNotFoundError:
         return "create", None
+    except OSError as e:  # ENOTDIR (a file used as a folder: -o reg/x.html), ELOOP, EACCES, ENAMETOOLONG
+        raise InfertraceError(f"cannot write {option} {shown}: {e.strerror or e}; give a path in an existing directory") from None
     mode = st.st_mode
     if stat.S_ISLNK(mode):
         try:

@@ -153,7 +153,8 @@ def env_threads(var: str) -> int | None:
     if not (raw.isascii() and raw.isdigit()):
         raise ThreadCountError(f"{var}={raw[:40]!r} is not a thread count; set a whole number in 1..{max_threads()} "
                                "or unset it")
-    return check_count(int(raw[:40]), f"{var}=")  # 40 digits are over any limit: no need to parse more
+    digits = raw.lstrip("0") or "0"  # libgomp reads 0002 as 2: leading zeros never make a count large
+    return check_count(int(digits[:40]), f"{var}=")  # 40 digits are over any limit: no need to parse more
 
 
 def check_thread_settings(requested: int | None = None) -> None:
@@ -167,6 +168,8 @@ def check_thread_settings(requested: int | None = None) -> None:
         check_count(requested, "--threads")
     for var in THREAD_ENV:
         env_threads(var)
+    if "OMP_NUM_THREADS" in os.environ and not os.environ["OMP_NUM_THREADS"].strip():
+        del os.environ["OMP_NUM_THREADS"]  # blank = unset here; libgomp would print "Invalid value" when torch loads
 
 
 def choose_threads(requested: int | None = None, sample_s: float = 0.05) -> ThreadChoice:

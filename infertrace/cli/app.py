@@ -12,7 +12,9 @@ The policy lives in :func:`cli_errors`, which wraps every command, so it holds b
 console script (:func:`main`) and for ``typer.testing.CliRunner`` invoking :data:`app`.
 """
 
+import errno
 import functools
+import os
 import sys
 import traceback
 from typing import Annotated, Any, Callable, TypeVar
@@ -52,6 +54,10 @@ def _is_cli_control(e: BaseException) -> bool:
     return type(e).__module__.split(".")[0] in ("click", "typer")
 
 
+#: OSError numbers that say "this path cannot name a file", not "the tool broke"
+_PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTDIR})
+
+
 def report_error(exc: BaseException, debug: bool) -> int:
     """Print the one-line message for ``exc`` to stderr (after the traceback when ``debug``);
     return the exit code: ``exc.exit_code`` for :class:`InfertraceError`, 1 otherwise."""
@@ -61,6 +67,13 @@ def report_error(exc: BaseException, debug: bool) -> int:
     if isinstance(exc, InfertraceError):
         typer.echo(f"error: {_one_line(visible(exc.message))}", err=True)
         return exc.exit_code
+    if isinstance(exc, OSError) and exc.errno in _PATH_ERRNOS and exc.filename is not None:
+        # a path the user typed that no file system can hold (a name over NAME_MAX, a file used as a
+        # folder, a symlink loop): wherever a command first touches it (Path.exists / is_dir raise these)
+        name = visible(os.fsdecode(exc.filename))
+        name = name if len(name) <= 120 else name[:60] + "..." + name[-40:]
+        typer.echo(f"error: {name}: {exc.strerror}; give a valid path", err=True)
+        return 2
     hint = "" if debug else " (rerun with --debug for the traceback)"
     typer.echo(f"error: internal error: {type(exc).__name__}: {_one_line(visible(str(exc)))}{hint}", err=True)
     return 1

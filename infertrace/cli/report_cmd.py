@@ -33,7 +33,7 @@ def report(
     shown = visible(str(out))
     if _is_trace_file(out, Path(trace_dir)):
         raise InfertraceError(f"-o {shown} is a file of the trace itself; write the report somewhere else")
-    if out.is_dir():
+    if os.path.isdir(out):  # never raises (Path.is_dir lets ENAMETOOLONG through)
         raise InfertraceError(f"-o {shown} is a directory; give a file name such as {visible(str(out / 'report.html'))}")
     check_destination(out, force, "-o")  # refused before the page is built; write_output checks again
     try:

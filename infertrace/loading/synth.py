@@ -36,6 +36,7 @@ from typing import Callable
 from safetensors import SafetensorError
 
 from infertrace.errors import InfertraceError
+from infertrace.safe_text import visible
 from infertrace.safe_io import DirTaken, publish_dir
 
 #: the marker config key: its value is the sentence every run on the checkpoint prints
@@ -115,6 +116,8 @@ def write_qwen35_08b(out: Path, seed: int = 0, progress: Callable[[str], None] |
     if fmt not in ("hf", "gguf"):
         raise InfertraceError(f"--format must be hf or gguf (got {fmt!r})")
     out = Path(out)
+    if out.is_symlink():  # publish_dir never renames onto a symlink: refuse now, not after writing 1.5 GB
+        raise InfertraceError(f"--out {visible(str(out))} is a symlink; pass a new name (a symlink is never replaced)")
     if fmt == "gguf":
         return _write_gguf_file(out, seed, progress, {**CONFIG_08B, **override})
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

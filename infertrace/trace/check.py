@@ -270,7 +270,12 @@ class _Checker:
                 self.fail(s, None, "positions", "RoPE angle consistent with position",
                           f"cos/sin entry {k} is for pos {e['pos']} but inp_pos[{k}] = {ip[k]}")
             for i, f in enumerate(inv[: len(e["cos"])]):
-                a = e["pos"] * f
+                a = e["pos"] * f if isinstance(f, (int, float)) else math.inf
+                if not math.isfinite(a):  # inv_freq 1e308 (or not a number): pos * f overflows; cos(inf) raises
+                    self.n_checks += 1
+                    self.fail(s, None, "positions", "RoPE angle consistent with position",
+                              f"pos {e['pos']} pair {i}: angle pos * inv_freq {f!r} is not a finite number")
+                    continue
                 c, sn = e["cos"][i], e["sin"][i] if i < len(e["sin"]) else None
                 # the angle is a float32 (the engine's and llama.cpp's RoPE: theta = pos * inv_freq in F32), rounded
                 # by up to |a| * 2^-24, then cos/sin stored to 6 digits: at pos 700 the angle alone moves sin by ~4e-5

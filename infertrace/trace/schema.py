@@ -535,6 +535,7 @@ def _consistent(d: dict[str, Any]) -> None:
         for j, r in enumerate(st["batch"]):
             if any(x >= n for x in r["rows"]) or (r.get("logits_row") is not None and r["logits_row"] >= n):
                 raise Bad(f"{p}.batch[{j}].rows", f"packed rows must lie in 0..N-1 (N = {n})")
+        _spec_step_consistent(st.get("spec"), p)
         _mask_consistent(st, p)
         _swa_consistent(st, p, n_layer)
         _kv_consistent(st, p)
@@ -545,6 +546,21 @@ def _consistent(d: dict[str, Any]) -> None:
     store = d.get("store") or {}
     if (store.get("keep", "summary") == "summary") and store.get("tensors"):
         raise Bad("store.tensors", "a keep summary trace lists tensors")
+
+
+def _spec_step_consistent(sp: dict[str, Any] | None, p: str) -> None:
+    """A step's speculative totals as the engine writes them (``Engine._spec_record``, vLLM replay):
+    ``accepted <= drafted``, ``acceptance_rate = round(accepted / drafted, 4)``, None when nothing was drafted."""
+    if not sp:
+        return
+    d, a, rate = sp.get("drafted"), sp.get("accepted"), sp.get("acceptance_rate")
+    if not isinstance(d, int) or not isinstance(a, int):
+        return
+    if a > d:
+        raise Bad(f"{p}.spec.accepted", f"{a} draft tokens accepted but only {d} drafted")
+    want = round(a / d, 4) if d else None
+    if (want is None) != (rate is None) or (want is not None and abs(rate - want) > 1e-4):
+        raise Bad(f"{p}.spec.acceptance_rate", f"{_short(rate)} but accepted / drafted = {a} / {d}")
 
 
 def _swa_consistent(st: dict[str, Any], p: str, n_layer: int | None) -> None:
