@@ -367,3 +367,33 @@ def test_iswa_swa_pool_cell_position_mutant_is_caught(iswa_traces, tmp_path, eng
     out = res.output.strip()
     assert res.exit_code == 1, out
     assert f"kq_mask_swa says SWA cell {cell} holds pos {kq['cell_pos'][c]}, kv.physical.swa_pool says {cell}" in out, out
+
+
+@pytest.mark.parametrize("kind", ["spec-cells", "spec-paged"])
+def test_verify_step_decode_row_is_the_row_that_chose_the_token(traces, kind):
+    """In a verify step every node has logits; ``decode.per_request[].row`` (and ``batch[].logits_row``)
+    names the accepted path's node whose logits drew the emitted token: greedy, so the saved top-k
+    tensor's first id on that row is the chosen token, and the recorded top-k is that row's. The
+    draft model (1 of 3 layers) is rejected often, so the last node's row differs (before the fix
+    the row named the chunk's last node while the top-k shown was the accepted node's)."""
+    from safetensors.numpy import load_file
+
+    t = traces(kind)
+    d, tens = _load(t), load_file(str(t / "tensors.safetensors"))
+    seen_rejection = 0
+    for st in d["steps"]:
+        for r in st["batch"]:
+            if not r.get("spec"):
+                continue
+            p = next(p for p in st["decode"]["per_request"] if p["seq_id"] == r["seq_id"])
+            acc, em = r["spec"]["accepted_nodes"], r["spec"]["emitted"]
+            node = acc[min(len(em), len(acc)) - 1]
+            rows = st["decode"]["logits_rows"]
+            assert p["row"] == r["logits_row"] == rows.index(r["rows"][node])
+            ids = tens[f"step{st['step']}/logits_topk_ids"][p["row"]]
+            vals = tens[f"step{st['step']}/logits_topk_values"][p["row"]]
+            assert int(ids[0]) == p["chosen"] == em[-1]
+            assert [c["id"] for c in p["top"]][:3] == [int(x) for x in ids[:3]]
+            assert abs(p["top"][0]["logit"] - float(vals[0])) < 1e-4
+            seen_rejection += rows.index(r["rows"][-1]) != p["row"]
+    assert seen_rejection > 0  # the rows told apart at least once
