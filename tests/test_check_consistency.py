@@ -308,3 +308,92 @@ def test_tensor_index_naming_a_missing_step(traces, tmp_path):
 def test_check_json_says_what_it_read(traces):
     out = json.loads(invoke("check", traces("summary"), "--json").output)
     assert out["ok"] is True and out["read"] == "trace.json (saved with --keep summary: no tensors)"
+
+
+#: 301 tokens with the tiny byte tokenizer: past the 256-cell SWA pool (GGML_PAD(min(1024, 4 + 64), 256)),
+#: so the SWA pool wraps (cells 0..44 take pos 256..300) while the base pool holds pos p in cell p
+ISWA_LONG = "The quick brown fox jumps over the lazy dog. " * 7
+
+
+@pytest.fixture(scope="module")
+def iswa_traces(models, tmp_path_factory, llama_cpp) -> dict[str, Path]:
+    root, out = tmp_path_factory.mktemp("iswa"), {}
+    for eng in ("cells", "llama.cpp"):
+        d = root / eng.replace(".", "")
+        res = invoke("run", "-m", models["gemma3"], "--ignore-eos", "-p", ISWA_LONG, "--ctx-size", "1024",
+                     "--max-batch-tokens", "64", "-n", "3", "--engine", "llama.cpp" if eng == "llama.cpp" else "infertrace",
+                     "--save", d)
+        assert res.exit_code == 0, res.output[-800:]
+        out[eng] = d
+    return out
+
+
+def _wrapped_swa_step(d: dict) -> tuple[dict, dict]:
+    """The first step whose kq_mask_swa slice shows a reused SWA cell (cell index != its position)."""
+    for st in d["steps"]:
+        kq = (st["mask"].get("swa") or {}).get("kq_mask_swa")
+        if kq and any(p >= 0 and p != kq["col_start"] + c for c, p in enumerate(kq["cell_pos"])):
+            return st, kq
+    raise AssertionError("no step shows a wrapped SWA cell")
+
+
+@pytest.mark.parametrize("eng", ["cells", "llama.cpp"])
+def test_iswa_separate_swa_pool_passes_check(iswa_traces, eng):
+    """llama.cpp's iSWA cache (and the cells backend's mirror, kv/iswa.py) keeps the windowed layers in a
+    256-cell SWA pool: after the wrap its kq_mask_swa is narrower than kq_mask (ne[0] 256 vs 512) and its
+    cells hold other positions than the base pool's; ``check`` reads them from kv.physical.swa_pool
+    (before, it demanded one pool's shape and exited 1 on a valid trace)."""
+    t = iswa_traces[eng]
+    d = _load(t)
+    st, kq = _wrapped_swa_step(d)
+    assert kq["ne"][0] == st["mask"]["swa"]["pool"]["n_kv"] == 256 and st["mask"]["kq_mask"]["ne"][0] == 512
+    held = {c["cell"]: c["pos"] for c in st["kv"]["physical"]["swa_pool"]["cells"]}
+    assert all(held[kq["col_start"] + c] == p for c, p in enumerate(kq["cell_pos"]) if p >= 0)
+    assert any(kq["col_start"] + c < 45 and p >= 256 for c, p in enumerate(kq["cell_pos"]))  # a reused cell shown
+    res = invoke("check", t)
+    assert res.exit_code == 0 and "no violation" in res.output, res.output
+
+
+@pytest.mark.parametrize("eng", ["cells", "llama.cpp"])
+def test_iswa_swa_pool_cell_position_mutant_is_caught(iswa_traces, tmp_path, eng):
+    t = iswa_traces[eng]
+    d = _load(t)
+    st, kq = _wrapped_swa_step(d)
+    c = next(c for c, p in enumerate(kq["cell_pos"]) if p >= 256)
+    cell = kq["col_start"] + c
+    rec = next(x for x in st["kv"]["physical"]["swa_pool"]["cells"] if x["cell"] == cell)
+    rec["pos"] = cell  # the base pool's numbering: what the one-pool reading would assume
+    res = invoke("check", _tampered(t, d, tmp_path))
+    out = res.output.strip()
+    assert res.exit_code == 1, out
+    assert f"kq_mask_swa says SWA cell {cell} holds pos {kq['cell_pos'][c]}, kv.physical.swa_pool says {cell}" in out, out
+
+
+@pytest.mark.parametrize("kind", ["spec-cells", "spec-paged"])
+def test_verify_step_decode_row_is_the_row_that_chose_the_token(traces, kind):
+    """In a verify step every node has logits; ``decode.per_request[].row`` (and ``batch[].logits_row``)
+    names the accepted path's node whose logits drew the emitted token: greedy, so the saved top-k
+    tensor's first id on that row is the chosen token, and the recorded top-k is that row's. The
+    draft model (1 of 3 layers) is rejected often, so the last node's row differs (before the fix
+    the row named the chunk's last node while the top-k shown was the accepted node's)."""
+    from safetensors.numpy import load_file
+
+    t = traces(kind)
+    d, tens = _load(t), load_file(str(t / "tensors.safetensors"))
+    seen_rejection = 0
+    for st in d["steps"]:
+        for r in st["batch"]:
+            if not r.get("spec"):
+                continue
+            p = next(p for p in st["decode"]["per_request"] if p["seq_id"] == r["seq_id"])
+            acc, em = r["spec"]["accepted_nodes"], r["spec"]["emitted"]
+            node = acc[min(len(em), len(acc)) - 1]
+            rows = st["decode"]["logits_rows"]
+            assert p["row"] == r["logits_row"] == rows.index(r["rows"][node])
+            ids = tens[f"step{st['step']}/logits_topk_ids"][p["row"]]
+            vals = tens[f"step{st['step']}/logits_topk_values"][p["row"]]
+            assert int(ids[0]) == p["chosen"] == em[-1]
+            assert [c["id"] for c in p["top"]][:3] == [int(x) for x in ids[:3]]
+            assert abs(p["top"][0]["logit"] - float(vals[0])) < 1e-4
+            seen_rejection += rows.index(r["rows"][-1]) != p["row"]
+    assert seen_rejection > 0  # the rows told apart at least once

@@ -146,11 +146,14 @@ class Recorder:
                 vis_swa = [ranges_text([j for j in range(ms.shape[1]) if bool(ms[i, j])]) for i in range(ch.T)]
             vrec = (ctx.get("spec") or {}).get("requests", {}).get(str(sid)) if ch.parents is not None else None
             kept = ch.C + len(vrec["accepted_nodes"]) if vrec else ch.C + ch.T  # a verify step rewinds the rejected tail
+            last = rows_of[sid][-1]  # the row whose logits chose the sampled token: the last computed token,
+            if vrec and vrec["emitted"]:  # in a verify step the accepted path's node that drew the last emitted token
+                last = rows_of[sid][vrec["accepted_nodes"][min(len(vrec["emitted"]), len(vrec["accepted_nodes"])) - 1]]
             reqs.append(ReqStep(
                 seq_id=sid, phase=ch.phase, C=ch.C, T=ch.T, token_ids=list(ch.token_ids),
                 pieces=[self.tok.piece(t) for t in ch.token_ids], positions=inp.positions[rows_of[sid]].tolist(),
                 visible=vis, cache_before=ranges_text(range(ch.C)), cache_after=ranges_text(range(kept)),
-                rows=rows_of[sid], logits_row=logits_row.get(rows_of[sid][-1]) if ch.need_logits else None,
+                rows=rows_of[sid], logits_row=logits_row.get(last) if ch.need_logits else None,
                 sampled=s.token if s else None, sampled_piece=self.tok.piece(s.token) if s else None,
                 finished=ctx.finished.get(sid), visible_swa=vis_swa,
                 spec=({**verify_record(inp, n_ch, rows_of[sid][0], vrec),

@@ -529,7 +529,9 @@ def decode_view(st: StepTrace, d: DecodeRec) -> RenderableType:
     """Logits rows, sampler settings, top candidates, chosen token and the next step's input."""
     if d.logits_rows:
         head = (f"{d.logits_shape} {d.logits_dtype}: only packed rows {d.logits_rows} of N={st.N}, the last computed "
-                "token of each request that needs a next token (llama.cpp batch.logits flags; TensorRT-LLM last-token gather)")
+                "token of each request that needs a next token (llama.cpp batch.logits flags; TensorRT-LLM last-token gather)"
+                + ("; a verify chunk computes logits on every node, and the token is drawn from the accepted path's last node"
+                   if any(r.spec for r in st.batch) else ""))
     else:
         head = f"none this step: no request finishes its prompt here (N={st.N} prefill-chunk tokens only fill the cache)"
     parts: list[RenderableType] = [_kv("logits", head)]
@@ -537,7 +539,13 @@ def decode_view(st: StepTrace, d: DecodeRec) -> RenderableType:
         if p.get("row") is None and "top" not in p:
             parts.append(_kv(f"seq {p['seq_id']}", p.get("note", "no logits"), style="bold cyan"))
             continue
-        parts.append(_kv(f"seq {p['seq_id']}", f"logits row {p['row']} · {_sampler_text(p['sampler'])}", style="bold cyan"))
+        vr = next((r for r in st.batch if r.seq_id == p["seq_id"] and r.spec), None)
+        why = ""
+        if vr is not None and vr.spec.get("accepted_nodes") and vr.spec.get("emitted"):
+            acc, em = vr.spec["accepted_nodes"], vr.spec["emitted"]
+            why = (f" (verify: node {acc[min(len(em), len(acc)) - 1]}, the accepted path's last node, "
+                   "whose logits drew the last emitted token)")
+        parts.append(_kv(f"seq {p['seq_id']}", f"logits row {p['row']}{why} · {_sampler_text(p['sampler'])}", style="bold cyan"))
         t = _table("id", "piece", "logit", "prob", "")
         for c in (0, 2, 3):
             t.columns[c].justify = "right"

@@ -426,10 +426,17 @@ class _Checker:
         return out
 
     def _swa_mask(self, s: int, st: dict, reqs: list[dict]) -> None:
-        """llama.cpp's ``kq_mask_swa`` slice recomputed: the same tensor shape as ``kq_mask`` (one cell
-        pool) and the same slice size; column c is cell ``col_start + c`` at ``cell_pos[c]``; an entry is
-        0 iff the cell holds the query's sequence at a position in p-W+1..p (a verify row's own tree
-        cells are the verify block's, checked against the tree)."""
+        """llama.cpp's ``kq_mask_swa`` slice recomputed; column c is cell ``col_start + c`` at
+        ``cell_pos[c]``; an entry is 0 iff the cell holds the query's sequence at a position in p-W+1..p.
+
+        One cell pool (no ``kv.physical.swa_pool`` / ``mask.swa.pool``: paged, prefix cache, older
+        traces): the same tensor shape as ``kq_mask`` and the same slice, its ``cell_pos`` equal to
+        ``kq_mask``'s, cells read from the base pool (a verify row's own tree cells are the verify
+        block's, checked against the tree). A separate SWA pool (llama.cpp's iSWA cache,
+        ``llama_kv_cache_iswa``; kv/iswa.py): ``ne = [n_kv_swa, n_tokens_pad, 1, 1]`` with ``n_kv_swa`` =
+        ``mask.swa.pool.n_kv``, the same number of query rows as ``kq_mask``, and cells (pos, seq_ids)
+        read from that pool's own record ``kv.physical.swa_pool.cells``, whose positions must agree
+        with ``cell_pos``."""
         mask = st.get("mask")
         sw = mask.get("swa") if isinstance(mask, dict) else None
         kqs = sw.get("kq_mask_swa") if isinstance(sw, dict) else None
@@ -440,6 +447,12 @@ class _Checker:
         self.need(isinstance(rows, list) and all(isinstance(x, list) for x in rows) and _int(start), s, None, "mask",
                   "kq_mask_swa rows malformed")
         km = mask.get("kq_mask")
+        kv = st.get("kv")
+        ph = kv.get("physical") if isinstance(kv, dict) else None
+        spool = ph.get("swa_pool") if isinstance(ph, dict) else None
+        mpool = sw.get("pool")
+        if isinstance(spool, dict) or isinstance(mpool, dict):
+            return self._swa_mask_pool(s, st, reqs, kqs, km, spool, mpool, W)
         if isinstance(km, dict) and isinstance(km.get("rows"), list):
             shape = (len(rows), len(rows[0]) if rows else 0)
             kshape = (len(km["rows"]), len(km["rows"][0]) if km["rows"] else 0)
@@ -478,6 +491,68 @@ class _Checker:
                     self.fail(s, sid, "mask", "no cross-sequence visibility", f"kq_mask_swa row {i} (pos {qp}) keeps cell {cell}, owned by seq {seqs}")
                 if x != "0" and sid in seqs and in_win:
                     self.fail(s, sid, "mask", "window", f"kq_mask_swa row {i} (pos {qp}) hides cell {cell} (pos {kp} of its sequence), "
+                              f"inside the window {max(0, qp - W + 1)}..{qp} (W = {W})")
+
+    def _swa_mask_pool(self, s: int, st: dict, reqs: list[dict], kqs: dict, km: Any, spool: Any, mpool: Any,
+                       W: int) -> None:
+        """``kq_mask_swa`` over llama.cpp's separate SWA pool (``llama_kv_cache_iswa``: the windowed
+        layers' cells, ``kv_swa``): its width ``ne[0]`` is the pool's ``n_kv``, its query rows
+        ``ne[1]`` those of ``kq_mask``; column c is SWA cell ``col_start + c`` at ``cell_pos[c]`` (-1:
+        empty), which the pool's recorded cells (after the step) must agree with; an entry is 0 iff the
+        cell holds the query's sequence at a position in p-W+1..p. Verify rows' hidden-cell check is
+        skipped (their tree's cells are the base pool's numbering)."""
+        rows, cpos, start = kqs["rows"], kqs.get("cell_pos"), kqs.get("col_start", 0)
+        ne = kqs.get("ne")
+        n_kv = mpool.get("n_kv") if isinstance(mpool, dict) else spool.get("n_kv") if isinstance(spool, dict) else None
+        self.n_checks += 1
+        if isinstance(ne, list) and len(ne) == 4 and _int(n_kv) and ne[0] != n_kv:
+            self.fail(s, None, "mask", "window", f"kq_mask_swa is ne {_show(ne)} but the SWA pool's n_kv is {_show(n_kv)}")
+        if isinstance(km, dict) and isinstance(km.get("rows"), list):
+            kne = km.get("ne")
+            self.n_checks += 1
+            if (isinstance(ne, list) and isinstance(kne, list) and len(ne) == len(kne) == 4 and ne[1] != kne[1]) \
+                    or len(rows) != len(km["rows"]):
+                self.fail(s, None, "mask", "window", f"kq_mask_swa is ne {_show(ne)} with {len(rows)} rows, kq_mask ne {_show(kne)} "
+                          f"with {len(km['rows'])} (the same query rows over both pools)")
+        if not isinstance(cpos, list):
+            return
+        held: dict[int, tuple[int, list[int]]] = {}
+        if isinstance(spool, dict) and isinstance(spool.get("cells"), list):
+            for c in spool["cells"]:
+                if isinstance(c, dict) and _int(c.get("cell")) and _int(c.get("pos")) and isinstance(c.get("seq_ids"), list):
+                    held[c["cell"]] = (c["pos"], c["seq_ids"])
+        for c, p in enumerate(cpos):
+            got = held.get(start + c)
+            self.n_checks += 1
+            if _int(p) and p >= 0 and got is not None and got[0] != p:
+                self.fail(s, None, "mask", "window", f"kq_mask_swa says SWA cell {start + c} holds pos {_show(p)}, "
+                          f"kv.physical.swa_pool says {_show(got[0])}")
+        owner = [(r["seq_id"], p, r) for r in reqs for p in r["positions"]]  # packed row -> (seq, pos, row)
+        for i, row in enumerate(rows[: len(owner)]):
+            sid, qp, r = owner[i]
+            verify = isinstance(r.get("spec"), dict)
+            for c, x in enumerate(row[: len(cpos)]):
+                cell, kp = start + c, cpos[c]
+                self.n_checks += 1
+                if not _int(kp):
+                    self.fail(s, sid, "mask", "schema", f"kq_mask_swa cell_pos[{c}] is not an int")
+                if kp < 0:
+                    if x == "0":
+                        self.fail(s, sid, "mask", "window", f"kq_mask_swa row {i} (pos {qp}) keeps empty SWA cell {cell}")
+                    continue
+                got = held.get(cell)
+                seqs = got[1] if got is not None and got[0] == kp else None  # unknown (freed after the step): window only
+                in_win = kp <= qp and qp - kp < W
+                if x == "0" and not in_win:
+                    self.fail(s, sid, "mask", "causality" if kp > qp else "window",
+                              f"kq_mask_swa row {i} (pos {qp}) keeps SWA cell {cell} at pos {kp}"
+                              + ("" if kp > qp else f", outside the window {max(0, qp - W + 1)}..{qp} (W = {W})"))
+                if seqs is None:
+                    continue
+                if x == "0" and sid not in seqs:
+                    self.fail(s, sid, "mask", "no cross-sequence visibility", f"kq_mask_swa row {i} (pos {qp}) keeps SWA cell {cell}, owned by seq {seqs}")
+                if x != "0" and sid in seqs and in_win and not verify:
+                    self.fail(s, sid, "mask", "window", f"kq_mask_swa row {i} (pos {qp}) hides SWA cell {cell} (pos {kp} of its sequence), "
                               f"inside the window {max(0, qp - W + 1)}..{qp} (W = {W})")
 
     def _isolation(self, s: int, st: dict, reqs: list[dict]) -> None:
