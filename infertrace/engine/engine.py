@@ -126,7 +126,8 @@ def _make_streams_kv(cfg: Any, opts: EngineOptions, windows: list[int], kv_dtype
     (llama.cpp pads ``n_ctx`` and then ``n_ctx / n_seq_max`` to multiples of 256: :func:`~infertrace.kv.streams.n_ctx_seq`).
 
     Raises:
-        InfertraceError: with ``--prefix-cache on`` or ``--speculative`` (not implemented across streams).
+        InfertraceError: with ``--prefix-cache on`` or ``--speculative`` (not implemented across streams), or
+            a model with sliding-window layers (llama.cpp's iSWA pool per stream is not modelled).
     """
     from infertrace.kv.streams import CellsStreamsKV, n_ctx_seq
 
@@ -135,6 +136,9 @@ def _make_streams_kv(cfg: Any, opts: EngineOptions, windows: list[int], kv_dtype
                               "streams, which the cells prefix reuse does not do; drop one of them")
     if opts.speculative:
         raise InfertraceError("--speculative is not implemented with --kv-unified off; drop one of them")
+    if any(w > 0 for w in windows):  # llama.cpp: llama_kv_cache_iswa, a base and a SWA pool per stream
+        raise InfertraceError("--kv-unified off on a model with sliding-window layers is not modelled (llama.cpp keeps "
+                              "an iSWA pool per stream); drop --kv-unified off")
     return CellsStreamsKV(len(windows), cfg.n_head_kv, cfg.head_dim, n_ctx_seq(opts.ctx_size, opts.n_seq_max),
                           opts.n_seq_max, kv_dtype, device, windows=windows)
 
