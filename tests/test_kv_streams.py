@@ -157,6 +157,8 @@ def test_cli_trace_check_dump_kv_and_report_show_streams(tmp_path):
     assert CliRunner().invoke(app, ["check", str(out)]).exit_code == 0
     dump = CliRunner().invoke(app, ["dump-kv", str(out), "--step", "0"])
     assert dump.exit_code == 0 and "2 streams × 256 cells" in dump.output and "stream 1: seq 1 · head 2" in dump.output
+    assert "(per stream, above)" not in dump.output and "n = used_max_p1" not in dump.output  # no global row-based n_kv
+    assert "used_max_p1 2 · n_kv 256" in dump.output  # stream 0's own: cells 0..1 used, padded to 256
     html = tmp_path / "r.html"
     rep = CliRunner().invoke(app, ["report", str(out), "-o", str(html)])
     assert rep.exit_code == 0 and "kq_mask, stream 1" in html.read_text()
