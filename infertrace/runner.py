@@ -193,7 +193,9 @@ def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer
 
 def kv_streams_note(opts: EngineOptions) -> str:
     """The trace note of ``--kv-unified off``: streams, cells per stream, and the ubatch rule."""
+    from infertrace.kv.streams import n_ctx_seq
+
     return (f"non-unified KV (--kv-unified off, llama.cpp kv_unified = false): {opts.n_seq_max} streams of "
-            f"{opts.ctx_size // max(1, opts.n_seq_max)} cells, one per sequence; each step is one llama.cpp split_equal "
+            f"{n_ctx_seq(opts.ctx_size, opts.n_seq_max)} cells, one per sequence; each step is one llama.cpp split_equal "
             "ubatch (consecutive seq_ids, equal token counts; the rest stays pending for the next step), kq_mask "
             "ne = [n_kv, n_tokens_per_stream, 1, n_stream of the ubatch], n_kv = the largest padded used_max_p1 of its streams")

@@ -181,13 +181,13 @@ def _hide_module(monkeypatch, name: str) -> None:
 def test_against_llamacpp_not_installed_message(monkeypatch):
     _hide_module(monkeypatch, "llama_cpp")
     line = _one_error_line(invoke("diff-backends", "--against", "llama.cpp", "--prompt", "hi"))
-    assert line == "error: --against llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'"
+    assert line == "error: --against llama.cpp needs llama-cpp-python: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[llamacpp]'` there)"
 
 
 def test_against_hf_without_transformers_message(monkeypatch):
     _hide_module(monkeypatch, "transformers")
     line = _one_error_line(invoke("diff-backends", "--against", "hf", "--prompt", "hi"))
-    assert line == "error: --against hf needs transformers: pip install 'infertrace[dev]'"
+    assert line == "error: --against hf needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)"
 
 
 def test_against_bad_value():

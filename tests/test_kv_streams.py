@@ -121,7 +121,6 @@ def test_non_unified_generates_the_unified_tokens_with_one_ubatch_per_step(tmp_p
     (["run", "-p", "x", "--kv-unified", "off", "--prefix-cache", "on"], "--prefix-cache on needs --kv-unified on"),
     (["run", "-p", "x", "--kv-unified", "maybe"], "--kv-unified"),
     (["diff-backends", "-p", "x", "--kv-unified", "off"], "--against llama.cpp"),
-    (["run", "-p", "x", "-p", "y", "-p", "z", "--kv-unified", "off", "--ctx-size", "2"], "raise --ctx-size"),
 ])
 def test_kv_unified_refusals_are_one_line(args, msg):
     r = CliRunner().invoke(app, args)
@@ -147,16 +146,19 @@ def test_cli_trace_check_dump_kv_and_report_show_streams(tmp_path):
     st0 = d["steps"][0]
     kq = st0["mask"]["kq_mask"]
     assert [r["seq_id"] for r in st0["batch"]] == [0, 1] and [r["T"] for r in st0["batch"]] == [2, 2]  # split_equal
-    assert kq["ne"] == [32, 2, 1, 2] and kq["torch_shape"] == [2, 1, 2, 32]  # n_kv = min(stream size 32, 256)
+    # --ctx-size 64 over 2 streams: llama.cpp n_ctx = pad256(64) = 256, n_ctx_seq = pad256(256 / 2) = 256 cells each
+    assert kq["ne"] == [256, 2, 1, 2] and kq["torch_shape"] == [2, 1, 2, 256]  # n_kv = min(stream size 256, pad256(2))
     assert [b["stream"] for b in kq["streams"]] == [0, 1]
     assert kq["streams"][1]["rows"][1][:3] == ["0", "0", "-inf"] and kq["streams"][1]["cell_seq"][0] == [1]
     ph = st0["kv"]["physical"]
-    assert (ph["n_stream"], ph["stream_size"], ph["size"]) == (2, 32, 64)
+    assert (ph["n_stream"], ph["stream_size"], ph["size"]) == (2, 256, 512)
     assert [(x["stream"], x["head"], x["used"]) for x in ph["streams"]] == [(0, 2, 2), (1, 2, 2)]
-    assert [c["cell"] for c in ph["cells"]] == [0, 1, 32, 33]  # global rows: stream x 32 + cell
+    assert [c["cell"] for c in ph["cells"]] == [0, 1, 256, 257]  # global rows: stream x 256 + cell
     assert CliRunner().invoke(app, ["check", str(out)]).exit_code == 0
     dump = CliRunner().invoke(app, ["dump-kv", str(out), "--step", "0"])
-    assert dump.exit_code == 0 and "2 streams × 32 cells" in dump.output and "stream 1: seq 1 · head 2" in dump.output
+    assert dump.exit_code == 0 and "2 streams × 256 cells" in dump.output and "stream 1: seq 1 · head 2" in dump.output
+    assert "(per stream, above)" not in dump.output and "n = used_max_p1" not in dump.output  # no global row-based n_kv
+    assert "used_max_p1 2 · n_kv 256" in dump.output  # stream 0's own: cells 0..1 used, padded to 256
     html = tmp_path / "r.html"
     rep = CliRunner().invoke(app, ["report", str(out), "-o", str(html)])
     assert rep.exit_code == 0 and "kq_mask, stream 1" in html.read_text()
@@ -175,10 +177,11 @@ def test_cli_trace_check_dump_kv_and_report_show_streams(tmp_path):
 
 def test_context_shift_per_stream_equals_each_request_alone(tmp_path):
     """A request's context is its stream (llama.cpp's server slot: n_ctx_seq): two requests in streams
-    of 16 cells shift exactly as each one alone in a unified cache of 16."""
+    of 256 cells (--ctx-size 300: pad256 -> 512, / 2 = 256) shift exactly as each one alone in a unified
+    cache of 256."""
     ck, m = _tiny_engine(tmp_path)
     prompts = [[72, 101, 108, 108, 111, 44, 32], [33, 34, 35]]
-    p = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    p = SamplingParams(max_new_tokens=260, ignore_eos=True)
 
     def run(ps, **o):
         e = Engine(m, ck.tokenizer, EngineOptions(context_shift=True, **o))
@@ -188,33 +191,22 @@ def test_context_shift_per_stream_equals_each_request_alone(tmp_path):
             pass
         return [r.output_ids for r in e.requests.values()], e
 
-    both, e = run(prompts, ctx_size=32, n_seq_max=2, kv_unified=False)
-    assert e.ctx_limit == 16
-    alone = [run([x], ctx_size=16, n_seq_max=1)[0][0] for x in prompts]
-    assert both == alone and all(len(t) == 20 for t in both)  # 20 tokens in 16 cells: shifted, not stopped
+    both, e = run(prompts, ctx_size=300, n_seq_max=2, kv_unified=False)
+    assert e.ctx_limit == 256 and e.kv.size == 256
+    alone = [run([x], ctx_size=256, n_seq_max=1)[0][0] for x in prompts]
+    assert both == alone and all(len(t) == 260 for t in both)  # 260 + prompt tokens in 256 cells: shifted, not stopped
 
 
-def test_windowed_model_non_unified_same_tokens_and_kq_mask_swa_per_stream(tmp_path):
-    """Gemma 3 style sliding window (W=3) in streams: kq_mask_swa has the streams' shape, each block
-    windows its own cells, and the tokens equal the unified cache's."""
-    import json
-
+def test_windowed_model_non_unified_is_refused_in_one_line(tmp_path):
+    """Gemma 3 style sliding window with --kv-unified off: llama.cpp keeps an iSWA pool (base + SWA
+    cells) per stream, which the cells backend does not model: refused in one line, like --engine llama.cpp."""
     from tests.tiny import make_weights, write_hf
 
     w, s = make_weights(family="gemma3", n_layer=6, seed=4)
     d = write_hf(tmp_path / "hf", w, s, sliding_window=3)
-    args = ["run", "-m", str(d), "-p", "Hello world, hello", "-p", "abcdefg", "-n", "3", "--ctx-size", "64", "--json"]
-    runs = {}
-    for u in ("on", "off"):
-        r = CliRunner().invoke(app, args + ["--kv-unified", u])
-        assert r.exit_code == 0, r.output
-        runs[u] = json.loads(r.output)
-    assert [q["output_ids"] for q in runs["off"]["requests"]] == [q["output_ids"] for q in runs["on"]["requests"]]
-    st = runs["off"]["steps"][0]
-    swa = st["mask"]["swa"]["kq_mask_swa"]
-    T = st["batch"][0]["T"]
-    assert swa["ne"] == [32, T, 1, 2] and [b["T"] for b in st["batch"]] == [T, T]
-    last = swa["rows"][T - 1]  # query at pos T-1 of stream 0 keeps its cells T-3..T-1 only (W = 3)
-    assert [i for i, x in enumerate(last) if x == "0"] == [T - 3, T - 2, T - 1]
-    for q in st["batch"]:
-        assert q["visible_swa"][-1] == f"{T - 3}..{T - 1}"
+    args = ["run", "-m", str(d), "-p", "Hello world, hello", "-p", "abcdefg", "-n", "3", "--ctx-size", "64"]
+    r = CliRunner().invoke(app, args + ["--kv-unified", "off"])
+    assert r.exit_code == 2 and "iSWA pool per stream" in r.output and "Traceback" not in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert CliRunner().invoke(app, args + ["--kv-unified", "on"]).exit_code == 0  # the unified cache still runs it
+

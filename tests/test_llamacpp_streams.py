@@ -137,3 +137,25 @@ def test_cli_saved_non_unified_traces_diff_clean(tmp_path, llama_cpp) -> None:
         assert CliRunner().invoke(app, ["check", str(tmp_path / eng)]).exit_code == 0
     d = CliRunner().invoke(app, ["diff", str(tmp_path / "infertrace"), str(tmp_path / "llama.cpp")])
     assert d.exit_code == 0 and "structure: identical" in d.output, d.output
+
+
+def test_ctx_size_not_256_per_stream_is_padded_like_llamacpp(smol, llama_cpp) -> None:
+    """--ctx-size 600 over 2 sequences: llama.cpp pads n_ctx to 768, n_ctx_seq = 384 -> 512; the
+    cells backend builds its streams from the same n_ctx_seq and the cell placement is identical."""
+    from infertrace.compare.llamacpp import StepTap, _run_ours, structural_diff
+    from infertrace.kv.streams import n_ctx_seq
+    from infertrace.runtimes.llamacpp.engine import run_llamacpp
+
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    opts = kv_streams_options(EngineOptions(ctx_size=600), len(prompts))
+    specs = [PromptSpec(t, SamplingParams(max_new_tokens=3, ignore_eos=True)) for t in prompts]
+    eng, ours = _run_ours(smol.model, smol.tokenizer, specs, opts, 0, None)
+    forced = {sid: list(r.output_ids) for sid, r in eng.requests.items()}
+    lt = StepTap(0)
+    leng, _ = run_llamacpp(smol, specs, opts, lt, 0, forced)
+    theirs = leng.lctx.n_ctx_seq
+    leng.close()
+    assert theirs == 512 and n_ctx_seq(600, 2) == theirs and eng.ctx_limit == theirs
+    assert eng.kv.size == theirs
+    d = structural_diff(ours.steps, lt.steps)
+    assert d["mismatches"] == [] and d["placement"].startswith("identical"), d["placement"]

@@ -25,16 +25,21 @@ def _run(tmp_path, name, *args):
 
 def test_quant_float32_matches_float_and_is_recorded(tmp_path):
     q, out_q = _run(tmp_path, "q", "--weights", "quant")
-    f, _ = _run(tmp_path, "f", "--weights", "float")
+    f, out_f = _run(tmp_path, "f", "--weights", "float")
+    d, out_d = _run(tmp_path, "d")  # auto in float32 -> float
     assert q["options"]["weights"] == {"weights": "quant", "kernels": {"Q4_1": "dequant", "Q8_0": "dequant"}}
-    assert "weights" not in f["options"]  # the float path's options (and goldens) are unchanged
-    assert q["requests"][0]["output_ids"] == f["requests"][0]["output_ids"]
+    assert any("--weights quant)" in n for n in q["notes"])
+    assert f["options"]["weights"] == {"weights": "float"}  # --weights float given: recorded and in the header
+    assert "weights float (every tensor dequantised at load" in " ".join(out_f.split())
+    assert "weights" not in d["options"] and "weights float" not in " ".join(out_d.split())  # default: goldens unchanged
+    assert q["requests"][0]["output_ids"] == f["requests"][0]["output_ids"] == d["requests"][0]["output_ids"]
 
 
 def test_quant_bf16_header_names_the_kernels(tmp_path):
     q, out = _run(tmp_path, "b", "--dtype", "bfloat16")  # auto: a GGUF in bf16 on the CPU -> quant
     assert q["options"]["weights"]["kernels"] == {"Q4_1": "int4pack", "Q8_0": "int4x2"}
     assert "weights quant (Q4_1 int4pack, Q8_0 int4x2)" in " ".join(out.split())
+    assert any("(--weights auto -> quant)" in n for n in q["notes"])  # auto chose quant: the note says so
     from infertrace.trace.schema import validate_trace
 
     validate_trace(q, "trace.json")  # the recorded weights section is schema-checked (untrusted on load)

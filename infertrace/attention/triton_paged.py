@@ -91,7 +91,7 @@ def triton_available() -> tuple[bool, str]:
     try:
         import triton as _triton  # noqa: PLC0415 - lazy on purpose
     except Exception as exc:  # ImportError, or a broken install raising something else
-        return False, f"triton is not importable ({type(exc).__name__}: {exc}); pip install 'infertrace[triton]'"
+        return False, f"triton is not importable ({type(exc).__name__}: {exc}); run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[triton]'` there)"
     version = getattr(_triton, "__version__", "?")
     if interpreter_requested():
         return True, f"triton {version} interpreter (TRITON_INTERPRET=1), kernels run on CPU tensors"
@@ -118,7 +118,7 @@ def _kernels() -> dict[str, Any]:
         import triton.language as _tl  # noqa: PLC0415
     except ImportError as exc:
         raise InfertraceError(
-            f"triton is not installed ({exc}); pip install 'infertrace[triton]' or use --attention torch"
+            f"triton is not installed ({exc}); run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[triton]'` there) or use --attention torch"
         ) from exc
     triton, tl = _triton, _tl
     _bind_combiners()

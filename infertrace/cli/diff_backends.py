@@ -142,12 +142,12 @@ def check_reference_installed(against: Optional[str]) -> None:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            raise InfertraceError("--against hf needs transformers: pip install 'infertrace[dev]'") from None
+            raise InfertraceError("--against hf needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)") from None
     elif against == "llama.cpp":
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
-            raise InfertraceError("--against llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'") from None
+            raise InfertraceError("--against llama.cpp needs llama-cpp-python: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[llamacpp]'` there)") from None
     elif against == "vllm":
         from infertrace.runtimes.vllm import import_vllm
 

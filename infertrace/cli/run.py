@@ -293,7 +293,11 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
     with progress_display(enabled=not quiet) as progress:
         ours = engine == "infertrace"  # llama.cpp and vLLM compute from their own copy: header, config, tokenizer only
         loaded = load_with_progress(model, dtype, device, progress, threads, weights if ours else "float", tensors=ours)
-        record = {"dtype": dtype, "device": device, **({"weights": loaded.weights} if ours and loaded.weights.get("weights") != "float" else {})}
+        # options.weights: the quant kernels, or {"weights": "float"} when --weights float was given explicitly (a
+        # default/auto float run records nothing, so traces of the reference path are unchanged)
+        explicit_float = ours and weights == "float" and loaded.weights.get("weights") == "float"
+        record = {"dtype": dtype, "device": device,
+                  **({"weights": loaded.weights} if ours and (loaded.weights.get("weights") != "float" or explicit_float) else {})}
         print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
 

@@ -178,7 +178,7 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
 
 def kv_streams_options(opts: EngineOptions, n_requests: int) -> EngineOptions:
     """``opts`` for ``--kv-unified off``: one stream per request (``n_seq_max`` = the requests, as
-    llama.cpp's ``n_stream = n_seq_max``), ``ctx_size // n_seq_max`` cells each.
+    llama.cpp's ``n_stream = n_seq_max``), ``n_ctx_seq`` cells each (``pad256(pad256(ctx_size) // n_seq_max)``).
 
     Raises:
         InfertraceError: ``--ctx-size`` smaller than the number of requests.

@@ -54,4 +54,28 @@ def show(
     """Errors (missing/broken/newer trace, bad options) are one ``error:`` line, exit 2."""
     variables = parse_show(var)
     trace, _ = load_saved(trace_dir)  # a broken tensors file is reported too
+    if var:
+        variables = recorded_variables(trace, str(trace_dir), variables)
     render_saved(trace, str(trace_dir), variables, select_steps(trace, step))
+
+
+def recorded_variables(trace: RunTrace, where: str, asked: tuple[str, ...]) -> tuple[str, ...]:
+    """The asked variables the trace recorded (``run --show`` chose what ``--save`` kept: ``options.show``);
+    the ones it did not are named on one line (stderr), and the rest are rendered.
+
+    Raises:
+        InfertraceError: none of the asked variables was recorded.
+    """
+    rec = trace.options.get("show") if isinstance(trace.options, dict) else None
+    if not isinstance(rec, list):
+        return asked  # an older trace without options.show: render what is there
+    have = tuple(v for v in asked if v in rec)
+    missing = [v for v in asked if v not in rec]
+    if not missing:
+        return have
+    msg = (f"{','.join(missing)} not recorded in {where}: it was saved with --show {','.join(map(str, rec)) or '(none)'} "
+           f"(a variable not shown is not recorded); re-run with --show {','.join(missing)} --save to see it")
+    if not have:
+        raise InfertraceError(msg)
+    typer.echo(f"note: {msg}", err=True)
+    return have

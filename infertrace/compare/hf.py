@@ -67,12 +67,12 @@ def hf_reference(path: Path) -> Reference:
     """HF transformers on ``path`` (GGUF file or HF directory), float32, its own KV cache.
 
     Raises:
-        InfertraceError: transformers missing (``pip install 'infertrace[dev]'``) or load failure.
+        InfertraceError: transformers missing (``make setup-dev``) or load failure.
     """
     try:
         import transformers
     except ImportError:
-        raise InfertraceError("--against hf needs transformers: pip install 'infertrace[dev]'") from None
+        raise InfertraceError("--against hf needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)") from None
     key = str(Path(path).resolve())
     model = _HF_CACHE.get(key)
     with _quiet_transformers(transformers):

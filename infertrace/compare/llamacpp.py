@@ -382,13 +382,13 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
 
 def _streams_emulated_kv(cfg: Any, opts: EngineOptions, m: Any, flash_attn: bool, n_threads: int) -> Any:
     """The non-unified cache with llama.cpp's CPU numerics (F16 K/V, :class:`GgmlAttentionStreamsKV`)."""
-    from infertrace.kv.streams import CellsStreamsKV
+    from infertrace.kv.streams import CellsStreamsKV, n_ctx_seq
 
     class _SKV(GgmlAttentionStreamsKV, F16CacheKV, CellsStreamsKV):
         pass
 
     _SKV.flash_attn, _SKV.n_threads = flash_attn, n_threads
-    return _SKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size // max(1, opts.n_seq_max), opts.n_seq_max, m.dtype,
+    return _SKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx_seq(opts.ctx_size, opts.n_seq_max), opts.n_seq_max, m.dtype,
                 m.device)
 
 

@@ -122,20 +122,24 @@ def _make_attn_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str, n_la
 
 
 def _make_streams_kv(cfg: Any, opts: EngineOptions, windows: list[int], kv_dtype: Any, device: Any):
-    """``--kv-unified off``: llama.cpp's non-unified cache, ``n_seq_max`` streams of ``ctx_size // n_seq_max``
-    cells (llama.cpp ``n_ctx_seq``; it also pads that to 256).
+    """``--kv-unified off``: llama.cpp's non-unified cache, ``n_seq_max`` streams of ``n_ctx_seq`` cells
+    (llama.cpp pads ``n_ctx`` and then ``n_ctx / n_seq_max`` to multiples of 256: :func:`~infertrace.kv.streams.n_ctx_seq`).
 
     Raises:
-        InfertraceError: with ``--prefix-cache on`` or ``--speculative`` (not implemented across streams).
+        InfertraceError: with ``--prefix-cache on`` or ``--speculative`` (not implemented across streams), or
+            a model with sliding-window layers (llama.cpp's iSWA pool per stream is not modelled).
     """
-    from infertrace.kv.streams import CellsStreamsKV
+    from infertrace.kv.streams import CellsStreamsKV, n_ctx_seq
 
     if opts.prefix_cache:
         raise InfertraceError("--prefix-cache on needs --kv-unified on: across streams llama.cpp's seq_cp copies whole "
                               "streams, which the cells prefix reuse does not do; drop one of them")
     if opts.speculative:
         raise InfertraceError("--speculative is not implemented with --kv-unified off; drop one of them")
-    return CellsStreamsKV(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size // max(1, opts.n_seq_max),
+    if any(w > 0 for w in windows):  # llama.cpp: llama_kv_cache_iswa, a base and a SWA pool per stream
+        raise InfertraceError("--kv-unified off on a model with sliding-window layers is not modelled (llama.cpp keeps "
+                              "an iSWA pool per stream); drop --kv-unified off")
+    return CellsStreamsKV(len(windows), cfg.n_head_kv, cfg.head_dim, n_ctx_seq(opts.ctx_size, opts.n_seq_max),
                           opts.n_seq_max, kv_dtype, device, windows=windows)
 
 
@@ -355,8 +359,13 @@ class Engine:
     @property
     def ctx_limit(self) -> int:
         """The context one request may fill, in tokens: ``ctx_size``; with ``--kv-unified off`` its own
-        stream, ``ctx_size // n_seq_max`` (llama.cpp's server slot context is ``n_ctx_seq``)."""
-        return self.opts.ctx_size if self.opts.kv_unified else self.opts.ctx_size // max(1, self.opts.n_seq_max)
+        stream, ``n_ctx_seq`` = ``pad256(pad256(ctx_size) // n_seq_max)`` (llama.cpp's server slot context
+        is ``n_ctx_seq``; :func:`~infertrace.kv.streams.n_ctx_seq`)."""
+        if self.opts.kv_unified:
+            return self.opts.ctx_size
+        from infertrace.kv.streams import n_ctx_seq
+
+        return n_ctx_seq(self.opts.ctx_size, self.opts.n_seq_max)
 
     def _emit(self, req: Request, token: int) -> str | None:
         """Append one generated token; returns the stop reason it causes, if any."""

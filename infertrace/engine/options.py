@@ -148,7 +148,7 @@ class EngineOptions:
         (a chain); ``spec_tree``: parent index of each draft node (-1 = the last accepted token)
         instead of a chain; ``ngram_min``/``ngram_max``: suffix lengths the lookup tries.
     kv_unified: cells backend, llama.cpp ``kv_unified``: True = one cell stream shared by every
-        sequence; False = one stream of ``ctx_size // n_seq_max`` cells per sequence (kv/streams.py),
+        sequence; False = one stream of ``n_ctx_seq`` cells per sequence (``pad256(pad256(ctx_size) // n_seq_max)``, as llama.cpp) (kv/streams.py),
         each step cut to one ``split_equal`` ubatch.
     """
 

@@ -5,7 +5,7 @@ Mirrors llama.cpp ``src/llama-kv-cache.cpp`` / ``llama-kv-cache.h`` (``llama_kv_
 
 * ``n_stream = n_seq_max`` streams, each with its own cells (``v_cells[s]``: ``pos`` and a seq_id
   set), its own ``head`` (``v_heads[s]``) and ``used``; ``seq_to_stream[s] = s``. Every stream
-  holds ``kv_size`` cells (llama.cpp ``n_ctx_seq = n_ctx / n_seq_max``, padded to 256 there);
+  holds ``kv_size`` cells (llama.cpp ``n_ctx_seq = pad256(pad256(n_ctx) / n_seq_max)``: :func:`n_ctx_seq`);
   K/V are one tensor ``ne = [n_embd_gqa, kv_size, n_stream]`` per layer, addressed by global row
   ``stream * kv_size + cell`` (``set_input_k_idxs``: ``offs = strm * get_size()``);
 * a ubatch is cut by ``split_equal(n_ubatch, sequential = true)`` (``init_batch``): consecutive
@@ -39,6 +39,22 @@ from infertrace.kv.seq_ops import cells_defrag, cells_seq_add, cells_seq_div, ce
 from infertrace.kv.spec_ops import cells_rewind
 
 _NEG = float("-inf")
+
+
+def n_ctx_seq(ctx_size: int, n_seq_max: int) -> int:
+    """Cells per stream of a non-unified cache, as llama.cpp sets them (``llama_context`` constructor,
+    ``src/llama-context.cpp``): ``n_ctx = GGML_PAD(n_ctx, 256)``, then
+    ``n_ctx_seq = GGML_PAD(n_ctx / n_seq_max, 256)`` (integer division), e.g. 600 tokens over
+    2 sequences -> 768 -> 384 -> 512 cells per stream.
+
+    Args:
+        ctx_size: ``--ctx-size`` in tokens; n_seq_max: sequences = streams.
+
+    Returns:
+        cells per stream (a multiple of 256; 0 only when ``ctx_size`` is 0).
+    """
+    pad = lambda x: -(-x // 256) * 256  # noqa: E731  GGML_PAD(x, 256)
+    return pad(pad(ctx_size) // max(1, n_seq_max))
 
 
 def split_equal_chunks(seq_ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], int]:

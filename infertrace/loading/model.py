@@ -120,7 +120,8 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", device: s
         model = DecoderModel(ck.config, w, device, QuantOps())
         kernels = build_unfused(w)
         ck.weights = w
-        ck.notes.append("weights kept quantised (--weights quant): " +
+        asked = "--weights auto -> quant" if weights == "auto" else "--weights quant"
+        ck.notes.append(f"weights kept quantised ({asked}): " +
                         ", ".join(f"{t} {k}" for t, k in sorted(kernels.items())) + f"; activations {dtype}")
         return Loaded(ck, model, {"weights": "quant", "kernels": dict(sorted(kernels.items()))})
     ckpt = load_checkpoint(p, parse_dtype(dtype), progress)

@@ -129,6 +129,8 @@ def render_header(console: Console, trace: RunTrace) -> None:
     if isinstance(wq, dict) and wq.get("weights") == "quant":  # --weights quant: the kernel of each GGUF type
         ks = wq.get("kernels") if isinstance(wq.get("kernels"), dict) else {}
         extra += " · weights quant (" + ", ".join(f"{t} {k}" for t, k in list(ks.items())[:16]) + ")"
+    elif isinstance(wq, dict) and wq.get("weights") == "float":  # --weights float given: every tensor dequantised at load
+        extra += " · weights float (every tensor dequantised at load, one float matmul per matrix)"
     if getattr(trace, "engine", "infertrace") == "llama.cpp":
         lc = o.get("llama_cpp", {}) if isinstance(o.get("llama_cpp"), dict) else {}
         conv = (f"computed by llama.cpp itself (llama-cpp-python {lc.get('version', '?')}, n_ctx {lc.get('n_ctx', '?')}"

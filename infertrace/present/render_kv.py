@@ -82,16 +82,18 @@ def _cells_view(d: dict[str, Any]) -> list[RenderableType]:
     if ph.get("streams") is not None:  # non-unified KV: the streams' heads, then the map of the global rows
         from infertrace.present.render_streams import streams_state
 
-        ph = {**ph, "head": "(per stream, above)"}
+        line = (f"size {ph['size']} ({ph.get('n_stream')} streams × {ph.get('stream_size')}) · used {ph['used']} · "
+                f"head, used_max_p1 and n_kv per stream (above; a stream's n_kv is its used_max_p1 padded to a "
+                f"multiple of {N_KV_PAD_MAX}, at least {N_KV_PAD_MAX}, at most the stream size; the graph reads the "
+                "largest of the ubatch's streams)")
         parts0: list[RenderableType] = [streams_state(d["physical"])]
     else:
+        line = (f"size {ph['size']} · used {ph['used']} · head {ph.get('head_before', ph['head'])} → "
+                f"{ph.get('head_after', ph['head'])} · n = used_max_p1 {lay['used_max_p1']} · n_kv {ph['n_kv']} "
+                f"(cells the graph reads: used_max_p1 padded to a multiple of {N_KV_PAD_MAX}, at least "
+                f"{N_KV_PAD_MAX}, at most size)")
         parts0 = []
-    parts: list[RenderableType] = parts0 + [_facts([
-        ("cells", f"size {ph['size']} · used {ph['used']} · head {ph.get('head_before', ph['head'])} → "
-                  f"{ph.get('head_after', ph['head'])} · n = used_max_p1 {lay['used_max_p1']} · n_kv {ph['n_kv']} "
-                  f"(cells the graph reads: used_max_p1 padded to a multiple of {N_KV_PAD_MAX}, at least "
-                  f"{N_KV_PAD_MAX}, at most size)"),
-    ])]
+    parts: list[RenderableType] = parts0 + [_facts([("cells", line)])]
     t = _table("cells", "seq_id", "pos", "")
     for s in lay["stretches"]:
         if not s["seq_ids"]:

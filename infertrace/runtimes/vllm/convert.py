@@ -67,7 +67,7 @@ def _convert(gguf: Path, target: Path) -> None:
         import transformers
     except ImportError:
         raise InfertraceError("--engine vllm with a GGUF file needs transformers to dequantise it: "
-                              "pip install 'infertrace[vllm]'") from None
+                              "run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[vllm]'` there)") from None
     from infertrace.safe_io import DirTaken, fresh_dir_beside, publish_dir
 
     tmp = fresh_dir_beside(target)
