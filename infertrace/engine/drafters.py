@@ -212,9 +212,10 @@ class DraftModelDrafter:
             ids += want[n:]
             self.cached[r.seq_id] = want
         logits = self._forward(chunks, ids)
-        if hasattr(self.kv, "checkpoint"):  # a hybrid draft: the state at the accepted tokens, before drafting
-            for r in reqs:
-                self.ckpt[r.seq_id] = self.kv.checkpoint(r.seq_id)
+        for r in reqs:  # a hybrid draft: the state at the accepted tokens, before drafting (None: nothing to save)
+            ck = self.kv.checkpoint(r.seq_id)
+            if ck is not None:
+                self.ckpt[r.seq_id] = ck
         return logits
 
     def _pick(self, logits: torch.Tensor, r: Any, seen: list[int], rank: int, order: str) -> tuple[int, torch.Tensor | None]:

@@ -246,6 +246,13 @@ class Memory(Protocol):
         """Context shift: drop ``[p0, p1)`` and move the rest down by ``p1 - p0`` (llama.cpp server's
         ``seq_rm`` + ``seq_add``)."""
 
+    def checkpoint(self, seq_id: int) -> dict[str, Any] | None:
+        """A copy of what ``seq_id``'s ``seq_rm`` could not undo (a recurrent state), for a later
+        :meth:`restore` (llama.cpp server's speculative checkpoint); None when nothing needs saving."""
+
+    def restore(self, seq_id: int, ckpt: dict[str, Any]) -> MemOp:
+        """Back to a :meth:`checkpoint`; false when this memory keeps none."""
+
     def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: AttnInputs, row: int,
                is_chain: bool) -> MemOp:
         """After a speculative verify chunk (``C``, ``T``, rows ``row..row+T-1`` of ``inp``): keep the
@@ -327,6 +334,14 @@ class MemoryDefaults:
 
     def lookup(self, seq_id: int, prompt: Sequence[int]) -> dict[str, Any]:
         return {"hit": 0, "refused": f"prefix reuse is not enabled on this {self.kind} memory"}
+
+    def checkpoint(self, seq_id: int) -> dict[str, Any] | None:
+        """Nothing to save: a memory without recurrent state drops any tail with ``seq_rm`` (llama.cpp
+        server checkpoints only contexts whose memory cannot); the hybrid memory overrides it."""
+        return None
+
+    def restore(self, seq_id: int, ckpt: dict[str, Any]) -> MemOp:
+        return MemOp.refused("restore", f"the {self.kind} memory keeps no state checkpoints")
 
     def note_tokens(self, seq_id: int, C: int, token_ids: Sequence[int], all_ids: Sequence[int]) -> None:
         return None
