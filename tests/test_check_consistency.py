@@ -337,3 +337,17 @@ def test_tensor_index_naming_a_missing_step(traces, tmp_path):
 def test_check_json_says_what_it_read(traces):
     out = json.loads(invoke("check", traces("summary"), "--json").output)
     assert out["ok"] is True and out["read"] == "trace.json (saved with --keep summary: no tensors)"
+
+
+def test_prefix_cache_ignored_on_a_hybrid_model_is_recorded_off(models, tmp_path):
+    """A hybrid model keeps no per-block GDN state, so ``--prefix-cache on`` is ignored with a note; the
+    trace records what ran (prefix cache off: the option absent, as for any run without it), not the flag."""
+    d = tmp_path / "t"
+    res = invoke("run", "-m", models["qwen35"], "--ignore-eos", "-p", "hello", "-p", "hello", "--arrival", "0",
+                 "--arrival", "2", "-n", "3", "--backend", "paged", "--prefix-cache", "on", "--save", d)
+    assert res.exit_code == 0, res.output[-800:]
+    m = _load(d)
+    assert "prefix_cache" not in m["options"]["engine"], m["options"]["engine"]
+    assert any(n.startswith("--prefix-cache on ignored") for n in m["notes"]), m["notes"]
+    assert not any(r.get("prefix") for st in m["steps"] for r in st["batch"])
+    assert invoke("check", d).exit_code == 0
