@@ -268,6 +268,9 @@ MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
                                        "draft_layers"),
     "hybrid inp_pos disagrees with the batch": ("hybrid", lambda d: d["steps"][1]["hybrid"]["positions"].update(
         inp_pos=[5, 5, 5, 0]), (1, 2), "inp_pos"),
+    "n_layer disagrees with the cache's layers": ("plain", lambda d: d["config"].update(n_layer=2), (1, 2),
+                                                  "kv.layers 3 but config.n_layer 2"),
+    "options.layer past n_layer": ("plain", lambda d: d["options"].update(layer=3), (1, 2), "options.layer 3"),
     # the tensor file is read too
     "recorded hidden value": ("plain", lambda d: d["steps"][0]["hidden"]["rows"][0]["first"].__setitem__(
         0, d["steps"][0]["hidden"]["rows"][0]["first"][0] + 0.01), (1,), "step0/hidden[0, 0]"),

@@ -1083,6 +1083,31 @@ def options_problem(m: dict[str, Any]) -> str | None:
     return None
 
 
+def layers_problem(m: dict[str, Any]) -> str | None:
+    """What names a layer the model does not have, else None: ``config.n_layer`` not a positive int;
+    ``options.layer``, ``store.tensor_layers``, a step's ``kv.layer_view.layer`` outside 0..n_layer-1;
+    a step's ``kv.layers`` (the layers the cache holds) other than n_layer (a model without linear layers)."""
+    cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
+    n = cfg.get("n_layer")
+    if not (_int(n) and n > 0):
+        return f"config.n_layer {_show(n)} is not a positive layer count"
+    opts = m.get("options") if isinstance(m.get("options"), dict) else {}
+    named = [("options.layer", opts.get("layer"))]
+    store = m.get("store") if isinstance(m.get("store"), dict) else {}
+    named += [("store.tensor_layers", x) for x in (store.get("tensor_layers") or [])]
+    for st in m.get("steps") if isinstance(m.get("steps"), list) else []:
+        kv = st.get("kv") if isinstance(st, dict) and isinstance(st.get("kv"), dict) else {}
+        lv = kv.get("layer_view")
+        if isinstance(lv, dict):
+            named.append((f"step {st.get('step')!r} kv.layer_view.layer", lv.get("layer")))
+        if _int(kv.get("layers")) and not cfg.get("layer_types") and kv["layers"] != n:
+            return f"step {st.get('step')!r} kv.layers {kv['layers']} but config.n_layer {n}"
+    for what, x in named:
+        if x is not None and not (_int(x) and 0 <= x < n):
+            return f"{what} {_show(x)} is not a layer 0..{n - 1} of config.n_layer {n}"
+    return None
+
+
 def decode_loop_problem(m: dict[str, Any]) -> tuple[Any, Any, str, str] | None:
     """What in the decode loop contradicts itself, else None (as ``(step, seq_id, rule, detail)``):
     every id of ``prompt_ids`` / ``output_ids`` / a chosen token below ``config.vocab_size``; a
@@ -1202,6 +1227,10 @@ def check_trace(manifest: dict[str, Any]) -> tuple[Violation | None, int]:
         bad = config_problem(manifest)
         if bad:
             c.fail(None, None, "config", "model config", bad)
+        c.n_checks += 1
+        bad = layers_problem(manifest)
+        if bad:
+            c.fail(None, None, "config", "layers of the model", bad)
         c.n_checks += 1
         bad = options_problem(manifest)
         if bad:
