@@ -48,6 +48,13 @@ variable):
    KV pool is the one the options configure; a hybrid step's layer map is ``config.layer_types``.
 9. **tensors** (:func:`check_tensors`, ``--keep tensors``) -- names, shapes and quoted values agree.
 
+Before the steps: the layers every record names exist (:func:`layers_problem`) and the options agree
+with the steps (:func:`options_problem`: verify rows only with ``speculative`` set, ``draft_layers <
+n_layer``); ``position_ids`` (and a hybrid step's M-RoPE ``inp_pos`` / ``position_ids``) are the packed
+positions. After them, **decode** (:func:`decode_loop_problem`): greedy picks the top logit, the chosen
+token is ``next_input`` and is fed next at ``next_pos``, each row's tokens are ``prompt_ids + output_ids``
+at its positions, ``output_ids`` are the emitted tokens in order, every id is below ``vocab_size``.
+
 Every field is validated before use: a malformed trace is a violation of "schema", not a crash.
 """
 
@@ -1344,4 +1351,8 @@ def iter_rules() -> Iterator[str]:
                 "prefix hit at admission", "context shift of the cached positions", "cells joined by a write or a prefix hit", "memory API agrees with the cells", "one owner per block", "slot = table[p // B] * B + p % B",
                 "verify row consistent with its tree", "run summary consistent", "window", "verify cells", "cache ranges",
                 "rows are the packed tokens", "pool as configured", "layer map", "model config",
-                "tensor shapes agree with the records", "recorded values are the tensors'")
+                "tensor shapes agree with the records", "recorded values are the tensors'",
+                "position_ids = packed positions", "hybrid inp_pos = packed positions", "layers of the model",
+                "options agree with the steps", "token ids in the vocabulary", "greedy chooses the top logit",
+                "next_input is the chosen token", "next_pos is the next position", "the chosen token is fed next",
+                "row tokens are the sequence's tokens", "chosen is the last emitted token", "output_ids are the chosen tokens")
