@@ -112,6 +112,7 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
         extra_notes.append(kv_streams_note(opts))
     if opts.prefix_cache and "prefix_cache" in eng.disabled:
         extra_notes.append(f"--prefix-cache on ignored: {eng.disabled['prefix_cache']}")
+        engine_opts.pop("prefix_cache", None)  # record what ran: no prefix cache (off is recorded by omission)
     out = RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
                    notes=list(loaded.ckpt.notes) + list(getattr(tok, "warnings", []) or []) + extra_notes,
                    steps=list(rec.steps) if trace else [], requests=reqs,

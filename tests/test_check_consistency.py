@@ -175,6 +175,11 @@ def _layer_types(d: dict, value) -> None:
 
 
 # kind, mutation, exit codes allowed, a phrase the one line must carry
+def _feed_other(d: dict) -> None:  # step 2 feeds seq 0 token 7, not step 1's choice (its hidden row agrees)
+    _row(d, 2).update(token_ids=[7])
+    d["steps"][2]["hidden"]["rows"][0].update(token_id=7)
+
+
 MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
     # Gemma 3 sliding window (X7)
     "windowed keys past the window": ("gemma-cells", lambda d: _both_visible_swa(d, 0, 7, "3..7"), (1,),
@@ -239,6 +244,33 @@ MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
                                      (1,), "kq_mask row 3 (pos 3) hides cell 1"),
     "RoPE sin off by 1e-3 at a far position": ("far", lambda d: d["steps"][1]["positions"]["cos_sin"][0]["sin"].__setitem__(
         1, d["steps"][1]["positions"]["cos_sin"][0]["sin"][1] + 1e-3), (1,), "RoPE angle consistent with position: pos 700 pair 1"),
+    # the decode loop (greedy choice, the token fed next, the request's ids)
+    "greedy chose a token other than the top": ("plain", lambda d: d["steps"][1]["decode"]["per_request"][0].update(
+        chosen=d["steps"][1]["decode"]["per_request"][0]["top"][1]["id"]), (1,), "greedy chooses the top logit"),
+    "next_input not the chosen token": ("plain", lambda d: d["steps"][1]["decode"]["per_request"][0].update(next_input=7),
+                                        (1,), "next_input 7 but chosen"),
+    "next_pos not the next position": ("plain", lambda d: d["steps"][1]["decode"]["per_request"][0].update(next_pos=12), (1,),
+                                       "next_pos 12 but the sequence holds positions 0..8 after the step"),
+    "chosen token not fed next": ("plain", _feed_other, (1,), "the step's first token is 7 but the previous step chose 150"),
+    "output_ids not the chosen tokens": ("plain", lambda d: d["requests"][0]["output_ids"].__setitem__(2, 7), (1,),
+                                         "output_ids are the chosen tokens"),
+    "output id past the vocabulary": ("plain", lambda d: d["requests"][0]["output_ids"].__setitem__(2, 259), (1, 2),
+                                      "259"),
+    "prompt id past the vocabulary": ("plain", lambda d: d["requests"][1]["prompt_ids"].__setitem__(0, 100000), (1, 2),
+                                      "100000"),
+    "prompt_ids not the prefill tokens": ("plain", lambda d: d["requests"][0]["prompt_ids"].__setitem__(1, 7), (1,),
+                                          "are not prompt_ids + output_ids there"),
+    "position_ids disagree with the batch": ("plain", lambda d: d["steps"][1]["positions"].update(position_ids=[9, 3]), (1,),
+                                             "position_ids"),
+    "spec verify rows with speculative off": ("spec-cells", lambda d: d["options"]["engine"].update(speculative=None), (1, 2),
+                                              "speculative"),
+    "draft_layers not below n_layer": ("spec-cells", lambda d: d["options"]["engine"].update(draft_layers=3), (1, 2),
+                                       "draft_layers"),
+    "hybrid inp_pos disagrees with the batch": ("hybrid", lambda d: d["steps"][1]["hybrid"]["positions"].update(
+        inp_pos=[5, 5, 5, 0]), (1, 2), "inp_pos"),
+    "n_layer disagrees with the cache's layers": ("plain", lambda d: d["config"].update(n_layer=2), (1, 2),
+                                                  "kv.layers 3 but config.n_layer 2"),
+    "options.layer past n_layer": ("plain", lambda d: d["options"].update(layer=3), (1, 2), "options.layer 3"),
     # the tensor file is read too
     "recorded hidden value": ("plain", lambda d: d["steps"][0]["hidden"]["rows"][0]["first"].__setitem__(
         0, d["steps"][0]["hidden"]["rows"][0]["first"][0] + 0.01), (1,), "step0/hidden[0, 0]"),
@@ -397,3 +429,17 @@ def test_verify_step_decode_row_is_the_row_that_chose_the_token(traces, kind):
             assert abs(p["top"][0]["logit"] - float(vals[0])) < 1e-4
             seen_rejection += rows.index(r["rows"][-1]) != p["row"]
     assert seen_rejection > 0  # the rows told apart at least once
+
+
+def test_prefix_cache_ignored_on_a_hybrid_model_is_recorded_off(models, tmp_path):
+    """A hybrid model keeps no per-block GDN state, so ``--prefix-cache on`` is ignored with a note; the
+    trace records what ran (prefix cache off: the option absent, as for any run without it), not the flag."""
+    d = tmp_path / "t"
+    res = invoke("run", "-m", models["qwen35"], "--ignore-eos", "-p", "hello", "-p", "hello", "--arrival", "0",
+                 "--arrival", "2", "-n", "3", "--backend", "paged", "--prefix-cache", "on", "--save", d)
+    assert res.exit_code == 0, res.output[-800:]
+    m = _load(d)
+    assert "prefix_cache" not in m["options"]["engine"], m["options"]["engine"]
+    assert any(n.startswith("--prefix-cache on ignored") for n in m["notes"]), m["notes"]
+    assert not any(r.get("prefix") for st in m["steps"] for r in st["batch"])
+    assert invoke("check", d).exit_code == 0

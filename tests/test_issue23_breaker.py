@@ -201,3 +201,19 @@ def test_check_refuses_inconsistent_speculative_totals(spec_trace, tmp_path, edi
     res = invoke("check", _spec_mutant(spec_trace, tmp_path, edit))
     assert res.exit_code in (1, 2), (res.exit_code, res.stdout[-400:])
     assert needle in res.stdout + res.stderr and "internal error" not in res.stderr
+
+
+@pytest.mark.parametrize("target", ["dangling", "empty dir"])
+def test_save_onto_a_symlink_is_refused_before_the_model_loads(tmp_path, target):
+    """``run --save LINK``: safe_io.publish_dir never renames onto a symlink, so the run would be lost
+    at the end; it is refused up front (the model file here is not a model: the refusal comes first),
+    and the link and what it points to are left as they were."""
+    model = tmp_path / "not-a-model.gguf"
+    model.write_bytes(b"not a gguf file")
+    link = tmp_path / "link"
+    dest = tmp_path / "empty"
+    if target == "empty dir":
+        dest.mkdir()
+    link.symlink_to(dest)
+    refused(invoke("run", "-m", model, "-p", "a", "-n", "1", "--save", link), "is a symlink")
+    assert link.is_symlink() and (dest.is_dir() and not any(dest.iterdir()) if target == "empty dir" else not dest.exists())

@@ -29,11 +29,13 @@ def check_output_dir(save: Path, force: bool) -> None:
     """Refuse a ``--save`` target that would lose something, before the run.
 
     Raises:
-        InfertraceError: empty path, an existing file, a non-empty directory (without
+        InfertraceError: empty path, a symlink (dangling or not), an existing file, a non-empty directory (without
             ``--force``), or a place that cannot be written.
     """
     if str(save).strip() in ("", "."):
         raise InfertraceError("--save needs a directory name (e.g. --save runs/first)")
+    if save.is_symlink():  # safe_io.publish_dir never renames onto a symlink: refuse now, not after the run
+        raise InfertraceError(f"--save {visible(str(save))} is a symlink; pass a new directory name (a symlink is never replaced)")
     if save.exists() and not save.is_dir():
         raise InfertraceError(f"--save {save}: a file of that name exists; choose a directory name")
     if save.is_dir() and any(save.iterdir()) and not force:

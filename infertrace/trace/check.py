@@ -48,6 +48,13 @@ variable):
    KV pool is the one the options configure; a hybrid step's layer map is ``config.layer_types``.
 9. **tensors** (:func:`check_tensors`, ``--keep tensors``) -- names, shapes and quoted values agree.
 
+Before the steps: the layers every record names exist (:func:`layers_problem`) and the options agree
+with the steps (:func:`options_problem`: verify rows only with ``speculative`` set, ``draft_layers <
+n_layer``); ``position_ids`` (and a hybrid step's M-RoPE ``inp_pos`` / ``position_ids``) are the packed
+positions. After them, **decode** (:func:`decode_loop_problem`): greedy picks the top logit, the chosen
+token is ``next_input`` and is fed next at ``next_pos``, each row's tokens are ``prompt_ids + output_ids``
+at its positions, ``output_ids`` are the emitted tokens in order, every id is below ``vocab_size``.
+
 Every field is validated before use: a malformed trace is a violation of "schema", not a crash.
 """
 
@@ -252,6 +259,20 @@ class _Checker:
             if p.get("inp_pos") != packed:
                 self.fail(s, None, "positions", "inp_pos = packed positions",
                           f"inp_pos {str(p.get('inp_pos'))[:80]} != batch positions {packed[:16]}")
+            if p.get("position_ids") is not None:
+                self.n_checks += 1
+                if p.get("position_ids") != packed:
+                    self.fail(s, None, "positions", "position_ids = packed positions",
+                              f"position_ids {str(p.get('position_ids'))[:80]} != batch positions {packed[:16]}")
+        hp = st.get("hybrid", {}).get("positions") if isinstance(st.get("hybrid"), dict) else None
+        if isinstance(hp, dict) and isinstance(hp.get("inp_pos"), list):  # M-RoPE layout: n_pos_per_embd sections of N
+            self.n_checks += 1
+            n = len(packed)
+            pid = hp.get("position_ids")
+            if hp["inp_pos"][:n] != packed or (isinstance(pid, list) and pid and pid[0] != packed):
+                self.fail(s, None, "positions", "hybrid inp_pos = packed positions",
+                          f"hybrid.positions inp_pos {str(hp['inp_pos'])[:80]} / position_ids {str(pid)[:80]} do not begin "
+                          f"with the batch positions {packed[:16]}")
 
     def _rope(self, s: int, st: dict) -> None:
         p = st.get("positions")
@@ -1129,6 +1150,147 @@ def run_spec_problem(sp: Any) -> str | None:
     return None
 
 
+def options_problem(m: dict[str, Any]) -> str | None:
+    """What in the run's options contradicts its steps or config, else None: verify rows (a batch
+    row's ``spec``) while ``options.engine.speculative`` says no speculation ran; ``draft_layers``
+    not fewer than the model's ``n_layer`` (the draft is the target's first layers)."""
+    opts = m.get("options") if isinstance(m.get("options"), dict) else {}
+    eng = opts.get("engine") if isinstance(opts.get("engine"), dict) else {}
+    n_layer = (m.get("config") or {}).get("n_layer") if isinstance(m.get("config"), dict) else None
+    steps = m.get("steps") if isinstance(m.get("steps"), list) else []
+    if "speculative" in eng and eng.get("speculative") in (None, False, "off", "none"):
+        for st in steps:
+            rows = st.get("batch") if isinstance(st, dict) and isinstance(st.get("batch"), list) else []
+            if any(isinstance(r, dict) and r.get("spec") for r in rows):
+                return (f"step {st.get('step')!r} verifies speculative drafts but options.engine.speculative is "
+                        f"{_show(eng.get('speculative'))}")
+    dl = eng.get("draft_layers")
+    if dl is not None and (not _int(dl) or dl < 1 or (_int(n_layer) and dl >= n_layer)):
+        return f"options.engine.draft_layers {_show(dl)} must be 1..n_layer - 1 (n_layer = {_show(n_layer)})"
+    return None
+
+
+def layers_problem(m: dict[str, Any]) -> str | None:
+    """What names a layer the model does not have, else None: ``config.n_layer`` not a positive int;
+    ``options.layer``, ``store.tensor_layers``, a step's ``kv.layer_view.layer`` outside 0..n_layer-1;
+    a step's ``kv.layers`` (the layers the cache holds) other than n_layer (a model without linear layers)."""
+    cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
+    n = cfg.get("n_layer")
+    if not (_int(n) and n > 0):
+        return f"config.n_layer {_show(n)} is not a positive layer count"
+    opts = m.get("options") if isinstance(m.get("options"), dict) else {}
+    named = [("options.layer", opts.get("layer"))]
+    store = m.get("store") if isinstance(m.get("store"), dict) else {}
+    named += [("store.tensor_layers", x) for x in (store.get("tensor_layers") or [])]
+    for st in m.get("steps") if isinstance(m.get("steps"), list) else []:
+        kv = st.get("kv") if isinstance(st, dict) and isinstance(st.get("kv"), dict) else {}
+        lv = kv.get("layer_view")
+        if isinstance(lv, dict):
+            named.append((f"step {st.get('step')!r} kv.layer_view.layer", lv.get("layer")))
+        if _int(kv.get("layers")) and not cfg.get("layer_types") and kv["layers"] != n:
+            return f"step {st.get('step')!r} kv.layers {kv['layers']} but config.n_layer {n}"
+    for what, x in named:
+        if x is not None and not (_int(x) and 0 <= x < n):
+            return f"{what} {_show(x)} is not a layer 0..{n - 1} of config.n_layer {n}"
+    return None
+
+
+def decode_loop_problem(m: dict[str, Any]) -> tuple[Any, Any, str, str] | None:
+    """What in the decode loop contradicts itself, else None (as ``(step, seq_id, rule, detail)``):
+    every id of ``prompt_ids`` / ``output_ids`` / a chosen token below ``config.vocab_size``; a
+    greedy request's (temperature 0, no repetition penalty, not teacher-forced: llama.cpp keeps its
+    own choice in ``top``) chosen token the top logit; ``next_input`` the chosen token and
+    ``next_pos`` the positions the sequence holds after the step (``kept_len``); the next step of the
+    sequence feeding ``next_input`` first (unless it was preempted: recompute re-prefills); each
+    row's tokens the sequence's tokens ``prompt_ids + output_ids`` at its positions (until a context
+    shift renumbers them; a verify row only its first, pending token); ``output_ids`` the emitted
+    tokens (a verify row's ``spec.emitted``, else ``chosen``) in order."""
+    cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
+    V = cfg.get("vocab_size") if _int(cfg.get("vocab_size")) and cfg.get("vocab_size") > 0 else None
+    opts = m.get("options") if isinstance(m.get("options"), dict) else {}
+    lc = opts.get("llama_cpp") if isinstance(opts.get("llama_cpp"), dict) else {}
+    forced = bool(lc.get("teacher_forced"))
+    reqs = {r.get("seq_id"): r for r in (m.get("requests") or []) if isinstance(r, dict) and _int(r.get("seq_id"))}
+    full: dict[int, list[int] | None] = {}
+    for sid, r in reqs.items():
+        ids = [x for k in ("prompt_ids", "output_ids") for x in (r.get(k) if isinstance(r.get(k), list) else [])]
+        for k in ("prompt_ids", "output_ids"):
+            bad = [x for x in (r.get(k) if isinstance(r.get(k), list) else []) if not _int(x) or x < 0 or (V and x >= V)]
+            if bad:
+                return None, sid, "token ids in the vocabulary", f"requests[seq {sid}].{k} holds {_show(bad[0])}, not an id 0..{(V or 0) - 1} (config.vocab_size {V})"
+        full[sid] = ids if isinstance(r.get("prompt_ids"), list) and isinstance(r.get("output_ids"), list) else None
+    pending: dict[int, Any] = {}
+    emitted: dict[int, list[int]] = {}
+    decoded: set[int] = set()
+    shifted: set[int] = set()
+    steps = m.get("steps") if isinstance(m.get("steps"), list) else []
+    for st in steps:
+        s = st.get("step")
+        rows = {r["seq_id"]: r for r in st.get("batch") or [] if isinstance(r, dict) and _int(r.get("seq_id"))}
+        sv = st.get("serving") if isinstance(st.get("serving"), dict) else {}
+        for op in sv.get("ops_before_step") or []:
+            if isinstance(op, dict) and op.get("op") == "context_shift":
+                shifted.add(op.get("seq_id"))
+        for sid in st.get("preempted") or []:
+            pending.pop(sid, None)
+        for sid, r in rows.items():
+            if isinstance(r.get("shift"), dict):
+                shifted.add(sid)
+            toks, C = r.get("token_ids"), r.get("C")
+            if not isinstance(toks, list) or not toks:
+                continue
+            if sid in pending:
+                want = pending.pop(sid)
+                if toks[0] != want:
+                    return s, sid, "the chosen token is fed next", f"the step's first token is {_show(toks[0])} but the previous step chose {_show(want)} as next_input"
+            f = full.get(sid)
+            if f is not None and sid not in shifted and _int(C):
+                want_t = f[C:C + (1 if r.get("spec") else len(toks))]
+                if (toks[:1] if r.get("spec") else toks) != want_t:
+                    return s, sid, "row tokens are the sequence's tokens", (
+                        f"token_ids {str(toks[:8])} at positions {C}.. are not prompt_ids + output_ids there {str(want_t[:8])}")
+        dec = st.get("decode") if isinstance(st.get("decode"), dict) else {}
+        for pr in dec.get("per_request") or []:
+            if not isinstance(pr, dict) or not _int(pr.get("seq_id")):
+                continue
+            sid, ch = pr["seq_id"], pr.get("chosen")
+            if pr.get("row") is None and "chosen" not in pr:  # a prefill chunk that needs no logits
+                continue
+            r = rows.get(sid)
+            if r is None:
+                return s, sid, "decode of a computed row", "a decode record for a sequence that is not in the step's batch"
+            decoded.add(sid)
+            if not _int(ch) or ch < 0 or (V and ch >= V):
+                return s, sid, "token ids in the vocabulary", f"chosen {_show(ch)} is not an id 0..{(V or 0) - 1}"
+            sp = pr.get("sampler") if isinstance(pr.get("sampler"), dict) else (reqs.get(sid) or {}).get("params") or {}
+            top = pr.get("top") if isinstance(pr.get("top"), list) else []
+            if (not forced and sp.get("temperature") == 0 and sp.get("repetition_penalty") in (None, 1, 1.0) and top
+                    and all(isinstance(t, dict) for t in top)):
+                best = max((t.get("logit") for t in top if isinstance(t.get("logit"), (int, float))), default=None)
+                mine = [t.get("logit") for t in top if t.get("id") == ch]
+                if best is not None and not (mine and mine[0] == best):
+                    return s, sid, "greedy chooses the top logit", (
+                        f"chosen {ch} but the step's top logit is id {_show(top[0].get('id'))} ({best}) and the request samples greedily (temperature 0)")
+            sp_row = r.get("spec") if isinstance(r.get("spec"), dict) else None
+            em = sp_row.get("emitted") if sp_row and isinstance(sp_row.get("emitted"), list) else [ch]
+            if em and em[-1] != ch:
+                return s, sid, "chosen is the last emitted token", f"chosen {ch} but the verify row emits {str(em)[:60]}"
+            emitted.setdefault(sid, []).extend(em)
+            if pr.get("stop") is None:
+                if pr.get("next_input") != ch:
+                    return s, sid, "next_input is the chosen token", f"next_input {_show(pr.get('next_input'))} but chosen {ch}"
+                if _int(r.get("C")) and _int(r.get("T")) and pr.get("next_pos") != kept_len(r):
+                    return s, sid, "next_pos is the next position", (
+                        f"next_pos {_show(pr.get('next_pos'))} but the sequence holds positions 0..{kept_len(r) - 1} after the step")
+                pending[sid] = ch
+    for sid in sorted(decoded):
+        r = reqs.get(sid)
+        if r is not None and isinstance(r.get("output_ids"), list) and r["output_ids"] != emitted.get(sid, []):
+            return None, sid, "output_ids are the chosen tokens", (
+                f"requests[seq {sid}].output_ids {str(r['output_ids'][:12])} but the steps chose {str(emitted.get(sid, [])[:12])}")
+    return None
+
+
 def kept_len(r: dict[str, Any]) -> int:
     """Positions a request holds after its step: ``C + T``, or ``C + accepted path`` after a verify."""
     sp = r.get("spec")
@@ -1152,8 +1314,20 @@ def check_trace(manifest: dict[str, Any]) -> tuple[Violation | None, int]:
         bad = config_problem(manifest)
         if bad:
             c.fail(None, None, "config", "model config", bad)
+        c.n_checks += 1
+        bad = layers_problem(manifest)
+        if bad:
+            c.fail(None, None, "config", "layers of the model", bad)
+        c.n_checks += 1
+        bad = options_problem(manifest)
+        if bad:
+            c.fail(None, None, "options", "options agree with the steps", bad)
         for st in steps:
             c.step(st)
+        c.n_checks += 1
+        where = decode_loop_problem(manifest)
+        if where:
+            c.fail(where[0], where[1], "decode", where[2], where[3])
         c.n_checks += 1
         bad = run_spec_problem(manifest.get("spec"))
         if bad:
@@ -1257,4 +1431,8 @@ def iter_rules() -> Iterator[str]:
                 "prefix hit at admission", "context shift of the cached positions", "cells joined by a write or a prefix hit", "memory API agrees with the cells", "one owner per block", "slot = table[p // B] * B + p % B",
                 "verify row consistent with its tree", "run summary consistent", "window", "verify cells", "cache ranges",
                 "rows are the packed tokens", "pool as configured", "layer map", "model config",
-                "tensor shapes agree with the records", "recorded values are the tensors'")
+                "tensor shapes agree with the records", "recorded values are the tensors'",
+                "position_ids = packed positions", "hybrid inp_pos = packed positions", "layers of the model",
+                "options agree with the steps", "token ids in the vocabulary", "greedy chooses the top logit",
+                "next_input is the chosen token", "next_pos is the next position", "the chosen token is fed next",
+                "row tokens are the sequence's tokens", "chosen is the last emitted token", "output_ids are the chosen tokens")
