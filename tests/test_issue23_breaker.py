@@ -77,16 +77,18 @@ def test_save_and_make_qwen35_out_over_name_max_are_one_line(tmp_path):
 
 
 def test_kv_unified_off_full_stream_names_ctx_size_not_num_blocks(tmp_path):
-    """3 sequences, --ctx-size 16: llama.cpp's n_ctx_seq = 16 // 3 = 5 cells per stream; a 5-token
-    prompt plus one generated token does not fit. The refusal must name --ctx-size (the cells
-    backend has no --num-blocks) and the split."""
+    """3 sequences, --ctx-size 512: llama.cpp's n_ctx_seq = pad256(pad256(512) / 3) = 256 cells per stream; a
+    300-token prompt does not fit its stream. The refusal must name --ctx-size (the cells backend has no
+    --num-blocks) and the split."""
     from tests.tiny import make_weights, write_gguf
 
     w, s = make_weights(seed=0)
     m = write_gguf(tmp_path / "m.gguf", w, s)
-    res = invoke("run", "-m", m, "-p", "abcab", "-p", "xyzxyzx", "-p", "qq", "-n", "2", "--kv-unified", "off",
-                 "--ctx-size", "16")
-    line = refused(res, "raise --ctx-size", "holds 5", "over 3 sequences")
+    res = invoke("run", "-m", m, "-p", "ab" * 150, "-p", "xyzxyzx", "-p", "qq", "-n", "2", "--kv-unified", "off",
+                 "--ctx-size", "512")
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    line = res.output.strip().splitlines()[-1]  # (a warning line before it: 512 is past the tiny model's 256)
+    assert line.startswith("error:") and all(x in line for x in ("raise --ctx-size", "holds 256", "over 3 sequences"))
     assert "--num-blocks" not in line
 
 

@@ -203,7 +203,7 @@ def test_vllm_missing_names_the_extra(monkeypatch) -> None:
     from infertrace.runtimes.vllm import import_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(InfertraceError, match=r"infertrace\[vllm\]"):
+    with pytest.raises(InfertraceError, match=r"make setup-dev.*\.\[vllm\]"):
         import_vllm()
 
 

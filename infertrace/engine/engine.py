@@ -242,11 +242,11 @@ class Engine:
                                   f"{getattr(self.tok, 'vocab_size', '?')} tokens); use the tokenizer the model was trained with")
         limit = min(self.opts.ctx_size, self.kv.capacity_tokens)
         mem = self.kv.describe()
-        if len(prompt_ids) >= limit and mem.get("n_stream") and self.kv.capacity_tokens < self.opts.ctx_size:
-            raise InfertraceError(  # --kv-unified off: llama.cpp's n_ctx_seq = n_ctx / n_seq_max cells per stream
+        if len(prompt_ids) >= limit and mem.get("n_stream"):
+            raise InfertraceError(  # --kv-unified off: llama.cpp's n_ctx_seq = pad256(pad256(n_ctx) / n_seq_max)
                 f"prompt has {len(prompt_ids)} tokens but its stream holds {limit} cells (--kv-unified off splits "
-                f"--ctx-size {self.opts.ctx_size} over {mem['n_stream']} sequences; the prompt plus one generated "
-                "token must fit); raise --ctx-size or use --kv-unified on"
+                f"--ctx-size {self.opts.ctx_size} over {mem['n_stream']} sequences, llama.cpp's n_ctx_seq; the prompt "
+                "plus one generated token must fit); raise --ctx-size or use --kv-unified on"
             )
         if len(prompt_ids) >= limit and self.kv.capacity_tokens < self.opts.ctx_size:  # case P5: name the pool
             B = max(1, mem["block_size"])
