@@ -82,20 +82,29 @@ def read_regular(path: str | Path, limit: int, what: str = "file") -> bytes:
             raise InfertraceError(f"{p} is not a regular file; give the {what} itself (not a pipe, device or directory)")
         if st.st_size > limit:
             raise InfertraceError(f"{p} is {st.st_size} bytes, more than the limit of {limit} for a {what}")
-        chunks, n = [], 0
-        while True:
-            b = os.read(fd, min(1 << 20, limit + 1 - n))
-            if not b:
-                break
-            chunks.append(b)
-            n += len(b)
-            if n > limit:
-                raise InfertraceError(f"{p} grew past the limit of {limit} bytes for a {what} while being read")
-        return b"".join(chunks)
+        return _read_bounded(fd, limit, f"{p} grew past the limit of {limit} bytes for a {what} while being read")
     except OSError as e:
         raise InfertraceError(f"cannot read {p}: {e.strerror or e}") from None
     finally:
         os.close(fd)
+
+
+def _read_bounded(fd: int, limit: int, over: str) -> bytes:
+    """Read ``fd`` to its end in chunks of at most 1 MiB, never more than ``limit`` + 1 bytes in all.
+
+    Raises:
+        InfertraceError: ``over`` when more than ``limit`` bytes arrive.
+        OSError: a failed read (the callers turn it into one line).
+    """
+    chunks, n = [], 0
+    while True:
+        b = os.read(fd, min(1 << 20, limit + 1 - n))
+        if not b:
+            return b"".join(chunks)
+        chunks.append(b)
+        n += len(b)
+        if n > limit:
+            raise InfertraceError(over)
 
 
 def read_input(path: str | Path, limit: int, what: str = "file") -> bytes:
@@ -124,16 +133,7 @@ def read_input(path: str | Path, limit: int, what: str = "file") -> bytes:
     try:
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
             raise InfertraceError(f"{p} changed while being opened; run again")
-        chunks, n = [], 0
-        while n <= limit:
-            b = os.read(fd, min(1 << 20, limit + 1 - n))
-            if not b:
-                break
-            chunks.append(b)
-            n += len(b)
-        if n > limit:
-            raise InfertraceError(f"{p} is over the limit of {limit} bytes for a {what}")
-        return b"".join(chunks)
+        return _read_bounded(fd, limit, f"{p} is over the limit of {limit} bytes for a {what}")
     except OSError as e:
         raise InfertraceError(f"cannot read {p}: {e.strerror or e}") from None
     finally:
