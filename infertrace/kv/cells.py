@@ -127,23 +127,36 @@ class CellsKV(MemoryDefaults):
         return (after + before)[:n_tokens]
 
     # --- per step ----------------------------------------------------------------
+    def _ubatch_rows(self, chunks: Sequence[ChunkSpec]) -> tuple[list[int], list[int]]:
+        """Per token of the ubatch its position (past + 0..T-1; a draft tree: past + depth(node)) and
+        seq_id, as llama.cpp's ``ubatch.pos`` / ``ubatch.seq_id``.
+
+        Raises:
+            InfertraceError: a seq_id outside this memory's sequences.
+        """
+        positions, seq_ids = [], []
+        for c in chunks:
+            self._check_seq(c.seq_id)
+            positions += [c.C + d for d in c.depths()]
+            seq_ids += [c.seq_id] * c.T
+        return positions, seq_ids
+
+    def _place(self, positions: list[int], seq_ids: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``find_slot`` for the ubatch: its cells and, as int64 tensors ``[N]``, cells, positions, seq_ids."""
+        idx = self.find_slot(len(positions))
+        return (idx, torch.tensor(idx, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                torch.tensor(seq_ids, dtype=torch.int64))
+
     def prepare(self, chunks: Sequence[ChunkSpec]) -> CellsInputs:
         """Find cells for every current token, mark them, and fill ``kq_mask``.
 
         Returns :class:`~infertrace.kv.base.CellsInputs` (``cell_idx`` ``[N]`` int64, ``n_kv``,
         ``kq_mask`` ``[1, 1, n_tokens_pad, n_kv]`` float32, ``head_before`` / ``head_after``, ...).
         """
-        positions, seq_ids = [], []
-        for c in chunks:
-            self._check_seq(c.seq_id)
-            positions += [c.C + d for d in c.depths()]  # past + 0..T-1; a draft tree: past + depth(node)
-            seq_ids += [c.seq_id] * c.T
+        positions, seq_ids = self._ubatch_rows(chunks)
         N = len(positions)
         head_before = self.head
-        idx = self.find_slot(N)
-        idx_t = torch.tensor(idx, dtype=torch.int64)  # [N]
-        pos_t = torch.tensor(positions, dtype=torch.int64)  # [N]
-        sid_t = torch.tensor(seq_ids, dtype=torch.int64)  # [N]
+        idx, idx_t, pos_t, sid_t = self._place(positions, seq_ids)
         self.pos[idx_t] = pos_t
         self.seq[idx_t, sid_t] = True
         self.head = (idx[-1] + 1) % self.size if idx else self.head

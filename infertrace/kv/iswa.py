@@ -142,17 +142,10 @@ class SwaCellsPool(CellsKV):
         n_kv]`` float32 is the one the windowed layers read; ``extra["reused"]`` / ``extra["purged"]``:
         cells taken over and positions removed, as range text).
         """
-        positions, seq_ids = [], []
-        for c in chunks:
-            self._check_seq(c.seq_id)
-            positions += [c.C + d for d in c.depths()]
-            seq_ids += [c.seq_id] * c.T
+        positions, seq_ids = self._ubatch_rows(chunks)
         N = len(positions)
         head_before = self.head
-        idx = self.find_slot(N)
-        idx_t = torch.tensor(idx, dtype=torch.int64)  # [N]
-        pos_t = torch.tensor(positions, dtype=torch.int64)  # [N]
-        sid_t = torch.tensor(seq_ids, dtype=torch.int64)  # [N]
+        idx, idx_t, pos_t, sid_t = self._place(positions, seq_ids)  # [N] each
         reused, purged = self.apply_ubatch(idx_t, pos_t, sid_t)
         n_kv = self.n_kv()
         n_pad = ((N + KQ_MASK_PAD - 1) // KQ_MASK_PAD) * KQ_MASK_PAD
