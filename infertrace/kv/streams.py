@@ -131,6 +131,11 @@ class StreamsInputs(CellsInputs):
                                 "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]}}
 
     def verify_record(self, chunk_index: int, row: int, T: int) -> dict[str, Any]:
+        """Never answered: speculative decoding is refused with ``--kv-unified off`` before a run starts.
+
+        Raises:
+            InfertraceError: always (a guard if a caller reaches it).
+        """
         raise InfertraceError("speculative decoding is not implemented with --kv-unified off")
 
     def summary(self) -> dict[str, Any]:
