@@ -1,8 +1,9 @@
 """``infertrace check`` on serving traces (case X3): a prefix-cache hit (the chunk starts where the hit
 ends), a context shift (positions continue from the shifted cache), a finished sequence the cells
 cache retains for reuse and prefix blocks shared by two block tables all pass; a tampered trace of
-each kind is caught. And every README sample command that saves a trace (or prints a serving sample)
-produces a trace that passes ``check``, run as the README runs it (the default model)."""
+each kind is caught. And every sample command of the docs pages (docs/**/*.md) that saves a trace (or
+prints a serving sample) produces a trace that passes ``check``, run as the page prints it (the default
+model). The README's own tour is run by tests/test_docs.py, which checks its traces too."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from infertrace.cli.app import app
 from infertrace.trace.check import check_trace
 from tests.tiny import make_weights, write_gguf
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 @pytest.fixture(scope="module")
@@ -166,13 +167,13 @@ def test_shared_prefix_blocks_need_a_hit(gguf, tmp_path):
     assert (v.step, v.seq_id, v.rule) == (st["step"], 1, "one owner per block"), v
 
 
-# --------------------------------------------------------------------------------------- README samples
+# --------------------------------------------------------------------------------------- docs samples
 
-def readme_samples() -> list[list[str]]:
-    """The ``infertrace run`` commands of README.md that save a trace (```bash blocks) or show a serving
-    sample (``$ infertrace run ...`` with its continuation lines), as argument lists after ``infertrace run``."""
-    text = README.read_text(encoding="utf-8")
-    lines = text.splitlines()
+def doc_samples() -> list[list[str]]:
+    """The ``infertrace run`` commands of the docs pages that save a trace (```bash blocks) or show a
+    serving sample (``$ infertrace run ...`` with its continuation lines), as argument lists after
+    ``infertrace run``; a command printed on two pages is run once."""
+    lines = [ln for page in sorted(DOCS.rglob("*.md")) for ln in page.read_text(encoding="utf-8").splitlines()]
     out, i = [], 0
     while i < len(lines):
         ln = lines[i]
@@ -186,13 +187,14 @@ def readme_samples() -> list[list[str]]:
             cmd = ln
         if cmd is not None:
             cmd = re.split(r"\s+#\s", cmd)[0]  # drop the comment
-            out.append(shlex.split(cmd)[2:])
+            if (args := shlex.split(cmd)[2:]) not in out:
+                out.append(args)
         i += 1
     return out
 
 
-def test_readme_samples_are_found():
-    cmds = readme_samples()
+def test_doc_samples_are_found():
+    cmds = doc_samples()
     assert sum("--prefix-cache" in c for c in cmds) >= 2 and any("--context-shift" in c for c in cmds)
     assert sum("--save" in c for c in cmds) >= 3
 
@@ -214,8 +216,8 @@ def _prepared(cmds: list[list[str]], tmp: Path) -> list[tuple[list[str], Path]]:
     return sorted(runs, key=lambda cr: "--teacher-force" in cr[0] or "--replay" in cr[0])
 
 
-def test_readme_samples_pass_check(tmp_path, smol_path):
-    """Every README sample run on the default model (as the README runs it) saves a trace that passes
+def test_doc_samples_pass_check(tmp_path, smol_path):
+    """Every docs sample run on the default model (as the page prints it) saves a trace that passes
     ``check``; the llama.cpp ones need llama-cpp-python and are skipped without it."""
     try:
         import llama_cpp  # noqa: F401
@@ -223,10 +225,10 @@ def test_readme_samples_pass_check(tmp_path, smol_path):
     except ImportError:
         have_llamacpp = False
     ran = []
-    for cmd, d in _prepared(readme_samples(), tmp_path):
+    for cmd, d in _prepared(doc_samples(), tmp_path):
         if "llama.cpp" in cmd and not have_llamacpp:
             continue
-        if d.exists():  # two samples save to the same README path (runs/lc): keep both
+        if d.exists():  # two samples save to the same docs path (runs/lc): keep both
             cmd[cmd.index("--save") + 1] = str(d) + "-2"
             d = Path(str(d) + "-2")
         _run("run", *cmd)

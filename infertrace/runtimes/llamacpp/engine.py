@@ -9,15 +9,21 @@ callback of :mod:`infertrace.runtimes.llamacpp.capture` then gives:
 ========================  ==================================================================
 trace field               llama.cpp source
 ========================  ==================================================================
+token ids                 ``inp_tokens`` I32 ``[N]``
 positions.inp_pos         ``inp_pos`` I32 ``[N]``
-mask.kq_mask              ``attn_inp_kq_mask`` (``ne``, dtype, 0/-inf), rows x cells
+mask.kq_mask              ``attn_inp_kq_mask`` (``ne = [n_kv, n_tokens, 1, n_stream]``; F16 with flash
+                          attention, else F32; 0/-inf), rows x cells
 kv cells / head           ``attn_inp_k_idxs`` (cell of each token; head = last cell + 1 as
                           ``apply_ubatch``), freed by ``llama_memory_seq_rm``; checked against
                           ``llama_memory_seq_pos_min/max`` every step
 kv layer view / cache     layer ``--layer``'s cache rows after ``ggml_set_rows`` (F16)
-mask.swa, kv swa_pool     iSWA (Gemma 3): ``attn_inp_kq_mask_swa`` / ``attn_inp_k_idxs_swa`` (the SWA
-                          pool's, applied as ``apply_ubatch``: reuse, purge; see kv/iswa.py)
-kv recurrent_cells        hybrid: per ubatch ``head``, ``n_rs``, ``rs_z``, ``rs_s_copy``
+mask.swa, kv swa_pool     iSWA (Gemma 3): the graph's second ``attn_inp_kq_mask`` / ``attn_inp_k_idxs``,
+                          told apart by the layer that consumes them (the SWA pool's, applied as
+                          ``apply_ubatch``: reuse, purge, checked against ``llama_memory_seq_pos_min/max``,
+                          which answer from that pool; its size from ``cache_k_l{il}``; see kv/iswa.py)
+kv recurrent_cells        hybrid: per ubatch, from the first GDN layer's ``build_rs`` nodes: ``head``
+                          (offset of the extra-states copy), ``n_rs``, ``rs_z`` (the view zeroed for new
+                          sequences), ``rs_s_copy`` I32 ``[n_rs]`` (the cell each state is read from)
 hidden                    ``embd`` F32 ``ne=[H, N]`` (embedding output)
 RoPE evidence             ``Qcur-l``/``Kcur-l`` before and after ``ggml_rope_ext``, ``Vcur-l``
 decode logits             ``llama_get_logits_ith`` for the flagged rows; ``out_ids`` recorded
@@ -320,8 +326,9 @@ class LlamaCppEngine(Engine):
         flash_attn: ``auto`` | ``on`` | ``off`` (``--llamacpp-flash-attn``; see :class:`LlamaCppContext`).
 
     Raises:
-        InfertraceError: llama-cpp-python missing, non-GGUF model, ``--backend paged``, a model with
-            sliding-window layers (llama.cpp's iSWA cache is two caches; not captured).
+        InfertraceError: llama-cpp-python missing, non-GGUF model, ``--backend paged``, or a model with
+            sliding-window layers under ``--kv-unified off`` (llama.cpp would keep an iSWA pool per stream;
+            not captured). Sliding-window models with the unified cache are captured: both iSWA pools.
     """
 
     def __init__(self, loaded: Any, opts: EngineOptions, tracer: Any, layer: int = 0,
