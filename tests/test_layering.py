@@ -124,7 +124,7 @@ def test_trace_and_present_layers_are_torch_free_and_engine_free():
 
 
 def test_the_layers_exist_and_are_walked():
-    """The check is not vacuous: both layers hold the modules the README names."""
+    """The check is not vacuous: both layers hold the modules docs/architecture.md names."""
     for layer, names in (("trace", ("records", "schema", "store", "check", "diff", "kv_dump", "saved_kv")),
                          ("present", ("render", "render_kv", "report", "report_views"))):
         for n in names:

@@ -43,7 +43,7 @@ class Family:
             for adjacent-pair RoPE, ``"neox"`` when the file keeps HF's half-split order.
         hf_layer_names: HF sub-module name -> engine tensor name (llama.cpp's ``blk.N.*`` names).
         from_gguf / from_hf: ``(fields, ledger, tensor names) -> ModelConfig kwargs``.
-        features: one line per feature and where the trace shows it (README / inspect).
+        features: one line per feature and where the trace shows it (docs/model-families.md / inspect).
         block_names: decoder slot -> this family's tensor name where it differs from llama.cpp's
             default (:mod:`infertrace.model.layout`).
         hf_tie_default: ``tie_word_embeddings`` when config.json omits it (HF's per-family default).
