@@ -46,11 +46,14 @@ def test_context_shift_run_over_the_read_cap_is_refused_up_front(model):
     line = _one_line(invoke("run", "--model", model, "--prompt", "a", "--max-new-tokens", "1000000", "--context-shift",
                             "--ctx-size", "16"))
     assert "610 MiB" in line and "256 MiB" in line and "MAX_MANIFEST_BYTES" in line and "--max-new-tokens" in line
-    # 32 requests: 32 x 20,000 rows x 256 B + 20,000 steps x 384 B = 171,520,000 B = 163 MiB fits the bound ...
-    # ... 32 x 40,000: 327,680,000 + 15,360,000 = 343,040,000 B = 327 MiB does not
+    # 32 requests x 32,000 tokens: 1,024,000 steps at most (under MAX_STEPS, which is checked first), and at least
+    # 32 x 32,000 rows x 256 B + 32,000 steps x 384 B = 262,144,000 + 12,288,000 = 274,432,000 B = 261 MiB > 256 MiB
     many = [a for i in range(32) for a in ("--prompt", f"p{i}")]
-    line = _one_line(invoke("run", "--model", model, *many, "--max-new-tokens", "40000", "--context-shift", "--ctx-size", "64"))
-    assert "327 MiB" in line and "32 request(s)" in line
+    line = _one_line(invoke("run", "--model", model, *many, "--max-new-tokens", "32000", "--context-shift", "--ctx-size", "64"))
+    assert "261 MiB" in line and "32 request(s)" in line
+    # over MAX_STEPS the step bound speaks first (its own message, unchanged)
+    line = _one_line(invoke("run", "--model", model, "--prompt", "a", "--max-new-tokens", "2000000", "--context-shift"))
+    assert "more than the 1048576 a trace holds" in line
 
 
 def test_without_context_shift_the_context_bounds_the_run(model, tmp_path):
