@@ -70,14 +70,22 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
     rec = Recorder(tok, cfg, layer=layer, show=tuple(show), layers=tensor_layers, tensors=tensors) if trace else NULL_TRACER
     eng = (engine_factory or Engine)(loaded.model, tok, opts, rec)
     emitted = 0
+    budget = None
+    if trace and opts.context_shift:  # bounded by -n alone: stop once the trace passes what a saved trace may hold
+        from infertrace.engine.trace_budget import TraceBudget
+
+        budget = TraceBudget(rec.steps, tensors, sum(len(p.ids if p.ids is not None else p.text or "") + p.params.max_new_tokens
+                                                     for p in prompts))
 
     def emit(_batch: Any) -> None:  # hand each new StepTrace to on_step as it is made
         nonlocal emitted
-        for st in rec.steps[emitted:]:
-            on_step(st)  # type: ignore[misc]
+        if budget is not None:
+            budget()
+        for st in rec.steps[emitted:] if on_step is not None else ():
+            on_step(st)
         emitted = len(rec.steps)
 
-    done = drive_bounded(eng, encode_requests(tok, prompts), emit if on_step is not None and trace else None)
+    done = drive_bounded(eng, encode_requests(tok, prompts), emit if (on_step is not None or budget is not None) and trace else None)
     reqs = []
     for r in done:
         reqs.append({"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,

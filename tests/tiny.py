@@ -148,7 +148,7 @@ def add_tiny_tokenizer(wr, vocab: int, add_bos: bool = False) -> None:
 
 def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch: str | None = None,
                kv: dict | None = None, extra_tensors: dict | None = None, endianess=None, quant=None,
-               add_bos: bool = False) -> Path:
+               add_bos: bool = False, chat_template: str | None = None) -> Path:
     """Write the same weights as a GGUF of the family's llama.cpp arch (F32 tensors, ggml names).
 
     ``llama`` (also Mistral): Q/K rows and biases permuted for adjacent-pair RoPE; ``gemma3``: every
@@ -157,7 +157,7 @@ def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch
     (``gguf.GGUFEndian.BIG``) writes a big-endian file (gguf-py swaps header and tensor data);
     ``quant(ggml_name, float32 array)`` may return ``(raw uint8 blocks, GGMLQuantizationType)`` to store
     a tensor quantised (``gguf.quants.quantize``), None to keep it F32.
-    ``add_bos``: the tokenizer adds BOS (:func:`add_tiny_tokenizer`).
+    ``add_bos``: the tokenizer adds BOS (:func:`add_tiny_tokenizer`); ``chat_template``: ``tokenizer.chat_template``.
     """
     fam = s.get("family", "llama")
     arch = arch or {"mistral": "llama"}.get(fam, fam)
@@ -188,6 +188,8 @@ def write_gguf(path: Path, w: dict, s: dict, theta: float | None = 10000.0, arch
         else:
             wr.add_string(key, str(v))
     add_tiny_tokenizer(wr, s["vocab"], add_bos)
+    if chat_template is not None:
+        wr.add_chat_template(chat_template)
     names = GEMMA_NAMES if fam == "gemma3" else GGUF_NAMES
     permute = arch == "llama"
     for k, t in w.items():

@@ -262,6 +262,10 @@ def check_request_limits(specs: list[PromptSpec], ctx_size: int, context_shift: 
             "each request generates up to min(--max-new-tokens, --ctx-size - 1) tokens"
         raise InfertraceError(f"the run could take up to {bound} steps ({why}), more than the {LIMITS['MAX_STEPS']} a trace "
                               "holds (MAX_STEPS); lower --max-new-tokens")
+    if context_shift:  # bounded by -n alone: at least the smallest trace it can write must fit the read cap
+        from infertrace.engine.trace_budget import check_context_shift_budget
+
+        check_context_shift_budget([s.params.max_new_tokens for s in specs], [s.arrival_step for s in specs])
 
 
 def print_run_cost(progress: Any, loaded: Any, specs: list[PromptSpec], opts: EngineOptions, dtype: str) -> None:

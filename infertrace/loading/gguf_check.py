@@ -77,6 +77,8 @@ class GGUFHeaderFacts:
     tensors: list[GGUFTensorEntry] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
     byte_order: str = "<"  # "<" little-endian, ">" big-endian (every number of the file)
+    #: key -> (value type, first byte of the value, byte after it): where each value's bytes lie
+    spans: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class _Broken(Exception):
@@ -254,6 +256,7 @@ def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
     for i in range(n_kv):
         key = _unique_name(w, f"key #{i}", MAX_GGUF_KEY_BYTES, seen, "key")
         vtype = w.u32(f"value type of {key!r}")
+        start = w.pos
         if key == "general.alignment":
             if vtype != _UINT32:
                 raise _Broken(f"general.alignment has type {_TYPE_NAMES.get(vtype, vtype)}, expected UINT32")
@@ -261,8 +264,10 @@ def _walk(buf: mmap.mmap | bytes, size: int) -> GGUFHeaderFacts:
             if align == 0 or align & (align - 1):
                 raise _Broken(f"general.alignment is {align}, not a power of two")
             facts.alignment = align
+            facts.spans[key] = (vtype, start, w.pos)
             continue
         w.value(vtype, f"value of {key!r}")
+        facts.spans[key] = (vtype, start, w.pos)
     facts.keys = list(seen)
     names: set[str] = set()
     for i in range(n_tensors):

@@ -12,7 +12,10 @@ for ``inspect``.
 Validity: an entry is found by (resolved path, size, mtime) and used only when the SHA-256 of
 the file's first ``header_len`` bytes (everything before the tensor data) equals the recorded
 one, the gguf-py version and cache format match, and every field passes type and bounds
-checks (offsets inside the file, known dtypes, sizes that agree with shapes). Anything else —
+checks (offsets inside the file, known dtypes, sizes that agree with shapes), and — because the
+digest proves the file unchanged, not the entry — its content equals the file's header bytes
+(tensor table re-derived from the walk, every value encoded back and compared:
+:mod:`infertrace.loading.gguf_cache_verify`). Anything else — a poisoned entry,
 a changed file, a corrupt or foreign cache file, an unwritable cache directory — falls back to
 ``GGUFReader``, silently. JSON only (never pickle); written atomically (temp file + rename).
 ``INFERTRACE_NO_CACHE=1`` turns the cache off.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -72,6 +75,8 @@ class GGUFHeader:
         n_tokens: length of ``tokenizer.ggml.tokens`` (0 when absent).
         tensors: the tensor table in file order.
         from_cache: True when read from the cache (for tests and benchmarks).
+        facts: on a cache hit, the :func:`~infertrace.loading.gguf_check.check_gguf_header` walk of the
+            file the entry was verified against (None after a parse).
     """
 
     path: Path
@@ -81,6 +86,7 @@ class GGUFHeader:
     n_tokens: int
     tensors: list[TensorEntry]
     from_cache: bool = False
+    facts: Any = field(default=None, compare=False, repr=False)  # the walk a cache hit was verified with
 
     def tensor_data(self, t: TensorEntry, mm: np.ndarray | None = None) -> np.ndarray:
         """The data of ``t`` as the read-only numpy view ``GGUFReader`` would give (``np_shape``).
@@ -250,12 +256,37 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _verified(h: GGUFHeader, p: Path) -> bool:
+    """The hit ``h`` checked against the file's header bytes (tensor table, keys, every value:
+    :mod:`infertrace.loading.gguf_cache_verify`); the walk is kept on ``h.facts``. A poisoned or
+    unverifiable entry is a miss (the file is parsed again and the entry rewritten).
+
+    Raises:
+        InfertraceError: the file's header itself is broken (check_gguf_header's one line).
+    """
+    import mmap
+
+    from infertrace.loading.gguf_cache_verify import cached_header_matches_file
+    from infertrace.loading.gguf_check import check_gguf_header
+
+    facts = check_gguf_header(p)
+    try:
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            ok = cached_header_matches_file(h, facts, mm)
+    except (OSError, ValueError):
+        return False
+    h.facts = facts
+    return ok
+
+
 def load_header(p: Path, open_reader: Callable[[Path], Any], use_cache: bool = True) -> tuple[GGUFHeader, Any]:
     """The header of GGUF file ``p``: from the cache when valid, else parsed by ``open_reader(p)``
     (a ``GGUFReader`` after the magic/version checks) and cached.
 
     Returns:
         ``(header, reader)``; ``reader`` is None on a cache hit.
+
+    A hit is used only when its content equals the file's header (:func:`_verified`).
 
     Raises:
         InfertraceError: whatever ``open_reader`` raises for a bad file (a cache hit implies the
@@ -266,7 +297,7 @@ def load_header(p: Path, open_reader: Callable[[Path], Any], use_cache: bool = T
     entry = _entry_path(d, p, st) if d is not None else None
     if entry is not None:
         h = _read_cache(entry, p, st)
-        if h is not None:
+        if h is not None and _verified(h, p):
             return h, None
     reader = open_reader(p)
     h = header_from_reader(p, reader)

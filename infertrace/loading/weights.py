@@ -172,7 +172,8 @@ def _gguf_header(p: Path) -> tuple[Any, dict[str, Any], bool]:
 
     Checks: on a miss :func:`_read_checked_gguf` runs check_gguf_header (in read_gguf) and
     check_gguf_tokenizer_fields before the entry is written; a hit needs the SHA-256 of the same
-    header bytes, and check_gguf_header (cheap, O(header)) runs again on every load anyway.
+    header bytes and its content equal to the file's header (gguf_meta._verified, which runs
+    check_gguf_header, cheap, O(header), on every hit).
     """
     from infertrace.loading.gguf_meta import load_header
 
@@ -181,7 +182,7 @@ def _gguf_header(p: Path) -> tuple[Any, dict[str, Any], bool]:
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:  # hostile metadata
         raise InfertraceError(f"cannot read GGUF {p.name}: invalid metadata ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120] if str(e) else '?'}); the file is broken") from None
-    facts = check_gguf_header(p) if header.from_cache else None
+    facts = (header.facts or check_gguf_header(p)) if header.from_cache else None
     big_endian = (facts.byte_order if facts is not None else gguf_file_byte_order(p)) == ">"
     return header, dict(header.display), big_endian
 

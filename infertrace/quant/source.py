@@ -280,15 +280,16 @@ class GGUFQuantSource:
         if any(i < 0 or i >= n for i in idl):
             raise InfertraceError(f"token id outside the {n}-row table {name}")
         out = []
-        for i in idl:
-            raw = self._rows_bytes(t, i, i + 1)  # [1, bytes_per_row]
-            if t.type_name in FLOAT_TYPES:
-                dt = {"F32": np.float32, "F16": np.float16}.get(t.type_name)
-                row = (raw.reshape(-1).view(dt).astype(np.float32) if dt is not None else
-                       (raw.reshape(-1).view(np.uint16).astype(np.uint32) << 16).view(np.float32))
-            else:
-                row = affine_dequantize(split_rows(raw, t.type_name)).reshape(-1)
-            out.append(row)
+        with np.errstate(all="ignore"):  # broken scales give inf/nan, as in the float path (the engine reports them)
+            for i in idl:
+                raw = self._rows_bytes(t, i, i + 1)  # [1, bytes_per_row]
+                if t.type_name in FLOAT_TYPES:
+                    dt = {"F32": np.float32, "F16": np.float16}.get(t.type_name)
+                    row = (raw.reshape(-1).view(dt).astype(np.float32) if dt is not None else
+                           (raw.reshape(-1).view(np.uint16).astype(np.uint32) << 16).view(np.float32))  # [in]
+                else:
+                    row = affine_dequantize(split_rows(raw, t.type_name)).reshape(-1)  # [in]
+                out.append(row)
         return torch.from_numpy(np.stack(out)) if out else torch.empty(0, 0)  # [T, in]
 
 

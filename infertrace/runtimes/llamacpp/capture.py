@@ -52,6 +52,8 @@ INPUTS = ("inp_tokens", "inp_pos", "attn_inp_kq_mask", "attn_inp_kq_mask_swa", "
 #: the copy a windowed layer consumes is stored as ``NAME_swa``
 PER_POOL = ("attn_inp_kq_mask", "attn_inp_k_idxs", "attn_inp_v_idxs")
 _LAYER_RE = re.compile(r"(?:cache_[kv]_l|-)(\d+)(?:\D|$)")
+#: ``enum ggml_tensor_flag`` (``ggml/include/ggml.h``): set by ``ggml_set_input`` on every graph input
+GGML_TENSOR_FLAG_INPUT = 1
 
 
 def consumer_layer(name: str, src_names: list[str]) -> int | None:
@@ -85,6 +87,18 @@ GgmlTensor._fields_ = [
     ("data", ctypes.c_void_p),
     ("name", ctypes.c_char * GGML_MAX_NAME),
 ]
+
+
+#: byte offsets in ``struct ggml_tensor`` of the fields the fast ask path reads
+_OFF_NAME, _OFF_SRC, _OFF_FLAGS = GgmlTensor.name.offset, GgmlTensor.src.offset, GgmlTensor.flags.offset
+_PTR = ctypes.sizeof(ctypes.c_void_p)
+_INPUTS_B = frozenset(n.encode() for n in INPUTS)
+_RS_PREFIXES = (b"cache_r_l", b"rs_s_copy")
+_string_at, _i32_at = ctypes.string_at, ctypes.c_int32.from_address
+
+
+def _ptr_at(a: int) -> int | None:
+    return ctypes.c_void_p.from_address(a).value
 
 
 def import_llama_cpp() -> Any:
@@ -203,10 +217,14 @@ class LlamaCppContext:
         self.cache_cells: dict[int, int] = {}
         self._rs_layer: str | None = None  # the first recurrent layer (hybrid models), as named in cache_r_l{il}
         self.cap = Captured()
+        #: the fast ask path (:meth:`_ask_fast`): on after a first ubatch read the slow way showed every input
+        #: flagged INPUT (and gave every layer's cache size); never for iSWA models (per-pool input names)
+        self._fast, self._flags_ok = False, True
         self._want_layer = {f"Qcur-{layer}", f"Kcur-{layer}", f"Vcur-{layer}", f"cache_k_l{layer} (view)",
                             f"cache_v_l{layer} (view)", "embd", "inp_scaled",  # inp_scaled: embd x sqrt(H) (Gemma)
                             # non-unified: ggml_set_rows into the streams merged to [n_embd_gqa, kv_size * n_stream] (cpy_k)
                             f"cache_k_l{layer} (reshaped) (view)", f"cache_v_l{layer} (reshaped) (view)"}
+        self._want_b = frozenset(n.encode() for n in self._want_layer)
         self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval)  # kept alive for the context's life
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
@@ -301,7 +319,18 @@ class LlamaCppContext:
 
     def _eval(self, addr: Any, ask: bool, user_data: Any) -> bool:
         """``ggml_backend_sched_eval_callback``: ``ask`` -> whether we want to see this node once
-        computed (it is wanted, or it consumes an input not read yet this ubatch); else read it."""
+        computed (it is wanted, or it consumes an input not read yet this ubatch); else read it.
+
+        llama.cpp asks about every node of the graph (~950 a token on SmolLM2-135M), so the answer is
+        the tracer's cost: after the first ubatch (:meth:`_ask_fast`) a node's sources are looked at
+        only when ggml flags one as a graph input, read straight from the struct's memory."""
+        if ask and self._fast:
+            try:
+                got = self._ask_fast(addr)
+            except Exception:  # never let a Python error unwind through C
+                return True
+            if got is not None:
+                return got
         try:
             tp = ctypes.cast(addr, ctypes.POINTER(GgmlTensor))
             t = tp.contents
@@ -321,6 +350,8 @@ class LlamaCppContext:
                     srcs.append((sname, t.src[i]))
             rs = self._rs_meta(t, name, names, ask)
             if ask:
+                for sname, sp in srcs:  # what the fast path relies on: every graph input carries ggml's INPUT flag
+                    self._flags_ok &= bool(sp.contents.flags & GGML_TENSOR_FLAG_INPUT)
                 return name in self._want_layer or bool(srcs) or rs
             if name in self._want_layer:
                 self._keep(name, tp)
@@ -329,6 +360,26 @@ class LlamaCppContext:
         except Exception:  # never let a Python error unwind through C
             return True
         return True
+
+    def _ask_fast(self, addr: int) -> bool | None:
+        """The ``ask`` answer of :meth:`_eval` without building ctypes structs: the node's name and source
+        pointers read at their offsets, names compared as bytes; a source's name is read only when its
+        ``flags`` has ``GGML_TENSOR_FLAG_INPUT`` (weights and intermediate nodes never do). None: decide on
+        the full path (a recurrent-state node, whose views :meth:`_rs_meta` reads)."""
+        nm = _string_at(addr + _OFF_NAME)
+        if nm in self._want_b:
+            return True
+        if nm.startswith(_RS_PREFIXES):
+            return None
+        for i in range(GGML_MAX_SRC):
+            p = _ptr_at(addr + _OFF_SRC + i * _PTR)
+            if not p:
+                return False
+            if _i32_at(p + _OFF_FLAGS).value & GGML_TENSOR_FLAG_INPUT:
+                sname = _string_at(p + _OFF_NAME)
+                if sname in _INPUTS_B and sname.decode() not in self.cap.tensors:
+                    return True
+        return False
 
     def _rs_meta(self, t: Any, name: str, names: list[str], ask: bool) -> bool:
         """Recurrent cells of the ubatch, read (at ``ask`` time, graph order) from the first recurrent
@@ -380,6 +431,7 @@ class LlamaCppContext:
             batch.n_tokens = N
             self.cap = Captured()
             rc = L.llama_decode(self.ctx, batch)
+            self._fast = self._flags_ok and not self.swa_layers and bool(self.cache_cells)
             if rc != 0:
                 raise InfertraceError(f"llama_decode returned {rc} (1: no KV slot; <0: error); raise --ctx-size")
             rows = []
