@@ -85,7 +85,7 @@ def cache(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["engine"] == "vllm" and len(out["requests"][0]["output_ids"]) == 2
-    hf = xdg / "infertrace" / "vllm-hf"
+    hf = xdg / "infertrace" / "vllm-hf-v2"
     entry_b = hf / _sha(b)
     _convert(b, entry_b, _sha(b))  # B's conversion, as a run on B would write it (no vLLM run needed)
     return SimpleNamespace(xdg=xdg, a=a, b=b, entry_a=hf / _sha(a), entry_b=entry_b)
@@ -96,7 +96,7 @@ def fresh(cache, tmp_path):
     """A private copy of the cache (each case plants into its own)."""
     xdg = tmp_path / "xdg"
     shutil.copytree(cache.xdg, xdg, symlinks=True)
-    hf = xdg / "infertrace" / "vllm-hf"
+    hf = xdg / "infertrace" / "vllm-hf-v2"
     return SimpleNamespace(xdg=xdg, a=cache.a, entry_a=hf / cache.entry_a.name, entry_b=hf / cache.entry_b.name)
 
 
@@ -218,7 +218,7 @@ def test_unwritable_cache_directory_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(PermissionError):
         os.makedirs("/sys/infertrace-test/x")
     line = _refusal(g, Path("/sys/infertrace-test"))
-    assert "cannot create the vLLM conversion cache /sys/infertrace-test/infertrace/vllm-hf" in line
+    assert "cannot create the vLLM conversion cache /sys/infertrace-test/infertrace/vllm-hf-v2" in line
     assert "XDG_CACHE_HOME" in line
 
     from infertrace import safe_io
@@ -248,7 +248,7 @@ def test_gguf_chat_template_does_not_reach_vllm(tmp_path):
     r = _vllm_run(g, xdg, timeout=600)  # before: killed at 240 s, still rendering
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(json.loads(r.stdout)["requests"][0]["output_ids"]) == 2
-    entry = xdg / "infertrace" / "vllm-hf" / _sha(g)
+    entry = xdg / "infertrace" / "vllm-hf-v2" / _sha(g)
     assert not (entry / "chat_template.jinja").exists()
     assert "chat_template" not in json.loads((entry / "tokenizer_config.json").read_text())
     assert time.perf_counter() - t0 < 600

@@ -5,7 +5,7 @@ converted once: HF transformers reads the GGUF with its own reader and dequantis
 (``from_pretrained(..., gguf_file=...)``, float32) and ``save_pretrained`` writes safetensors, the
 config and the tokenizer (not the chat template: vLLM is handed token ids, and renders a template
 at start-up without limits). The directory is cached under the user cache
-(``$XDG_CACHE_HOME/infertrace/vllm-hf/<sha256 of the file>``), written in a private directory
+(``$XDG_CACHE_HOME/infertrace/vllm-hf-v2/<sha256 of the file>``), written in a private directory
 beside it with a manifest of every file's SHA-256 and renamed into place; an entry is verified
 against the GGUF and its manifest before every use (:mod:`.convert_cache`).
 """

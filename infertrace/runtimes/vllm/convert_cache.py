@@ -1,6 +1,6 @@
 """The GGUF -> HF conversion cache of ``run --engine vllm``, trusted only after it is verified.
 
-A cache entry (``$XDG_CACHE_HOME/infertrace/vllm-hf/<sha256 of the GGUF>``) is what vLLM loads and
+A cache entry (``$XDG_CACHE_HOME/infertrace/vllm-hf-v2/<sha256 of the GGUF>``) is what vLLM loads and
 computes with while the trace names the GGUF file, so a planted entry — a symlink to another model's
 conversion, a symlinked ``model.safetensors``, another shape's files — would make the trace lie.
 An entry is used only when all of this holds, checked before vLLM starts:
@@ -43,7 +43,7 @@ NEEDED = ("config.json", "model.safetensors")
 
 
 def cache_root() -> Path:
-    """``<cache_dir>/vllm-hf``, created ``0700`` when missing, checked to be a real directory of
+    """``<cache_dir>/vllm-hf-v2`` (v2: entries with a manifest; older entries without one are left alone), created ``0700`` when missing, checked to be a real directory of
     this user that no one else can write.
 
     Raises:
@@ -52,7 +52,7 @@ def cache_root() -> Path:
     """
     from infertrace.loading.registry import cache_dir
 
-    root = cache_dir() / "vllm-hf"
+    root = cache_dir() / "vllm-hf-v2"
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
         if not os.path.lexists(root):
