@@ -39,6 +39,7 @@ from infertrace.engine.drive import drive_bounded, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
+from infertrace.runtimes.llamacpp.state_file import norm_to_neox  # torch-free; the slot-file reader uses it too
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, CellsInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
@@ -46,13 +47,6 @@ from infertrace.kv.iswa import IswaInputs, SwaCellsPool, swa_pool_size
 from infertrace.model.taps import EMBED, K, K_ROT, Q, Q_ROT, V
 
 ENGINE = "llama.cpp"
-
-
-def norm_to_neox(x: np.ndarray) -> np.ndarray:
-    """``[..., hd]`` in GGUF adjacent-pair order -> half-split order: ``out[j + a*hd/2] = x[2j + a]``
-    (the inverse of llama.cpp ``convert_hf_to_gguf``'s Q/K permutation, per head)."""
-    hd = x.shape[-1]
-    return x.reshape(*x.shape[:-1], hd // 2, 2).swapaxes(-1, -2).reshape(x.shape)
 
 
 class LlamaCppKV(CellsKV):
