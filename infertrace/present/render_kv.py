@@ -246,6 +246,11 @@ def render_state_dump(console: Console, d: dict[str, Any]) -> None:
         parts.append(Text("the file holds no cells (the slot was empty when saved)", style=DIM))
     if d.get("values"):
         parts.append(Text(f"K order: {d['k_order']}", style=DIM))
+        rot = d.get("attn_rot") or {}
+        if rot.get("k") or rot.get("v"):
+            parts.append(Text(f"llama.cpp stored this quantised cache rotated (Hadamard, K blocks of {rot.get('k') or '-'}, "
+                              f"V blocks of {rot.get('v') or '-'}); shown un-rotated. A server run with "
+                              "LLAMA_ATTN_ROT_DISABLE=1 did not rotate: set it here too", style="yellow"))
         parts.append(_values_view({**d, "backend": "cells"}))
     console.print(Panel(Group(*parts), title=Text.assemble(("llama.cpp slot state", "bold"), " · cells"),
                         title_align="left", box=box.ROUNDED))

@@ -11,6 +11,7 @@ here is the row of the file, not llama.cpp's cell index.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -76,7 +77,8 @@ def state_dump(state: SlotState, cfg: Any, head: int | None = None, positions: S
         ``{"source": "llama.cpp state file", "file", "bytes", "version", "tokens", "n_stream",
         "n_cells", "n_layer", "n_kv_heads", "head_dim", "types": {"k", "v"}, "k_order",
         "streams": [{"stream", "n_cells", "v_trans", "cells": [{"cell", "pos", "seq_ids"}], "seqs",
-        "layout"}], "values": None | {...}}``.
+        "layout"}], "values": None | {...}, "attn_rot": None | {"k", "v", "LLAMA_ATTN_ROT_DISABLE"}}``
+        (``attn_rot``: the Hadamard block sizes undone on K / V, 0 none).
 
     Raises:
         InfertraceError: ``head`` out of range, no cell at ``positions``.
@@ -90,4 +92,13 @@ def state_dump(state: SlotState, cfg: Any, head: int | None = None, positions: S
             "n_kv_heads": cfg.n_head_kv, "head_dim": cfg.head_dim, "types": _types(state),
             "k_order": ("half-split (llama.cpp's adjacent-pair rows of this GGUF un-permuted, as traces hold K)"
                         if norm else "as llama.cpp stores it (half-split)"),
-            "streams": [_stream_dict(s) for s in state.streams], "values": values}
+            "streams": [_stream_dict(s) for s in state.streams], "values": values,
+            "attn_rot": _rotation(state)}
+
+
+def _rotation(state: SlotState) -> dict[str, Any] | None:
+    """The Hadamard rotation undone on the shown layer (None: no values read)."""
+    if state.layer is None or not state.streams:
+        return None
+    rk, rv = state.streams[0].rot
+    return {"k": rk, "v": rv, "LLAMA_ATTN_ROT_DISABLE": os.environ.get("LLAMA_ATTN_ROT_DISABLE")}

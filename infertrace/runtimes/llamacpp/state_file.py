@@ -22,6 +22,15 @@ default model is). Refused in one line: hybrid models (``llama_memory_hybrid`` w
 state after the attention cache), sliding-window models (``llama_kv_cache_iswa`` writes two caches),
 M-RoPE models (their cells carry a ``llama_kv_cell_ext`` the layout above does not have).
 
+Quantised caches hold rotated K/V: llama.cpp (``llama_kv_cache`` constructor, ``attn_rot_k`` /
+``attn_rot_v``; PR #21038) multiplies K and V by an orthonormal Walsh-Hadamard matrix before storing them
+when the cache type is quantised, ``n_embd_head % 64 == 0`` and ``LLAMA_ATTN_ROT_DISABLE`` is unset or 0;
+K in blocks of ``nrot`` = the largest power of two dividing ``n_embd_head_k`` (``build_input_k_rot``), V in
+blocks of 64 (``build_input_v_rot``); ``ggml_gen_hadamard`` (Sylvester, ``1/sqrt(n)``, ``H·H = I``). The
+file does not say whether it ran, so the same rule is applied here, ``LLAMA_ATTN_ROT_DISABLE`` read from
+this process's environment (set it as the server had it), and what was undone is recorded
+(:func:`attn_rot`; ``StateStream.rot``).
+
 Every count and size the file holds is bounded before it is used: by the model (``n_layer``,
 ``n_embd_k_gqa`` / ``n_embd_v_gqa``, the K/V type's ``ggml_row_size``, ``vocab_size``), by llama.cpp's
 own limits (``LLAMA_MAX_SEQ`` = 256 sequences / streams) and by the bytes left in the file. Reads are
@@ -85,6 +94,7 @@ class StateStream:
     layers: list[StateLayer] = field(default_factory=list)
     k: np.ndarray | None = None  # float32 [n_cells, n_kv, hd] of the chosen layer (infertrace's K order)
     v: np.ndarray | None = None  # float32 [n_cells, n_kv, hd]
+    rot: tuple[int, int] = (0, 0)  # Hadamard block size undone on K, V of the chosen layer (0: none)
 
 
 @dataclass
@@ -343,15 +353,65 @@ def _decode(raw: bytes, t: int, n_rows: int, width: int) -> np.ndarray:
                               "save the slot with an f16 / f32 / q8_0 cache") from None
 
 
+def _atoi(text: str | None) -> int:
+    """C ``atoi``: leading blanks, an optional sign, the digits that follow (0 when there are none)."""
+    t = (text or "").lstrip()
+    sign = -1 if t[:1] == "-" else 1
+    t = t[1:] if t[:1] in "+-" else t
+    digits = len(t) - len(t.lstrip("0123456789"))
+    return sign * int(t[:digits]) if digits else 0
+
+
+def attn_rot(t: int, head_dim: int, which: str) -> int:
+    """Block size of the Hadamard rotation llama.cpp applied to a ``which`` (``"k"``/``"v"``) cache of ggml
+    type ``t`` (0: none), by the rule of the module docstring.
+
+    Returns:
+        0, or ``nrot``: K the largest power of two dividing ``head_dim``, V 64.
+    """
+    if _atoi(os.environ.get("LLAMA_ATTN_ROT_DISABLE")) or head_dim % 64:
+        return 0
+    blk = _quant_sizes().get(t, (1, 0))[0]
+    if blk <= 1:  # F32 / F16 / BF16 / integers: ggml_is_quantized false
+        return 0
+    if which == "v":
+        return 64
+    nrot = 64
+    while head_dim % (nrot * 2) == 0:
+        nrot *= 2
+    return nrot
+
+
+def hadamard(n: int) -> np.ndarray:
+    """``ggml_gen_hadamard``: the orthonormal Sylvester Walsh-Hadamard matrix, float32 ``[n, n]`` (n a power of 2)."""
+    h = np.ones((1, 1), dtype=np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def _unrotate(x: np.ndarray, nrot: int) -> np.ndarray:
+    """``x`` ``[n, width]`` with each run of ``nrot`` values multiplied by H again (``H·H = I``)."""
+    if not nrot:
+        return x
+    n = x.shape[0]
+    return (x.reshape(n, -1, nrot) @ hadamard(nrot)).reshape(n, -1)  # [n, width / nrot, nrot] -> [n, width]
+
+
 def _layer_values(f: _File, cfg: Any, s: StateStream, il: int) -> tuple[np.ndarray, np.ndarray]:
-    """Layer ``il``'s K and V of stream ``s``: float32 ``[n_cells, n_kv, hd]`` each."""
+    """Layer ``il``'s K and V of stream ``s``: float32 ``[n_cells, n_kv, hd]`` each, un-rotated
+    (:func:`attn_rot`), K in half-split order."""
     L, n, nkv, hd = s.layers[il], len(s.pos), cfg.n_head_kv, cfg.head_dim
     short = f"{f.name} shrank while being read; read it again"
-    k = _decode(pread_exact(f.fd, L.k_off, n * L.k_row, short), L.k_type, n, nkv * hd).reshape(n, nkv, hd)
+    rk, rv = attn_rot(L.k_type, hd, "k"), attn_rot(L.v_type, hd, "v")
+    s.rot = (rk, rv)
+    k = _unrotate(_decode(pread_exact(f.fd, L.k_off, n * L.k_row, short), L.k_type, n, nkv * hd), rk)  # [n, nkv*hd]
+    k = k.reshape(n, nkv, hd)
     if getattr(cfg, "rope_pairing_in_file", "norm") == "norm":  # GGUF Q/K rows permuted (llama): half-split, as traces
         k = norm_to_neox(k)
     if s.v_trans:  # [n_embd_v_gqa, n_cells] elements -> [n_cells, n_embd_v_gqa]
         v = _decode(pread_exact(f.fd, L.v_off, nkv * hd * n * L.v_row, short), L.v_type, nkv * hd, n).T
     else:
         v = _decode(pread_exact(f.fd, L.v_off, n * L.v_row, short), L.v_type, n, nkv * hd)
-    return np.ascontiguousarray(k), np.ascontiguousarray(v).reshape(n, nkv, hd)
+    v = _unrotate(np.ascontiguousarray(v), rv)
+    return np.ascontiguousarray(k), v.reshape(n, nkv, hd)
