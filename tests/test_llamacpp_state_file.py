@@ -206,6 +206,62 @@ def test_q8_0_server_without_rotation(smol, llama_cpp, tmp_path, monkeypatch) ->
     assert np.all(np.abs(a.streams[0].v - b.streams[0].v) <= amax * (1 / 254 + 2 ** -9))
 
 
+# ----------------------------------------------------------------------------- shared cells, streams
+
+
+def _ctx_save(lc, path: Path, seq_id: int, tokens: list[int]) -> None:
+    _save(lc.L, lc.ctx, path, tokens, seq_id)
+
+
+def test_shared_cells_and_whole_cache_save(smol_path, smol, llama_cpp, tmp_path) -> None:
+    """seq 1 shares seq 0's first 3 cells (llama_memory_seq_cp) and adds 2 of its own; llama.cpp saves the
+    whole cache (seq_id -1: every cell with all its owners) and seq 1 alone (its 5 cells, seq id 1 only)."""
+    from infertrace.runtimes.llamacpp.capture import LlamaCppContext
+    from infertrace.runtimes.llamacpp.state_file import read_state_file
+
+    toks = smol.tokenizer.encode(PROMPT)
+    n = len(toks)
+    lc = LlamaCppContext(smol_path, 256, 64, 2, 0, 1)
+    try:
+        lc.decode(toks, list(range(n)), [0] * n, [False] * (n - 1) + [True])
+        lc.seq_cp(0, 1, 0, 3)
+        lc.decode([11, 12], [3, 4], [1, 1], [False, True])
+        ranges = {sid: lc.seq_pos_range(sid) for sid in (0, 1)}  # llama_memory_seq_pos_min / _max
+        _ctx_save(lc, tmp_path / "all.bin", -1, toks)
+        _ctx_save(lc, tmp_path / "s1.bin", 1, toks[:3] + [11, 12])
+    finally:
+        lc.close()
+    a = read_state_file(tmp_path / "all.bin", smol.config, layer=2).streams[0]
+    one = read_state_file(tmp_path / "s1.bin", smol.config, layer=2).streams[0]
+    assert ranges == {0: (0, n - 1), 1: (0, 4)}
+    assert a.seq_ids == [(0, 1)] * 3 + [(0,)] * (n - 3) + [(1,), (1,)]  # cell order: seq 1's new cells after seq 0's
+    assert a.pos.tolist() == list(range(n)) + [3, 4]
+    for sid, (lo, hi) in ranges.items():
+        assert sorted(int(p) for p, ids in zip(a.pos, a.seq_ids) if sid in ids) == list(range(lo, hi + 1))
+    assert one.seq_ids == [(1,)] * 5 and one.pos.tolist() == [0, 1, 2, 3, 4]
+    assert np.array_equal(one.k[:3], a.k[:3]) and np.array_equal(one.k[3:], a.k[n:])  # the same cells, saved twice
+    assert not np.allclose(one.v[3:], a.v[3:5])  # seq 1's tokens 11, 12 at pos 3, 4 are not seq 0's
+    r = CliRunner().invoke(app, ["dump-kv", "--state", str(tmp_path / "all.bin")])
+    assert r.exit_code == 0 and "MMM" in r.output  # the cell map marks shared cells as dump-kv does
+
+
+def test_non_unified_cache_saves_every_stream(smol_path, smol, llama_cpp, tmp_path) -> None:
+    """kv_unified = false (one stream per sequence): the file has n_stream 2, stream 0 empty, seq 1 in stream 1."""
+    from infertrace.runtimes.llamacpp.capture import LlamaCppContext
+    from infertrace.runtimes.llamacpp.state_file import read_state_file
+
+    toks = smol.tokenizer.encode(PROMPT)
+    lc = LlamaCppContext(smol_path, 512, 64, 2, 0, 1, kv_unified=False)
+    try:
+        lc.decode(toks, list(range(len(toks))), [0] * len(toks), [False] * (len(toks) - 1) + [True])
+        lc.decode([11, 12], [0, 1], [1, 1], [False, True])
+        _ctx_save(lc, tmp_path / "s1.bin", 1, [11, 12])
+    finally:
+        lc.close()
+    st = read_state_file(tmp_path / "s1.bin", smol.config)
+    assert st.n_stream == 2 and [(s.stream, s.pos.tolist(), s.seq_ids) for s in st.streams] == [(1, [0, 1], [(1,), (1,)])]
+
+
 # ----------------------------------------------------------------------------- hostile files
 
 
