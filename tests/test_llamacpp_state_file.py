@@ -42,8 +42,8 @@ def _save(L, ctx, path: Path, tokens: list[int], seq_id: int = 0) -> int:
     return int(n)
 
 
-def _traced_run(smol, path: Path, flash: str) -> tuple[dict, list[int]]:
-    """infertrace's llama.cpp engine on PROMPT, layer LAYER, full tensors kept; llama.cpp saves seq 0's
+def _traced_run(smol, path: Path, flash: str, layer: int = LAYER) -> tuple[dict, list[int]]:
+    """infertrace's llama.cpp engine on PROMPT, layer ``layer``, full tensors kept; llama.cpp saves seq 0's
     state into ``path`` right after step SAVE_AT (the cache tokens: prompt + the tokens decoded so far)."""
     from infertrace.capture.recorder import Recorder
     from infertrace.engine.drive import drive_bounded, encode_requests
@@ -51,8 +51,8 @@ def _traced_run(smol, path: Path, flash: str) -> tuple[dict, list[int]]:
 
     specs = [PromptSpec(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True))]
     tensors: dict = {}
-    rec = Recorder(smol.tokenizer, smol.config, layer=LAYER, layers=[LAYER], tensors=tensors)
-    eng = LlamaCppEngine(smol, EngineOptions(ctx_size=256), rec, LAYER, n_seq_max=1, n_threads=1, flash_attn=flash)
+    rec = Recorder(smol.tokenizer, smol.config, layer=layer, layers=[layer], tensors=tensors)
+    eng = LlamaCppEngine(smol, EngineOptions(ctx_size=256), rec, layer, n_seq_max=1, n_threads=1, flash_attn=flash)
     saved: list[int] = []
 
     def on_step(_batch) -> None:
@@ -81,7 +81,7 @@ def test_cells_and_tokens_are_what_llamacpp_holds(traced, smol) -> None:
     path, _, tokens, _ = traced
     st = read_state_file(path, smol.config)
     assert st.tokens == tokens and len(tokens) == len(smol.tokenizer.encode(PROMPT)) + SAVE_AT
-    assert st.n_stream == 1 and len(st.streams) == 1
+    assert st.n_stream == {"kv": 1} and len(st.streams) == 1
     s = st.streams[0]
     assert s.pos.tolist() == list(range(len(tokens)))  # one cell per decoded token, positions 0..n-1
     assert s.seq_ids == [(0,)] * len(tokens)
@@ -96,16 +96,21 @@ def test_v_layout_follows_flash_attention(traced, smol) -> None:
 
 def test_kv_equal_to_the_trace_of_the_same_run(traced, smol) -> None:
     """The file's layer-LAYER K/V = what the capture recorded after step SAVE_AT, by position."""
+    path, tensors, tokens, flash = traced
+    _assert_kv_equal_trace(path, tensors, tokens, smol.config, LAYER)
+
+
+def _assert_kv_equal_trace(path: Path, tensors: dict, tokens: list[int], cfg, layer: int, pool: str = "kv") -> None:
     from infertrace.runtimes.llamacpp.state_file import read_state_file
 
-    path, tensors, tokens, flash = traced
-    st = read_state_file(path, smol.config, layer=LAYER)
-    s = st.streams[0]
-    k_tr = tensors[f"step{SAVE_AT}/layer{LAYER}/seq0/k_cache"].float().numpy()  # [len, n_kv, hd]
-    v_tr = tensors[f"step{SAVE_AT}/layer{LAYER}/seq0/v_cache"].float().numpy()
+    st = read_state_file(path, cfg, layer=layer)
+    (s,) = [x for x in st.streams if x.k is not None]
+    assert s.pool == pool
+    k_tr = tensors[f"step{SAVE_AT}/layer{layer}/seq0/k_cache"].float().numpy()  # [len, n_kv, hd]
+    v_tr = tensors[f"step{SAVE_AT}/layer{layer}/seq0/v_cache"].float().numpy()
     order = np.argsort(s.pos)
     k, v = s.k[order], s.v[order]
-    assert k.shape == k_tr.shape == (len(tokens), smol.config.n_head_kv, smol.config.head_dim)
+    assert k.shape == k_tr.shape == (len(tokens), cfg.n_head_kv, cfg.head_dim)
     # both are llama.cpp's F16 cache values: equal within fp16 rounding (the trace's V without flash attention
     # comes from the F32 Vcur-{il} rounded to F16 by torch, the file's from ggml's F32 -> F16 conversion)
     half_ulp = np.maximum(np.abs(k_tr), 2.0 ** -14) * 2.0 ** -11
@@ -259,7 +264,39 @@ def test_non_unified_cache_saves_every_stream(smol_path, smol, llama_cpp, tmp_pa
     finally:
         lc.close()
     st = read_state_file(tmp_path / "s1.bin", smol.config)
-    assert st.n_stream == 2 and [(s.stream, s.pos.tolist(), s.seq_ids) for s in st.streams] == [(1, [0, 1], [(1,), (1,)])]
+    assert st.n_stream == {"kv": 2} and [(s.stream, s.pos.tolist(), s.seq_ids) for s in st.streams] == [(1, [0, 1], [(1,), (1,)])]
+
+
+# ----------------------------------------------------------------------------- Gemma 3: llama.cpp's iSWA cache
+
+
+@pytest.mark.parametrize("layer, pool", [(5, "base"), (0, "swa")], ids=["full_attention", "windowed"])
+def test_iswa_kv_equal_to_the_trace_of_the_same_run(gemma, llama_cpp, tmp_path, layer, pool) -> None:
+    """Gemma 3 270M: the base cache (layers 5, 11, 17) then the SWA cache (the windowed layers); each layer's
+    K/V = what the capture recorded from the pool llama.cpp wrote it to."""
+    path = tmp_path / "gemma.bin"
+    tensors, tokens = _traced_run(gemma, path, "off", layer)
+    _assert_kv_equal_trace(path, tensors, tokens, gemma.config, layer, pool)
+
+
+def test_iswa_saves_only_cells_inside_the_window(gemma_path, gemma, llama_cpp, tmp_path) -> None:
+    """A prompt longer than the window W = 512: the base cache saves every position, the SWA cache only those
+    a query at the last position still sees (llama_kv_cache::state_write skips is_masked_swa cells:
+    p_max - p >= W), i.e. positions p_max - W + 1 .. p_max."""
+    from infertrace.runtimes.llamacpp.state_file import read_state_file
+
+    llm = llama_cpp.Llama(model_path=str(gemma_path), n_ctx=1024, n_batch=1024, n_threads=1, verbose=False)
+    try:
+        toks = llm.tokenize(("one two three four five six seven eight " * 70).encode(), add_bos=True)[:530]
+        llm.eval(toks)
+        _save(llama_cpp, llm._ctx.ctx, tmp_path / "long.bin", toks)
+    finally:
+        llm.close()
+    W, n = gemma.config.sliding_window, len(toks)
+    assert W == 512 and n == 530
+    st = read_state_file(tmp_path / "long.bin", gemma.config)
+    by = {s.pool: sorted(s.pos.tolist()) for s in st.streams}
+    assert by == {"base": list(range(n)), "swa": list(range(n - W, n))}
 
 
 # ----------------------------------------------------------------------------- hostile files

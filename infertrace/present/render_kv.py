@@ -229,15 +229,24 @@ def render_state_dump(console: Console, d: dict[str, Any]) -> None:
     shown = ", ".join(str(t) for t in toks[:16]) + (f", … ({len(toks)} in all)" if len(toks) > 16 else "")
     facts = [("file", f"{d['file']} · {human_bytes(d['bytes'])} · llama.cpp sequence state ('ggsq' v{d['version']})"),
              ("tokens", f"{len(toks)} saved with the slot: [{shown}]"),
-             ("storage", f"{d['n_cells']} cells × {d['n_layer']} layers · K {d['types']['k']} · V {d['types']['v']} "
-                         f"· [{d['n_kv_heads']} kv heads, {d['head_dim']}] per cell · {d['n_stream']} stream(s)")]
-    if d["n_cells"] != len(toks):
-        facts.append(("note", Text(f"{d['n_cells']} cells for {len(toks)} tokens: the cache does not hold exactly the "
+             ("storage", f"{d['n_layer']} layers · K {d['types']['k']} · V {d['types']['v']} · [{d['n_kv_heads']} kv heads, "
+                         f"{d['head_dim']}] per cell")]
+    for name, pc in d["pools"].items():
+        what = {"kv": "", "base": "base cache (full-attention layers): ", "swa": "SWA cache (windowed layers): "}.get(name, "")
+        facts.append(("cache" if name == "kv" else name,
+                      f"{what}layers {pc['layers']} · {pc['n_cells']} cells saved · {pc['n_stream']} stream(s)"))
+    n_main = next(iter(d["pools"].values()))["n_cells"] if d["pools"] else 0
+    if n_main != len(toks):
+        facts.append(("note", Text(f"{n_main} cells for {len(toks)} tokens: the cache does not hold exactly the "
                                    "saved tokens (a token not yet decoded, or cells removed)", style="yellow")))
+    if "swa" in d["pools"]:
+        facts.append(("window", Text("the SWA cache saves only the cells still inside a sequence's window "
+                                     "(llama_kv_cache::state_write skips is_masked_swa cells)", style="magenta")))
     parts: list[RenderableType] = [_facts(facts)]
     for s in d["streams"]:
         v = "transposed (V^T per channel: no flash attention)" if s["v_trans"] else "rows (flash attention)"
-        parts.append(_facts([(f"stream {s['stream']}", f"{s['n_cells']} cells in the file · V stored as {v} · a row "
+        label = f"stream {s['stream']}" if s.get("pool", "kv") == "kv" else f"{s['pool']} stream {s['stream']}"
+        parts.append(_facts([(label, f"{s['n_cells']} cells in the file · V stored as {v} · a row "
                               "number is the cell's order in the file (llama.cpp saves no cell index)")]))
         parts += _layout_parts(s["layout"], "rows")
         parts.append(_facts([(f"seq {k}", f"rows {x['cells']} · pos {x['pos']}") for k, x in s["seqs"].items()],

@@ -186,7 +186,10 @@ class LlamaCppKV(CellsKV):
             return t[fallback].reshape(N, nkv, hd)  # not readable as rows: the values the graph wrote
 
         k = rows(f"cache_k_l{il} (view)", f"Kcur-{il}")
-        v = rows(f"cache_v_l{il} (view)", f"Vcur-{il}")
+        # without flash attention llama.cpp stores V transposed (v_trans): its cache view is not rows of cells,
+        # even when its shape happens to read as [cells, nkv, hd] (Gemma 3: nkv 1, hd 256 = a 256-cell cache)
+        v = rows(f"cache_v_l{il} (view)", f"Vcur-{il}") if self.lctx.flash_attn_used is not False else \
+            t[f"Vcur-{il}"].reshape(N, nkv, hd)
         k = np.asarray(k, dtype=np.float32)
         if getattr(self.cfg, "rope_pairing_in_file", "norm") == "norm":  # GGUF Q/K rows permuted (llama): back to half-split
             k = norm_to_neox(k)

@@ -18,7 +18,7 @@ import numpy as np
 
 from infertrace.errors import InfertraceError
 from infertrace.ranges import ranges_text
-from infertrace.runtimes.llamacpp.state_file import SlotState, type_name
+from infertrace.runtimes.llamacpp.state_file import SlotState, pools, type_name
 from infertrace.trace.kv_dump import N_FIRST, cells_layout
 
 
@@ -37,7 +37,7 @@ def _stream_dict(s: Any) -> dict[str, Any]:
         rows = [c for c in cells if sid in c["seq_ids"]]
         seqs[str(sid)] = {"cells": ranges_text([c["cell"] for c in rows]), "pos": ranges_text(sorted(c["pos"] for c in rows)),
                           "n": len(rows)}
-    return {"stream": s.stream, "n_cells": len(cells), "v_trans": s.v_trans, "cells": cells, "seqs": seqs,
+    return {"pool": s.pool, "stream": s.stream, "n_cells": len(cells), "layers": [L.il for L in s.layers], "v_trans": s.v_trans, "cells": cells, "seqs": seqs,
             "layout": cells_layout(phys)}
 
 
@@ -49,18 +49,21 @@ def _values(state: SlotState, cfg: Any, head: int, positions: Sequence[int] | No
     wanted = None if positions is None else set(positions)
     by_seq: dict[int, list[dict[str, Any]]] = {}
     for s in state.streams:
-        assert s.k is not None and s.v is not None
+        if s.k is None or s.v is None:  # an iSWA cache: the other pool holds this layer
+            continue
         for i, (p, ids) in enumerate(zip(s.pos, s.seq_ids)):
             for sid in ids:
                 row = by_seq.setdefault(sid, [])
                 if wanted is None or int(p) in wanted:
-                    row.append({"pos": int(p), "cell": i, "stream": s.stream,
+                    row.append({"pos": int(p), "cell": i, "stream": s.stream, "pool": s.pool,
                                 "k": [float(x) for x in np.asarray(s.k[i, head, :n])],
                                 "v": [float(x) for x in np.asarray(s.v[i, head, :n])]})
     if positions is not None and by_seq and not any(by_seq.values()):
         raise InfertraceError(f"--positions {ranges_text(list(positions))}: the file holds no cell at those positions")
     reqs = [{"seq_id": sid, "len": len(rows), "rows": sorted(rows, key=lambda r: r["pos"])} for sid, rows in sorted(by_seq.items())]
-    return {"layer": state.layer, "head": head, "full": full, "n_values": n, "source": "state file", "requests": reqs}
+    pool = next((s.pool for s in state.streams if s.k is not None), None)
+    return {"layer": state.layer, "head": head, "full": full, "n_values": n, "source": "state file", "pool": pool,
+            "requests": reqs}
 
 
 def state_dump(state: SlotState, cfg: Any, head: int | None = None, positions: Sequence[int] | None = None,
@@ -74,9 +77,9 @@ def state_dump(state: SlotState, cfg: Any, head: int | None = None, positions: S
             ``head_dim`` values or the first :data:`~infertrace.trace.kv_dump.N_FIRST`).
 
     Returns:
-        ``{"source": "llama.cpp state file", "file", "bytes", "version", "tokens", "n_stream",
-        "n_cells", "n_layer", "n_kv_heads", "head_dim", "types": {"k", "v"}, "k_order",
-        "streams": [{"stream", "n_cells", "v_trans", "cells": [{"cell", "pos", "seq_ids"}], "seqs",
+        ``{"source": "llama.cpp state file", "file", "bytes", "version", "tokens", "pools": {pool: {"n_stream",
+        "n_cells", "layers"}}, "n_layer", "n_kv_heads", "head_dim", "types": {"k", "v"}, "k_order",
+        "streams": [{"pool", "stream", "n_cells", "layers", "v_trans", "cells": [{"cell", "pos", "seq_ids"}], "seqs",
         "layout"}], "values": None | {...}, "attn_rot": None | {"k", "v", "LLAMA_ATTN_ROT_DISABLE"}}``
         (``attn_rot``: the Hadamard block sizes undone on K / V, 0 none).
 
@@ -88,7 +91,9 @@ def state_dump(state: SlotState, cfg: Any, head: int | None = None, positions: S
         values = _values(state, cfg, head or 0, positions, full)
     norm = getattr(cfg, "rope_pairing_in_file", "norm") == "norm"
     return {"source": "llama.cpp state file", "file": state.path, "bytes": state.size, "version": state.version,
-            "tokens": list(state.tokens), "n_stream": state.n_stream, "n_cells": state.n_cells, "n_layer": cfg.n_layer,
+            "tokens": list(state.tokens), "n_layer": cfg.n_layer,
+            "pools": {pool: {"n_stream": state.n_stream[pool], "n_cells": state.n_cells(pool), "layers": ranges_text(layers)}
+                      for pool, layers in pools(cfg)},
             "n_kv_heads": cfg.n_head_kv, "head_dim": cfg.head_dim, "types": _types(state),
             "k_order": ("half-split (llama.cpp's adjacent-pair rows of this GGUF un-permuted, as traces hold K)"
                         if norm else "as llama.cpp stores it (half-split)"),
@@ -100,5 +105,5 @@ def _rotation(state: SlotState) -> dict[str, Any] | None:
     """The Hadamard rotation undone on the shown layer (None: no values read)."""
     if state.layer is None or not state.streams:
         return None
-    rk, rv = state.streams[0].rot
+    rk, rv = next((s.rot for s in state.streams if s.k is not None), (0, 0))
     return {"k": rk, "v": rv, "LLAMA_ATTN_ROT_DISABLE": os.environ.get("LLAMA_ATTN_ROT_DISABLE")}

@@ -17,10 +17,13 @@ What it mirrors (llama.cpp as vendored by llama-cpp-python 0.3.36: ``LLAMA_STATE
   (``ggml_type_size``), ``u32 n_embd_v_gqa``, then for each of the ``n_embd_v_gqa`` channels the
   ``cell_count`` elements of the cells.
 
-Read here: the plain ``llama_kv_cache`` of a model whose layers all have K/V (the llama family the
-default model is). Refused in one line: hybrid models (``llama_memory_hybrid`` writes the recurrent
-state after the attention cache), sliding-window models (``llama_kv_cache_iswa`` writes two caches),
-M-RoPE models (their cells carry a ``llama_kv_cell_ext`` the layout above does not have).
+Read here: the plain ``llama_kv_cache`` (every layer in one cache: the llama family the default model
+is), and ``src/llama-kv-cache-iswa.cpp`` ``llama_kv_cache_iswa::state_write`` of sliding-window models
+(Gemma 3): the base cache (the full-attention layers) then the SWA cache (the windowed layers), each a
+whole ``llama_kv_cache::state_write`` as above (its ``n_layer`` = its own layers; a sequence's cells that
+left the window are not saved in the SWA cache: ``is_masked_swa``). Refused in one line: hybrid models
+(``llama_memory_hybrid`` writes the recurrent state after the attention cache), M-RoPE models (their
+cells carry a ``llama_kv_cell_ext`` the layout above does not have).
 
 Quantised caches hold rotated K/V: llama.cpp (``llama_kv_cache`` constructor, ``attn_rot_k`` /
 ``attn_rot_v``; PR #21038) multiplies K and V by an orthonormal Walsh-Hadamard matrix before storing them
@@ -85,8 +88,10 @@ class StateLayer:
 
 @dataclass
 class StateStream:
-    """One stream of the saved cache: its cells in file order and its layers' data."""
+    """One stream of one saved cache (``pool``: ``kv``, or ``base`` / ``swa`` for an iSWA cache): its cells
+    in file order and its layers' data (``StateLayer.il``: the model layer)."""
 
+    pool: str
     stream: int
     pos: np.ndarray  # int32 [n_cells]
     seq_ids: list[tuple[int, ...]]  # per cell
@@ -105,14 +110,13 @@ class SlotState:
     size: int
     version: int
     tokens: list[int]
-    n_stream: int
+    n_stream: dict[str, int]  # per cache (pool) its n_stream
     streams: list[StateStream]
     layer: int | None = None
 
-    @property
-    def n_cells(self) -> int:
-        """Cells saved, all streams together."""
-        return sum(len(s.pos) for s in self.streams)
+    def n_cells(self, pool: str) -> int:
+        """Cells saved in cache ``pool``, all its streams together."""
+        return sum(len(s.pos) for s in self.streams if s.pool == pool)
 
 
 class _File:
@@ -157,9 +161,6 @@ def _check_model(cfg: Any) -> None:
     if getattr(cfg, "is_hybrid", False):
         raise InfertraceError("--state: this model is hybrid (llama.cpp saves its recurrent state after the attention "
                               "cache); reading it is not supported: use a model with attention layers only")
-    if getattr(cfg, "windowed_layers", None):
-        raise InfertraceError("--state: this model has sliding-window layers (llama.cpp's iSWA cache saves two caches "
-                              "back to back); reading it is not supported")
     if getattr(cfg, "mrope_sections", ()):
         raise InfertraceError("--state: this model uses M-RoPE (its cells carry llama_kv_cell_ext in the file); "
                               "reading it is not supported")
@@ -216,30 +217,50 @@ def read_state_file(path: str | Path, cfg: Any, layer: int | None = None) -> Slo
     try:
         f = _File(fd, st.st_size, name)
         version, tokens = _header(f, cfg)
-        n_stream = f.u32("n_stream")
-        if not 1 <= n_stream <= LLAMA_MAX_SEQ:
-            raise f.fail(f"n_stream {n_stream} is outside 1..{LLAMA_MAX_SEQ} (LLAMA_MAX_SEQ); not a state file of a KV cache")
-        streams = []
-        for s in range(n_stream):
-            n = f.u32(f"stream {s} cell_count")
-            if n == 0:
-                continue
-            if n > MAX_CELLS or n > f.left() // 12:
-                raise f.fail(f"stream {s} claims {n} cells, more than the {f.left()} bytes left can hold "
-                             f"(12+ bytes each) or than {MAX_CELLS}; the file is corrupt")
-            streams.append(_stream(f, cfg, s, n))
+        streams: list[StateStream] = []
+        n_stream = {}
+        for pool, layers in pools(cfg):
+            n_stream[pool] = _cache(f, cfg, pool, layers, streams)
         if f.left():
             raise f.fail(f"{f.left()} bytes after the saved cache (at byte {f.at}); not a slot file of this model "
-                         "(hybrid / iSWA memories write more than one cache)")
+                         "(a hybrid memory writes its recurrent state after the cache)")
         out = SlotState(name, st.st_size, version, tokens, n_stream, streams, layer)
         if layer is not None:
             for s in streams:
-                s.k, s.v = _layer_values(f, cfg, s, layer)
+                if any(L.il == layer for L in s.layers):
+                    s.k, s.v = _layer_values(f, cfg, s, layer)
         return out
     except OSError as e:
         raise InfertraceError(f"cannot read {name}: {e.strerror or e}") from None
     finally:
         os.close(fd)
+
+
+def pools(cfg: Any) -> list[tuple[str, list[int]]]:
+    """The caches llama.cpp saves for ``cfg``, in file order, each with its model layers: ``[("kv", all)]``, or
+    for sliding-window models ``[("base", full-attention layers), ("swa", windowed layers)]``
+    (``llama_kv_cache_iswa``: ``kv_base`` then ``kv_swa``)."""
+    win = set(getattr(cfg, "windowed_layers", None) or [])
+    if not win:
+        return [("kv", list(range(cfg.n_layer)))]
+    return [("base", [i for i in range(cfg.n_layer) if i not in win]), ("swa", sorted(win))]
+
+
+def _cache(f: _File, cfg: Any, pool: str, layers: list[int], out: list[StateStream]) -> int:
+    """One ``llama_kv_cache::state_write``: ``n_stream``, then each stream's cells and data (into ``out``)."""
+    what = "" if pool == "kv" else f"{pool} cache "
+    n_stream = f.u32(f"{what}n_stream")
+    if not 1 <= n_stream <= LLAMA_MAX_SEQ:
+        raise f.fail(f"{what}n_stream {n_stream} is outside 1..{LLAMA_MAX_SEQ} (LLAMA_MAX_SEQ); not a state file of a KV cache")
+    for s in range(n_stream):
+        n = f.u32(f"{what}stream {s} cell_count")
+        if n == 0:
+            continue
+        if n > MAX_CELLS or n > f.left() // 12:
+            raise f.fail(f"{what}stream {s} claims {n} cells, more than the {f.left()} bytes left can hold "
+                         f"(12+ bytes each) or than {MAX_CELLS}; the file is corrupt")
+        out.append(_stream(f, cfg, pool, layers, s, n))
+    return n_stream
 
 
 def _header(f: _File, cfg: Any) -> tuple[int, list[int]]:
@@ -291,26 +312,28 @@ def _cells(f: _File, s: int, n: int) -> tuple[np.ndarray, list[tuple[int, ...]]]
     return pos, seq_ids
 
 
-def _stream(f: _File, cfg: Any, s: int, n: int) -> StateStream:
+def _stream(f: _File, cfg: Any, pool: str, layers: list[int], s: int, n: int) -> StateStream:
     """One stream: cells, then ``state_write_data`` checked layer by layer against the model."""
     pos, seq_ids = _cells(f, s, n)
     v_trans = f.u32("v_trans")
     if v_trans not in (0, 1):
         raise f.fail(f"v_trans {v_trans} is neither 0 nor 1; the file is corrupt")
     n_layer = f.u32("n_layer")
-    if n_layer != cfg.n_layer:
-        raise f.fail(f"the file holds {n_layer} layers, the model has {cfg.n_layer}; give the --model the slot was saved with")
+    if n_layer != len(layers):
+        where = "" if pool == "kv" else f" in its {pool} cache"
+        raise f.fail(f"the file holds {n_layer} layers{where}, the model has {len(layers)}; give the --model the slot "
+                     "was saved with")
     width = cfg.n_head_kv * cfg.head_dim  # n_embd_k_gqa = n_embd_v_gqa
-    st = StateStream(s, pos, seq_ids, bool(v_trans))
+    st = StateStream(pool, s, pos, seq_ids, bool(v_trans))
     ks = []
-    for il in range(n_layer):
+    for il in layers:
         t, row = f.i32(f"layer {il} k_type"), f.u64(f"layer {il} k_size_row")
         want = _row_size(f, t, width, f"layer {il} K")
         if row != want:
             raise f.fail(f"layer {il} K row is {row} bytes; {type_name(t)} rows of the model's n_embd_k_gqa {width} "
                          f"are {want}; the file is for another model or corrupt")
         ks.append((t, row, f.skip(n * row, f"layer {il} K data")))
-    for il in range(n_layer):
+    for j, il in enumerate(layers):
         t = f.i32(f"layer {il} v_type")
         if v_trans:
             el, w = f.u32(f"layer {il} v_size_el"), f.u32(f"layer {il} n_embd_v_gqa")
@@ -327,7 +350,7 @@ def _stream(f: _File, cfg: Any, s: int, n: int) -> StateStream:
                 raise f.fail(f"layer {il} V row is {row} bytes; {type_name(t)} rows of the model's n_embd_v_gqa {width} "
                              f"are {want}; the file is for another model or corrupt")
             off = f.skip(n * row, f"layer {il} V data")
-        kt, kr, ko = ks[il]
+        kt, kr, ko = ks[j]
         st.layers.append(StateLayer(il, kt, kr, ko, t, row, off))
     return st
 
@@ -401,7 +424,7 @@ def _unrotate(x: np.ndarray, nrot: int) -> np.ndarray:
 def _layer_values(f: _File, cfg: Any, s: StateStream, il: int) -> tuple[np.ndarray, np.ndarray]:
     """Layer ``il``'s K and V of stream ``s``: float32 ``[n_cells, n_kv, hd]`` each, un-rotated
     (:func:`attn_rot`), K in half-split order."""
-    L, n, nkv, hd = s.layers[il], len(s.pos), cfg.n_head_kv, cfg.head_dim
+    L, n, nkv, hd = next(x for x in s.layers if x.il == il), len(s.pos), cfg.n_head_kv, cfg.head_dim
     short = f"{f.name} shrank while being read; read it again"
     rk, rv = attn_rot(L.k_type, hd, "k"), attn_rot(L.v_type, hd, "v")
     s.rot = (rk, rv)
