@@ -431,3 +431,31 @@ def test_state_options_conflicts_one_line(real, tmp_path) -> None:
     assert r.exit_code in (0, 2)  # no_args_is_help
     r = CliRunner().invoke(app, ["dump-kv", "--layer", "0"])
     assert r.exit_code == 2 and "--step N is required" in r.output
+
+
+def test_dump_kv_state_imports_no_torch(real, tmp_path) -> None:
+    """``dump-kv --state`` reads the GGUF header and the file only: a fresh interpreter never imports torch."""
+    from test_startup import HEAVY, probe
+
+    p = tmp_path / "slot.bin"
+    p.write_bytes(real[0])
+    r = probe(tmp_path, "dump-kv", "--state", str(p), "--layer", "3", "--json")
+    assert r["code"] == 0 and not any(r["loaded"][m] for m in HEAVY), r["loaded"]
+
+
+@pytest.mark.parametrize("field, value, want", [
+    ("layer_types", ("linear_attention", "full_attention"), "this model is hybrid"),
+    ("mrope_sections", (11, 11, 10), "uses M-RoPE"),
+])
+def test_memories_with_another_layout_refused(real, tmp_path, smol, field, value, want) -> None:
+    """Hybrid memories (recurrent state after the cache) and M-RoPE cells (llama_kv_cell_ext) are refused in one line."""
+    import dataclasses
+
+    from infertrace.errors import InfertraceError
+    from infertrace.runtimes.llamacpp.state_file import read_state_file
+
+    p = tmp_path / "slot.bin"
+    p.write_bytes(real[0])
+    cfg = dataclasses.replace(smol.config, **{field: value})
+    with pytest.raises(InfertraceError, match=want):
+        read_state_file(p, cfg)
