@@ -170,7 +170,8 @@ def _values_view(d: dict[str, Any]) -> RenderableType:
     src = {"trace": "recorded in the trace", "state file": "as saved in the llama.cpp state file, dequantised to float32"}.get(
         v.get("source"), "read back from the backend at its physical location")
     loc = "row" if v.get("source") == "state file" else loc
-    t = _table("seq", "pos", loc, f"K (rotated), {what} values", f"V, {what} values")
+    kcol = "K (after RoPE)" if v.get("source") == "state file" else "K (rotated)"  # a state file: Hadamard undone too
+    t = _table("seq", "pos", loc, f"{kcol}, {what} values", f"V, {what} values")
     for r in v["requests"]:
         for row in r["rows"]:
             t.add_row(str(r["seq_id"]), str(row["pos"]), str(row.get(loc, row.get("cell", "-"))), floats(row["k"]), floats(row["v"]))
