@@ -72,14 +72,8 @@ def read_regular(path: str | Path, limit: int, what: str = "file") -> bytes:
             than ``limit``, unreadable.
     """
     p = _name(path)
+    fd, st = open_regular(path, what)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-    except OSError as e:
-        raise InfertraceError(f"cannot read {p}: {e.strerror or e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InfertraceError(f"{p} is not a regular file; give the {what} itself (not a pipe, device or directory)")
         if st.st_size > limit:
             raise InfertraceError(f"{p} is {st.st_size} bytes, more than the limit of {limit} for a {what}")
         return _read_bounded(fd, limit, f"{p} grew past the limit of {limit} bytes for a {what} while being read")
@@ -87,6 +81,40 @@ def read_regular(path: str | Path, limit: int, what: str = "file") -> bytes:
         raise InfertraceError(f"cannot read {p}: {e.strerror or e}") from None
     finally:
         os.close(fd)
+
+
+def open_regular(path: str | Path, what: str = "file", follow: bool = True) -> tuple[int, os.stat_result]:
+    """Open ``path`` read-only when it is a regular file: ``O_NONBLOCK`` (a FIFO does not block the
+    open) and ``O_NOCTTY``, then ``fstat`` on the open descriptor (no race with a swapped name);
+    ``follow=False`` adds ``O_NOFOLLOW`` (a symlink as the last component is refused). The caller
+    closes the descriptor.
+
+    Returns:
+        ``(fd, stat)`` of the open file.
+
+    Raises:
+        InfertraceError: missing, a symlink (``follow=False``), not a regular file (FIFO, device,
+            directory, socket), unreadable.
+    """
+    p = _name(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if not follow and e.errno == errno.ELOOP:
+            raise InfertraceError(f"{p} is a symlink; give the {what} itself (symlinks are not followed)") from None
+        raise InfertraceError(f"cannot read {p}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise InfertraceError(f"cannot read {p}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InfertraceError(f"{p} is not a regular file; give the {what} itself (not a pipe, device or directory)")
+    return fd, st
 
 
 def _read_bounded(fd: int, limit: int, over: str) -> bytes:
@@ -105,6 +133,24 @@ def _read_bounded(fd: int, limit: int, over: str) -> bytes:
         n += len(b)
         if n > limit:
             raise InfertraceError(over)
+
+
+def pread_exact(fd: int, offset: int, n: int, short: str) -> bytes:
+    """Exactly ``n`` bytes of ``fd`` from ``offset`` (``os.pread`` in chunks of at most 1 MiB: the
+    file position is not moved, nothing past ``offset + n`` is read).
+
+    Raises:
+        InfertraceError: ``short`` when the file ends (or shrank) before ``offset + n``.
+        OSError: a failed read (the callers turn it into one line).
+    """
+    chunks, got = [], 0
+    while got < n:
+        b = os.pread(fd, min(1 << 20, n - got), offset + got)
+        if not b:
+            raise InfertraceError(short)
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
 
 
 def read_input(path: str | Path, limit: int, what: str = "file") -> bytes:

@@ -4,6 +4,11 @@ trace saved with ``run --save DIR`` (:func:`infertrace.trace.saved_kv.dump_saved
 Thin: validate options (as ``run``), load the model, call
 :func:`infertrace.runner.dump_kv_at_step`, print with
 :func:`infertrace.present.render_kv.render_kv_dump` or as JSON.
+
+``dump-kv --state FILE [--model GGUF]``: llama.cpp's saved slot instead of a run (torch-free):
+:func:`infertrace.runtimes.llamacpp.state_file.read_state_file` checks it against the model's header,
+:func:`~infertrace.runtimes.llamacpp.state_dump.state_dump` and
+:func:`infertrace.present.render_kv.render_state_dump` show it.
 """
 
 from pathlib import Path
@@ -19,11 +24,12 @@ from infertrace.trace.kv_dump import parse_positions
 
 HELP = ("Show the KV cache right after step N of a run (same options as run): cells map with head/used/n_kv "
         "(cells) or pool usage, free list, block tables and slot mapping (paged); --layer/--head add K/V values. "
-        "With a saved trace DIR (run --save DIR) it reads the step's record instead of running.")
+        "With a saved trace DIR (run --save DIR) it reads the step's record instead of running; with --state FILE it reads "
+        "a llama.cpp slot / sequence state file (llama-server's POST /slots/ID?action=save) for --model.")
 
 
 def dump_kv(
-    step: Annotated[int, typer.Option("--step", help="Step whose end state is shown (0-based; idle steps count).")],
+    step: Annotated[Optional[int], typer.Option("--step", help="Step whose end state is shown (0-based; idle steps count).")] = None,
     trace_dir: Annotated[Optional[Path], typer.Argument(help="A trace saved with 'run --save DIR' (then no prompt/model options).", show_default=False)] = None,
     prompt: o.Prompt = None,
     prompts: o.Prompts = None,
@@ -33,6 +39,8 @@ def dump_kv(
     head: Annotated[Optional[int], typer.Option("--head", help="kv head of the values (default 0 when --layer is given).")] = None,
     positions: Annotated[Optional[str], typer.Option("--positions", help="Positions of the values: 0,3,5 or 0..4 (default: all cached).")] = None,
     full: Annotated[bool, typer.Option("--full", help="All head_dim values instead of the first 4.")] = False,
+    state: Annotated[Optional[Path], typer.Option("--state", help="A llama.cpp slot / sequence state file (llama-server "
+                     "slot save, llama_state_seq_save_file) to show for --model (no run, no --step).", show_default=False)] = None,
     as_json: o.Json = False,
     max_new_tokens: o.MaxNewTokens = o.D.max_new_tokens,
     chat: o.Chat = False,
@@ -62,6 +70,10 @@ def dump_kv(
     kv_unified: o.KvUnified = "on",
 ) -> None:
     """Every user error is one ``error:`` line, exit 2 (including a step out of range)."""
+    if state is not None:
+        return _dump_state(state, step, trace_dir, prompt or prompts, model, layer, head, positions, full, as_json)
+    if step is None:
+        raise InfertraceError("--step N is required (the step whose end state is shown), unless --state FILE is given")
     if step < 0:
         raise InfertraceError(f"step {step} out of range: steps are numbered from 0")
     for opt, val in (("--layer", layer), ("--head", head)):
@@ -104,3 +116,33 @@ def dump_kv(
     from infertrace.present.render_kv import render_kv_dump
 
     render_kv_dump(stdout_console(), d)
+
+
+def _dump_state(state: Path, step: Optional[int], trace_dir: Optional[Path], prompt: Optional[object], model: Optional[Path],
+                layer: Optional[int], head: Optional[int], positions: Optional[str], full: bool, as_json: bool) -> None:
+    """``dump-kv --state FILE``: the file checked against ``--model``'s header (no weights, no torch)."""
+    if step is not None or trace_dir is not None or prompt:
+        raise InfertraceError("--state FILE shows a saved llama.cpp slot: drop --step, the trace DIR and --prompt/--prompts")
+    for opt, val in (("--layer", layer), ("--head", head)):
+        if val is not None and val < 0:
+            raise InfertraceError(f"{opt} must be >= 0 (got {val})")
+    pos = parse_positions(positions)
+    if (pos is not None or full) and layer is None and head is None:
+        raise InfertraceError("--positions / --full choose K/V values: add --layer L and/or --head H")
+    from infertrace.loading.registry import resolve_model
+    from infertrace.loading.weights import load_checkpoint
+    from infertrace.runtimes.llamacpp.state_dump import state_dump
+    from infertrace.runtimes.llamacpp.state_file import read_state_file
+
+    path = resolve_model(model)
+    if path.is_dir():
+        raise InfertraceError("--state needs the GGUF file llama.cpp ran (--model FILE.gguf), not an HF directory")
+    cfg = load_checkpoint(path, header_only=True).config
+    il = layer if layer is not None else (0 if head is not None else None)
+    d = state_dump(read_state_file(state, cfg, il), cfg, head, pos, full)
+    if as_json:
+        typer.echo(json_text(d))
+        return
+    from infertrace.present.render_kv import render_state_dump
+
+    render_state_dump(stdout_console(), d)

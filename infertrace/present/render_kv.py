@@ -93,17 +93,30 @@ def _cells_view(d: dict[str, Any]) -> list[RenderableType]:
                 f"(cells the graph reads: used_max_p1 padded to a multiple of {N_KV_PAD_MAX}, at least "
                 f"{N_KV_PAD_MAX}, at most size)")
         parts0 = []
-    parts: list[RenderableType] = parts0 + [_facts([("cells", line)])]
-    t = _table("cells", "seq_id", "pos", "")
+    parts: list[RenderableType] = parts0 + [_facts([("cells", line)])] + _layout_parts(lay)
+    seqs = ph.get("seqs", {})
+    if ph.get("prefix_cache"):  # kv/prefix_cache.py: finished sequences keep their cells for reuse
+        parts.append(Text(f"prefix cache: retained (finished, reusable) seqs {ph.get('retained', [])}; a cell with "
+                          "several seq_ids is shared (seq_cp), freed when its last owner goes", style="italic"))
+    if seqs:
+        parts.append(_facts([(f"seq {s}", f"cells {v['cells']} · pos {v['pos']}") for s, v in seqs.items()],
+                            label_style="bold cyan"))
+    return parts
+
+
+def _layout_parts(lay: dict[str, Any], cell_word: str = "cells") -> list[RenderableType]:
+    """The stretches table and the character map of a :func:`~infertrace.trace.kv_dump.cells_layout`."""
+    t = _table(cell_word, "seq_id", "pos", "")
     for s in lay["stretches"]:
         if not s["seq_ids"]:
             t.add_row(s["cells"], Text("empty", style=DIM), Text("-", style=DIM),
                       Text(f"({s['last'] - s['first'] + 1} cells)", style=DIM))
         else:
             t.add_row(s["cells"], ",".join(str(x) for x in s["seq_ids"]), s["pos"], "")
-    parts += [Text("stretches (consecutive cells with the same owner and consecutive positions):", style="italic"), t]
+    parts: list[RenderableType] = [
+        Text(f"stretches (consecutive {cell_word} with the same owner and consecutive positions):", style="italic"), t]
     m = lay["map"]
-    g = Text(f"cell map, cells 0..{lay['map_cells'] - 1} ('.' empty, seq_id, M = several seqs):\n", style="italic")
+    g = Text(f"cell map, {cell_word} 0..{lay['map_cells'] - 1} ('.' empty, seq_id, M = several seqs):\n", style="italic")
     for i in range(0, len(m), 64):
         g.append(f"  {i:>5} ", style=DIM)
         line = m[i:i + 64]
@@ -116,13 +129,6 @@ def _cells_view(d: dict[str, Any]) -> list[RenderableType]:
     if lay.get("map_cells_total", lay["map_cells"]) > lay["map_cells"]:
         g.append(f"\n  … {lay['map_cells_total'] - lay['map_cells']} more cells not drawn", style=DIM)
     parts.append(g)
-    seqs = ph.get("seqs", {})
-    if ph.get("prefix_cache"):  # kv/prefix_cache.py: finished sequences keep their cells for reuse
-        parts.append(Text(f"prefix cache: retained (finished, reusable) seqs {ph.get('retained', [])}; a cell with "
-                          "several seq_ids is shared (seq_cp), freed when its last owner goes", style="italic"))
-    if seqs:
-        parts.append(_facts([(f"seq {s}", f"cells {v['cells']} · pos {v['pos']}") for s, v in seqs.items()],
-                            label_style="bold cyan"))
     return parts
 
 
@@ -161,11 +167,14 @@ def _values_view(d: dict[str, Any]) -> RenderableType:
     v = d["values"]
     loc = "cell" if d["backend"] == "cells" else "slot"
     what = "all" if v["full"] else f"first {v['n_values']}"
-    src = "recorded in the trace" if v.get("source") == "trace" else "read back from the backend at its physical location"
-    t = _table("seq", "pos", loc, f"K (rotated), {what} values", f"V, {what} values")
+    src = {"trace": "recorded in the trace", "state file": "as saved in the llama.cpp state file, dequantised to float32"}.get(
+        v.get("source"), "read back from the backend at its physical location")
+    loc = "row" if v.get("source") == "state file" else loc
+    kcol = "K (after RoPE)" if v.get("source") == "state file" else "K (rotated)"  # a state file: Hadamard undone too
+    t = _table("seq", "pos", loc, f"{kcol}, {what} values", f"V, {what} values")
     for r in v["requests"]:
         for row in r["rows"]:
-            t.add_row(str(r["seq_id"]), str(row["pos"]), str(row.get(loc, "-")), floats(row["k"]), floats(row["v"]))
+            t.add_row(str(r["seq_id"]), str(row["pos"]), str(row.get(loc, row.get("cell", "-"))), floats(row["k"]), floats(row["v"]))
     t.columns[3].overflow = t.columns[4].overflow = "fold"
     return Group(Text(f"K/V values: layer {v['layer']}, kv head {v['head']} ({src})", style="italic"), t)
 
@@ -210,3 +219,48 @@ def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
     console.print(Panel(Group(*parts), title=Text.assemble((f"kv cache after step {d['step']}", "bold"), f" · {be} ({conv})"),
                         title_align="left", box=box.ROUNDED))
 
+
+
+def render_state_dump(console: Console, d: dict[str, Any]) -> None:
+    """Print a ``dump-kv --state`` dict (:func:`infertrace.runtimes.llamacpp.state_dump.state_dump`): the
+    file's facts, per stream its cells (stretches and map as for a trace, rows of the file: llama.cpp
+    saves no cell indices) and per sequence the positions it holds, then K/V values as dump-kv shows
+    them. Pure function of the dict."""
+    toks = d["tokens"]
+    shown = ", ".join(str(t) for t in toks[:16]) + (f", … ({len(toks)} in all)" if len(toks) > 16 else "")
+    facts = [("file", f"{d['file']} · {human_bytes(d['bytes'])} · llama.cpp sequence state ('ggsq' v{d['version']})"),
+             ("tokens", f"{len(toks)} saved with the slot: [{shown}]"),
+             ("storage", f"{d['n_layer']} layers · K {d['types']['k']} · V {d['types']['v']} · [{d['n_kv_heads']} kv heads, "
+                         f"{d['head_dim']}] per cell")]
+    for name, pc in d["pools"].items():
+        what = {"kv": "", "base": "base cache (full-attention layers): ", "swa": "SWA cache (windowed layers): "}.get(name, "")
+        facts.append(("cache" if name == "kv" else name,
+                      f"{what}layers {pc['layers']} · {pc['n_cells']} cells saved · {pc['n_stream']} stream(s)"))
+    n_main = next(iter(d["pools"].values()))["n_cells"] if d["pools"] else 0
+    if n_main != len(toks):
+        facts.append(("note", Text(f"{n_main} cells for {len(toks)} tokens: the cache does not hold exactly the "
+                                   "saved tokens (a token not yet decoded, or cells removed)", style="yellow")))
+    if "swa" in d["pools"]:
+        facts.append(("window", Text("the SWA cache saves only the cells still inside a sequence's window "
+                                     "(llama_kv_cache::state_write skips is_masked_swa cells)", style="magenta")))
+    parts: list[RenderableType] = [_facts(facts)]
+    for s in d["streams"]:
+        v = "transposed (V^T per channel: no flash attention)" if s["v_trans"] else "rows (flash attention)"
+        label = f"stream {s['stream']}" if s.get("pool", "kv") == "kv" else f"{s['pool']} stream {s['stream']}"
+        parts.append(_facts([(label, f"{s['n_cells']} cells in the file · V stored as {v} · a row "
+                              "number is the cell's order in the file (llama.cpp saves no cell index)")]))
+        parts += _layout_parts(s["layout"], "rows")
+        parts.append(_facts([(f"seq {k}", f"rows {x['cells']} · pos {x['pos']}") for k, x in s["seqs"].items()],
+                            label_style="bold cyan"))
+    if not d["streams"]:
+        parts.append(Text("the file holds no cells (the slot was empty when saved)", style=DIM))
+    if d.get("values"):
+        parts.append(Text(f"K order: {d['k_order']}", style=DIM))
+        rot = d.get("attn_rot") or {}
+        if rot.get("k") or rot.get("v"):
+            parts.append(Text(f"llama.cpp stored this quantised cache rotated (Hadamard, K blocks of {rot.get('k') or '-'}, "
+                              f"V blocks of {rot.get('v') or '-'}); shown un-rotated. A server run with "
+                              "LLAMA_ATTN_ROT_DISABLE=1 did not rotate: set it here too", style="yellow"))
+        parts.append(_values_view({**d, "backend": "cells"}))
+    console.print(Panel(Group(*parts), title=Text.assemble(("llama.cpp slot state", "bold"), " · cells"),
+                        title_align="left", box=box.ROUNDED))

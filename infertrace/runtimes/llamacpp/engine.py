@@ -45,6 +45,7 @@ from infertrace.engine.drive import drive_bounded, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
+from infertrace.runtimes.llamacpp.state_file import norm_to_neox  # torch-free; the slot-file reader uses it too
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, CellsInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
@@ -52,13 +53,6 @@ from infertrace.kv.iswa import IswaInputs, SwaCellsPool, swa_pool_size
 from infertrace.model.taps import EMBED, K, K_ROT, Q, Q_ROT, V
 
 ENGINE = "llama.cpp"
-
-
-def norm_to_neox(x: np.ndarray) -> np.ndarray:
-    """``[..., hd]`` in GGUF adjacent-pair order -> half-split order: ``out[j + a*hd/2] = x[2j + a]``
-    (the inverse of llama.cpp ``convert_hf_to_gguf``'s Q/K permutation, per head)."""
-    hd = x.shape[-1]
-    return x.reshape(*x.shape[:-1], hd // 2, 2).swapaxes(-1, -2).reshape(x.shape)
 
 
 class LlamaCppKV(CellsKV):
@@ -198,7 +192,10 @@ class LlamaCppKV(CellsKV):
             return t[fallback].reshape(N, nkv, hd)  # not readable as rows: the values the graph wrote
 
         k = rows(f"cache_k_l{il} (view)", f"Kcur-{il}")
-        v = rows(f"cache_v_l{il} (view)", f"Vcur-{il}")
+        # without flash attention llama.cpp stores V transposed (v_trans): its cache view is not rows of cells,
+        # even when its shape happens to read as [cells, nkv, hd] (Gemma 3: nkv 1, hd 256 = a 256-cell cache)
+        v = rows(f"cache_v_l{il} (view)", f"Vcur-{il}") if self.lctx.flash_attn_used is not False else \
+            t[f"Vcur-{il}"].reshape(N, nkv, hd)
         k = np.asarray(k, dtype=np.float32)
         if getattr(self.cfg, "rope_pairing_in_file", "norm") == "norm":  # GGUF Q/K rows permuted (llama): back to half-split
             k = norm_to_neox(k)

@@ -125,7 +125,9 @@ class LlamaCppStreamsKV(CellsStreamsKV):
             return t[fallback].reshape(N, nkv, hd)
 
         k = torch.from_numpy(self.to_neox(np.asarray(rows(f"cache_k_l{il} (reshaped) (view)", f"Kcur-{il}"), dtype=np.float32)))
-        v = torch.from_numpy(np.asarray(rows(f"cache_v_l{il} (reshaped) (view)", f"Vcur-{il}"), dtype=np.float32))
+        v_rows = self.lctx.flash_attn_used is not False  # no flash attention: V is stored transposed (v_trans), not rows
+        v = torch.from_numpy(np.asarray(rows(f"cache_v_l{il} (reshaped) (view)", f"Vcur-{il}") if v_rows else
+                                        t[f"Vcur-{il}"].reshape(N, nkv, hd), dtype=np.float32))
         for j, s in enumerate(inp.streams):
             r = slice(j * inp.n_tps, (j + 1) * inp.n_tps)
             st = self.streams[s]
