@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from infertrace.ranges import parse_ranges, ranges_text  # the range grammar lives in ranges.py (still importable from here)
+from infertrace.trace import check_sections as sec
 from infertrace.trace.schema import Bad, spec_positions
 
 
@@ -87,6 +88,10 @@ class Violation:
 class _Bad(Exception):
     def __init__(self, v: Violation):
         self.v = v
+
+
+#: the positions a hybrid step's record lists (capture/hybrid_rec.py MAX_POS): position_ids' columns, inp_pos only up to N
+HYBRID_LISTED = 16
 
 
 def _int(x: Any) -> bool:
@@ -149,6 +154,10 @@ class _Checker:
         self._display(s, st, reqs)
         self._pool(s, st)
         self._hybrid(s, st)
+        for rules in (sec.streams_rules, sec.swa_pool_rules, sec.mtp_rules, sec.paged_table_rules, sec.prefix_rules,
+                      sec.vllm_rules):
+            rules(self, s, st, reqs)
+        sec.kv_dtype_rules(self, s, st)
         for r in reqs:
             if r.get("finished"):
                 self.finished.add(r["seq_id"])
@@ -265,14 +274,35 @@ class _Checker:
                     self.fail(s, None, "positions", "position_ids = packed positions",
                               f"position_ids {str(p.get('position_ids'))[:80]} != batch positions {packed[:16]}")
         hp = st.get("hybrid", {}).get("positions") if isinstance(st.get("hybrid"), dict) else None
-        if isinstance(hp, dict) and isinstance(hp.get("inp_pos"), list):  # M-RoPE layout: n_pos_per_embd sections of N
-            self.n_checks += 1
-            n = len(packed)
-            pid = hp.get("position_ids")
-            if hp["inp_pos"][:n] != packed or (isinstance(pid, list) and pid and pid[0] != packed):
-                self.fail(s, None, "positions", "hybrid inp_pos = packed positions",
-                          f"hybrid.positions inp_pos {str(hp['inp_pos'])[:80]} / position_ids {str(pid)[:80]} do not begin "
-                          f"with the batch positions {packed[:16]}")
+        if isinstance(hp, dict):
+            self._hybrid_positions(s, hp, packed)
+
+    def _hybrid_positions(self, s: int, hp: dict, packed: list[int]) -> None:
+        """A hybrid step's M-RoPE positions, derived from the packed positions (N of them): llama.cpp
+        ``llm_graph_input_pos::set_input`` for text tokens with ``n_pos_per_embd = 4`` fills ``inp_pos`` as
+        four sections of N -- the position three times (t, h, w), then 0 -- so ``inp_pos_len = 4 N`` and,
+        when recorded (the recorder lists it only for N <= 16, else ``[]``), ``inp_pos = p + p + p + [0] * N``;
+        HF / TensorRT-LLM ``position_ids [3, 1, N]`` are the positions on each axis, the first
+        ``min(N, 16)`` columns listed (a 17-token prompt is listed cut: compared cut, not with the whole batch)."""
+        n = len(packed)
+        ip, pid, k = hp.get("inp_pos"), hp.get("position_ids"), hp.get("n_pos_per_embd")
+        self.n_checks += 1
+        cut = packed[:HYBRID_LISTED]
+        if isinstance(pid, list) and any(row != cut for row in pid):
+            self.fail(s, None, "positions", "hybrid inp_pos = packed positions",
+                      f"hybrid.positions position_ids {str(pid)[:80]} are not the batch positions on each of the 3 axes "
+                      f"(first {len(cut)} of N = {n}: {cut[:16]})")
+        if not isinstance(ip, list):
+            return
+        want = packed * 3 + [0] * n if k == 4 else None
+        self.n_checks += 1
+        if (ip or n <= HYBRID_LISTED) and ip != want:
+            self.fail(s, None, "positions", "hybrid inp_pos = packed positions",
+                      f"hybrid.positions inp_pos {str(ip)[:80]} is not the batch positions {packed[:16]} as llama.cpp's "
+                      f"M-RoPE layout for text (n_pos_per_embd 4: p, p, p, then 0; n_pos_per_embd here {_show(k)})")
+        if _int(hp.get("inp_pos_len")) and _int(k) and hp["inp_pos_len"] != n * k:
+            self.fail(s, None, "positions", "hybrid inp_pos = packed positions",
+                      f"hybrid.positions inp_pos_len {hp['inp_pos_len']} but N x n_pos_per_embd = {n} x {k}")
 
     def _rope(self, s: int, st: dict) -> None:
         p = st.get("positions")
@@ -1322,6 +1352,10 @@ def check_trace(manifest: dict[str, Any]) -> tuple[Violation | None, int]:
         bad = options_problem(manifest)
         if bad:
             c.fail(None, None, "options", "options agree with the steps", bad)
+        c.n_checks += 1
+        bad = sec.kernels_problem(manifest)
+        if bad:
+            c.fail(None, None, "options", "quant kernels the chooser returns", bad)
         for st in steps:
             c.step(st)
         c.n_checks += 1
