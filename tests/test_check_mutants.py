@@ -48,6 +48,9 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "mtp": ("mtp", ["-p", "Hello world", "-n", "6", "--speculative", "mtp"]),
     "hybrid-17": ("qwen35", ["-p", HYBRID_17, "-n", "2", "--backend", "paged"]),
     "hybrid-10": ("qwen35", ["-p", "abcdefghij", "-n", "2", "--backend", "paged"]),
+    "llamacpp": ("smol", ["-p", "Hi there", "-p", "Yo", "-n", "3", "--engine", "llama.cpp"]),
+    "llamacpp-streams": ("smol", ["-p", "Hi there", "-p", "Yo", "-n", "3", "--engine", "llama.cpp", "--kv-unified", "off"]),
+    "llamacpp-gemma": ("gemma3", ["-p", "abcdefgh", "-n", "3", "--engine", "llama.cpp"]),
     "vllm": ("smol", ["-p", "The capital of France is", "-p", "def add(a, b):", "--arrival", "0", "--arrival", "1",
                       "--prefill-chunk", "3", "-n", "4", "--num-blocks", "64", "--engine", "vllm"]),
     "vllm-prefix": ("smol", ["-p", VLLM_PREFIX, "-p", VLLM_PREFIX, "--arrival", "0", "--arrival", "3", "-n", "2",
@@ -85,6 +88,8 @@ def traces(models, tmp_path_factory) -> Callable[[str], Path]:
                 from infertrace.runtimes.vllm import import_vllm
 
                 import_vllm()
+            if "llama.cpp" in args:
+                import llama_cpp  # noqa: F401 - required as well (pip install -e '.[dev,llamacpp]')
             res = invoke("run", "-m", models[model], "--ignore-eos", *args, "--save", root / kind)
             assert res.exit_code == 0, res.output[-800:]
             made[kind] = root / kind
@@ -156,6 +161,14 @@ def _move_cell_to_other_stream(d: dict) -> None:
     c = next(c for c in st["kv"]["physical"]["cells"] if c["cell"] == 1025)
     c["cell"] = 5
     next(p for p in st["kv"]["per_request"] if p["seq_id"] == 1)["cells"] = "5"
+
+
+def _llamacpp_cell_in_stream0(d: dict) -> None:
+    """Step 0 of llama.cpp's non-unified trace: seq 1's cell 1025 (its stream 1) renumbered 900 (stream 0),
+    as the write says too."""
+    st = _st(d, 0)
+    next(c for c in st["kv"]["physical"]["cells"] if c["cell"] == 1025)["cell"] = 900
+    next(p for p in st["kv"]["per_request"] if p["seq_id"] == 1)["cells"] = "900,1024"
 
 
 def _swa_pool(d: dict, step: int = 1) -> dict:
@@ -270,6 +283,8 @@ MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
     "a cell in another sequence's stream": ("smol-streams", _move_cell_to_other_stream, (1,), "cells inside the sequence's stream"),
     "kv_unified recorded on with streams": ("smol-streams", lambda d: d["options"]["engine"].pop("kv_unified"), (1,),
                                             "streams as configured"),
+    "llama.cpp cell in another sequence's stream": ("llamacpp-streams", _llamacpp_cell_in_stream0, (1,),
+                                                    "cells inside the sequence's stream"),
     "stream used count": ("smol-streams", lambda d: _st(d, 2)["kv"]["physical"]["streams"][1].update(used=2), (1,),
                           "cells inside the sequence's stream"),
     "per_request stream of another sequence": ("smol-streams", lambda d: _st(d, 0)["kv"]["per_request"][1].update(stream=0),
@@ -296,6 +311,8 @@ MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
                                     "kv dtype as configured: kv.dtype is 'float32' but options give kv_dtype 'f16' = float16"),
     "kv.dtype not the compute dtype": ("smol-cells", lambda d: _st(d, 1)["kv"].update(dtype="bfloat16"), (1,),
                                        "kv dtype as configured"),
+    "llama.cpp kv.dtype not its type_k": ("llamacpp", lambda d: _st(d, 0)["kv"].update(dtype="float32"), (1,),
+                                          "kv dtype as configured: kv.dtype is 'float32' but options give kv_dtype 'f16'"),
     "int4 kernel with float32 activations": ("smol-quant", lambda d: d["options"]["weights"]["kernels"].update(Q4_1="int4pack"),
                                              (1,), "quant kernels the chooser returns"),
     "kernel of another type": ("smol-quant", lambda d: d["options"]["weights"]["kernels"].update(Q8_0="dense"), (1,),

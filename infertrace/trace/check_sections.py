@@ -15,7 +15,7 @@ is recomputed from the convention's own definition and compared.
   token verified at node k + 1 (the first T - 1 drafts: a request near its token limit verifies fewer); ``spec.mtp.drafts`` lists them; a trace with MTP rows ran
   ``options.engine.speculative = mtp`` on a model with ``config.mtp_layers >= 1``.
 * **kv.dtype** is ``options.engine.kv_dtype`` (f32 / f16 / bf16 -> float32 / float16 / bfloat16),
-  else the compute dtype ``options.dtype`` (our engine).
+  else the compute dtype ``options.dtype`` (our engine); llama.cpp's ``options.llama_cpp.type_k``.
 * **quant kernels**: each ``options.weights.kernels`` entry is a kernel that
   :func:`infertrace.quant.source.choose_kernel` can return for that GGUF type and ``options.dtype``.
 * **paged tables**: a request's ``kv.per_request`` block table (the one its slots were written
@@ -88,8 +88,8 @@ def streams_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
         c.fail(s, None, "kv", "streams as configured", f"kv.physical.n_stream {n!r} but options.engine.n_seq_max is {ns!r} "
                "(kv_unified false: llama.cpp n_stream = n_seq_max)")
     ss = ph.get("stream_size")
-    if not (_int(ss) and ss > 0):
-        c.fail(s, None, "kv", "schema", "a non-unified cache without stream_size")
+    if not (_int(ss) and ss > 0 and _int(n) and ph.get("size") == n * ss):
+        return  # streams that do not add up to the cells: the schema's cross-field check names it
     per_stream: dict[int, list[int]] = {}
     for cell in _l(ph.get("cells")):
         if not (isinstance(cell, dict) and _int(cell.get("cell"))):
@@ -102,8 +102,8 @@ def streams_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
                 c.fail(s, q, "kv", "cells inside the sequence's stream", f"cell {cell['cell']} (stream {j} of {ss} cells) "
                        f"holds seq {q}, whose stream is {q} (llama.cpp seq_to_stream[s] = s)")
     for rec in _l(ph.get("streams")):
-        if not (isinstance(rec, dict) and _int(rec.get("stream"))):
-            continue
+        if not (isinstance(rec, dict) and _int(rec.get("stream")) and rec["stream"] < n):
+            continue  # a stream id past n_stream: the schema's cross-field check names it
         j, mine = rec["stream"], per_stream.get(rec["stream"], [])
         c.n_checks += 1
         want = {"seq_ids": [j], "used": len(mine), "used_max_p1": max(mine) + 1 if mine else 0}
@@ -232,11 +232,17 @@ def mtp_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
 def kv_dtype_rules(c: Any, s: int, st: dict) -> None:
     """``kv.dtype`` against the options (module docstring)."""
     kv = _d(st.get("kv"))
-    if "dtype" not in kv or c.m.get("engine") not in (None, "infertrace"):
-        return
     opts = _d(c.m.get("options"))
-    kd = _d(opts.get("engine")).get("kv_dtype")
-    want = KV_DTYPE_NAMES.get(kd) if kd is not None else opts.get("dtype")
+    if c.m.get("engine") == "llama.cpp":  # llama.cpp's cache type (type_k), as the context reports it
+        kd = _d(opts.get("llama_cpp")).get("type_k")
+        want = KV_DTYPE_NAMES.get(kd)
+    elif c.m.get("engine") in (None, "infertrace"):
+        kd = _d(opts.get("engine")).get("kv_dtype")
+        want = KV_DTYPE_NAMES.get(kd) if kd is not None else opts.get("dtype")
+    else:
+        return
+    if "dtype" not in kv:
+        return
     c.n_checks += 1
     if want is not None and kv["dtype"] != want:
         c.fail(s, None, "kv", "kv dtype as configured", f"kv.dtype is {str(kv['dtype'])[:20]!r} but options give "
