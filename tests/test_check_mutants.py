@@ -441,3 +441,22 @@ def test_prefix_hit_starts_the_first_chunk(traces):
             assert h == n - 1, (h, n)
         if B:
             assert len(r["prefix"]["shared_blocks"]) == h // B, r["prefix"]
+
+
+def test_kernel_rule_check_reads_is_the_chooser_itself():
+    """The kernels ``check`` allows per (type, dtype) are exactly what quant/source.py's chooser returns over
+    packable and unpackable shapes, and its types the decoders there are (one rule, torch-free for check)."""
+    import torch
+
+    from infertrace.quant.blocks import DECODERS
+    from infertrace.quant.choice import QUANT_TYPES, possible_kernels
+    from infertrace.quant.source import choose_kernel
+
+    assert set(QUANT_TYPES) == set(DECODERS)
+    for t in (*QUANT_TYPES, "F32", "F16", "BF16"):
+        for name in ("float32", "bfloat16", "float16"):
+            dt = getattr(torch, name)
+            want = {choose_kernel(t, dt, shape) for shape in ((640, 1024), (8, 1024), (16, 31), (1, 1))}
+            assert possible_kernels(t, name) == want, (t, name)
+    assert possible_kernels("Q4_K", "bfloat16") == {"int4pack", "dequant"} and possible_kernels("Q4_K", "float32") == {"dequant"}
+    assert possible_kernels("IQ2_XXS", "float32") == set()

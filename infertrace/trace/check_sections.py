@@ -17,7 +17,8 @@ is recomputed from the convention's own definition and compared.
 * **kv.dtype** is ``options.engine.kv_dtype`` (f32 / f16 / bf16 -> float32 / float16 / bfloat16),
   else the compute dtype ``options.dtype`` (our engine); llama.cpp's ``options.llama_cpp.type_k``.
 * **quant kernels**: each ``options.weights.kernels`` entry is a kernel that
-  :func:`infertrace.quant.source.choose_kernel` can return for that GGUF type and ``options.dtype``.
+  :func:`infertrace.quant.source.choose_kernel` can return for that GGUF type and ``options.dtype``
+  (its rule, :mod:`infertrace.quant.choice`, is torch-free).
 * **paged tables**: a request's ``kv.per_request`` block table (the one its slots were written
   through) is ``kv.physical.requests`` 's table (after a verify rewind: that table is its prefix), which
   covers ``len`` = the positions the request holds after the step.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from infertrace.quant.choice import possible_kernels  # torch-free: the kernel chooser's rule, by dtype name
 from infertrace.ranges import parse_ranges
 
 #: ``--kv-dtype`` names (llama.cpp cache types) -> the torch dtype names the trace records
@@ -261,18 +263,12 @@ def kernels_problem(m: dict[str, Any]) -> str | None:
         return None
     if w.get("weights") != "quant":
         return f"options.weights.kernels are listed but options.weights.weights is {w.get('weights')!r}, not quant"
-    import torch
-
-    from infertrace.errors import InfertraceError
-    from infertrace.quant.source import choose_kernel
-
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(opts.get("dtype"))
-    if dt is None:
-        return f"options.dtype {str(opts.get('dtype'))[:20]!r} is not a compute dtype (float32, bfloat16, float16)"
+    dt = opts.get("dtype")
+    if dt not in ("float32", "bfloat16", "float16"):
+        return f"options.dtype {str(dt)[:20]!r} is not a compute dtype (float32, bfloat16, float16)"
     for t, k in ks.items():
-        try:
-            can = {choose_kernel(t, dt, (16, 32)), choose_kernel(t, dt, (1, 1))}
-        except InfertraceError:
+        can = possible_kernels(t, dt)
+        if not can:
             return f"options.weights.kernels names GGUF type {t[:20]!r}, which has no quantised kernel"
         got = set(str(k).split(","))
         if not got <= can:
