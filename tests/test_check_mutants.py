@@ -383,7 +383,7 @@ def test_mutant_is_caught(traces, tmp_path, case):
 
 
 #: mutants check fails (exit 1) in a variable show draws as fact: show refuses them in one line, exit 2
-SHOW_REFUSES = ["a cell in another sequence's stream", "SWA pool lacks a cell of the window", "physical table differs from the "
+SHOW_REFUSES = ["a cell in another sequence's stream", "vllm slot_mapping off by one", "SWA pool lacks a cell of the window", "physical table differs from the "
                 "written one", "prefix hit shorter in both copies", "hybrid position_ids column"]
 
 

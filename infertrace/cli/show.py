@@ -16,8 +16,9 @@ from infertrace.trace.records import RunTrace
 from infertrace.trace.store import load_saved, read_manifest
 
 #: the variables ``show`` draws from facts ``check`` recomputes (positions, the mask and its window, the cache's
-#: cells / blocks / streams): a trace whose copy of them contradicts the facts would be displayed as if it held
-MISLEADING = ("positions", "mask", "kv")
+#: cells / blocks / streams, vLLM's own metadata): a trace whose copy of them contradicts the facts would be
+#: displayed as if it held
+MISLEADING = ("positions", "mask", "kv", "vllm")
 
 HELP = ("Print a trace saved with 'run --save DIR' exactly as run printed it: header, worked-example table, "
         "the five variables per step, outputs.")

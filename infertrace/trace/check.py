@@ -1469,4 +1469,12 @@ def iter_rules() -> Iterator[str]:
                 "position_ids = packed positions", "hybrid inp_pos = packed positions", "layers of the model",
                 "options agree with the steps", "token ids in the vocabulary", "greedy chooses the top logit",
                 "next_input is the chosen token", "next_pos is the next position", "the chosen token is fed next",
-                "row tokens are the sequence's tokens", "chosen is the last emitted token", "output_ids are the chosen tokens")
+                "row tokens are the sequence's tokens", "chosen is the last emitted token", "output_ids are the chosen tokens",
+                # the newer sections (check_sections.py)
+                "streams as configured", "cells inside the sequence's stream", "kq_mask streams", "SWA pool cells",
+                "MTP rows agree with the drafts", "kv dtype as configured", "quant kernels the chooser returns",
+                "block table recorded once", "prefix hit recorded once", "shared blocks are the hit's full blocks",
+                "the engine named in the header", "scheduler counts", "free blocks of the pool",
+                "new blocks owned by their sequence", "query_start_loc from the batch", "seq_lens from the batch",
+                "num_actual_tokens from the batch", "max_query_len from the batch", "max_seq_len from the batch",
+                "logits_indices", "sampled tokens are the chosen ones", "ranks = tensor_parallel_size")
