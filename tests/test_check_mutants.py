@@ -8,7 +8,7 @@ message naming the rule. Mutations the schema can refuse on its own (a field of 
 refused in one line, exit 2, by ``check`` and ``show`` alike; ``show`` also refuses a trace ``check``
 finds inconsistent in a variable it would draw as fact.
 
-The conventions the rules recompute (see infertrace/trace/check_sections.py):
+The conventions the rules recompute (see the package infertrace/trace/check/):
 vLLM ``slot_mapping = block_table[p // B] * B + p % B``, ``query_start_loc`` = cumulative T,
 ``seq_lens`` = C + T, ``logits_indices`` = the last 1 + drafts rows of each request; llama.cpp
 ``n_stream = kv_unified ? 1 : n_seq_max`` and ``seq_to_stream[s] = s``; llama.cpp's M-RoPE text layout
