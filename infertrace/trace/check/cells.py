@@ -24,6 +24,8 @@ class CellRules:
             self._paged(s, kv, phys, reqs)
 
     def _cells(self, s: int, kv: dict, phys: dict, reqs: list[dict]) -> None:
+        """Rule 5 on a cells step: one cell per (seq, pos), nothing of a finished sequence unless retained,
+        written cells free before, cells joined by a write or a prefix hit, each request holding 0..kept-1."""
         cells = phys.get("cells")
         self.need(isinstance(cells, list), s, None, "kv", "physical.cells is not a list")
         now: dict[int, tuple[int, list[int]]] = {}
@@ -41,6 +43,22 @@ class CellRules:
                 if sid in self.finished and sid not in retained:
                     self.fail(s, sid, "kv", "freed when finished", f"cell {c['cell']} still holds the finished sequence"
                               + (" (not listed as retained by the prefix cache)" if phys.get("prefix_cache") is True else ""))
+        self._cells_retained(s, phys, reqs, held, retained)
+        wrote = self._cells_written(s, kv, reqs)
+        if len(wrote) == len(reqs) and self.prev_kv_step == s - 1:
+            self._cells_joined(s, now, wrote)
+        for r in reqs:
+            sid = r["seq_id"]
+            own = sorted(p for (q, p) in held if q == sid)
+            self.n_checks += 1
+            if own != list(range(kept_len(r))):  # a verify step: the rejected candidates were rewound
+                self.fail(s, sid, "kv", "cache holds 0..C+T-1" if not r.get("spec") else "cache holds the accepted positions",
+                          f"after the step the cells of seq {sid} hold pos {own[:8]}{'...' if len(own) > 8 else ''}, expected 0..{kept_len(r) - 1}")
+        self.prev_cells, self.prev_kv_step = now, s
+
+    def _cells_retained(self, s: int, phys: dict, reqs: list[dict], held: dict, retained: list) -> None:
+        """Sequences the prefix cache retains are finished ones; llama.cpp's ``llama_memory_seq_pos_min/max``
+        agree with the cells (the SWA pool's under iSWA; the recurrent state's last position when hybrid)."""
         running = {r["seq_id"] for r in reqs if not r.get("finished")}
         for sid in retained:  # kept for reuse: a finished (or preempted) sequence the trace has computed
             self.n_checks += 1
@@ -63,6 +81,9 @@ class CellRules:
                 if own and rng != [own[0], own[-1]]:
                     self.fail(s, sid, "kv", "memory API agrees with the cells",
                               f"llama_memory_seq_pos_min/max {rng} but the cells hold pos {own[0]}..{own[-1]}")
+
+    def _cells_written(self, s: int, kv: dict, reqs: list[dict]) -> dict[int, set[int]]:
+        """The cells each request wrote this step (``kv.per_request`` cells), each free or released before."""
         per = {d.get("seq_id"): d for d in kv.get("per_request", []) if isinstance(d, dict)}
         wrote: dict[int, set[int]] = {}
         for r in reqs:
@@ -79,38 +100,33 @@ class CellRules:
                     if cell in self.prev_cells and not self._released(*self.prev_cells[cell]):
                         self.fail(s, sid, "kv", "written cells were free",
                                   f"cell {cell} held pos {self.prev_cells[cell][0]} of seq {self.prev_cells[cell][1]} and was overwritten")
-        # every request's written cells are known and the previous step's cells too: who joined which cell, and how
-        if len(wrote) == len(reqs) and self.prev_kv_step == s - 1:
-            for cell, (pos, seqs) in now.items():
-                before = self.prev_cells.get(cell)
-                for sid in seqs:
-                    self.n_checks += 1
-                    if cell in wrote.get(sid, ()):
-                        continue
-                    if before is not None and sid in before[1]:  # kept: same position, or moved by this step's shift
-                        sh, want = self.shifts.get(sid), before[0]
-                        if sh is not None and _int(want) and want >= sh["n_keep"] + sh["n_discard"]:
-                            want -= sh["n_discard"]
-                        if pos != want:
-                            self.fail(s, sid, "kv", "a kept cell keeps its position",
-                                      f"cell {cell} held pos {before[0]} of seq {sid} and now holds pos {pos}, expected {want}"
-                                      + (" after the context shift" if sh is not None else " (no write, no context shift)"))
-                        continue
-                    h = self.hits.get(sid)
-                    hit = h.get("hit") if isinstance(h, dict) else None
-                    src = h.get("src") if isinstance(h, dict) else None
-                    if not (_int(hit) and pos < hit and before is not None and before[0] == pos and src in before[1]):
-                        self.fail(s, sid, "kv", "cells joined by a write or a prefix hit",
-                                  f"cell {cell} (pos {pos}) joins seq {sid} without a write of it or a prefix hit "
-                                  f"sharing it (seq_cp from {f'seq {src}' if _int(src) else 'no source'}, hit {hit!r})")
-        for r in reqs:
-            sid = r["seq_id"]
-            own = sorted(p for (q, p) in held if q == sid)
-            self.n_checks += 1
-            if own != list(range(kept_len(r))):  # a verify step: the rejected candidates were rewound
-                self.fail(s, sid, "kv", "cache holds 0..C+T-1" if not r.get("spec") else "cache holds the accepted positions",
-                          f"after the step the cells of seq {sid} hold pos {own[:8]}{'...' if len(own) > 8 else ''}, expected 0..{kept_len(r) - 1}")
-        self.prev_cells, self.prev_kv_step = now, s
+        return wrote
+
+    def _cells_joined(self, s: int, now: dict, wrote: dict[int, set[int]]) -> None:
+        """Every request's written cells and the previous step's cells known: a sequence joins a cell only by
+        writing it or through its prefix hit; a kept cell keeps its position (or moves by the shift)."""
+        for cell, (pos, seqs) in now.items():
+            before = self.prev_cells.get(cell)
+            for sid in seqs:
+                self.n_checks += 1
+                if cell in wrote.get(sid, ()):
+                    continue
+                if before is not None and sid in before[1]:  # kept: same position, or moved by this step's shift
+                    sh, want = self.shifts.get(sid), before[0]
+                    if sh is not None and _int(want) and want >= sh["n_keep"] + sh["n_discard"]:
+                        want -= sh["n_discard"]
+                    if pos != want:
+                        self.fail(s, sid, "kv", "a kept cell keeps its position",
+                                  f"cell {cell} held pos {before[0]} of seq {sid} and now holds pos {pos}, expected {want}"
+                                  + (" after the context shift" if sh is not None else " (no write, no context shift)"))
+                    continue
+                h = self.hits.get(sid)
+                hit = h.get("hit") if isinstance(h, dict) else None
+                src = h.get("src") if isinstance(h, dict) else None
+                if not (_int(hit) and pos < hit and before is not None and before[0] == pos and src in before[1]):
+                    self.fail(s, sid, "kv", "cells joined by a write or a prefix hit",
+                              f"cell {cell} (pos {pos}) joins seq {sid} without a write of it or a prefix hit "
+                              f"sharing it (seq_cp from {f'seq {src}' if _int(src) else 'no source'}, hit {hit!r})")
 
     def _released(self, pos: Any, seqs: Any) -> bool:
         """Whether a cell that held ``pos`` of ``seqs`` after the previous step is free for a write:

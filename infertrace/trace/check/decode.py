@@ -4,7 +4,6 @@ are the sequence's, output_ids the emitted tokens, ids inside the vocabulary.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from infertrace.trace.check.base import _int, kept_len, _show
@@ -26,14 +25,9 @@ def decode_loop_problem(m: dict[str, Any]) -> tuple[Any, Any, str, str] | None:
     lc = opts.get("llama_cpp") if isinstance(opts.get("llama_cpp"), dict) else {}
     forced = bool(lc.get("teacher_forced"))
     reqs = {r.get("seq_id"): r for r in (m.get("requests") or []) if isinstance(r, dict) and _int(r.get("seq_id"))}
-    full: dict[int, list[int] | None] = {}
-    for sid, r in reqs.items():
-        ids = [x for k in ("prompt_ids", "output_ids") for x in (r.get(k) if isinstance(r.get(k), list) else [])]
-        for k in ("prompt_ids", "output_ids"):
-            bad = [x for x in (r.get(k) if isinstance(r.get(k), list) else []) if not _int(x) or x < 0 or (V and x >= V)]
-            if bad:
-                return None, sid, "token ids in the vocabulary", f"requests[seq {sid}].{k} holds {_show(bad[0])}, not an id 0..{(V or 0) - 1} (config.vocab_size {V})"
-        full[sid] = ids if isinstance(r.get("prompt_ids"), list) and isinstance(r.get("output_ids"), list) else None
+    full, bad = _request_ids(reqs, V)
+    if bad:
+        return bad
     pending: dict[int, Any] = {}
     emitted: dict[int, list[int]] = {}
     decoded: set[int] = set()
@@ -78,14 +72,9 @@ def decode_loop_problem(m: dict[str, Any]) -> tuple[Any, Any, str, str] | None:
             if not _int(ch) or ch < 0 or (V and ch >= V):
                 return s, sid, "token ids in the vocabulary", f"chosen {_show(ch)} is not an id 0..{(V or 0) - 1}"
             sp = pr.get("sampler") if isinstance(pr.get("sampler"), dict) else (reqs.get(sid) or {}).get("params") or {}
-            top = pr.get("top") if isinstance(pr.get("top"), list) else []
-            if (not forced and sp.get("temperature") == 0 and sp.get("repetition_penalty") in (None, 1, 1.0) and top
-                    and all(isinstance(t, dict) for t in top)):
-                best = max((t.get("logit") for t in top if isinstance(t.get("logit"), (int, float))), default=None)
-                mine = [t.get("logit") for t in top if t.get("id") == ch]
-                if best is not None and not (mine and mine[0] == best):
-                    return s, sid, "greedy chooses the top logit", (
-                        f"chosen {ch} but the step's top logit is id {_show(top[0].get('id'))} ({best}) and the request samples greedily (temperature 0)")
+            bad_greedy = None if forced else _greedy_problem(pr, ch, sp)
+            if bad_greedy:
+                return s, sid, "greedy chooses the top logit", bad_greedy
             sp_row = r.get("spec") if isinstance(r.get("spec"), dict) else None
             em = sp_row.get("emitted") if sp_row and isinstance(sp_row.get("emitted"), list) else [ch]
             if em and em[-1] != ch:
@@ -103,4 +92,34 @@ def decode_loop_problem(m: dict[str, Any]) -> tuple[Any, Any, str, str] | None:
         if r is not None and isinstance(r.get("output_ids"), list) and r["output_ids"] != emitted.get(sid, []):
             return None, sid, "output_ids are the chosen tokens", (
                 f"requests[seq {sid}].output_ids {str(r['output_ids'][:12])} but the steps chose {str(emitted.get(sid, [])[:12])}")
+    return None
+
+
+def _request_ids(reqs: dict[int, dict], V: int | None) -> tuple[dict[int, list[int] | None], tuple[Any, Any, str, str] | None]:
+    """Each request's tokens ``prompt_ids + output_ids`` (None when either is not recorded), and the first
+    id outside the vocabulary ``0..V-1`` as a decode-loop problem."""
+    full: dict[int, list[int] | None] = {}
+    for sid, r in reqs.items():
+        ids = [x for k in ("prompt_ids", "output_ids") for x in (r.get(k) if isinstance(r.get(k), list) else [])]
+        for k in ("prompt_ids", "output_ids"):
+            bad = [x for x in (r.get(k) if isinstance(r.get(k), list) else []) if not _int(x) or x < 0 or (V and x >= V)]
+            if bad:
+                return full, (None, sid, "token ids in the vocabulary",
+                              f"requests[seq {sid}].{k} holds {_show(bad[0])}, not an id 0..{(V or 0) - 1} (config.vocab_size {V})")
+        full[sid] = ids if isinstance(r.get("prompt_ids"), list) and isinstance(r.get("output_ids"), list) else None
+    return full, None
+
+
+def _greedy_problem(pr: dict, ch: int, sp: dict) -> str | None:
+    """A greedy request's (temperature 0, no repetition penalty) chosen token against the step's recorded
+    top logits: the chosen id must carry the largest logit."""
+    top = pr.get("top") if isinstance(pr.get("top"), list) else []
+    if not (sp.get("temperature") == 0 and sp.get("repetition_penalty") in (None, 1, 1.0) and top
+            and all(isinstance(t, dict) for t in top)):
+        return None
+    best = max((t.get("logit") for t in top if isinstance(t.get("logit"), (int, float))), default=None)
+    mine = [t.get("logit") for t in top if t.get("id") == ch]
+    if best is not None and not (mine and mine[0] == best):
+        return (f"chosen {ch} but the step's top logit is id {_show(top[0].get('id'))} ({best}) and the request samples "
+                "greedily (temperature 0)")
     return None
