@@ -22,7 +22,8 @@ LAYERS = {
     "infertrace.present": ("infertrace.present", "infertrace.trace"),
 }
 #: torch-free shared modules any layer may use
-SHARED = ("infertrace.errors", "infertrace.fmt", "infertrace.ranges", "infertrace.safe_io", "infertrace.safe_text")
+SHARED = ("infertrace.errors", "infertrace.fmt", "infertrace.ranges", "infertrace.safe_io", "infertrace.safe_text",
+          "infertrace.quant.choice")  # the kernel chooser's rule, by dtype name: check asks which kernels a trace may name
 #: third-party modules that load torch or a model runtime
 FORBIDDEN = ("torch", "triton", "transformers", "accelerate", "llama_cpp", "safetensors.torch")
 
@@ -128,7 +129,8 @@ def test_the_layers_exist_and_are_walked():
     for layer, names in (("trace", ("records", "schema", "store", "check", "diff", "kv_dump", "saved_kv")),
                          ("present", ("render", "render_kv", "report", "report_views"))):
         for n in names:
-            assert (ROOT / "infertrace" / layer / f"{n}.py").exists(), (layer, n)
+            assert (ROOT / "infertrace" / layer / f"{n}.py").exists() or (ROOT / "infertrace" / layer / n / "__init__.py").exists(), \
+                (layer, n)  # a module or a package (trace/check is one: a module per convention)
     mods = {m for _, m in imports_of(ROOT / "infertrace" / "present" / "report.py", ROOT)}
     assert {"infertrace.present.report_views", "infertrace.trace.records"} <= mods
 

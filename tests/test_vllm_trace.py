@@ -27,11 +27,13 @@ def _vllm_trace(tmp_path: Path) -> Path:
                             "tensor_parallel_size": 1}
     for st in d["steps"]:
         md = st["mask"]["metadata"]
+        ph = st["kv"]["physical"]  # vLLM's pool: block 0 is its null block, never free (used = num_blocks - free)
+        ph.update(free_blocks=ph["free_blocks"] - 1, used_blocks=ph["used_blocks"] + 1)
         slots = [x for r in st["kv"]["per_request"] for x in r["slot_mapping"]]
         st["vllm"] = {
             "scheduler": {"scheduled": [{"seq_id": r["seq_id"], "num_scheduled_tokens": r["T"], "num_computed_tokens": r["C"],
                                          "phase": r["phase"], "spec_tokens": []} for r in st["batch"]],
-                          "free_blocks": 510, "new": [], "resumed": [], "preempted": [], "finished_before_step": [],
+                          "free_blocks": ph["free_blocks"], "new": [], "resumed": [], "preempted": [], "finished_before_step": [],
                           "new_block_ids": {}, "total_num_scheduled_tokens": st["N"]},
             "attn_metadata": {"class": "CPUAttentionMetadata", "query_start_loc": md["cu_seqlens"], "seq_lens": md["kv_lens"],
                               "block_table": md["block_tables"], "slot_mapping": slots, "num_actual_tokens": st["N"],

@@ -13,7 +13,12 @@ import typer
 from infertrace.cli.common import parse_show, parse_steps, stdout_console
 from infertrace.errors import InfertraceError
 from infertrace.trace.records import RunTrace
-from infertrace.trace.store import load_saved
+from infertrace.trace.store import load_saved, read_manifest
+
+#: the variables ``show`` draws from facts ``check`` recomputes (positions, the mask and its window, the cache's
+#: cells / blocks / streams, vLLM's own metadata): a trace whose copy of them contradicts the facts would be
+#: displayed as if it held
+MISLEADING = ("positions", "mask", "kv", "vllm")
 
 HELP = ("Print a trace saved with 'run --save DIR' exactly as run printed it: header, worked-example table, "
         "the five variables per step, outputs.")
@@ -54,9 +59,26 @@ def show(
     """Errors (missing/broken/newer trace, bad options) are one ``error:`` line, exit 2."""
     variables = parse_show(var)
     trace, _ = load_saved(trace_dir)  # a broken tensors file is reported too
+    refuse_misleading(trace_dir)
     if var:
         variables = recorded_variables(trace, str(trace_dir), variables)
     render_saved(trace, str(trace_dir), variables, select_steps(trace, step))
+
+
+def refuse_misleading(trace_dir: Path) -> None:
+    """Refuse a trace that ``check`` finds inconsistent in a variable ``show`` would draw as fact
+    (:data:`MISLEADING`): e.g. windowed keys past the window, a kq_mask keeping another sequence's cell.
+
+    Raises:
+        InfertraceError: one line with the violation and the command that explains it.
+    """
+    from infertrace.cli.check_cmd import _safe
+    from infertrace.trace.check import check_trace
+
+    v, _ = check_trace(read_manifest(trace_dir, consistency=False))
+    if v is not None and v.variable in MISLEADING and v.rule != "schema":
+        raise InfertraceError(f"{trace_dir}: inconsistent trace, not shown (showing it would mislead): {_safe(v.line())}; "
+                              f"run `infertrace check {trace_dir}` for the rule")
 
 
 def recorded_variables(trace: RunTrace, where: str, asked: tuple[str, ...]) -> tuple[str, ...]:

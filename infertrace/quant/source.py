@@ -22,21 +22,17 @@ import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.quant.blocks import DECODERS, Affine, affine_dequantize, split_rows
+from infertrace.quant import choice as _choice
 from infertrace.quant import linear as _ql
+from infertrace.quant.choice import FLOAT_TYPES, kernel_for  # the rule, torch-free (trace/check asks it too)
 from infertrace.quant.linear import (DenseLinear, DequantLinear, Int4PackLinear, Int4Pair16Linear, Int4x2Linear,
                                      QuantLinear, StackedLinear, cat_affine, permute_rows)
 
 #: bytes read per pread when decoding a tensor (rows are decoded a chunk at a time)
 READ_CHUNK_BYTES = 1 << 20
-FLOAT_TYPES = ("F32", "F16", "BF16")
-#: kernel per (type, activation dtype) where one measured faster than ``dequant`` (benchmarks/quant_kernels.py,
-#: table in benchmarks/README.md); with float32 activations every int4 kernel is slower (torch's fp32 int4
-#: matmul is ~10-40x its bf16 one), so float32 keeps ``dequant``
-FAST_KERNELS: dict[tuple[str, torch.dtype], str] = {
-    **{(t, torch.bfloat16): "int4pack" for t in ("Q4_0", "Q4_1", "Q4_K")},
-    **{(t, torch.bfloat16): "int4x2" for t in ("Q5_0", "Q5_1", "Q5_K", "Q8_0")},
-    ("Q6_K", torch.bfloat16): "int4pair16",
-}
+#: kernel per (type, activation dtype) where one measured faster than ``dequant``: :data:`infertrace.quant.choice.FAST_KERNELS`
+#: keyed by torch dtype (benchmarks/quant_kernels.py, table in benchmarks/README.md)
+FAST_KERNELS: dict[tuple[str, torch.dtype], str] = {(t, getattr(torch, d)): k for (t, d), k in _choice.FAST_KERNELS.items()}
 KERNEL_CLASSES = {"int4pack": Int4PackLinear, "int4x2": Int4x2Linear, "int4pair16": Int4Pair16Linear, "dequant": DequantLinear}
 
 
@@ -75,14 +71,10 @@ def choose_kernel(type_name: str, act_dtype: torch.dtype, shape: tuple[int, int]
     Raises:
         InfertraceError: ``type_name`` is not supported (one line naming the type and ``--weights float``).
     """
-    if type_name in FLOAT_TYPES:
-        return "dense"
-    if type_name not in DECODERS:
+    k = kernel_for(type_name, str(act_dtype).removeprefix("torch."), shape)
+    if k is None or (type_name not in FLOAT_TYPES and type_name not in DECODERS):
         raise InfertraceError(f"tensor type {type_name} has no quantised kernel in infertrace "
                               f"(supported: {', '.join(supported_types())}); run with --weights float")
-    k = FAST_KERNELS.get((type_name, act_dtype), "dequant")
-    if k != "dequant" and (shape[0] % 16 or shape[1] % 32):  # the int4 packing's tile
-        return "dequant"
     return k
 
 

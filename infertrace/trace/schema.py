@@ -242,7 +242,7 @@ SHIFT_OP = Obj({}, {"op": S, "seq_id": SEQ, "n_past": POS, "n_keep": POS, "n_dis
                     "moved": Str(null=True), "n_past_after": POS, "k_shift_max_abs_layer0": Num(null=True)}, extra=True, null=True)
 EVICTION = Obj({}, {"block": BLK, "hash": Str(null=True, max_len=64), "seq_id": SEQ, "freed": OPT_RANGE,
                     "still_shared": OPT_RANGE}, extra=True)
-AUDIT = Obj({}, {"max_abs": Num(null=True), "max_abs_exact": Num(null=True),
+AUDIT = Obj({}, {"seqs": Map(Int(0, L["MAX_CTX"] * 64)), "max_abs": Num(null=True), "max_abs_exact": Num(null=True),
                  "by_provenance": List(Obj({}, {"provenance": S, "entries": Int(0, L["MAX_LIST"] * 64),
                                                 "max_abs_k": Num(null=True), "max_abs_v": Num(null=True),
                                                 "max_abs_layer0": Num(null=True)}, extra=True))}, extra=True, null=True)
@@ -439,12 +439,23 @@ STEP = Obj({"step": Int(0, L["MAX_STEPS"], limit="MAX_STEPS"), "backend": Str(ch
 REQUEST = Obj({"seq_id": SEQ}, {"prompt": S, "prompt_ids": List(U), "output_ids": List(U), "text": S, "stop_reason": Str(null=True),
                                 "arrival_step": Int(0, L["MAX_STEPS"]), "num_preemptions": Int(0, L["MAX_STEPS"]),
                                 "params": SAMPLER}, extra=True)
+#: a finite JSON number (NaN and the infinities refused): every option and config value that is a number
+FIN = Num(lo=-_NUM_ABS, hi=_NUM_ABS)
+FIN_OR_NULL = Num(null=True, lo=-_NUM_ABS, hi=_NUM_ABS)
+#: the run's EngineOptions (engine/options.py) as the runtimes record them: every field typed and bounded
+#: (speculative.py MAX_DRAFT = 64 drafts; a tree of at most 4096 nodes, as SPEC_REQ)
 ENGINE = Obj({}, {"backend": Str(choices=("cells", "paged")), "ctx_size": Int(1, L["MAX_CTX"], null=True, limit="MAX_CTX"),
                   "num_blocks": Int(1, L["MAX_BLOCKS"], null=True, limit="MAX_BLOCKS"),
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], null=True, limit="MAX_TOKENS_PER_BLOCK"),
                   "max_batch_tokens": Int(1, L["MAX_CTX"], null=True), "prefill_chunk": Int(1, L["MAX_CTX"], null=True),
-                  "n_seq_max": Int(0, L["MAX_SEQ_ID"], null=True), "attention": S,
-                  "kv_dtype": Str(null=True, choices=("f32", "f16", "bf16")), "kv_unified": Bool()}, extra=True)  # engine.options.KV_DTYPES; absent in older traces: the model dtype
+                  "n_seq_max": Int(0, L["MAX_SEQ_ID"], null=True), "attention": Str(max_len=64),
+                  "kv_dtype": Str(null=True, choices=("f32", "f16", "bf16")), "kv_unified": Bool(),
+                  "sampler_order": Str(null=True, choices=("hf", "llama.cpp")), "prefix_cache": Bool(),
+                  "context_shift": Bool(), "n_keep": Int(-1, L["MAX_CTX"]), "n_discard": Int(0, L["MAX_CTX"]),
+                  "audit_kv": Bool(), "speculative": Str(null=True, choices=("ngram", "draft", "mtp")),
+                  "num_spec_tokens": Int(1, 64), "spec_tree": List(Int(-1, 4095), 4096, null=True),
+                  "draft_model": Str(null=True, max_len=4096), "draft_layers": Int(1, L["MAX_DIM"], null=True),
+                  "ngram_min": Int(1, 4096), "ngram_max": Int(1, 4096)}, extra=True)  # engine.options.KV_DTYPES; absent in older traces: the model dtype
 #: ``run --engine llama.cpp``: the llama.cpp context settings that change its numbers (runtimes/llamacpp/capture.py)
 N_THREADS = Int(0, 1 << 16)
 LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "off")),
@@ -459,19 +470,44 @@ LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "
 KERNEL = Str(max_len=128)
 WEIGHTS = Obj({"weights": Str(choices=("float", "quant", "none"))},
               {"kernels": Map(KERNEL, key_int=False, max_len=64)}, extra=True)
-OPTIONS = Obj({}, {"backend": Str(choices=("cells", "paged")), "attention": S, "device": S, "dtype": S, "layer": DIM,
-                   "show": List(S, 64), "engine": ENGINE, "llama_cpp": LLAMA_CPP, "weights": WEIGHTS}, extra=True)
+#: ``run --engine vllm``: vLLM's own run facts (runtimes/vllm/engine.py VllmRun.header)
+VLLM_HEADER = Obj({}, {"version": Str(max_len=200), "backend": Str(max_len=400), "isa": Str(max_len=64),
+                       "block_size": Int(1, L["MAX_TOKENS_PER_BLOCK"]), "dtype": Str(max_len=32), "cache_dtype": Str(max_len=32),
+                       "num_blocks": Int(1, L["MAX_BLOCKS"]), "null_block": Int(0, L["MAX_BLOCKS"]),
+                       "max_num_batched_tokens": Int(1, L["MAX_CTX"] * 64, null=True),
+                       "long_prefill_token_threshold": Int(0, L["MAX_CTX"] * 64, null=True), "enable_prefix_caching": Bool(),
+                       "speculative": Any_, "tensor_parallel_size": Int(1, 4096),
+                       "ranks": List(Obj({}, {"tp_rank": DIM, "num_kv_heads": DIM, "num_heads": DIM, "cache_shape": SHAPE,
+                                              "layer_name": Str(max_len=400)}, extra=True), 4096),
+                       "kv_cache_layout": Str(max_len=4096)}, extra=True)
+PADDED_VOCAB = Obj({"rows": U, "tokens": U}, {"policy": Str(max_len=64), "masked": Range()}, extra=True)
+OPTIONS = Obj({}, {"backend": Str(choices=("cells", "paged")), "attention": Str(max_len=64), "device": Str(max_len=64),
+                   "dtype": Str(choices=("float32", "bfloat16", "float16")), "layer": DIM,
+                   "show": List(Str(choices=("hidden", "positions", "mask", "kv", "decode")), 64), "engine": ENGINE,
+                   "llama_cpp": LLAMA_CPP, "weights": WEIGHTS, "sampler_order": Str(null=True, choices=("hf", "llama.cpp")),
+                   "vllm": VLLM_HEADER, "padded_vocab": PADDED_VOCAB}, extra=True)
 MODEL = Obj({}, {"file": S, "name": Str(null=True), "size": Int(0, 1 << 62), "source": S, "metadata_sha256": Str(null=True)},
             extra=True)
-CONFIG = Obj({}, {"arch": S, "name": Str(null=True), "source": S, "n_layer": DIM, "n_embd": DIM, "n_head": DIM,
-                  "n_head_kv": DIM, "head_dim": DIM, "n_ff": DIM, "vocab_size": U, "n_ctx_train": Int(0, 1 << 40),
-                  "rope_theta": F, "rope_theta_is_default": Bool(), "rope_dim": DIM, "rms_eps": F,
-                  "rope_pairing_in_file": S, "tie_embeddings": Bool(),
-                  "rope_scaling": Obj({}, {"type": S, "factor": F}, extra=True),
-                  "rope_freq_factors": List(F, L["MAX_DIM"], null=True),
+ROPE_SCALING = Obj({}, {"type": Str(max_len=64), "factor": FIN, "low_freq_factor": FIN, "high_freq_factor": FIN,
+                        "original_max_position_embeddings": Int(0, 1 << 40), "beta_fast": FIN, "beta_slow": FIN,
+                        "attn_factor": FIN_OR_NULL, "mscale": FIN, "mscale_all_dim": FIN, "truncate": Bool()}, extra=True)
+#: ModelConfig.to_dict (model/config.py): every field typed; ``settings`` the (key, value, status, note) table
+CONFIG = Obj({}, {"arch": Str(max_len=200), "name": Str(null=True, max_len=4096), "source": Str(max_len=64), "n_layer": DIM,
+                  "n_embd": DIM, "n_head": DIM, "n_head_kv": DIM, "head_dim": DIM, "n_ff": DIM, "vocab_size": U,
+                  "n_ctx_train": Int(0, 1 << 40), "rope_theta": FIN, "rope_theta_is_default": Bool(), "rope_dim": DIM, "rms_eps": FIN,
+                  "rope_pairing_in_file": Str(max_len=64), "tie_embeddings": Bool(), "rope_scaling": ROPE_SCALING,
+                  "rope_freq_factors": List(FIN, L["MAX_DIM"], null=True),
+                  "family": Str(max_len=64), "attn_bias": Bool(), "attn_out_bias": Bool(), "mlp_bias": Bool(), "qk_norm": Bool(),
+                  "post_norms": Bool(), "act": Str(max_len=64), "embed_scale": FIN_OR_NULL, "attn_scale": FIN_OR_NULL,
+                  "final_logit_softcap": FIN_OR_NULL, "rope_theta_swa": FIN_OR_NULL, "rope_scaling_swa": Bool(),
                   # windowed layers (ModelConfig.sliding_window / swa_layers) and hybrid mixers (layer_types)
                   "sliding_window": Int(0, L["MAX_CTX"], limit="MAX_CTX"), "swa_layers": List(Bool(), L["MAX_DIM"]),
-                  "layer_types": List(Str(choices=("linear_attention", "full_attention")), L["MAX_DIM"])}, extra=True)
+                  "layer_types": List(Str(choices=("linear_attention", "full_attention")), L["MAX_DIM"]),
+                  "attn_output_gate": Bool(), "norm_mul_f32": Bool(), "ssm_conv_kernel": DIM, "ssm_n_k_heads": DIM,
+                  "ssm_n_v_heads": DIM, "ssm_k_head_dim": DIM, "ssm_v_head_dim": DIM, "mrope_sections": List(DIM, 8),
+                  "mtp_layers": Int(0, 64),
+                  "settings": List(Obj({"key": Str(max_len=4096), "value": Str(max_len=4096), "status": Str(max_len=64),
+                                        "note": Str(max_len=4096)}), 1 << 16)}, extra=True)
 TENSOR_ENTRY = Obj({"dtype": Str(choices=("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
                                           "uint8", "bool")), "shape": SHAPE})
 #: tensor names as the recorder writes them: step3/hidden, step3/layer0/q_pre_rope, step3/layer0/seq1/k_cache
