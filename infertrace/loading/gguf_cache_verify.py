@@ -26,6 +26,9 @@ from typing import Any
 
 import numpy as np
 
+#: metadata arrays the header cache shows as a count only (the tokenizer's), re-encoded from the file on a hit
+LARGE_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+
 #: GGUF scalar value type -> struct / numpy format character
 _FMT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -127,8 +130,6 @@ def cached_header_matches_file(h: Any, facts: Any, buf: Any) -> bool:
         return False
     if [h.display[k] for k in PSEUDO_KEYS] != [facts.version, facts.n_tensors, facts.n_kv]:
         return False
-    from infertrace.loading.gguf_meta import LARGE_ARRAYS
-
     try:
         for key, (vtype, start, end) in facts.spans.items():
             raw = bytes(buf[start:end])

@@ -36,7 +36,7 @@ import numpy as np
 #: (2: entries are written only after check_gguf_header and check_gguf_tokenizer_fields passed)
 CACHE_FORMAT = 2
 #: the four tokenizer arrays ``inspect`` shows as ``<N entries>``
-LARGE_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+from infertrace.loading.gguf_cache_verify import LARGE_ARRAYS  # noqa: E402  (defined beside the verifier that re-encodes them)
 #: numpy dtypes GGUFReader gives tensor data (byte order explicit)
 _DTYPES = {f"{e}{t}" for e in "<>" for t in ("f2", "f4", "f8", "i2", "i4", "i8")} | {"|i1", "|u1"}
 #: cache files larger than this are not read (a header of a 256k-token vocabulary is ~20 MB of JSON)
