@@ -33,8 +33,20 @@ def _side(path: Path, seq: Optional[int], prompt_ids: Optional[list[int]] = None
     return bs.load_side(name, tr, tensors, req), m
 
 
+def _dtype(m: dict[str, Any]) -> str:
+    """The compute dtype of a trace: ``options.dtype`` (run records it), else the first step's hidden dtype."""
+    d = m.get("options", {}).get("dtype")
+    if isinstance(d, str):
+        return d
+    for st in m.get("steps", []):
+        h = st.get("hidden") if isinstance(st, dict) else None
+        if isinstance(h, dict) and isinstance(h.get("dtype"), str):
+            return h["dtype"]
+    return "unknown"
+
+
 def _default_floor(ma: dict[str, Any], mb: dict[str, Any]) -> bs.Floor:
-    da, db = (m.get("options", {}).get("dtype", "?") for m in (ma, mb))
+    da, db = (_dtype(m) for m in (ma, mb))
     if da == db == "float32":
         f, why = bs.DEFAULT_FLOOR_FP32, "default for two float32 traces"
     else:

@@ -18,6 +18,52 @@ def _batch(b: dict[str, Any] | None) -> str:
     return f"step {b['step']}, N={b['N']}: " + "; ".join(parts)
 
 
+#: taps shown per layer after the first diverging one (the full list is in --json)
+BRANCH_TAPS = ("attn_out", "mlp_out", "resid_post")
+
+
+def _span(layers: list[int]) -> str:
+    name = lambda x: "embed" if x < 0 else str(x)  # noqa: E731
+    return f"layer {name(layers[0])}" if len(layers) == 1 else f"layers {name(layers[0])}..{name(layers[-1])}"
+
+
+def _layer_lines(taps: list[dict[str, Any]]) -> list[str]:
+    """Clean layers collapsed into one line; the first diverging layer with every tap, the next two with
+    the branch taps, the rest collapsed with their largest error."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for e in taps:
+        by.setdefault(e["layer"], []).append(e)
+    if not by:
+        return ["  (no layer tensors saved in both traces at this position)"]
+    out: list[str] = []
+    clean: list[int] = []
+    shown = 0
+    layers = list(by)
+    for i, layer in enumerate(layers):
+        es = by[layer]
+        if not any(e["above"] for e in es) and shown == 0:
+            clean.append(layer)
+            continue
+        if clean:
+            out.append(f"  {_span(clean)}: every tap below the floor (largest rel L2 "
+                       f"{_g(max(e['rel_l2'] for c in clean for e in by[c]))})")
+            clean = []
+        if shown >= 3:
+            rest = [e for x in layers[i:] for e in by[x]]
+            worst = max(rest, key=lambda e: e["rel_l2"])
+            out.append(f"  {_span(layers[i:])}: {sum(e['above'] for e in rest)} of {len(rest)} taps above the floor "
+                       f"(largest rel L2 {_g(worst['rel_l2'])} at layer {worst['layer']} {worst['tap']})")
+            return out
+        cells = [e for e in es if shown == 0 or e["tap"] in BRANCH_TAPS]
+        out.append(f"  layer {layer:>2}: " + "  ".join(
+            f"{e['tap']} {_g(e['rel_l2'])}/{_g(e['cosine'])}{'*' if e['above'] else ''}" for e in cells))
+        shown += 1
+    if clean:
+        out.append(f"  {_span(clean)}: every tap below the floor (largest rel L2 "
+                   f"{_g(max(e['rel_l2'] for c in clean for e in by[c]))})")
+    return out
+
+
 def bisect_lines(res: dict[str, Any]) -> list[str]:
     """The report, most important first: floor, first token / logits divergence, first tap, batch, verdict."""
     fl, tok = res["floor"], res["tokens"]
@@ -38,13 +84,7 @@ def bisect_lines(res: dict[str, Any]) -> list[str]:
         out.append("no divergence above the floor")
         return out
     out.append(f"layers at position {res['position']} (rel L2 / cosine per tap; * = above the floor):")
-    by_layer: dict[int, list[str]] = {}
-    for e in res["taps"]:
-        by_layer.setdefault(e["layer"], []).append(f"{e['tap']} {_g(e['rel_l2'])}/{_g(e['cosine'])}{'*' if e['above'] else ''}")
-    for layer, cells in by_layer.items():
-        out.append(f"  {'embed' if layer < 0 else f'layer {layer:>2}'}: " + "  ".join(cells))
-    if not res["taps"]:
-        out.append("  (no layer tensors saved in both traces at this position)")
+    out.extend(_layer_lines(res["taps"]))
     ft = res["first_tap"]
     out.append("first tap above the floor: " + ("none" if ft is None else
                f"{'embedding' if ft['layer'] < 0 else 'layer ' + str(ft['layer'])} {ft['tap']} ({ft['branch']}): "

@@ -3,7 +3,8 @@
 Walks token -> position -> layer -> tap, numpy only (no torch):
 
 1. per position of the compared request, the next-token top-1 (``step{s}/logits_topk_ids[row, 0]``) and
-   the logits row (its saved top-k values, compared on the token ids both sides kept); the first
+   the logits row (its saved top-k values, compared on the token ids both sides kept, each centred on
+   its mean there: softmax ignores a constant shift); the first
    position whose top-1 differs and the first whose logits differ beyond the floor;
 2. at the earliest such position, the error of every per-layer tap both traces saved
    (``step{s}/layer{l}/{tap}`` row of that position, plus the embedding ``step{s}/hidden``), in firing
@@ -194,13 +195,16 @@ def logits_row(side: Side, pos: int, vocab: int) -> tuple[np.ndarray, np.ndarray
 
 
 def compare_logits(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
-    """Top-1 of each side and the error of the logits on the token ids both top-k lists hold (A's order).
+    """Top-1 of each side and the error of the logits on the token ids both top-k lists hold (A's order),
+    each side centred on its mean over those ids (relative L2 and cosine of the centred values).
     Fewer than two shared ids: relative L2 ``inf`` (the rows are too far apart to compare)."""
     (ia, va), (ib, vb) = a, b
     where_b = {int(t): i for i, t in enumerate(ib.tolist())}
     common = [(i, where_b[int(t)]) for i, t in enumerate(ia.tolist()) if int(t) in where_b]
-    if len(common) >= 2:
-        rel, cos = err(va[[i for i, _ in common]], vb[[j for _, j in common]])
+    if len(common) >= 2:  # centred: logits are defined up to a constant per row (softmax ignores it)
+        xa = va[[i for i, _ in common]].astype(np.float64)  # [c]
+        xb = vb[[j for _, j in common]].astype(np.float64)  # [c]
+        rel, cos = err(xa - xa.mean(), xb - xb.mean())
     else:
         rel, cos = float("inf"), float("nan")
     return {"top1_a": int(ia[0]), "top1_b": int(ib[0]), "rel_l2": rel, "cosine": cos,
