@@ -112,11 +112,14 @@ def hf_truth(hf_copies, traces):
         return got
 
     a, b = run(clean), run(bad)
-    return {k: float((a[k] - b[k]).norm() / a[k].norm()) for k in a}
+    whole = {k: float((a[k] - b[k]).norm() / a[k].norm()) for k in a}
+    last = {k: float((a[k][0, -1] - b[k][0, -1]).norm() / a[k][0, -1].norm()) for k in a}  # the last prompt token's row
+    return {"whole": whole, "last": last}
 
 
 def test_hf_confirms_the_planted_layer(hf_truth):
     """The independent truth: in HF, layers 0..4 are untouched, layer 5's attention too, its MLP output not."""
+    hf_truth = hf_truth["whole"]
     first = min(k for k, v in hf_truth.items() if v > 0)
     assert first == (LAYER, "mlp_out")
     assert all(hf_truth[(i, t)] == 0.0 for i in range(LAYER) for t in ("attn_out", "mlp_out", "resid_post"))
@@ -128,7 +131,7 @@ def test_bisect_names_the_planted_layer_and_tap(traces, hf_truth):
     r = _bisect(str(traces["clean"]), str(traces["bad"]), "--json")
     assert r.exit_code == 1, r.output
     res = json.loads(r.output)
-    want_layer, want_tap = min(k for k, v in hf_truth.items() if v > 0)  # from HF, not from infertrace
+    want_layer, want_tap = min(k for k, v in hf_truth["whole"].items() if v > 0)  # from HF, not from infertrace
     assert (res["first_tap"]["layer"], res["first_tap"]["tap"]) == (want_layer, want_tap)
     assert res["first_tap"]["branch"] == "MLP"
     at = {(e["layer"], e["tap"]): e for e in res["taps"]}
@@ -136,6 +139,9 @@ def test_bisect_names_the_planted_layer_and_tap(traces, hf_truth):
     assert all(not e["above"] for e in res["taps"] if e["layer"] < LAYER)
     # the last prompt token's row: HF's own relative error of layer 5's MLP there matches ours to fp32 noise
     assert res["position"] == len(traces["prompt_ids"]) - 1
+    hf5 = hf_truth["last"][(LAYER, "mlp_out")]
+    assert res["first_tap"]["rel_l2"] == pytest.approx(hf5, rel=1e-3)
+    assert at[(LAYER, "resid_post")]["rel_l2"] == pytest.approx(hf_truth["last"][(LAYER, "resid_post")], rel=1e-3)
     assert res["first_logits"]["pos"] == res["position"]
     assert res["floor"]["source"].startswith("default for two float32 traces")
     assert res["batch"]["a"]["requests"] == [{"seq_id": 0, "phase": "prefill", "kind": "prefill", "C": 0,
@@ -201,3 +207,23 @@ def test_bad_input_is_one_line_exit_2(traces, tmp_path):
     (d / "trace.json").write_text(json.dumps(m))
     r = _bisect(str(traces["clean"]), str(d))
     assert r.exit_code == 2 and "different models" in r.output, r.output
+
+
+def test_inconsistent_tensor_shape_is_refused(traces, tmp_path):
+    """An untrusted trace whose layer tensor has fewer rows than the step computed: exit 2, one line."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "short_rows"
+    shutil.copytree(traces["bad"], d)
+    t = load_file(str(d / "tensors.safetensors"))
+    name = f"step0/layer{LAYER}/mlp_out"
+    t[name] = np.ascontiguousarray(t[name][:2])  # [2, H] where the step has N = 5 rows
+    save_file(t, str(d / "tensors.safetensors"), metadata={"format": "pt"})
+    m = json.loads((d / "trace.json").read_text())
+    m["store"]["tensors"][name]["shape"] = [2, int(t[name].shape[1])]
+    (d / "trace.json").write_text(json.dumps(m))
+    r = _bisect(str(traces["clean"]), str(d))
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    assert "shape" in r.output
