@@ -190,6 +190,14 @@ def test_batch_of_the_step_is_reported(traces):
     assert b[0] == {"seq_id": 0, "phase": "prefill", "kind": "prefill chunk 3..4 of 5", "C": 3, "T": 2}
     assert [x["seq_id"] for x in b] == [0, 1]
     assert (res["first_tap"]["layer"], res["first_tap"]["tap"]) == (LAYER, "mlp_out")
+    # a measured floor from a bit-identical pair (0 at layer 0) is raised to the fp32 minimum, so the
+    # rounding of the chunked batch (~1e-7 at layer 0) is not taken for the defect
+    r = _bisect(str(traces["clean"]), str(traces["bad_batched"]), "--floor-from", str(traces["gguf"]), str(traces["clean"]),
+                "--json")
+    assert r.exit_code == 1, r.output
+    res = json.loads(r.output)
+    assert (res["first_tap"]["layer"], res["first_tap"]["tap"]) == (LAYER, "mlp_out")
+    assert res["floor"]["source"].endswith("at least 1e-05")
 
 
 def test_bad_input_is_one_line_exit_2(traces, tmp_path):

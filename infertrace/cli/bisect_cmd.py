@@ -89,7 +89,9 @@ def bisect(
         sd, md = _side(d, sc.seq_id, sc.tokens[:sc.n_prompt])
         bs.same_model(ma, mc, sa.name, sc.name)
         bs.same_model(mc, md, sc.name, sd.name)
-        fl = bs.measure_floor(sc, sd, cfg, f"measured from --floor-from {sc.name} {sd.name}")
+        fp32 = _dtype(ma) == _dtype(mb) == "float32"
+        fl = bs.measure_floor(sc, sd, cfg, f"measured from --floor-from {sc.name} {sd.name}",
+                              bs.MIN_FLOOR_FP32 if fp32 else bs.MIN_FLOOR_LOW)
     else:
         fl = _default_floor(ma, mb)
     res = bs.bisect(sa, sb, cfg, fl)

@@ -43,6 +43,11 @@ TAP_BRANCH = {"embed": "embedding", "hidden_in": "residual stream entering the l
 #: default relative-L2 floors when neither --floor nor --floor-from is given (keyed by "both float32")
 DEFAULT_FLOOR_FP32 = 1e-3
 DEFAULT_FLOOR_LOW = 3e-2
+#: lower bound of a measured floor (relative L2), keyed by "both float32": a noise pair that agrees
+#: bit for bit measures 0, yet rounding alone (another batch shape, another kernel) moves fp32 rows by
+#: ~1e-7..1e-6 and bf16 rows by ~1e-3
+MIN_FLOOR_FP32 = 1e-5
+MIN_FLOOR_LOW = 1e-2
 #: bound on one tensor read for comparison (elements)
 MAX_TENSOR_ELEMS = 1 << 26
 #: config fields two traces must share to be "the same model"
@@ -277,10 +282,11 @@ def tap_errors(a: Side, b: Side, pos: int, cfg: dict[str, Any]) -> list[dict[str
     return out
 
 
-def measure_floor(c: Side, d: Side, cfg: dict[str, Any], source: str) -> Floor:
+def measure_floor(c: Side, d: Side, cfg: dict[str, Any], source: str, minimum: float = MIN_FLOOR_FP32) -> Floor:
     """The floor from a noise pair: the largest relative L2 of logits rows over their comparable
-    positions, and per (layer, tap) the largest over the positions both saved; ``default`` (for taps
-    the pair lacks) is the largest tap value measured (or the logits floor when none)."""
+    positions, and per (layer, tap) the largest over the positions both saved, each raised to at least
+    ``minimum`` (:data:`MIN_FLOOR_FP32`: a bit-identical pair measures 0); ``default`` (for taps the
+    pair lacks) is the largest tap value measured (or the logits floor when none)."""
     n_cmp, _ = comparable(c, d)
     logit = [r["rel_l2"] for r in walk_logits(c, d, int(cfg.get("vocab_size") or 0), n_cmp)]
     if not logit:
@@ -290,8 +296,9 @@ def measure_floor(c: Side, d: Side, cfg: dict[str, Any], source: str) -> Floor:
         for e in tap_errors(c, d, pos, cfg):
             k = (e["layer"], e["tap"])
             taps[k] = max(taps.get(k, 0.0), e["rel_l2"])
-    lf = max(logit)
-    return Floor(logits=lf, default=max(taps.values(), default=lf), source=source, taps=taps)
+    taps = {k: max(v, minimum) for k, v in taps.items()}
+    lf = max(max(logit), minimum)
+    return Floor(logits=lf, default=max(taps.values(), default=lf), source=f"{source}, at least {minimum:g}", taps=taps)
 
 
 def batch_at(side: Side, pos: int) -> dict[str, Any] | None:
