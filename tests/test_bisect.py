@@ -235,3 +235,40 @@ def test_inconsistent_tensor_shape_is_refused(traces, tmp_path):
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
     assert "shape" in r.output
+
+
+# ----------------------------------------------------------------------------- hand-worked, no model
+
+
+def test_metrics_hand_worked():
+    """a = [3, 4], b = [3, 0]: ||a - b|| = 4, ||a|| = 5 -> 0.8; a·b = 9, ||b|| = 3 -> cosine 9/15 = 0.6."""
+    import numpy as np
+
+    from infertrace.trace.bisect import above, compare_logits, err
+
+    rel, cos = err(np.array([3.0, 4.0]), np.array([3.0, 0.0]))
+    assert rel == pytest.approx(0.8) and cos == pytest.approx(0.6)
+    assert err(np.zeros(3), np.zeros(3)) == (0.0, 1.0)
+    assert above(float("nan"), 1.0) and above(float("inf"), 1.0) and not above(0.5, 1.0)
+    # top-k ids [1, 2, 3] vs [2, 1, 7]: shared 1, 2; A (10, 9) and B (11, 10) are one shift apart -> 0 centred
+    r = compare_logits((np.array([1, 2, 3]), np.array([10.0, 9.0, 8.0])), (np.array([2, 1, 7]), np.array([10.0, 11.0, 0.0])))
+    assert (r["top1_a"], r["top1_b"], r["shared_topk"]) == (1, 2, 2)
+    assert r["rel_l2"] == pytest.approx(0.0) and r["cosine"] == pytest.approx(1.0)
+    # centred A = (0.5, -0.5), B = (-0.5, 0.5): ||a - b|| / ||a|| = 2, cosine -1
+    r = compare_logits((np.array([1, 2]), np.array([10.0, 9.0])), (np.array([1, 2]), np.array([9.0, 10.0])))
+    assert r["rel_l2"] == pytest.approx(2.0) and r["cosine"] == pytest.approx(-1.0)
+    r = compare_logits((np.array([1, 2]), np.array([1.0, 0.0])), (np.array([5, 6]), np.array([1.0, 0.0])))
+    assert r["rel_l2"] == float("inf")  # nothing shared: too far apart to compare
+
+
+def test_comparable_positions_stop_at_the_first_different_token():
+    from infertrace.errors import InfertraceError
+    from infertrace.trace.bisect import Side, comparable
+
+    def side(tokens, n_prompt=3):
+        return Side("x", None, None, 0, tokens, n_prompt, {}, {})  # type: ignore[arg-type]
+
+    assert comparable(side([1, 2, 3, 4, 5]), side([1, 2, 3, 4, 9])) == (4, 4)  # positions 0..3 fed the same inputs
+    assert comparable(side([1, 2, 3, 4]), side([1, 2, 3, 4, 5])) == (4, None)
+    with pytest.raises(InfertraceError, match="different token sequences"):
+        comparable(side([1, 2, 3, 4]), side([1, 2, 7, 4]))

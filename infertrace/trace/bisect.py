@@ -82,6 +82,8 @@ class Side:
     n_prompt: int
     logit_at: dict[int, tuple[int, int]]
     row_at: dict[int, tuple[int, int]]
+    #: the arrays read for one step (walking a prefill reads each of its tensors once, not once per position)
+    cache: tuple[int, dict[str, np.ndarray]] = field(default_factory=lambda: (-1, {}))
 
 
 def err(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -176,7 +178,14 @@ def _tensor(side: Side, name: str, st: StepTrace, row_dim: int, tail: tuple[int,
     if int(np.prod(shape, dtype=np.int64)) > MAX_TENSOR_ELEMS:
         raise InfertraceError(f"{side.name}: tensor {name} has {int(np.prod(shape, dtype=np.int64))} elements "
                               f"(limit {MAX_TENSOR_ELEMS}); bisect refuses it")
-    return tt.array(name)
+    if side.cache[0] != st.step:
+        side.cache = (st.step, {})
+    got = side.cache[1]
+    if name not in got:
+        got[name] = tt.array(name)
+        if list(got[name].shape) != shape:  # the file and the manifest index were checked to agree; keep it so
+            raise InfertraceError(f"{side.name}: tensor {name} reads back as {list(got[name].shape)}, not {shape}")
+    return got[name]
 
 
 def logits_row(side: Side, pos: int, vocab: int) -> tuple[np.ndarray, np.ndarray] | None:
