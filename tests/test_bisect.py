@@ -215,6 +215,14 @@ def test_bad_input_is_one_line_exit_2(traces, tmp_path):
     (d / "trace.json").write_text(json.dumps(m))
     r = _bisect(str(traces["clean"]), str(d))
     assert r.exit_code == 2 and "different models" in r.output, r.output
+    # a trace saved without tensors has no logits rows to compare: said so, exit 2
+    d = tmp_path / "summary"
+    d.mkdir()
+    m = json.loads((traces["bad"] / "trace.json").read_text())
+    m["store"] = {"keep": "summary", "tensor_layers": [], "tensors": {}}
+    (d / "trace.json").write_text(json.dumps(m))
+    r = _bisect(str(traces["clean"]), str(d))
+    assert r.exit_code == 2 and "no position has saved logits in both traces" in r.output, r.output
 
 
 def test_inconsistent_tensor_shape_is_refused(traces, tmp_path):
