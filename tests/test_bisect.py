@@ -134,6 +134,7 @@ def test_bisect_names_the_planted_layer_and_tap(traces, hf_truth):
     want_layer, want_tap = min(k for k, v in hf_truth["whole"].items() if v > 0)  # from HF, not from infertrace
     assert (res["first_tap"]["layer"], res["first_tap"]["tap"]) == (want_layer, want_tap)
     assert res["first_tap"]["branch"] == "MLP"
+    assert res["first_tap"]["layers_not_compared_before"] == []  # every layer was saved
     at = {(e["layer"], e["tap"]): e for e in res["taps"]}
     assert not at[(LAYER, "attn_out")]["above"] and at[(LAYER, "attn_out")]["rel_l2"] == 0.0
     assert all(not e["above"] for e in res["taps"] if e["layer"] < LAYER)
@@ -243,6 +244,22 @@ def test_inconsistent_tensor_shape_is_refused(traces, tmp_path):
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
     assert "shape" in r.output
+
+
+def test_llamacpp_trace_with_one_layer(traces, llama_cpp, tmp_path):
+    """Ours (every layer) against real llama.cpp (its eval callback taps one layer, here 5): bisect compares
+    what both saved, says the earlier layers were not compared, and names the two engines in the floor line."""
+    lc = tmp_path / "lc"
+    r = CliRunner().invoke(app, ["run", "--engine", "llama.cpp", "--prompt", PROMPT, "-n", str(N_NEW), "--save", str(lc),
+                                 "--layer", str(LAYER), "--json"])
+    assert r.exit_code == 0, r.output
+    r = _bisect(str(traces["gguf"]), str(lc), "--floor", "0", "--json")
+    assert r.exit_code == 1, r.output
+    res = json.loads(r.output)
+    assert {e["layer"] for e in res["taps"]} == {-1, LAYER}
+    assert res["first_tap"]["layer"] == LAYER and res["first_tap"]["layers_not_compared_before"] == list(range(LAYER))
+    r = _bisect(str(traces["gguf"]), str(lc))
+    assert "different engines (infertrace, llama.cpp)" in r.output and "not compared" in r.output
 
 
 # ----------------------------------------------------------------------------- hand-worked, no model

@@ -89,6 +89,10 @@ def bisect_lines(res: dict[str, Any]) -> list[str]:
     out.append("first tap above the floor: " + ("none" if ft is None else
                f"{'embedding' if ft['layer'] < 0 else 'layer ' + str(ft['layer'])} {ft['tap']} ({ft['branch']}): "
                f"rel L2 {_g(ft['rel_l2'])} > floor {_g(ft['floor'])}, cosine {_g(ft['cosine'])}"))
+    if ft is not None and ft.get("layers_not_compared_before"):
+        miss = ft["layers_not_compared_before"]
+        out.append(f"  (layers {miss[0]}..{miss[-1]} were not saved in both traces: {len(miss)} earlier layer"
+                   f"{'s' if len(miss) != 1 else ''} not compared, the divergence may start there; save them where the runtime can, --layers)")
     out.append(f"batch A: {_batch(res['batch']['a'])}")
     out.append(f"batch B: {_batch(res['batch']['b'])}")
     out.append("diverged above the floor" if res["diverged"] else

@@ -349,6 +349,9 @@ def bisect(a: Side, b: Side, cfg: dict[str, Any], floor: Floor) -> dict[str, Any
         first_tap = next((e for e in taps if e["above"]), None)
         if first_tap is not None:
             first_tap = {**first_tap, "branch": TAP_BRANCH.get(first_tap["tap"], first_tap["tap"])}
+            saved = {e["layer"] for e in taps}
+            # layers before the first tap that were not compared: the divergence may start there
+            first_tap["layers_not_compared_before"] = [x for x in range(max(first_tap["layer"], 0)) if x not in saved]
     return {
         "a": a.name, "b": b.name, "seq_id_a": a.seq_id, "seq_id_b": b.seq_id,
         "tokens": {"prompt": a.n_prompt, "compared_positions": n_cmp, "first_token_differs_at": first_tok,
