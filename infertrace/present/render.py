@@ -636,15 +636,28 @@ def render_run(console: Console, trace: RunTrace, show: Sequence[str] = VARIABLE
     Args:
         console: where to print (its width decides wrapping; 100-120 columns is the target).
         trace: the run, live or loaded from JSON.
-        show: variables whose panels are printed (the worked-example table is always shown).
+        show: variables whose panels are printed (the worked-example table is always shown); empty:
+            no per-step section, only the table and the summary (``run``'s default), with one line
+            naming ``--show``.
         steps: step numbers whose panels are printed (None = all); the table lists every step.
     """
     render_header(console, trace)
     console.print(worked_example_table(trace, console.width))
     wanted = None if steps is None else set(steps)
-    for st in trace.steps:
-        if wanted is None or st.step in wanted:
-            render_step(console, st, show)
+    if show:
+        for st in trace.steps:
+            if wanted is None or st.step in wanted:
+                render_step(console, st, show)
     console.rule(style="bright_black")
     render_outputs(console, trace)
     render_spec_summary(console, trace)
+    if not show:
+        console.print(Text(run_summary(trace), style=DIM))
+
+
+def run_summary(trace: RunTrace) -> str:
+    """One line under the default output: steps, tokens computed and generated, and how to see the panels."""
+    n_tok = sum(int(st.N or 0) for st in trace.steps)
+    gen = sum(len(r.get("output_ids", []) or []) for r in trace.requests)
+    return (f"{len(trace.steps)} steps · {n_tok} tokens computed · {gen} generated · per-step panels: --show "
+            "hidden,positions,mask,kv,decode or all")
