@@ -14,7 +14,7 @@ import typer
 
 from infertrace.safe_text import json_text, visible
 from infertrace.errors import InfertraceError
-from infertrace.trace.diff import DEFAULT_ATOL, DEFAULT_RTOL, diff_traces, format_diff
+from infertrace.trace.diff import DEFAULT_ATOL, DEFAULT_RTOL, diff_traces, format_diff, unrecorded_lines, without_variables
 from infertrace.trace.store import load_tensors, read_manifest
 
 HELP = ("Compare two saved traces and report the first divergence (step, seq, variable, field, A vs B). "
@@ -35,6 +35,12 @@ def diff(
     ma, mb = read_manifest(a), read_manifest(b)
     ta = load_tensors(a, ma) if tensors else None
     tb = load_tensors(b, mb) if tensors else None
+    unrecorded, dropped = unrecorded_lines(ma, mb, visible(str(a)), visible(str(b)))
+    if dropped:  # saved with different --keep: compare what both hold, say so once per trace
+        ma, mb = without_variables(ma, dropped), without_variables(mb, dropped)
+        if not as_json:
+            for line in unrecorded:
+                typer.echo(line)
     cross = None
     from infertrace.trace.runtime_diff import logical_diff, needs_logical_diff
 
@@ -74,6 +80,8 @@ def diff(
             out["cross_engine"] = cross
         if settings:
             out["llama_cpp_settings_differ"] = settings
+        if dropped:
+            out["not_compared"] = {"variables": list(dropped), "why": unrecorded}
         typer.echo(json_text(out, default=str))
     elif not (cross is not None and cross.get("mode") == "logical"):  # the logical lines end with their verdict
         for line in format_diff(res, ma, mb, str(a), str(b)):

@@ -56,9 +56,10 @@ def logical_lines(res: Any, info: dict[str, Any], name_a: str = "A", name_b: str
              "  exact: tokens (prompt, output, the token fed at each position), position ids, visible key positions of "
              "each query; summarised: the logits rows that predict the same position (top-k overlap, max |Δ logit|), "
              "next-token agreement",
-             f"next token: same top-1 {nt['same_top']}/{nt['rows']} rows ({nt['same_top_rate']:.1%}); top-k overlap "
-             f"{nt['topk_overlap_mean']:.2f}; max |Δ logit| {nt['max_abs_logit']:.3g} (ids both recorded); "
-             f"rows only in A {nt['rows_only_a']}, only in B {nt['rows_only_b']} (a partial prefill samples nothing)"]
+             (f"next token: same top-1 {nt['same_top']}/{nt['rows']} rows ({nt['same_top_rate']:.1%}); top-k overlap "
+              f"{nt['topk_overlap_mean']:.2f}; max |Δ logit| {nt['max_abs_logit']:.3g} (ids both recorded); " if nt["rows"] else
+              "next token: not compared (no logits row predicts the same position in both traces); ")
+             + f"rows only in A {nt['rows_only_a']}, only in B {nt['rows_only_b']} (a partial prefill samples nothing)"]
     for d in nt["disagreements"][:4]:
         lines.append(f"  different top-1: seq {d['seq_id']} predicting position {d['next_pos']}: A {_tok(d['a'])} "
                      f"(step {d['a_step']}) vs B {_tok(d['b'])} (step {d['b_step']})")

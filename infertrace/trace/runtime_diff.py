@@ -258,7 +258,7 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
                      tensors_note="tensors not compared across runtimes", differences=diffs[:KEEP])
     info = {"mode": "logical", "engines": [_engine(a), _engine(b)], "conventions": [_convention(a), _convention(b)],
             "note": NOTE, "requests": reqs_info,
-            "next_token": {"rows": rows, "same_top": same, "same_top_rate": same / rows if rows else 1.0,
-                           "topk_overlap_mean": overlap_sum / rows if rows else 1.0, "max_abs_logit": max_dlogit,
+            "next_token": {"rows": rows, "same_top": same, "same_top_rate": same / rows if rows else None,  # None: no row both recorded
+                           "topk_overlap_mean": overlap_sum / rows if rows else None, "max_abs_logit": max_dlogit,
                            "rows_only_a": only_rows["a"], "rows_only_b": only_rows["b"], "disagreements": disagree}}
     return res, info
