@@ -338,9 +338,12 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
 
             if tensor_layers is not None and tensor_layers != [layer]:
                 raise InfertraceError(f"--engine vllm captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
-            trace = run_requests_vllm(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                                      options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
-                                      dtype=dtype, tp=tensor_parallel_size)
+            from infertrace.runtimes.vllm.logfile import vllm_log
+
+            with vllm_log(progress.console):  # vLLM's logger, warnings and bars: to a file named in one line
+                trace = run_requests_vllm(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
+                                          options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
+                                          dtype=dtype, tp=tensor_parallel_size)
         else:
             trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                  options_for_record=record, tensors=tensors,
