@@ -23,15 +23,18 @@ HELP = ("Compare two saved traces and report the first divergence (step, seq, va
 
 def diff(
     a: Annotated[Path, typer.Argument(help="First trace directory (A).", show_default=False)],
-    b: Annotated[Path, typer.Argument(help="Second trace directory (B).", show_default=False)],
+    b: Annotated[Optional[Path], typer.Argument(help="Second trace directory (B); omit it with --seq X --seq Y to compare two requests of A.", show_default=False)] = None,
     atol: Annotated[float, typer.Option("--atol", help="Absolute float tolerance.")] = DEFAULT_ATOL,
     rtol: Annotated[float, typer.Option("--rtol", help="Relative float tolerance.")] = DEFAULT_RTOL,
     ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Field path (or prefix) to leave out, e.g. options.attention; repeatable.")] = None,
     tensors: Annotated[bool, typer.Option("--tensors/--no-tensors", help="Compare saved tensors when both traces kept them.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    seq: Annotated[Optional[list[int]], typer.Option("--seq", help="Twice: compare request X with request Y (of A, or X of A with Y of B) per position: tokens, positions, blocks or cells read, what the prefix cache served, logits and K/V.")] = None,
 ) -> None:
     if atol < 0 or rtol < 0:
         raise InfertraceError(f"--atol and --rtol must be >= 0 (got {atol:g}, {rtol:g})")
+    if seq is not None or b is None:
+        return diff_seqs(a, b, seq or [], tensors, as_json)
     ma, mb = read_manifest(a), read_manifest(b)
     ta = load_tensors(a, ma) if tensors else None
     tb = load_tensors(b, mb) if tensors else None
@@ -87,4 +90,34 @@ def diff(
         for line in format_diff(res, ma, mb, str(a), str(b)):
             typer.echo(visible(line))  # paths and values come from the files
     if not res.equal:
+        raise typer.Exit(1)
+
+
+def diff_seqs(a: Path, b: Optional[Path], seq: list[int], tensors: bool, as_json: bool) -> None:
+    """``diff A --seq X --seq Y`` (two requests of A) or ``diff A B --seq X --seq Y`` (X of A, Y of B):
+    :func:`infertrace.trace.seq_diff.compare_seqs`; exit 0 when they agree, 1 when they differ.
+
+    Raises:
+        InfertraceError: not exactly two --seq, a seq id the trace does not hold, no B and no --seq.
+    """
+    from infertrace.trace.seq_diff import compare_seqs, seq_lines
+
+    if len(seq) != 2:
+        raise InfertraceError("diff needs two traces (diff A B) or two requests: diff A --seq 0 --seq 1 "
+                              f"(got {len(seq)} --seq)" if b is None or seq else "--seq takes two request ids: --seq 0 --seq 1")
+    ma = read_manifest(a)
+    mb = ma if b is None else read_manifest(b)
+    for m, sid, d in ((ma, seq[0], a), (mb, seq[1], b or a)):
+        have = sorted(r.get("seq_id") for r in m.get("requests", []) if isinstance(r, dict))
+        if sid not in have:
+            raise InfertraceError(f"--seq {sid}: {visible(str(d))} has no request {sid} (seq ids {have})")
+    ta = load_tensors(a, ma) if tensors else None
+    tb = ta if b is None else (load_tensors(b, mb) if tensors else None)
+    res = compare_seqs(ma, seq[0], mb, seq[1], ta, tb)
+    if as_json:
+        typer.echo(json_text(res, default=str))
+    else:
+        for line in seq_lines(res, visible(str(a)), visible(str(b or a))):
+            typer.echo(visible(line))
+    if not res["equal"]:
         raise typer.Exit(1)

@@ -64,11 +64,15 @@ def logical_lines(res: Any, info: dict[str, Any], name_a: str = "A", name_b: str
         lines.append(f"  different top-1: seq {d['seq_id']} predicting position {d['next_pos']}: A {_tok(d['a'])} "
                      f"(step {d['a_step']}) vs B {_tok(d['b'])} (step {d['b_step']})")
     for r in info["requests"]:
-        n_diff = sum(1 for d in res.differences if d.seq_id == r["seq_id"])
+        n_diff = r.get("differences", 0)
         extra = "".join(f"; computed only by {s} at {r['only_' + s.lower()]}" for s in ("A", "B") if r["only_" + s.lower()])
         lines.append(f"seq {r['seq_id']}: {r['positions_compared']} positions compared ({r['required']} required){extra}; "
                      f"logits rows {r['logits_rows']['rows']} (same top-1 {r['logits_rows']['same_top']})"
-                     + (f"; {n_diff}+ difference(s)" if n_diff else ""))
+                     + (f"; {n_diff} difference(s)" if n_diff else ""))
+        for side, sv in sorted((r.get("served") or {}).items()):
+            by = ", ".join(f"seq {x}" for x in sv["by_seq"]) or "?"
+            lines.append(f"  positions {sv['positions']} served from {side.upper()}'s prefix cache (hit {sv['hit']} tokens at "
+                         f"step {sv['step']}): compared where {by} computed them")
         ch_a, ch_b = r["chunks"]["a"], r["chunks"]["b"]
         n = max(len(ch_a), len(ch_b))
         w = max(len(str(ea)), len(str(eb)))
