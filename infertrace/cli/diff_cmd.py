@@ -47,7 +47,14 @@ def diff(
     cross = None
     from infertrace.trace.runtime_diff import logical_diff, needs_logical_diff
 
-    if needs_logical_diff(ma, mb):  # e.g. --engine llama.cpp (cells) vs --engine vllm (paged): per request and position
+    from infertrace.trace.backend_diff import backend_diff, backend_lines, needs_backend_diff
+
+    if needs_backend_diff(ma, mb):  # our engine, cells vs paged: the logical comparison diff-backends runs
+        res, cross = backend_diff(ma, mb, ta, tb, atol, tuple(ignore or ()))
+        if not as_json:
+            for line in backend_lines(res, cross, visible(str(a)), visible(str(b))):
+                typer.echo(visible(line))
+    elif needs_logical_diff(ma, mb):  # e.g. --engine llama.cpp (cells) vs --engine vllm (paged): per request and position
         res, cross = logical_diff(ma, mb, tuple(ignore or ()))
     elif ma.get("engine", "infertrace") != mb.get("engine", "infertrace"):  # e.g. --engine llama.cpp vs cells
         from infertrace.trace.engine_diff import cross_engine_diff
@@ -70,7 +77,7 @@ def diff(
 
         for line in logical_lines(res, cross, visible(str(a)), visible(str(b))):
             typer.echo(line)
-    elif cross is not None and not as_json:
+    elif cross is not None and cross.get("mode") != "backends" and not as_json:
         from infertrace.present.render_llamacpp import cross_engine_lines
 
         for line in cross_engine_lines(res, cross):
@@ -86,7 +93,7 @@ def diff(
         if dropped:
             out["not_compared"] = {"variables": list(dropped), "why": unrecorded}
         typer.echo(json_text(out, default=str))
-    elif not (cross is not None and cross.get("mode") == "logical"):  # the logical lines end with their verdict
+    elif not (cross is not None and cross.get("mode") in ("logical", "backends")):  # those lines end with their verdict
         for line in format_diff(res, ma, mb, str(a), str(b)):
             typer.echo(visible(line))  # paths and values come from the files
     if not res.equal:
