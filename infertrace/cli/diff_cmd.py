@@ -55,7 +55,7 @@ def diff(
             for line in backend_lines(res, cross, visible(str(a)), visible(str(b))):
                 typer.echo(visible(line))
     elif needs_logical_diff(ma, mb):  # e.g. --engine llama.cpp (cells) vs --engine vllm (paged): per request and position
-        res, cross = logical_diff(ma, mb, tuple(ignore or ()))
+        res, cross = logical_diff(ma, mb, tuple(ignore or ()), ta, tb)
     elif ma.get("engine", "infertrace") != mb.get("engine", "infertrace"):  # e.g. --engine llama.cpp vs cells
         from infertrace.trace.engine_diff import cross_engine_diff
 

@@ -67,13 +67,13 @@ def kv_dtype(m: dict[str, Any]) -> str:
 
 
 def compare_kv(ra: dict[int, tuple[Any, Any]], rb: dict[int, tuple[Any, Any]], pairs: list[tuple[int, int]],
-               rel_floor: float) -> dict[str, Any]:
+               rel_floor: float, keep: int | None = 8) -> dict[str, Any]:
     """K/V at the position pairs ``(j in A, j in B)`` both hold: max |ΔK|, max |ΔV| and the positions whose
     |Δ| exceeds the noise floor ``rel_floor × max(|x|)`` of that position's vectors.
 
     Returns:
-        ``{"positions", "max_abs_k", "max_abs_v", "floor_rel", "over_floor": [{"j", "dk", "dv", "floor"}] (first 8),
-        "n_over"}``.
+        ``{"positions", "max_abs_k", "max_abs_v", "floor_rel", "over_floor": [{"j", "dk", "dv", "floor"}] (the first
+        ``keep``; None: all), "n_over"}``.
     """
     import numpy as np
 
@@ -95,6 +95,34 @@ def compare_kv(ra: dict[int, tuple[Any, Any]], rb: dict[int, tuple[Any, Any]], p
         floor = rel_floor * scale
         if dk > floor or dv > floor:
             n_over += 1
-            if len(over) < 8:
+            if keep is None or len(over) < keep:
                 over.append({"j": ja if ja == jb else [ja, jb], "dk": dk, "dv": dv, "floor": floor})
     return {"positions": n, "max_abs_k": mk, "max_abs_v": mv, "floor_rel": rel_floor, "over_floor": over, "n_over": n_over}
+
+
+#: llama.cpp's CPU matmuls with quantised weights quantise the activations to 8 bits first (ggml's
+#: ``vec_dot_type`` q8_0 / q8_1 / q8_K): half a step of 8-bit rounding of each block's max
+ACT_Q8_EPS = 2.0 ** -8
+#: float32 products summed in a different order (576-wide dot products: a few ulps each)
+ACCUM_EPS = 2.0 ** -17
+#: floor = FACTOR x the sum of the roundings both traces' numerics carry
+FACTOR = 4.0
+
+
+def _quantised_activations(m: dict[str, Any]) -> bool:
+    opts = m.get("options") if isinstance(m.get("options"), dict) else {}
+    w = opts.get("weights")
+    return m.get("engine") == "llama.cpp" or (isinstance(w, dict) and w.get("weights") == "quant")
+
+
+def kv_floor(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, str]:
+    """``(rel, how)``: the K/V noise floor between traces ``a`` and ``b`` relative to a position's largest
+    |K|,|V|: :data:`FACTOR` x (each side's K/V storage rounding + 8-bit activation rounding of a llama.cpp
+    quantised matmul, where one ran + float32 accumulation order)."""
+    parts = [(f"{kv_dtype(m)} cache", DTYPE_EPS.get(kv_dtype(m), 2.0 ** -24)) for m in (a, b)]
+    if any(_quantised_activations(m) for m in (a, b)):
+        parts.append(("8-bit activations of quantised matmuls", ACT_Q8_EPS))
+    parts.append(("float32 accumulation order", ACCUM_EPS))
+    eps = sum(e for _, e in parts)
+    how = f"{FACTOR:g} × ({' + '.join(f'{n} {e:.2g}' for n, e in parts)}) = {FACTOR * eps:.3g} × max |K|,|V| of the position"
+    return FACTOR * eps, how

@@ -289,7 +289,8 @@ def served_info(p: dict[int, dict[str, Any]], sid: int, js: list[int]) -> dict[s
             "step": (q["hit"] or {}).get("step")}
 
 
-def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = ()) -> tuple[DiffResult, dict[str, Any]]:
+def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = (), tensors_a: Any = None,
+                 tensors_b: Any = None) -> tuple[DiffResult, dict[str, Any]]:
     """Compare the logical variables of two traces of the same requests computed by runtimes with
     different conventions (see the module docstring).
 
@@ -300,9 +301,17 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
     Returns:
         ``(DiffResult, info)``: the exact differences (tokens, positions, visible keys), and
         ``info`` = ``{"mode": "logical", "engines", "conventions", "note", "requests": [...],
-        "next_token": {...}}`` with per request the positions compared, the chunks of each runtime
-        side by side, and the logits-row agreement.
+        "next_token": {...}, "kv": {...}}`` with per request the positions compared, the chunks of each runtime
+        side by side, the logits-row agreement and the K/V at each position both hold (``tensors_a/b``: the
+        kept tensors, else the ``kv.layer_view`` summary) against the noise floor
+        (:func:`infertrace.trace.kv_rows.kv_floor`); a position over it is a ``kv`` difference.
     """
+    from infertrace.trace.kv_rows import compare_kv, kv_floor, kv_rows
+
+    rel, how = kv_floor(a, b)
+    layer_a, layer_b = (m.get("options", {}).get("layer", 0) if isinstance(m.get("options"), dict) else 0 for m in (a, b))
+    kv_all = {"positions": 0, "max_abs_k": 0.0, "max_abs_v": 0.0, "n_over": 0, "floor": how, "floor_rel": rel,
+              "layer": layer_a if layer_a == layer_b else None, "sources": []}
     pa, pb = _per_request(a), _per_request(b)
     diffs: list[Divergence] = []
 
@@ -347,6 +356,19 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
                 if u[key] != v[key]:
                     add(_div(var, sid, f"at[{j}].{key}", u[key], v[key], note=f"A {where(u)}, B {where(v)}"))
         extra = {"a": sorted(set(x["at"]) - set(range(need))), "b": sorted(set(y["at"]) - set(range(need)))}
+        kvr = None
+        if layer_a == layer_b and "kv" not in ignore:  # the K/V each holds at (request, position), served ones where written
+            (ra, sa_), (rb, sb_) = kv_rows(a, tensors_a, sid), kv_rows(b, tensors_b, sid)
+            kvr = compare_kv(ra, rb, [(j, j) for j in both], rel, keep=None)
+            for k in ("positions", "n_over"):
+                kv_all[k] += kvr[k]
+            for k in ("max_abs_k", "max_abs_v"):
+                kv_all[k] = max(kv_all[k], kvr[k])
+            kv_all["sources"] = sorted(set(kv_all["sources"]) | {sa_.split(":")[0], sb_.split(":")[0]})
+            for o in kvr["over_floor"]:
+                add(_div("kv", sid, f"at[{o['j']}].kv", f"|ΔK| {o['dk']:.3g}", f"|ΔV| {o['dv']:.3g}",
+                         note=f"over the noise floor {o['floor']:.3g}"))
+            kvr = {**kvr, "over_floor": kvr["over_floor"][:KEEP], "source": {"a": sa_, "b": sb_}}
         # logits rows: the row that predicts position p (next_pos p), both runtimes
         nr = {"rows": 0, "same_top": 0}
         for p in sorted(set(x["next"]) | set(y["next"])):
@@ -371,17 +393,18 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
                 disagree.append({"seq_id": sid, "next_pos": p, "a": ta[0] if ta else None, "b": tb[0] if tb else None,
                                  "a_step": x["next"][p]["step"], "b_step": y["next"][p]["step"]})
         reqs_info.append({"seq_id": sid, "positions_compared": len(both), "required": max(need, 0),
-                          "differences": len(diffs) - n_before,
+                          "differences": len(diffs) - n_before, "kv": kvr,
                           "served": {k: served_info(pa if k == "a" else pb, sid, v) for k, v in served.items() if v},
                           "only_a": ranges_text(extra["a"]) if extra["a"] else None,
                           "only_b": ranges_text(extra["b"]) if extra["b"] else None,
                           "logits_rows": nr, "chunks": {"a": x["chunks"], "b": y["chunks"]},
                           "chunks_total": {"a": x["n_chunks"], "b": y["n_chunks"]}})
     res = DiffResult(diffs[0] if diffs else None, len(diffs), 0.0, 0.0, cross_engine=True,
-                     tensors_note="tensors not compared across runtimes", differences=diffs[:KEEP])
+                     tensors_note="K/V compared against the noise floor; other tensors not compared across runtimes", differences=diffs[:KEEP])
     info = {"mode": "logical", "engines": [_engine(a), _engine(b)], "conventions": [_convention(a), _convention(b)],
             "note": NOTE, "requests": reqs_info,
             "next_token": {"rows": rows, "same_top": same, "same_top_rate": same / rows if rows else None,  # None: no row both recorded
                            "topk_overlap_mean": overlap_sum / rows if rows else None, "max_abs_logit": max_dlogit,
-                           "rows_only_a": only_rows["a"], "rows_only_b": only_rows["b"], "disagreements": disagree}}
+                           "rows_only_a": only_rows["a"], "rows_only_b": only_rows["b"], "disagreements": disagree},
+            "kv": kv_all}
     return res, info

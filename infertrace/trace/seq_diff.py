@@ -28,12 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 from infertrace.ranges import ranges_text
-from infertrace.trace.kv_rows import DTYPE_EPS, compare_kv, kv_dtype, kv_rows
+from infertrace.trace.kv_rows import compare_kv, kv_floor, kv_rows
 from infertrace.trace.runtime_diff import _per_request, resolve
-
-#: K/V noise floor within one runtime: FACTOR x the storage dtype's rounding (at least float32 accumulation order)
-FACTOR = 4.0
-ACCUM_EPS = 2.0 ** -17
 
 
 def _reads(m: dict[str, Any], sid: int) -> dict[str, Any]:
@@ -54,10 +50,14 @@ def _reads(m: dict[str, Any], sid: int) -> dict[str, Any]:
             kv = st.get("kv") if isinstance(st.get("kv"), dict) else {}
             per = next((p for p in kv.get("per_request", []) or [] if isinstance(p, dict) and p.get("seq_id") == sid), {})
             md = (st.get("mask") or {}).get("metadata") if isinstance(st.get("mask"), dict) else None
+            phys = kv.get("physical") if isinstance(kv.get("physical"), dict) else {}
+            held = (phys.get("seqs") or {}).get(str(sid)) if isinstance(phys.get("seqs"), dict) else None
             if isinstance(md, dict) and isinstance(md.get("block_tables"), list) and i < len(md["block_tables"]):
                 last = {"kind": "blocks", "ids": list(md["block_tables"][i]), "step": st.get("step")}
+            elif isinstance(held, dict) and held.get("cells") is not None:  # the cells it owns = the keys its kq_mask rows keep
+                last = {"kind": "cells", "ids": held["cells"], "step": st.get("step")}
             elif per.get("cells") is not None:
-                last = {"kind": "cells", "ids": per.get("cells"), "step": st.get("step")}
+                last = {"kind": "cells written", "ids": per.get("cells"), "step": st.get("step")}
     return last
 
 
@@ -123,8 +123,9 @@ def compare_seqs(ma: dict[str, Any], sa: int, mb: dict[str, Any], sb: int, ta: A
                 logits["max_abs_logit"] = max(logits["max_abs_logit"], abs(float(la[i]) - float(lb[i])))
     ra, src_a = kv_rows(ma, ta, sa)
     rb, src_b = kv_rows(mb, tb, sb)
-    eps = max(DTYPE_EPS.get(kv_dtype(ma), 2.0 ** -24), DTYPE_EPS.get(kv_dtype(mb), 2.0 ** -24), ACCUM_EPS)
-    kv = compare_kv(ra, rb, [(j, j) for j in compared], FACTOR * eps)
+    rel, how = kv_floor(ma, mb)
+    kv = compare_kv(ra, rb, [(j, j) for j in compared], rel)
+    kv["floor"] = how
     kv["source"] = src_a if src_a == src_b else f"A {src_a}; B {src_b}"
     reads = {"a": _reads(ma, sa), "b": _reads(mb, sb)}
     ia, ib = reads["a"].get("ids"), reads["b"].get("ids")
