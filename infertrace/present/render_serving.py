@@ -124,3 +124,55 @@ def serving_view(st: Any) -> RenderableType:
     if isinstance(sv.get("audit"), dict):
         parts.append(audit_table(sv["audit"]))
     return Group(*parts) if parts else Text("")
+
+
+def _num(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def audit_summary(trace: Any) -> dict[str, Any] | None:
+    """The ``--audit-kv`` records of every step folded into one: per provenance the steps audited, the most
+    entries in one step and the largest |ΔK|, |ΔV|, layer-0 |Δ|; ``max_abs_exact`` the largest |Δ| where the
+    cache must match a from-scratch recomputation. None when no step was audited."""
+    rows: dict[str, dict[str, Any]] = {}
+    exact: list[float] = []
+    steps = 0
+    for st in trace.steps:
+        sv = st.serving if isinstance(st.serving, dict) else {}
+        a = sv.get("audit")
+        if not isinstance(a, dict):
+            continue
+        steps += 1
+        e = _num(a.get("max_abs_exact", a.get("max_abs")))
+        if e is not None:
+            exact.append(e)
+        for g in _list(a.get("by_provenance")):
+            r = rows.setdefault(_s(g.get("provenance")), {"steps": 0, "entries": 0, "max_abs_k": None, "max_abs_v": None,
+                                                          "max_abs_layer0": None})
+            r["steps"] += 1
+            r["entries"] = max(r["entries"], int(_num(g.get("entries")) or 0))
+            for k in ("max_abs_k", "max_abs_v", "max_abs_layer0"):
+                x = _num(g.get(k))
+                if x is not None:
+                    r[k] = x if r[k] is None else max(r[k], x)
+    if not steps:
+        return None
+    return {"steps": steps, "max_abs_exact": max(exact) if exact else None, "by_provenance": rows}
+
+
+def render_audit_summary(console: Any, trace: Any) -> None:
+    """The whole-run ``--audit-kv`` table under the outputs (nothing when the run was not audited)."""
+    sm = audit_summary(trace)
+    if sm is None:
+        return
+    ex = sm["max_abs_exact"]
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, title_justify="left",
+              title=Text(f"KV audit, whole run ({sm['steps']} steps): max |Δ| "
+                         f"{'-' if ex is None else f'{ex:.3g}'} where the cache must match its recomputation",
+                         style="italic"))
+    for h in ("provenance", "steps", "most entries", "max |ΔK|", "max |ΔV|", "layer 0 max |Δ|"):
+        t.add_column(h, justify="left" if h == "provenance" else "right")
+    for name, r in sm["by_provenance"].items():
+        t.add_row(Text(name), str(r["steps"]), str(r["entries"]),
+                  *["-" if r[k] is None else f"{r[k]:.3g}" for k in ("max_abs_k", "max_abs_v", "max_abs_layer0")])
+    console.print(t)
