@@ -148,3 +148,17 @@ def test_second_identical_request_inside_the_vllm_trace(traces):
     js = json.loads(cli("diff", d / "vl", "--seq", "0", "--seq", "1", "--json").stdout)
     assert js["kv"]["positions"] == 43 and js["kv"]["max_abs_k"] == 0.0  # served = the same slots; the rest recomputed equal
     assert js["logits"]["rows"] == 4 and js["logits"]["same_top"] == 4
+
+
+def test_report_of_the_vllm_run_names_the_hit(traces, tmp_path):
+    d, *_ = traces
+    vl = _m(d / "vl")
+    p = next(p for s in vl["steps"] for sid, p in ((s.get("serving") or {}).get("prefix") or {}).items() if sid == "1")
+    blocks = vl["steps"][3]["vllm"]["attn_metadata"]["block_table"][1][:1]  # vLLM's table of seq 1: its hit block
+    assert p["hit"] == 32 and p["shared_blocks"] == blocks
+    out = tmp_path / "r.html"
+    assert cli("report", d / "vl", "-o", out).returncode == 0
+    import html
+
+    page = html.unescape(out.read_text(encoding="utf-8"))
+    assert f"seq 1 at step 3: 32 of 40 tokens, blocks {blocks} shared" in page and "hit 0..31" in page

@@ -176,3 +176,37 @@ def render_audit_summary(console: Any, trace: Any) -> None:
         t.add_row(Text(name), str(r["steps"]), str(r["entries"]),
                   *["-" if r[k] is None else f"{r[k]:.3g}" for k in ("max_abs_k", "max_abs_v", "max_abs_layer0")])
     console.print(t)
+
+
+def serving_lines(st: Any) -> list[str]:
+    """The step's serving record as plain lines, as the terminal prints them (prefix lookups with hit
+    length, source request, shared blocks / cells and copied slots; ops before the step; evictions):
+    for the HTML report."""
+    sv = st.serving if isinstance(st.serving, dict) else {}
+    out = [_op_line(op).plain for op in _list(sv.get("ops_before_step"))]
+    prefix = sv.get("prefix") if isinstance(sv.get("prefix"), dict) else {}
+    out += [_prefix_line(sid, p).plain for sid, p in prefix.items() if isinstance(p, dict)]
+    out += [_evict_line(ev).plain for ev in _list(sv.get("evictions"))]
+    return out
+
+
+def prefix_hits(trace: Any) -> list[str]:
+    """One phrase per prefix hit of the run: ``seq 1 at step 3: 12 of 13 tokens from request 0, blocks [0, 1, 2] shared``."""
+    out = []
+    for st in trace.steps:
+        sv = st.serving if isinstance(st.serving, dict) else {}
+        prefix = sv.get("prefix") if isinstance(sv.get("prefix"), dict) else {}
+        for sid, p in prefix.items():
+            if not (isinstance(p, dict) and isinstance(p.get("hit"), int) and p["hit"] > 0):
+                continue
+            s = f"seq {_s(sid)} at step {st.step}: {p['hit']} of {_s(p.get('prompt_len', '?'))} tokens"
+            if p.get("src") is not None:
+                s += f" from request {_s(p['src'])}"
+            if p.get("shared_blocks"):
+                s += f", blocks {_s(p['shared_blocks'])} shared"
+            if isinstance(p.get("copied"), dict):
+                s += f", {_s(p['copied'].get('tokens'))} slots copied from block {_s(p['copied'].get('from_block'))}"
+            if p.get("cells") not in (None, "-"):
+                s += f", cells {_s(p['cells'])} shared (seq_cp)"
+            out.append(s)
+    return out
