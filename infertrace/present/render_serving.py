@@ -58,14 +58,16 @@ def _prefix_line(sid: str, p: dict[str, Any]) -> Text:
     if p.get("src") is not None:
         t.append(f" from request {_s(p['src'])}" + (f" ({_s(p['src_state'])})" if p.get("src_state") else ""))
     if p.get("shared_blocks"):
-        t.append(f" · shared blocks {_s(p['shared_blocks'])} ref_cnt {_s(p.get('ref_cnt'))}")
+        t.append(f" · shared blocks {_s(p['shared_blocks'])}" + (f" ref_cnt {_s(p['ref_cnt'])}" if p.get("ref_cnt") is not None else ""))
     if isinstance(p.get("copied"), dict):
         c = p["copied"]
         t.append(f" · {_s(c.get('tokens'))} slots copied from block {_s(c.get('from_block'))} into block {_s(c.get('block'))}")
     if p.get("cells") not in (None, "-"):
         t.append(f" · cells {_s(p['cells'])} shared (seq_cp)")
-    t.append(f" · computed {_s(p.get('computed', '-'))}")
-    t.append(f"\n    stopped at {_s(p.get('stop', '-'))}", style=_DIM)
+    if p.get("computed") is not None:  # a vLLM hit records the hit and its blocks; the rest is in the batch row
+        t.append(f" · computed {_s(p['computed'])}")
+    if p.get("stop") is not None:
+        t.append(f"\n    stopped at {_s(p['stop'])}", style=_DIM)
     return t
 
 
