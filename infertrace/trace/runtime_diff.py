@@ -289,6 +289,50 @@ def served_info(p: dict[int, dict[str, Any]], sid: int, js: list[int]) -> dict[s
             "step": (q["hit"] or {}).get("step")}
 
 
+def _compare_positions(sid: int, x: dict[str, Any], y: dict[str, Any], need: int,
+                       add: Any) -> tuple[list[int], dict[str, list[int]]]:
+    """Positions ``0..need-1`` (and any both computed) of request ``sid``: token, position id and visible keys
+    exactly, each taken where it was computed (:func:`resolve`: a served position where its writer computed it);
+    a required position neither computed nor served is a difference. Returns ``(compared, served per side)``."""
+    both: list[int] = []
+    served: dict[str, list[int]] = {"a": [], "b": []}
+    for j in sorted(set(range(max(need, 0))) | (set(x["at"]) & set(y["at"]))):
+        u, v = resolve(x, j), resolve(y, j)
+        if u is None or v is None:
+            if j < need:
+                add(_div("positions", sid, f"at[{j}]", "computed" if u else "(not computed)",
+                         "computed" if v else "(not computed)", "missing",
+                         "every position before the last output token must be computed or served from the prefix cache"))
+            continue
+        both.append(j)
+        for side, w in (("a", u), ("b", v)):
+            if w.get("served"):
+                served[side].append(j)
+        for key, var in (("token", "tokens"), ("pos", "positions"), ("visible", "visible keys")):
+            if u[key] != v[key]:
+                add(_div(var, sid, f"at[{j}].{key}", u[key], v[key], note=f"A {where(u)}, B {where(v)}"))
+    return both, served
+
+
+def _compare_kv(a: dict[str, Any], b: dict[str, Any], tensors_a: Any, tensors_b: Any, sid: int, both: list[int],
+                rel: float, add: Any, kv_all: dict[str, Any]) -> dict[str, Any]:
+    """K/V of request ``sid`` at the positions ``both`` compared (:func:`~infertrace.trace.kv_rows.compare_kv`):
+    a position over the floor is a ``kv`` difference; folds the totals into ``kv_all``; returns the request's record."""
+    from infertrace.trace.kv_rows import compare_kv, kv_rows
+
+    (ra, sa_), (rb, sb_) = kv_rows(a, tensors_a, sid), kv_rows(b, tensors_b, sid)
+    kvr = compare_kv(ra, rb, [(j, j) for j in both], rel, keep=None)
+    for k in ("positions", "n_over"):
+        kv_all[k] += kvr[k]
+    for k in ("max_abs_k", "max_abs_v"):
+        kv_all[k] = max(kv_all[k], kvr[k])
+    kv_all["sources"] = sorted(set(kv_all["sources"]) | {sa_.split(":")[0], sb_.split(":")[0]})
+    for o in kvr["over_floor"]:
+        add(_div("kv", sid, f"at[{o['j']}].kv", f"|ΔK| {o['dk']:.3g}", f"|ΔV| {o['dv']:.3g}",
+                 note=f"over the noise floor {o['floor']:.3g}"))
+    return {**kvr, "over_floor": kvr["over_floor"][:KEEP], "source": {"a": sa_, "b": sb_}}
+
+
 def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = (), tensors_a: Any = None,
                  tensors_b: Any = None) -> tuple[DiffResult, dict[str, Any]]:
     """Compare the logical variables of two traces of the same requests computed by runtimes with
@@ -306,7 +350,7 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
         kept tensors, else the ``kv.layer_view`` summary) against the noise floor
         (:func:`infertrace.trace.kv_rows.kv_floor`); a position over it is a ``kv`` difference.
     """
-    from infertrace.trace.kv_rows import compare_kv, kv_floor, kv_rows
+    from infertrace.trace.kv_rows import kv_floor
 
     rel, how = kv_floor(a, b)
     layer_a, layer_b = (m.get("options", {}).get("layer", 0) if isinstance(m.get("options"), dict) else 0 for m in (a, b))
@@ -339,36 +383,11 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
                          y[f][k] if k < len(y[f]) else "(missing)", note=f"A {len(x[f])} ids, B {len(y[f])}"))
         need = len(x["prompt_ids"]) + min(len(x["output_ids"]), len(y["output_ids"])) - 1
         n_before = len(diffs)
-        both, served = [], {"a": [], "b": []}
-        for j in sorted(set(range(max(need, 0))) | (set(x["at"]) & set(y["at"]))):
-            u, v = resolve(x, j), resolve(y, j)
-            if u is None or v is None:
-                if j < need:
-                    add(_div("positions", sid, f"at[{j}]", "computed" if u else "(not computed)",
-                             "computed" if v else "(not computed)", "missing",
-                             "every position before the last output token must be computed or served from the prefix cache"))
-                continue
-            both.append(j)
-            for side, w in (("a", u), ("b", v)):
-                if w.get("served"):
-                    served[side].append(j)
-            for key, var in (("token", "tokens"), ("pos", "positions"), ("visible", "visible keys")):
-                if u[key] != v[key]:
-                    add(_div(var, sid, f"at[{j}].{key}", u[key], v[key], note=f"A {where(u)}, B {where(v)}"))
+        both, served = _compare_positions(sid, x, y, need, add)
         extra = {"a": sorted(set(x["at"]) - set(range(need))), "b": sorted(set(y["at"]) - set(range(need)))}
         kvr = None
         if layer_a == layer_b and "kv" not in ignore:  # the K/V each holds at (request, position), served ones where written
-            (ra, sa_), (rb, sb_) = kv_rows(a, tensors_a, sid), kv_rows(b, tensors_b, sid)
-            kvr = compare_kv(ra, rb, [(j, j) for j in both], rel, keep=None)
-            for k in ("positions", "n_over"):
-                kv_all[k] += kvr[k]
-            for k in ("max_abs_k", "max_abs_v"):
-                kv_all[k] = max(kv_all[k], kvr[k])
-            kv_all["sources"] = sorted(set(kv_all["sources"]) | {sa_.split(":")[0], sb_.split(":")[0]})
-            for o in kvr["over_floor"]:
-                add(_div("kv", sid, f"at[{o['j']}].kv", f"|ΔK| {o['dk']:.3g}", f"|ΔV| {o['dv']:.3g}",
-                         note=f"over the noise floor {o['floor']:.3g}"))
-            kvr = {**kvr, "over_floor": kvr["over_floor"][:KEEP], "source": {"a": sa_, "b": sb_}}
+            kvr = _compare_kv(a, b, tensors_a, tensors_b, sid, both, rel, add, kv_all)
         # logits rows: the row that predicts position p (next_pos p), both runtimes
         nr = {"rows": 0, "same_top": 0}
         for p in sorted(set(x["next"]) | set(y["next"])):
