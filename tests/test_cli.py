@@ -39,7 +39,7 @@ def _ok(res):
 
 @pytest.fixture(scope="module")
 def text_run():
-    return _ok(invoke("run", "--prompt", PROMPT, "--max-new-tokens", "8"))
+    return _ok(invoke("run", "--prompt", PROMPT, "--max-new-tokens", "8", "--show", "all"))  # the full output
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,8 @@ def json_run():
 
 @pytest.fixture(scope="module")
 def paged_run():
-    return _ok(invoke("run", "--prompt", PROMPT, "--max-new-tokens", "3", "--backend", "paged", "--tokens-per-block", "4"))
+    return _ok(invoke("run", "--prompt", PROMPT, "--max-new-tokens", "3", "--backend", "paged", "--tokens-per-block", "4",
+                        "--show", "mask,kv"))
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def test_run_two_requests_are_isolated(two_requests):
     d = two_requests
     step2 = next(s for s in d["steps"] if s["step"] == 2)
     assert [(b["seq_id"], b["phase"], b["positions"]) for b in step2["batch"]] == [(0, "decode", [2]), (1, "prefill", [0])]
-    assert step2["hidden"] is None and step2["mask"] is not None  # --show mask records only the mask
+    assert step2["hidden"] is not None and step2["mask"] is not None  # --show mask only displays: --json holds all five
     rows = step2["mask"]["kq_mask"]["rows"]
     pos = step2["mask"]["kq_mask"]["cell_pos"]
     assert rows[0][:4] == ["0", "0", "0", "-inf"]  # seq 0 sees its cells 0..2, not seq 1's cell 3

@@ -242,7 +242,7 @@ def test_diff_backends_agree_on_a_windowed_model_and_traces_name_windowed_layers
     p = q["positions"][0]
     assert q["visible_swa"] == [f"{p - 2}..{p}"] and q["visible"] == [f"0..{p}"]
     assert "p-W+1..p" in swa["convention"]
-    res = runner.invoke(app, ["run", *args])
+    res = runner.invoke(app, ["run", *args, "--show", "mask"])  # the mask panels (the default prints the table only)
     assert "sliding window W=3 on layers 0..4; global layers 5" in res.output and "kq_mask_swa" in res.output
     res = runner.invoke(app, ["dump-kv", "--step", "2", *args])
     assert res.exit_code == 0 and "layers 0..4 windowed, W=3" in res.output, res.output

@@ -137,7 +137,7 @@ def test_cli_trace_check_dump_kv_and_report_show_streams(tmp_path):
     gguf = write_gguf(tmp_path / "m.gguf", w, s)
     out = tmp_path / "run"
     run = CliRunner().invoke(app, ["run", "--model", str(gguf), "-p", "abcd", "-p", "xy", "-n", "2", "--ctx-size", "64",
-                                   "--kv-unified", "off", "--save", str(out), "--keep", "summary"])
+                                   "--kv-unified", "off", "--save", str(out), "--keep", "summary", "--show", "mask"])
     assert run.exit_code == 0, run.output
     assert "stream 1 (seq 1)" in run.output  # the mask panel draws each stream's block
     d = json.loads((out / "trace.json").read_text())

@@ -270,7 +270,7 @@ def test_trace_and_dump_kv_show_state_beside_kv_and_round_trip(tiny, tmp_path, b
 
     run = CliRunner().invoke
     r = run(app, ["run", "--model", str(tiny["dir"]), "-p", "hello", "-p", "abc", "-n", "3", "--backend", backend,
-                  "--save", str(tmp_path / "t")])
+                  "--save", str(tmp_path / "t"), "--show", "all"])
     assert r.exit_code == 0, r.output
     assert "hybrid state" in r.output and "appendix B" in r.output
     assert run(app, ["check", str(tmp_path / "t")]).exit_code == 0

@@ -129,7 +129,7 @@ def test_show_prints_what_run_printed(saved):
 def test_show_with_steps_and_vars_equals_run(saved, tmp_path):
     a, _, _ = saved
     live = _ok(invoke(*RUN, "--show", "mask,decode", "--steps", "1", "--save", tmp_path / "s", "--keep", "summary"))
-    assert _ok(invoke("show", tmp_path / "s", "--step", "1")).stdout == live.stdout
+    assert _ok(invoke("show", tmp_path / "s", "--var", "mask,decode", "--step", "1")).stdout == live.stdout
     assert _ok(invoke("show", a, "--var", "mask,decode", "--step", "1")).stdout == live.stdout
     assert "--step 7: no such step in this trace (steps 0..2)" in _one_error_line(invoke("show", a, "--step", "7"))
 
@@ -239,7 +239,8 @@ def _one_error_line(res, code: int = 2) -> str:
 
 @pytest.mark.parametrize("args, expect", [
     (["--keep", "summary"], "--keep needs --save DIR"),
-    (["--save", "x", "--keep", "all"], "--keep must be one of summary, tensors"),
+    (["--save", "x", "--keep", "all"], "--keep must be one of summary, tensors and/or variables"),
+    (["--save", "x", "--keep", "summary,tensors"], "--keep takes summary or tensors, not both"),
     (["--save", "x", "--keep", "summary", "--layers", "1"], "it needs --keep tensors"),
     (["--save", "x", "--layers", "0,x"], "'x' is not a layer number or range"),
     (["--save", "x", "--layers", "31"], "--layers 31 out of range: the model has layers 0..29"),

@@ -137,6 +137,54 @@ def parse_show(values: Optional[list[str]]) -> tuple[str, ...]:
     return tuple(v for v in VARIABLES if v in names)
 
 
+def parse_panels(values: Optional[list[str]], steps: Optional[str] = None, option: str = "--show") -> tuple[str, ...]:
+    """Variables whose per-step panels are printed: display only (what is recorded is ``--keep``'s choice).
+
+    ``run``/``show`` print the worked-example table and the summary by default (no panels); ``--show all``
+    prints every panel of every step (the full output); ``--steps`` alone prints all five panels of those steps.
+
+    Raises:
+        InfertraceError: an unknown name (the message names ``option``).
+    """
+    if not values:
+        return VARIABLES if steps is not None and steps.strip() else ()
+    names = [n.strip().lower() for v in values for n in v.split(",") if n.strip()]
+    if not names or "all" in names:
+        return VARIABLES
+    bad = [n for n in names if n not in VARIABLES]
+    if bad:
+        raise InfertraceError(f"unknown variable {bad[0]!r} in {option}; choose from {', '.join(VARIABLES)} (comma-separated) or all")
+    return tuple(v for v in VARIABLES if v in names)
+
+
+#: what ``--keep`` stores beyond trace.json (one of these) -- the rest of its items are variables
+KEEP_STORAGE = ("summary", "tensors")
+
+
+def parse_keep(text: Optional[str]) -> tuple[Optional[str], tuple[str, ...]]:
+    """``--keep``: ``summary`` or ``tensors`` (what is written beside trace.json) and/or the variables
+    recorded, comma-separated: ``--keep mask,kv``, ``--keep summary,decode``. Nothing given: ``(None, all five)``.
+
+    Returns:
+        ``(storage or None, variables in canonical order)``.
+
+    Raises:
+        InfertraceError: an unknown item, both summary and tensors, or no variable left.
+    """
+    if text is None:
+        return None, VARIABLES
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in KEEP_STORAGE and n not in VARIABLES]
+    if bad or not names:
+        raise InfertraceError(f"--keep must be one of summary, tensors and/or variables {','.join(VARIABLES)} "
+                              f"(comma-separated, e.g. --keep summary or --keep mask,kv; got {text!r})")
+    storage = [n for n in names if n in KEEP_STORAGE]
+    if len(set(storage)) > 1:
+        raise InfertraceError("--keep takes summary or tensors, not both")
+    kept = tuple(v for v in VARIABLES if v in names) or VARIABLES
+    return (storage[0] if storage else None), kept
+
+
 def parse_steps(text: Optional[str]) -> Optional[Callable[[int], bool]]:
     """``"0,1,2"``, ``"0..3"``, ``"0-3"``, ``"5.."`` -> predicate on step numbers (None = all).
 

@@ -1,10 +1,12 @@
 """``infertrace report DIR -o report.html``: one self-contained HTML page for a saved trace.
 
 Thin: :func:`infertrace.trace.store.load_trace`, then
-:func:`infertrace.present.report.build_report`, written to ``-o`` (default ``DIR/report.html``).
+:func:`infertrace.present.report.build_report`, written to ``-o`` (default ``<DIR name>-report.html`` in the
+working directory).
 """
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -22,14 +24,14 @@ HELP = ("Write one self-contained HTML page (inline CSS/JS/SVG, no network) for 
 
 def report(
     trace_dir: Annotated[Path, typer.Argument(help="Directory written by 'infertrace run --save DIR'.", show_default=False)],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML file to write (default: DIR/report.html).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML file to write (default: <DIR's name>-report.html in the working directory).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing regular output file (a device such as /dev/null or a FIFO is written into, never replaced).")] = False,
 ) -> None:
     """Errors (missing/broken/newer trace, unwritable output) are one ``error:`` line, exit 2."""
     from infertrace.present.report import build_report
 
     trace, _ = load_saved(trace_dir)  # a broken tensors file is reported too
-    out = output if output is not None else Path(trace_dir) / "report.html"
+    out = output if output is not None else default_output(Path(trace_dir))
     shown = visible(str(out))
     if _is_trace_file(out, Path(trace_dir)):
         raise InfertraceError(f"-o {shown} is a file of the trace itself; write the report somewhere else")
@@ -50,7 +52,15 @@ def report(
     except OSError as e:
         raise InfertraceError(f"cannot write {shown}: {e.strerror or e}") from None
     # written into a device or pipe (-o /dev/stdout): the message goes to stderr, not into the page
-    typer.echo(f"wrote {shown} ({len(data) / 1e3:.1f} kB, {len(trace.steps)} steps)", err=how == "written through")
+    where = f" in the working directory {visible(os.getcwd())} (-o chooses)" if output is None else ""
+    typer.echo(f"wrote {shown} ({len(data) / 1e3:.1f} kB, {len(trace.steps)} steps){where}", err=how == "written through")
+
+
+def default_output(trace_dir: Path) -> Path:
+    """``<name>-report.html`` in the working directory (never into the trace's own directory, which may be
+    a read-only fixture): ``name`` is the trace directory's name, its unsafe characters replaced by ``_``."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", trace_dir.resolve().name or "trace").lstrip(".") or "trace"
+    return Path(f"{name[:100]}-report.html")
 
 
 def _is_trace_file(out: Path, trace_dir: Path) -> bool:

@@ -15,15 +15,17 @@ import typer
 
 from infertrace.cli import run_options as o
 from infertrace.cli.common import (ATTENTION, BACKENDS, DEVICES, ENGINES, MIN_WIDTH, PROMPT_KEYS,  # noqa: F401 - re-exported
-                                   check_choice, check_min, load_with_progress, parse_show, parse_steps,
+                                   check_choice, check_min, load_with_progress, parse_keep, parse_panels, parse_steps,
                                    progress_display, read_prompts_file, stdout_console)
 from infertrace.engine.options import EngineOptions, SamplingParams
 from infertrace.errors import InfertraceError
 from infertrace.safe_text import json_text, visible
+from infertrace.trace.records import VARIABLES
 from infertrace.trace.store import KEEP, parse_layers, save_trace
 
 HELP = ("Generate from prompts and show, step by step, the five inference variables: hidden, positions (RoPE), "
-        "mask, kv, decode. First a table like the study's worked example, then one panel per variable per step.")
+        "mask, kv, decode. Prints a table like the study's worked example and a summary; --show VAR adds that "
+        "variable's panel for every step, --show all prints every panel.")
 
 def check_output_dir(save: Path, force: bool) -> None:
     """Refuse a ``--save`` target that would lose something, before the run.
@@ -45,23 +47,37 @@ def check_output_dir(save: Path, force: bool) -> None:
         raise InfertraceError(f"--save {save}: cannot write in {parent}")
 
 
-def save_options(save: Optional[Path], keep: Optional[str], layers: Optional[str]) -> bool:
-    """Validate ``--save/--keep/--layers`` before the model loads; True when tensors are kept.
+def save_options(save: Optional[Path], keep: Optional[str], layers: Optional[str]) -> tuple[bool, tuple[str, ...]]:
+    """Validate ``--save/--keep/--layers`` before the model loads.
+
+    Returns:
+        ``(tensors kept, variables recorded)``: ``--save`` alone keeps tensors and all five variables;
+        ``--keep summary`` keeps trace.json only, ``--keep mask,kv`` records only those variables
+        (``options.show`` of the trace lists the variables recorded).
 
     Raises:
-        InfertraceError: --keep or --layers without --save, an unknown --keep, --layers with
+        InfertraceError: --keep or --layers without --save, an unknown --keep item, --layers with
             --keep summary, malformed --layers.
     """
     if save is None:
         if keep is not None or layers is not None:
             raise InfertraceError(f"{'--keep' if keep is not None else '--layers'} needs --save DIR")
-        return False
-    k = check_choice("--keep", keep or "tensors", KEEP)
+        return False, VARIABLES
+    storage, kept = parse_keep(keep)
+    k = storage or "tensors"
+    assert k in KEEP
     if layers is not None:
         if k == "summary":
             raise InfertraceError("--layers chooses the layers whose tensors are kept; it needs --keep tensors, not summary")
         parse_layers(layers)  # syntax now; the range once the model is loaded
-    return k == "tensors"
+    return k == "tensors", kept
+
+
+def note_unkept(panels: tuple[str, ...], kept: tuple[str, ...], keep: Optional[str]) -> None:
+    """One stderr line when ``--show`` asks for panels of variables ``--keep`` did not record."""
+    missing = [v for v in panels if v not in kept]
+    if missing and panels != VARIABLES:
+        typer.echo(f"note: --show {','.join(missing)}: not recorded (--keep {keep}); no panel for it", err=True)
 
 
 def check_teacher_force(directory: Path, specs: list[Any], model: Optional[Path]) -> None:
@@ -129,7 +145,7 @@ def run(
     presence_penalty: o.PresencePenalty = SamplingParams.presence_penalty,
     seed: Annotated[int, typer.Option("--seed", help="Seed of each request's sampler.")] = SamplingParams.seed,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating after an end-of-generation token.")] = False,
-    show: Annotated[Optional[list[str]], typer.Option("--show", help="Variables to record and show, comma-separated: hidden,positions,mask,kv,decode (default all).")] = None,
+    show: Annotated[Optional[list[str]], typer.Option("--show", help="Panels printed per step after the table, comma-separated: hidden,positions,mask,kv,decode, or all (the full output). Default: none, only the worked-example table and the summary (with --steps: all five). Display only: --save records every variable unless --keep says otherwise.")] = None,
     layer: Annotated[int, typer.Option("--layer", help="Layer whose RoPE evidence and K/V values are shown.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole trace as JSON on stdout (nothing else).")] = False,
     backend: Annotated[str, typer.Option("--backend", help="KV cache / attention convention: cells (llama.cpp) or paged (TensorRT-LLM/vLLM).")] = "cells",
@@ -146,7 +162,7 @@ def run(
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     steps: Annotated[Optional[str], typer.Option("--steps", help="Steps whose panels are printed: 0,1,2 or 0..3 or 5.. (the table and --json keep all).")] = None,
     save: Annotated[Optional[Path], typer.Option("--save", help="Also write the trace to this directory (trace.json, tensors.safetensors, timing.json) for show, diff, report, dump-kv.")] = None,
-    keep: Annotated[Optional[str], typer.Option("--keep", help="With --save: summary (trace.json only) or tensors (also Q/K/V, K/V cache, hidden, top-k logits of --layers; default).")] = None,
+    keep: Annotated[Optional[str], typer.Option("--keep", help="With --save, comma-separated: summary (trace.json only) or tensors (also Q/K/V, K/V cache, hidden, top-k logits of --layers; default), and/or the variables recorded (hidden,positions,mask,kv,decode; default all five), e.g. --keep summary,mask,kv.")] = None,
     layers: Annotated[Optional[str], typer.Option("--layers", help="With --save --keep tensors: layers whose tensors are kept, e.g. 0,5 or 0..3 or all (default: --layer).")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --save: replace the trace in a non-empty directory.")] = False,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)] = None,
@@ -175,9 +191,10 @@ def run(
     from infertrace.threads import check_thread_settings
 
     check_thread_settings(threads)  # --threads, OMP_NUM_THREADS, INFERTRACE_THREADS: bounded before any pool starts
-    show_vars = parse_show(show)
+    panels = parse_panels(show, steps)  # display only
     step_filter = parse_steps(steps)
-    keep_tensors = save_options(save, keep, layers)
+    keep_tensors, show_vars = save_options(save, keep, layers)  # show_vars: the variables recorded
+    note_unkept(panels, show_vars, keep)
     if save is not None:
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
@@ -223,7 +240,7 @@ def run(
                            "positions, slot mapping, lengths, K/V and logits computed by this engine")
     if save is not None:
         save_run(trace, save, tensors, tensor_layers, force)
-    print_run(trace, show_vars, step_filter, steps, as_json)
+    print_run(trace, tuple(v for v in panels if v in show_vars), step_filter, steps, as_json)
 
 
 # ----------------------------------------------------------------------------- the command's parts
@@ -321,9 +338,12 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
 
             if tensor_layers is not None and tensor_layers != [layer]:
                 raise InfertraceError(f"--engine vllm captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
-            trace = run_requests_vllm(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                                      options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
-                                      dtype=dtype, tp=tensor_parallel_size)
+            from infertrace.runtimes.vllm.logfile import vllm_log
+
+            with vllm_log(progress.console):  # vLLM's logger, warnings and bars: to a file named in one line
+                trace = run_requests_vllm(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
+                                          options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
+                                          dtype=dtype, tp=tensor_parallel_size)
         else:
             trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                  options_for_record=record, tensors=tensors,

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from infertrace.cli.common import parse_show, parse_steps, stdout_console
+from infertrace.cli.common import parse_panels, parse_steps, stdout_console
 from infertrace.errors import InfertraceError
 from infertrace.trace.records import RunTrace
 from infertrace.trace.store import load_saved, read_manifest
@@ -20,8 +20,8 @@ from infertrace.trace.store import load_saved, read_manifest
 #: displayed as if it held
 MISLEADING = ("positions", "mask", "kv", "vllm")
 
-HELP = ("Print a trace saved with 'run --save DIR' exactly as run printed it: header, worked-example table, "
-        "the five variables per step, outputs.")
+HELP = ("Print a trace saved with 'run --save DIR' as run prints it: header, worked-example table, outputs and a "
+        "summary; --var VAR (or --show VAR) adds that variable's panel per step, --var all every panel.")
 
 
 def render_saved(trace: RunTrace, where: str, show: tuple[str, ...], steps: Optional[list[int]]) -> None:
@@ -54,14 +54,14 @@ def select_steps(trace: RunTrace, text: Optional[str]) -> Optional[list[int]]:
 def show(
     trace_dir: Annotated[Path, typer.Argument(help="Directory written by 'infertrace run --save DIR'.", show_default=False)],
     step: Annotated[Optional[str], typer.Option("--step", "--steps", help="Steps whose panels are printed: 3 or 0,1,2 or 0..3 or 5.. (the table keeps all).")] = None,
-    var: Annotated[Optional[list[str]], typer.Option("--var", "--show", help="Variables whose panels are printed, comma-separated: hidden,positions,mask,kv,decode (default: all recorded).")] = None,
+    var: Annotated[Optional[list[str]], typer.Option("--var", "--show", help="Panels printed per step, comma-separated: hidden,positions,mask,kv,decode, or all (default: none, the table and the summary; with --step: all recorded).")] = None,
 ) -> None:
     """Errors (missing/broken/newer trace, bad options) are one ``error:`` line, exit 2."""
-    variables = parse_show(var)
+    variables = parse_panels(var, step, option="--var")
     trace, _ = load_saved(trace_dir)  # a broken tensors file is reported too
     refuse_misleading(trace_dir)
-    if var:
-        variables = recorded_variables(trace, str(trace_dir), variables)
+    if variables:
+        variables = recorded_variables(trace, str(trace_dir), variables, quiet=not var)
     render_saved(trace, str(trace_dir), variables, select_steps(trace, step))
 
 
@@ -81,9 +81,10 @@ def refuse_misleading(trace_dir: Path) -> None:
                               f"run `infertrace check {trace_dir}` for the rule")
 
 
-def recorded_variables(trace: RunTrace, where: str, asked: tuple[str, ...]) -> tuple[str, ...]:
-    """The asked variables the trace recorded (``run --show`` chose what ``--save`` kept: ``options.show``);
-    the ones it did not are named on one line (stderr), and the rest are rendered.
+def recorded_variables(trace: RunTrace, where: str, asked: tuple[str, ...], quiet: bool = False) -> tuple[str, ...]:
+    """The asked variables the trace recorded (``options.show``: all five unless ``run --save --keep`` chose,
+    or an older trace saved with ``run --show``); the ones it did not are named on one line (stderr, unless
+    ``quiet``: panels implied by ``--step``), and the rest are rendered.
 
     Raises:
         InfertraceError: none of the asked variables was recorded.
@@ -95,9 +96,11 @@ def recorded_variables(trace: RunTrace, where: str, asked: tuple[str, ...]) -> t
     missing = [v for v in asked if v not in rec]
     if not missing:
         return have
-    msg = (f"{','.join(missing)} not recorded in {where}: it was saved with --show {','.join(map(str, rec)) or '(none)'} "
-           f"(a variable not shown is not recorded); re-run with --show {','.join(missing)} --save to see it")
+    msg = (f"{','.join(missing)} not recorded in {where}: it was saved keeping only {','.join(map(str, rec)) or '(none)'} "
+           f"(run --save --keep chose them); re-run with --save (all five variables by default) to see it")
     if not have:
         raise InfertraceError(msg)
+    if quiet:
+        return have
     typer.echo(f"note: {msg}", err=True)
     return have

@@ -29,7 +29,7 @@ from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
 from infertrace.safe_text import visible
 from infertrace.present.text import piece_text  # noqa: F401 - used here and re-exported
-from infertrace.present.render_serving import serving_mark, serving_view
+from infertrace.present.render_serving import render_audit_summary, serving_mark, serving_view
 from infertrace.present.render_streams import stream_mask_grids, streams_line, streams_state
 from infertrace.present.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_mtp_view, spec_output_text,
                                             spec_tokens_text, with_extra)
@@ -353,6 +353,22 @@ def _mask_grid(kq: dict[str, Any], st: StepTrace, owners: dict[int, list[int]] |
     return t
 
 
+def swa_slice_text(kq: dict[str, Any], st: StepTrace, n_swa: Any) -> str:
+    """``cells 0..15 (pos 0..4; 11 empty), no query reaches its window edge (…)`` or ``…, around the first
+    query's window edge``: what the printed ``kq_mask_swa`` slice covers (empty cells hold pos -1)."""
+    cs, cp, n = kq.get("col_start", 0), kq.get("cell_pos") or [], len(kq["rows"][0])
+    held = [p for p in cp if isinstance(p, int) and p >= 0]
+    text = f"cells {cs}..{cs + n - 1}"
+    if held:
+        text += f" (pos {min(held)}..{max(held)}" + (f"; {len(cp) - len(held)} empty)" if len(held) < len(cp) else ")")
+    elif cp:
+        text += " (all empty)"
+    qs = [p for r in st.batch for p in r.positions]
+    if isinstance(n_swa, int) and held and qs and max(qs) - min(held) < n_swa:
+        return text + f", no query reaches its window edge yet (pos_q - pos_cell < n_swa = {n_swa} for every key)"
+    return text + ", around the first query's window edge"
+
+
 def swa_parts(st: StepTrace, swa: dict[str, Any]) -> list[RenderableType]:
     """The sliding-window side of the mask panel: layers, convention, visible keys per query on the
     windowed layers, and llama.cpp's ``kq_mask_swa`` slice (cells) or the window metadata (paged)."""
@@ -370,9 +386,7 @@ def swa_parts(st: StepTrace, swa: dict[str, Any]) -> list[RenderableType]:
                                                   "(pos_q - pos_cell >= n_swa → -inf), read by the windowed layers"))
         rows = kq["rows"]
         if rows and len(rows[0]) <= 64:
-            cs, cp = kq.get("col_start", 0), kq.get("cell_pos") or []
-            g = Text(f"  cells {cs}..{cs + len(rows[0]) - 1}" + (f" (pos {cp[0]}..{cp[-1]})" if cp else "")
-                     + ", around the first query's window edge; ■ 0 keep, · -inf\n", style=DIM)
+            g = Text(f"  {swa_slice_text(kq, st, swa.get('n_swa'))}; ■ 0 keep, · -inf\n", style=DIM)
             labels = [(r.seq_id, p) for r in st.batch for p in r.positions]
             for i, row in enumerate(rows):
                 sid, pos = labels[i] if i < len(labels) else ("?", "?")
@@ -636,15 +650,29 @@ def render_run(console: Console, trace: RunTrace, show: Sequence[str] = VARIABLE
     Args:
         console: where to print (its width decides wrapping; 100-120 columns is the target).
         trace: the run, live or loaded from JSON.
-        show: variables whose panels are printed (the worked-example table is always shown).
+        show: variables whose panels are printed (the worked-example table is always shown); empty:
+            no per-step section, only the table and the summary (``run``'s default), with one line
+            naming ``--show``.
         steps: step numbers whose panels are printed (None = all); the table lists every step.
     """
     render_header(console, trace)
     console.print(worked_example_table(trace, console.width))
     wanted = None if steps is None else set(steps)
-    for st in trace.steps:
-        if wanted is None or st.step in wanted:
-            render_step(console, st, show)
+    if show:
+        for st in trace.steps:
+            if wanted is None or st.step in wanted:
+                render_step(console, st, show)
     console.rule(style="bright_black")
     render_outputs(console, trace)
     render_spec_summary(console, trace)
+    render_audit_summary(console, trace)
+    if not show:
+        console.print(Text(run_summary(trace), style=DIM))
+
+
+def run_summary(trace: RunTrace) -> str:
+    """One line under the default output: steps, tokens computed and generated, and how to see the panels."""
+    n_tok = sum(int(st.N or 0) for st in trace.steps)
+    gen = sum(len(r.get("output_ids", []) or []) for r in trace.requests)
+    return (f"{len(trace.steps)} steps · {n_tok} tokens computed · {gen} generated · per-step panels: --show "
+            "hidden,positions,mask,kv,decode or all")

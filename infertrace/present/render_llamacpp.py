@@ -118,6 +118,14 @@ def settings_lines(diffs: list[dict[str, Any]], cross: bool) -> list[str]:
     return lines
 
 
+def rate_text(label: str, f: dict[str, Any], unit: str = "") -> str:
+    """``same top token 3/4 (75.0%)``, or ``same top token: not compared (no logits row in both traces)``
+    when there is no row: a rate over zero rows is never printed."""
+    if not f.get("rows"):
+        return f"{label}: not compared (no logits row in both traces)"
+    return f"{label} {f['same_top']}/{f['rows']}{unit} ({f['same_top_rate']:.1%})"
+
+
 def cross_engine_lines(res: Any, cross: dict[str, Any]) -> list[str]:
     """Header lines of ``diff A B`` across engines: what was compared exactly and the float agreement."""
     f = cross["floats"]
@@ -127,7 +135,7 @@ def cross_engine_lines(res: Any, cross: dict[str, Any]) -> list[str]:
              "rows/cells, visible keys, cells and ownership, logits rows); floats summarised",
              f"representation: kq_mask dtype A {_plain(da['kq_mask'])} B {_plain(db['kq_mask'])}; KV cache dtype A "
              f"{_plain(da['kv'])} B {_plain(db['kv'])}",
-             f"floats: same top token {f['same_top']}/{f['rows']} ({f['same_top_rate']:.1%}); max |Δ| of recorded values: "
+             f"floats: {rate_text('same top token', f)}; max |Δ| of recorded values: "
              f"hidden {f['max_abs']['hidden']:.3g}, K/V {f['max_abs']['kv']:.3g}, logits {f['max_abs']['logits']:.3g}"]
     ft = f.get("first_different_top")
     if ft:

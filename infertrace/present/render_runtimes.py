@@ -45,6 +45,19 @@ def _tok(t: Any) -> str:
     return f"{t.get('id')} {clip(repr(t.get('piece', '')), 20)} (logit {t.get('logit')})"
 
 
+def kv_line(kv: dict[str, Any] | None) -> str:
+    """The K/V comparison of a cross-runtime diff in one line (what, where from, the floor, the verdict)."""
+    if not kv:
+        return "K/V: not compared"
+    if kv.get("layer") is None:
+        return "K/V: not compared (the traces kept different evidence layers: run both with the same --layer)"
+    if not kv["positions"]:
+        return f"K/V (layer {kv['layer']}): not compared (no position whose K/V both traces hold)"
+    return (f"K/V (layer {kv['layer']}, {' / '.join(kv['sources'])}): {kv['positions']} (request, position) pairs; max |ΔK| "
+            f"{kv['max_abs_k']:.3g}, max |ΔV| {kv['max_abs_v']:.3g}; noise floor {kv['floor']}: "
+            + ("all within" if not kv["n_over"] else f"{kv['n_over']} over"))
+
+
 def logical_lines(res: Any, info: dict[str, Any], name_a: str = "A", name_b: str = "B") -> list[str]:
     """Plain lines (terminal-safe) of the per-request, per-position comparison: what was compared and
     how, the next-token agreement, per request the positions compared and the chunks of each runtime
@@ -54,20 +67,26 @@ def logical_lines(res: Any, info: dict[str, Any], name_a: str = "A", name_b: str
     nt = info["next_token"]
     lines = [f"runtimes differ (A: {ea}, {ca}; B: {eb}, {cb}): {info['note']}",
              "  exact: tokens (prompt, output, the token fed at each position), position ids, visible key positions of "
-             "each query; summarised: the logits rows that predict the same position (top-k overlap, max |Δ logit|), "
-             "next-token agreement",
-             f"next token: same top-1 {nt['same_top']}/{nt['rows']} rows ({nt['same_top_rate']:.1%}); top-k overlap "
-             f"{nt['topk_overlap_mean']:.2f}; max |Δ logit| {nt['max_abs_logit']:.3g} (ids both recorded); "
-             f"rows only in A {nt['rows_only_a']}, only in B {nt['rows_only_b']} (a partial prefill samples nothing)"]
+             "each query; against a noise floor: K/V at each (request, position) both hold; summarised: the logits rows "
+             "that predict the same position (top-k overlap, max |Δ logit|), next-token agreement",
+             (f"next token: same top-1 {nt['same_top']}/{nt['rows']} rows ({nt['same_top_rate']:.1%}); top-k overlap "
+              f"{nt['topk_overlap_mean']:.2f}; max |Δ logit| {nt['max_abs_logit']:.3g} (ids both recorded); " if nt["rows"] else
+              "next token: not compared (no logits row predicts the same position in both traces); ")
+             + f"rows only in A {nt['rows_only_a']}, only in B {nt['rows_only_b']} (a partial prefill samples nothing)"]
+    lines.append(kv_line(info.get("kv")))
     for d in nt["disagreements"][:4]:
         lines.append(f"  different top-1: seq {d['seq_id']} predicting position {d['next_pos']}: A {_tok(d['a'])} "
                      f"(step {d['a_step']}) vs B {_tok(d['b'])} (step {d['b_step']})")
     for r in info["requests"]:
-        n_diff = sum(1 for d in res.differences if d.seq_id == r["seq_id"])
+        n_diff = r.get("differences", 0)
         extra = "".join(f"; computed only by {s} at {r['only_' + s.lower()]}" for s in ("A", "B") if r["only_" + s.lower()])
         lines.append(f"seq {r['seq_id']}: {r['positions_compared']} positions compared ({r['required']} required){extra}; "
                      f"logits rows {r['logits_rows']['rows']} (same top-1 {r['logits_rows']['same_top']})"
-                     + (f"; {n_diff}+ difference(s)" if n_diff else ""))
+                     + (f"; {n_diff} difference(s)" if n_diff else ""))
+        for side, sv in sorted((r.get("served") or {}).items()):
+            by = ", ".join(f"seq {x}" for x in sv["by_seq"]) or "?"
+            lines.append(f"  positions {sv['positions']} served from {side.upper()}'s prefix cache (hit {sv['hit']} tokens at "
+                         f"step {sv['step']}): compared where {by} computed them")
         ch_a, ch_b = r["chunks"]["a"], r["chunks"]["b"]
         n = max(len(ch_a), len(ch_b))
         w = max(len(str(ea)), len(str(eb)))
@@ -84,6 +103,7 @@ def logical_lines(res: Any, info: dict[str, Any], name_a: str = "A", name_b: str
     if res.count > 5:
         lines.append(f"  ... {res.count - 5} more")
     lines.append(f"no logical difference between {name_a} and {name_b} (tokens, positions and visible keys exact, per "
-                 "request and position; logits summarised above; convention fields listed, not compared)" if res.equal else
+                 "request and position; K/V within the noise floor; logits summarised above; convention fields listed, "
+                 "not compared)" if res.equal else
                  f"{name_a} and {name_b} differ in the logical variables (first: seq {res.first.seq_id} {res.first.variable})")
     return [visible(x) for x in lines]

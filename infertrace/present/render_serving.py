@@ -58,14 +58,16 @@ def _prefix_line(sid: str, p: dict[str, Any]) -> Text:
     if p.get("src") is not None:
         t.append(f" from request {_s(p['src'])}" + (f" ({_s(p['src_state'])})" if p.get("src_state") else ""))
     if p.get("shared_blocks"):
-        t.append(f" · shared blocks {_s(p['shared_blocks'])} ref_cnt {_s(p.get('ref_cnt'))}")
+        t.append(f" · shared blocks {_s(p['shared_blocks'])}" + (f" ref_cnt {_s(p['ref_cnt'])}" if p.get("ref_cnt") is not None else ""))
     if isinstance(p.get("copied"), dict):
         c = p["copied"]
         t.append(f" · {_s(c.get('tokens'))} slots copied from block {_s(c.get('from_block'))} into block {_s(c.get('block'))}")
     if p.get("cells") not in (None, "-"):
         t.append(f" · cells {_s(p['cells'])} shared (seq_cp)")
-    t.append(f" · computed {_s(p.get('computed', '-'))}")
-    t.append(f"\n    stopped at {_s(p.get('stop', '-'))}", style=_DIM)
+    if p.get("computed") is not None:  # a vLLM hit records the hit and its blocks; the rest is in the batch row
+        t.append(f" · computed {_s(p['computed'])}")
+    if p.get("stop") is not None:
+        t.append(f"\n    stopped at {_s(p['stop'])}", style=_DIM)
     return t
 
 
@@ -124,3 +126,89 @@ def serving_view(st: Any) -> RenderableType:
     if isinstance(sv.get("audit"), dict):
         parts.append(audit_table(sv["audit"]))
     return Group(*parts) if parts else Text("")
+
+
+def _num(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def audit_summary(trace: Any) -> dict[str, Any] | None:
+    """The ``--audit-kv`` records of every step folded into one: per provenance the steps audited, the most
+    entries in one step and the largest |ΔK|, |ΔV|, layer-0 |Δ|; ``max_abs_exact`` the largest |Δ| where the
+    cache must match a from-scratch recomputation. None when no step was audited."""
+    rows: dict[str, dict[str, Any]] = {}
+    exact: list[float] = []
+    steps = 0
+    for st in trace.steps:
+        sv = st.serving if isinstance(st.serving, dict) else {}
+        a = sv.get("audit")
+        if not isinstance(a, dict):
+            continue
+        steps += 1
+        e = _num(a.get("max_abs_exact", a.get("max_abs")))
+        if e is not None:
+            exact.append(e)
+        for g in _list(a.get("by_provenance")):
+            r = rows.setdefault(_s(g.get("provenance")), {"steps": 0, "entries": 0, "max_abs_k": None, "max_abs_v": None,
+                                                          "max_abs_layer0": None})
+            r["steps"] += 1
+            r["entries"] = max(r["entries"], int(_num(g.get("entries")) or 0))
+            for k in ("max_abs_k", "max_abs_v", "max_abs_layer0"):
+                x = _num(g.get(k))
+                if x is not None:
+                    r[k] = x if r[k] is None else max(r[k], x)
+    if not steps:
+        return None
+    return {"steps": steps, "max_abs_exact": max(exact) if exact else None, "by_provenance": rows}
+
+
+def render_audit_summary(console: Any, trace: Any) -> None:
+    """The whole-run ``--audit-kv`` table under the outputs (nothing when the run was not audited)."""
+    sm = audit_summary(trace)
+    if sm is None:
+        return
+    ex = sm["max_abs_exact"]
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, title_justify="left",
+              title=Text(f"KV audit, whole run ({sm['steps']} steps): max |Δ| "
+                         f"{'-' if ex is None else f'{ex:.3g}'} where the cache must match its recomputation",
+                         style="italic"))
+    for h in ("provenance", "steps", "most entries", "max |ΔK|", "max |ΔV|", "layer 0 max |Δ|"):
+        t.add_column(h, justify="left" if h == "provenance" else "right")
+    for name, r in sm["by_provenance"].items():
+        t.add_row(Text(name), str(r["steps"]), str(r["entries"]),
+                  *["-" if r[k] is None else f"{r[k]:.3g}" for k in ("max_abs_k", "max_abs_v", "max_abs_layer0")])
+    console.print(t)
+
+
+def serving_lines(st: Any) -> list[str]:
+    """The step's serving record as plain lines, as the terminal prints them (prefix lookups with hit
+    length, source request, shared blocks / cells and copied slots; ops before the step; evictions):
+    for the HTML report."""
+    sv = st.serving if isinstance(st.serving, dict) else {}
+    out = [_op_line(op).plain for op in _list(sv.get("ops_before_step"))]
+    prefix = sv.get("prefix") if isinstance(sv.get("prefix"), dict) else {}
+    out += [_prefix_line(sid, p).plain for sid, p in prefix.items() if isinstance(p, dict)]
+    out += [_evict_line(ev).plain for ev in _list(sv.get("evictions"))]
+    return out
+
+
+def prefix_hits(trace: Any) -> list[str]:
+    """One phrase per prefix hit of the run: ``seq 1 at step 3: 12 of 13 tokens from request 0, blocks [0, 1, 2] shared``."""
+    out = []
+    for st in trace.steps:
+        sv = st.serving if isinstance(st.serving, dict) else {}
+        prefix = sv.get("prefix") if isinstance(sv.get("prefix"), dict) else {}
+        for sid, p in prefix.items():
+            if not (isinstance(p, dict) and isinstance(p.get("hit"), int) and p["hit"] > 0):
+                continue
+            s = f"seq {_s(sid)} at step {st.step}: {p['hit']} of {_s(p.get('prompt_len', '?'))} tokens"
+            if p.get("src") is not None:
+                s += f" from request {_s(p['src'])}"
+            if p.get("shared_blocks"):
+                s += f", blocks {_s(p['shared_blocks'])} shared"
+            if isinstance(p.get("copied"), dict):
+                s += f", {_s(p['copied'].get('tokens'))} slots copied from block {_s(p['copied'].get('from_block'))}"
+            if p.get("cells") not in (None, "-"):
+                s += f", cells {_s(p['cells'])} shared (seq_cp)"
+            out.append(s)
+    return out

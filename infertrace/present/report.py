@@ -19,6 +19,7 @@ from infertrace.present import report_views as v
 from infertrace.trace.records import RunTrace, StepTrace
 from infertrace.fmt import human_bytes
 from infertrace.present.render import _sampler_text, _step_title, piece_text
+from infertrace.present.render_serving import prefix_hits, serving_lines, serving_mark
 from infertrace.present.report_assets import BODY_JS, CSS, HEAD_JS
 
 # Autoescape discipline: every fragment is a markupsafe.Markup built from a literal template;
@@ -64,7 +65,9 @@ def _rows_of(st: StepTrace) -> list[list[Any]]:
             res = " ".join(str(x) for x in em[:MAX_SPEC_NODES]) + f"\n+{len(em)} · acc {sp.get('accepted')}/{sp.get('drafted')}"
         if r.finished:
             res += f"\n({r.finished})"
-        out.append([st.step if i == 0 else "", r.phase, r.seq_id, tokens, str(r.positions), vis, r.cache_after, res])
+        pos = serving_mark(str(r.positions), r)  # "hit 0..11←seq 0" under the positions, as the terminal table
+        out.append([st.step if i == 0 else "", r.phase, r.seq_id, tokens, pos if isinstance(pos, str) else pos.plain, vis,
+                    r.cache_after, res])
     if not st.batch:
         out.append([st.step, "idle", "-", "(nothing scheduled: waiting for an arrival)", "", "", "", ""])
     return out
@@ -307,9 +310,18 @@ def _hybrid(st: StepTrace) -> Markup:
     return J(out)
 
 
+def _serving(st: StepTrace) -> Markup:
+    """The step's prefix lookups (hit, source, shared blocks or cells, copied slots), context shifts, evictions."""
+    lines = serving_lines(st)
+    if not lines:
+        return M("")
+    return M('<div class="var serving"><h3>serving: prefix cache, shifts, evictions</h3>{}</div>').format(
+        J(M('<p class="prefix">{}</p>').format(part) for x in lines for part in x.split("\n")))
+
+
 def step_section(st: StepTrace) -> Markup:
-    body = J([v.table(HEADS, _rows_of(st), "rows"), _hidden(st), _positions(st), _mask(st), _spec(st), _kv(st), _hybrid(st),
-              _decode(st)])
+    body = J([v.table(HEADS, _rows_of(st), "rows"), _serving(st), _hidden(st), _positions(st), _mask(st), _spec(st), _kv(st),
+              _hybrid(st), _decode(st)])
     return M('<section class="step" id="step-{}" data-step="{}"><h2>{}</h2>{}</section>').format(
         st.step, st.step, _step_title(st), body)
 
@@ -382,6 +394,10 @@ def build_report(trace: RunTrace, source: str = "") -> str:
         facts.append(("speculative", f"{sp.get('method')} · tree {v.int_list_text(sp.get('tree'))} · tokens per target forward "
                                       f"{sp.get('tokens_per_target_forward')} ({sp.get('decode_tokens')} tokens / "
                                       f"{sp.get('target_forwards')} decode forwards)"))
+    hits = prefix_hits(trace)
+    if eng.get("prefix_cache") or hits:
+        facts.append(("prefix cache", "on · " + ("; ".join(hits[:16]) + (f"; … {len(hits) - 16} more" if len(hits) > 16 else "")
+                                                 if hits else "no hit in this run")))
     facts += [("note", n) for n in trace.notes]
     if source:
         facts.append(("trace", source))

@@ -63,6 +63,47 @@ class DiffResult:
         return self.first is None
 
 
+#: the five variables, in trace order (trace/records.py VARIABLES, repeated here: diff is torch- and records-free)
+VARIABLE_NAMES = ("hidden", "positions", "mask", "kv", "decode")
+
+
+def recorded_variables(m: dict[str, Any]) -> tuple[str, ...]:
+    """The variables a saved trace recorded: ``options.show`` (``run --save --keep``; traces older than
+    ``--keep`` variables: ``run --show``); all five when the trace does not say."""
+    opts = m.get("options") if isinstance(m.get("options"), dict) else {}
+    rec = opts.get("show")
+    if not isinstance(rec, list):
+        return VARIABLE_NAMES
+    return tuple(v for v in VARIABLE_NAMES if v in rec)
+
+
+def without_variables(m: dict[str, Any], drop: Sequence[str]) -> dict[str, Any]:
+    """A shallow copy of manifest ``m`` whose steps lack the variables ``drop`` (and whose
+    ``options.show`` is gone): what two traces saved with different ``--keep`` can be compared on."""
+    if not drop:
+        return m
+    out = dict(m)
+    if isinstance(m.get("options"), dict):
+        out["options"] = {k: v for k, v in m["options"].items() if k != "show"}
+    out["steps"] = [{k: v for k, v in st.items() if k not in drop} if isinstance(st, dict) else st
+                    for st in m.get("steps", []) or []]
+    return out
+
+
+def unrecorded_lines(a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_b: str = "B") -> tuple[list[str], tuple[str, ...]]:
+    """``(lines, dropped)``: one line per trace saved without some variables ("B was saved without
+    hidden, kv: ..."), and the variables left out of the comparison (recorded by one trace only)."""
+    ra, rb = recorded_variables(a), recorded_variables(b)
+    dropped = tuple(v for v in VARIABLE_NAMES if v not in ra or v not in rb)
+    lines = []
+    for name, rec in ((name_a, ra), (name_b, rb)):
+        miss = [v for v in VARIABLE_NAMES if v not in rec]
+        if miss:
+            lines.append(f"{name} was saved without {', '.join(miss)} (run --save --keep {','.join(rec) or '-'}): "
+                         f"{'it is' if len(miss) == 1 else 'they are'} not compared")
+    return lines, dropped
+
+
 def _num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 

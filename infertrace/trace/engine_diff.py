@@ -129,7 +129,7 @@ def floats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             lx = {t.get("id"): t.get("logit") for t in tx if isinstance(t, dict)}
             ly = {t.get("id"): t.get("logit") for t in ty if isinstance(t, dict)}
             mx["logits"] = max(mx["logits"], _maxabs([lx[k] for k in lx.keys() & ly.keys()], [ly[k] for k in lx.keys() & ly.keys()]))
-    return {"same_top": same, "rows": total, "same_top_rate": same / total if total else 1.0,
+    return {"same_top": same, "rows": total, "same_top_rate": same / total if total else None,  # None: no row to rate (never 0/0 as 100 %)
             "max_abs": mx, "first_different_top": first_diff_token}
 
 

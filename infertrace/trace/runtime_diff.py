@@ -133,7 +133,9 @@ def _per_request(m: dict[str, Any]) -> dict[int, dict[str, Any]]:
     for q in m.get("requests", []) or []:
         if isinstance(q, dict) and isinstance(q.get("seq_id"), int):
             out[q["seq_id"]] = {"prompt_ids": _ints(q.get("prompt_ids")), "output_ids": _ints(q.get("output_ids")),
-                                "at": {}, "next": {}, "chunks": [], "n_chunks": 0}
+                                "at": {}, "next": {}, "chunks": [], "n_chunks": 0, "hit": None, "served": {}}
+    writes: dict[int, tuple[int, int, Any]] = {}  # physical slot -> (seq_id, position, step) of its last write
+    writes_before: dict[int, tuple[int, int, Any]] = {}
     for st in m.get("steps", []) or []:
         if not isinstance(st, dict):
             continue
@@ -154,10 +156,19 @@ def _per_request(m: dict[str, Any]) -> dict[int, dict[str, Any]]:
                 if k < len(toks) and k < len(poss):
                     q["at"][j] = {"token": toks[k], "pos": poss[k], "visible": vis[k] if k < len(vis) else None,
                                   "step": st.get("step")}
+            if C > 0 and not sp and not any(j < C for j in q["at"]):  # the first chunk starts past 0: a prefix hit
+                q["hit"] = {"C": C, "step": st.get("step"), "slots": _hit_slots(m, st, i, C),
+                            "src": _hit_src(st, r["seq_id"])}
             q["n_chunks"] += 1
             if len(q["chunks"]) < MAX_CHUNKS:
                 q["chunks"].append({"step": st.get("step"), "phase": r.get("phase"), "C": C, "T": r.get("T"),
                                     "positions": ranges_text(poss), **_conv_fields(m, st, i, r)})
+        _record_writes(writes, m, st)
+        for q in out.values():  # a hit found in this step: who wrote the slots it reads (before this step)
+            h = q["hit"]
+            if h is not None and "writers" not in h:
+                h["writers"] = _writers(h, writes_before)
+        writes_before = dict(writes)
         dc = st.get("decode") if isinstance(st.get("decode"), dict) else {}
         by_seq = {r.get("seq_id"): r for r in st.get("batch", []) or [] if isinstance(r, dict)}
         for p in dc.get("per_request", []) or []:
@@ -167,14 +178,163 @@ def _per_request(m: dict[str, Any]) -> dict[int, dict[str, Any]]:
             if j is not None:
                 out[p["seq_id"]]["next"][j] = {"step": st.get("step"), "row": p.get("row"),
                                                "top": [t for t in p["top"] if isinstance(t, dict)]}
+    for q in out.values():
+        h = q["hit"]
+        for j, w in ((h or {}).get("writers") or {}).items():
+            if w is not None and w[0] in out and w[1] in out[w[0]]["at"]:
+                q["served"][j] = {"seq_id": w[0], "j": w[1], "step": w[2], "rec": out[w[0]]["at"][w[1]]}
     return out
+
+
+def _block_size(m: dict[str, Any]) -> int | None:
+    opts = m.get("options") if isinstance(m.get("options"), dict) else {}
+    vl = opts.get("vllm") if isinstance(opts.get("vllm"), dict) else {}
+    eng = opts.get("engine") if isinstance(opts.get("engine"), dict) else {}
+    for b in (vl.get("block_size"), eng.get("tokens_per_block")):
+        if isinstance(b, int) and not isinstance(b, bool) and b > 0:
+            return b
+    return None
+
+
+def _rows_slots(m: dict[str, Any], st: dict[str, Any]) -> list[tuple[dict[str, Any], list[int], list[int] | None]]:
+    """Per batch row of a paged step: ``(row, slot_mapping of its tokens, its block-table row)`` (vLLM's
+    ``attn_metadata``, or this engine's ``kv.per_request`` / ``mask.metadata``); empty for cells."""
+    rows = [r for r in st.get("batch", []) or [] if isinstance(r, dict)]
+    vl = st.get("vllm")
+    am = vl.get("attn_metadata") if isinstance(vl, dict) else None
+    out = []
+    if isinstance(am, dict):
+        qsl, sm, bt = _ints(am.get("query_start_loc")), _ints(am.get("slot_mapping")), am.get("block_table") or []
+        for i, r in enumerate(rows):
+            if i + 1 < len(qsl):
+                out.append((r, sm[qsl[i]:qsl[i + 1]], _ints(bt[i]) if i < len(bt) else None))
+        return out
+    kv = st.get("kv") if isinstance(st.get("kv"), dict) else {}
+    md = (st.get("mask") or {}).get("metadata") if isinstance(st.get("mask"), dict) else None
+    bts = md.get("block_tables") if isinstance(md, dict) else None
+    per = {p.get("seq_id"): p for p in kv.get("per_request", []) or [] if isinstance(p, dict)}
+    for i, r in enumerate(rows):
+        p = per.get(r.get("seq_id"))
+        if p is not None and isinstance(p.get("slot_mapping"), list):
+            out.append((r, _ints(p["slot_mapping"]), _ints(bts[i]) if isinstance(bts, list) and i < len(bts) else
+                        _ints(p.get("block_table"))))
+    return out
+
+
+def _record_writes(writes: dict[int, tuple[int, int, Any]], m: dict[str, Any], st: dict[str, Any]) -> None:
+    """Note which (request, position) each physical slot written in step ``st`` holds (paged conventions)."""
+    for r, slots, _ in _rows_slots(m, st):
+        C = r.get("C")
+        if not isinstance(C, int) or r.get("spec"):
+            continue
+        for k, slot in enumerate(slots):
+            writes[slot] = (r.get("seq_id"), C + k, st.get("step"))
+
+
+def _hit_slots(m: dict[str, Any], st: dict[str, Any], i: int, C: int) -> list[int] | None:
+    """The physical slots positions ``0..C-1`` of batch row ``i`` read from the cache: ``table[j // B] * B + j % B``."""
+    B = _block_size(m)
+    rows = st.get("batch", []) or []
+    for r, _, table in _rows_slots(m, st):
+        if r is rows[i] and table and B:
+            return [table[j // B] * B + j % B for j in range(C) if j // B < len(table)]
+    return None
+
+
+def _hit_src(st: dict[str, Any], sid: int) -> int | None:
+    """The source request a cells prefix hit copied from (``serving.prefix[sid].src``, ``seq_cp``), if recorded."""
+    sv = st.get("serving") if isinstance(st.get("serving"), dict) else {}
+    p = (sv.get("prefix") or {}).get(str(sid)) if isinstance(sv.get("prefix"), dict) else None
+    src = p.get("src") if isinstance(p, dict) else None
+    return src if isinstance(src, int) and not isinstance(src, bool) else None
+
+
+def _writers(hit: dict[str, Any], writes: dict[int, tuple[int, int, Any]]) -> dict[int, tuple[int, int, Any] | None]:
+    """Position j of a prefix hit -> (seq_id, position, step) that computed the K/V it reads: the last
+    write of its slot before the hit's step (paged), or the same position of the source request (cells)."""
+    if hit.get("slots") is not None:
+        return {j: writes.get(slot) for j, slot in enumerate(hit["slots"])}
+    if hit.get("src") is not None:
+        return {j: (hit["src"], j, None) for j in range(hit["C"])}
+    return {}
 
 
 def _div(variable: str, sid: int, field: str, a: Any, b: Any, kind: str = "value", note: str = "") -> Divergence:
     return Divergence(f"requests[seq {sid}].{field}", variable, field, a, b, kind, None, sid, note=note)
 
 
-def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = ()) -> tuple[DiffResult, dict[str, Any]]:
+def resolve(q: dict[str, Any], j: int) -> dict[str, Any] | None:
+    """Position ``j`` of request ``q`` as computed: by ``q`` itself, or -- served from the prefix cache -- by the
+    request that wrote the K/V it read (its record, marked ``served`` with the writer's seq_id and position)."""
+    if j in q["at"]:
+        return q["at"][j]
+    w = q["served"].get(j)
+    if w is None:
+        return None
+    return {**w["rec"], "served": True, "by_seq": w["seq_id"], "by_pos": w["j"]}
+
+
+def where(u: dict[str, Any]) -> str:
+    """``step 3`` or ``served from the prefix cache (computed by seq 0 at step 0)``."""
+    if u.get("served"):
+        return f"served from the prefix cache (computed by seq {u['by_seq']} at step {u['step']})"
+    return f"step {u['step']}"
+
+
+def served_info(p: dict[int, dict[str, Any]], sid: int, js: list[int]) -> dict[str, Any]:
+    """What a request's prefix hit served: positions, the writers (seq ids), the hit's step and length."""
+    q = p[sid]
+    by = sorted({q["served"][j]["seq_id"] for j in js if j in q["served"]})
+    return {"positions": ranges_text(js), "count": len(js), "by_seq": by, "hit": (q["hit"] or {}).get("C"),
+            "step": (q["hit"] or {}).get("step")}
+
+
+def _compare_positions(sid: int, x: dict[str, Any], y: dict[str, Any], need: int,
+                       add: Any) -> tuple[list[int], dict[str, list[int]]]:
+    """Positions ``0..need-1`` (and any both computed) of request ``sid``: token, position id and visible keys
+    exactly, each taken where it was computed (:func:`resolve`: a served position where its writer computed it);
+    a required position neither computed nor served is a difference. Returns ``(compared, served per side)``."""
+    both: list[int] = []
+    served: dict[str, list[int]] = {"a": [], "b": []}
+    for j in sorted(set(range(max(need, 0))) | (set(x["at"]) & set(y["at"]))):
+        u, v = resolve(x, j), resolve(y, j)
+        if u is None or v is None:
+            if j < need:
+                add(_div("positions", sid, f"at[{j}]", "computed" if u else "(not computed)",
+                         "computed" if v else "(not computed)", "missing",
+                         "every position before the last output token must be computed or served from the prefix cache"))
+            continue
+        both.append(j)
+        for side, w in (("a", u), ("b", v)):
+            if w.get("served"):
+                served[side].append(j)
+        for key, var in (("token", "tokens"), ("pos", "positions"), ("visible", "visible keys")):
+            if u[key] != v[key]:
+                add(_div(var, sid, f"at[{j}].{key}", u[key], v[key], note=f"A {where(u)}, B {where(v)}"))
+    return both, served
+
+
+def _compare_kv(a: dict[str, Any], b: dict[str, Any], tensors_a: Any, tensors_b: Any, sid: int, both: list[int],
+                rel: float, add: Any, kv_all: dict[str, Any]) -> dict[str, Any]:
+    """K/V of request ``sid`` at the positions ``both`` compared (:func:`~infertrace.trace.kv_rows.compare_kv`):
+    a position over the floor is a ``kv`` difference; folds the totals into ``kv_all``; returns the request's record."""
+    from infertrace.trace.kv_rows import compare_kv, kv_rows
+
+    (ra, sa_), (rb, sb_) = kv_rows(a, tensors_a, sid), kv_rows(b, tensors_b, sid)
+    kvr = compare_kv(ra, rb, [(j, j) for j in both], rel, keep=None)
+    for k in ("positions", "n_over"):
+        kv_all[k] += kvr[k]
+    for k in ("max_abs_k", "max_abs_v"):
+        kv_all[k] = max(kv_all[k], kvr[k])
+    kv_all["sources"] = sorted(set(kv_all["sources"]) | {sa_.split(":")[0], sb_.split(":")[0]})
+    for o in kvr["over_floor"]:
+        add(_div("kv", sid, f"at[{o['j']}].kv", f"|ΔK| {o['dk']:.3g}", f"|ΔV| {o['dv']:.3g}",
+                 note=f"over the noise floor {o['floor']:.3g}"))
+    return {**kvr, "over_floor": kvr["over_floor"][:KEEP], "source": {"a": sa_, "b": sb_}}
+
+
+def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = (), tensors_a: Any = None,
+                 tensors_b: Any = None) -> tuple[DiffResult, dict[str, Any]]:
     """Compare the logical variables of two traces of the same requests computed by runtimes with
     different conventions (see the module docstring).
 
@@ -185,9 +345,17 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
     Returns:
         ``(DiffResult, info)``: the exact differences (tokens, positions, visible keys), and
         ``info`` = ``{"mode": "logical", "engines", "conventions", "note", "requests": [...],
-        "next_token": {...}}`` with per request the positions compared, the chunks of each runtime
-        side by side, and the logits-row agreement.
+        "next_token": {...}, "kv": {...}}`` with per request the positions compared, the chunks of each runtime
+        side by side, the logits-row agreement and the K/V at each position both hold (``tensors_a/b``: the
+        kept tensors, else the ``kv.layer_view`` summary) against the noise floor
+        (:func:`infertrace.trace.kv_rows.kv_floor`); a position over it is a ``kv`` difference.
     """
+    from infertrace.trace.kv_rows import kv_floor
+
+    rel, how = kv_floor(a, b)
+    layer_a, layer_b = (m.get("options", {}).get("layer", 0) if isinstance(m.get("options"), dict) else 0 for m in (a, b))
+    kv_all = {"positions": 0, "max_abs_k": 0.0, "max_abs_v": 0.0, "n_over": 0, "floor": how, "floor_rel": rel,
+              "layer": layer_a if layer_a == layer_b else None, "sources": []}
     pa, pb = _per_request(a), _per_request(b)
     diffs: list[Divergence] = []
 
@@ -214,18 +382,12 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
                 add(_div("tokens", sid, f"{f}[{k}]", x[f][k] if k < len(x[f]) else "(missing)",
                          y[f][k] if k < len(y[f]) else "(missing)", note=f"A {len(x[f])} ids, B {len(y[f])}"))
         need = len(x["prompt_ids"]) + min(len(x["output_ids"]), len(y["output_ids"])) - 1
-        both = sorted(set(x["at"]) & set(y["at"]))
-        for j in range(max(need, 0)):
-            if j not in x["at"] or j not in y["at"]:
-                add(_div("positions", sid, f"at[{j}]", "computed" if j in x["at"] else "(not computed)",
-                         "computed" if j in y["at"] else "(not computed)", "missing",
-                         "every position before the last output token must be computed"))
-        for j in both:
-            u, v = x["at"][j], y["at"][j]
-            for key, var in (("token", "tokens"), ("pos", "positions"), ("visible", "visible keys")):
-                if u[key] != v[key]:
-                    add(_div(var, sid, f"at[{j}].{key}", u[key], v[key], note=f"A step {u['step']}, B step {v['step']}"))
+        n_before = len(diffs)
+        both, served = _compare_positions(sid, x, y, need, add)
         extra = {"a": sorted(set(x["at"]) - set(range(need))), "b": sorted(set(y["at"]) - set(range(need)))}
+        kvr = None
+        if layer_a == layer_b and "kv" not in ignore:  # the K/V each holds at (request, position), served ones where written
+            kvr = _compare_kv(a, b, tensors_a, tensors_b, sid, both, rel, add, kv_all)
         # logits rows: the row that predicts position p (next_pos p), both runtimes
         nr = {"rows": 0, "same_top": 0}
         for p in sorted(set(x["next"]) | set(y["next"])):
@@ -250,15 +412,18 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
                 disagree.append({"seq_id": sid, "next_pos": p, "a": ta[0] if ta else None, "b": tb[0] if tb else None,
                                  "a_step": x["next"][p]["step"], "b_step": y["next"][p]["step"]})
         reqs_info.append({"seq_id": sid, "positions_compared": len(both), "required": max(need, 0),
+                          "differences": len(diffs) - n_before, "kv": kvr,
+                          "served": {k: served_info(pa if k == "a" else pb, sid, v) for k, v in served.items() if v},
                           "only_a": ranges_text(extra["a"]) if extra["a"] else None,
                           "only_b": ranges_text(extra["b"]) if extra["b"] else None,
                           "logits_rows": nr, "chunks": {"a": x["chunks"], "b": y["chunks"]},
                           "chunks_total": {"a": x["n_chunks"], "b": y["n_chunks"]}})
     res = DiffResult(diffs[0] if diffs else None, len(diffs), 0.0, 0.0, cross_engine=True,
-                     tensors_note="tensors not compared across runtimes", differences=diffs[:KEEP])
+                     tensors_note="K/V compared against the noise floor; other tensors not compared across runtimes", differences=diffs[:KEEP])
     info = {"mode": "logical", "engines": [_engine(a), _engine(b)], "conventions": [_convention(a), _convention(b)],
             "note": NOTE, "requests": reqs_info,
-            "next_token": {"rows": rows, "same_top": same, "same_top_rate": same / rows if rows else 1.0,
-                           "topk_overlap_mean": overlap_sum / rows if rows else 1.0, "max_abs_logit": max_dlogit,
-                           "rows_only_a": only_rows["a"], "rows_only_b": only_rows["b"], "disagreements": disagree}}
+            "next_token": {"rows": rows, "same_top": same, "same_top_rate": same / rows if rows else None,  # None: no row both recorded
+                           "topk_overlap_mean": overlap_sum / rows if rows else None, "max_abs_logit": max_dlogit,
+                           "rows_only_a": only_rows["a"], "rows_only_b": only_rows["b"], "disagreements": disagree},
+            "kv": kv_all}
     return res, info
