@@ -1,4 +1,4 @@
-"""The snapshot plugin's copy-paste example (docs/snapshots.md, issue 31 item 10), run as written: its three files
+"""The snapshot plugin's copy-paste example (docs/snapshot-testing.md, issue 31 item 10), run as written: its three files
 are copied verbatim from the page into an empty project, then the documented workflow runs there in a pytest
 subprocess: without goldens the tests fail naming --infertrace-update; with it they write the goldens under the
 ini's infertrace_golden_dir; then they pass; a golden changed by hand (a token) fails naming the step and field.
@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.model
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = ROOT / "docs" / "snapshots.md"
+PAGE = ROOT / "docs" / "snapshot-testing.md"
 
 
 def blocks() -> dict[str, str]:
