@@ -119,7 +119,10 @@ def render_header(console: Console, trace: RunTrace) -> None:
     conv = "llama.cpp-style cells + kq_mask" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool + metadata"
     detail = f"ctx {eng.get('ctx_size')}"
     if be == "paged":
-        detail += f" · tokens_per_block {eng.get('tokens_per_block')} · num_blocks {eng.get('num_blocks') or -(-int(eng.get('ctx_size') or 0) // int(eng.get('tokens_per_block') or 1))}"
+        nb = eng.get('num_blocks') or -(-int(eng.get('ctx_size') or 0) // int(eng.get('tokens_per_block') or 1))
+        usable = (f"block 0 vLLM's null block: {nb - 1} usable" if getattr(trace, "engine", "infertrace") == "vllm"
+                  and isinstance(nb, int) else "every block usable")
+        detail += f" · tokens_per_block {eng.get('tokens_per_block')} · num_blocks {nb} ({usable})"
     if eng.get("prefill_chunk"):
         detail += f" · prefill_chunk {eng['prefill_chunk']}"
     if eng.get("kv_dtype"):  # --kv-dtype (absent: the cache is in the model dtype)

@@ -759,11 +759,18 @@ def run_requests_vllm(loaded: Any, prompts: list[Any], opts: EngineOptions, laye
                      "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
                      "num_preemptions": r.num_preemptions, "params": r.params.to_dict(),
                      "vllm_num_cached_tokens": getattr(r, "vllm_num_cached_tokens", None)} for r in reqs]
-        options = {"backend": "paged", "attention": "vllm", **(options_for_record or {}), "engine": asdict(opts),
+        eng_opts = asdict(opts)
+        if eng_opts["num_blocks"] is None:  # vLLM sized its pool itself (VLLM_CPU_KVCACHE_SPACE): record that pool
+            eng_opts["num_blocks"] = run.num_blocks
+        options = {"backend": "paged", "attention": "vllm", **(options_for_record or {}), "engine": eng_opts,
                    "layer": layer, "show": list(show), "sampler_order": "hf", "vllm": run.header()}
         notes = [f"engine vLLM ({vllm_version()}): in-process engine core, one EngineCore.step per step, "
                  f"{run.header()['backend'].rsplit('.', 1)[-1]} ISA {run.header()['isa']}, block {run.block_size}, "
-                 f"{run.num_blocks} blocks (block 0 is vLLM's null block)",
+                 f"{run.num_blocks} blocks (block 0 is vLLM's null block: {run.num_blocks - 1} usable; --num-blocks counts "
+                 "block 0 under every engine, and the paged backend uses every block)"
+                 + ("" if opts.num_blocks is not None else
+                    f"; --num-blocks not given: vLLM sized the pool from VLLM_CPU_KVCACHE_SPACE "
+                    f"({os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB)"),
                  "vLLM computes a logits row for every scheduled request (also a partial prefill, whose sample it drops); "
                  "the trace's logits rows are the rows whose sample is kept, vLLM's rows are in step.vllm.logits_indices"]
         if run.tp > 1:

@@ -155,8 +155,11 @@ class ReplayEngine(Engine):
             raise InfertraceError("--replay holds the paged backend to vLLM: add --backend paged")
         if opts.tokens_per_block != plan["block_size"]:
             raise InfertraceError(f"--replay: the vLLM trace used blocks of {plan['block_size']} tokens; pass --tokens-per-block {plan['block_size']}")
+        if opts.num_blocks is None:  # not given: the vLLM trace's pool (block 0 included, as --num-blocks counts it)
+            opts.num_blocks = plan["num_blocks"]
         if opts.num_blocks != plan["num_blocks"]:
-            raise InfertraceError(f"--replay: the vLLM trace's pool has {plan['num_blocks']} blocks; pass --num-blocks {plan['num_blocks']}")
+            raise InfertraceError(f"--replay: the vLLM trace's pool has {plan['num_blocks']} blocks (block 0 its null block); "
+                                  f"pass --num-blocks {plan['num_blocks']} or leave it out")
         if opts.prefix_cache or opts.speculative or opts.context_shift:
             raise InfertraceError("--replay takes prefix hits and drafts from the vLLM trace; drop --prefix-cache / --speculative / --context-shift")
         super().__init__(model, tokenizer, opts, tracer)
