@@ -584,20 +584,13 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
 
 
 def _hit_record(rid: str, hit: int, resumed: bool, num_tokens: int, rec: dict[str, Any], kv: VllmKV, B: int) -> dict[str, Any]:
-    """The prefix lookup of one request as vLLM did it: ``hit`` tokens (``num_computed_tokens`` at admission, whole
-    blocks), of ``prompt_len`` = vLLM's ``request.num_tokens`` then (a request resumed after preemption holds
-    its output too), the shared blocks with vLLM's own ``ref_cnt``, the tokens computed and where the hit stopped:
-    vLLM caps a hit at ``num_tokens - 1`` (the last token is computed for its logits) and hits whole blocks only
-    (vllm/v1/core/kv_cache_manager.py ``get_computed_blocks``: ``max_cache_hit_length = request.num_tokens - 1``)."""
+    """The prefix lookup of one request as vLLM did it (:func:`~infertrace.runtimes.vllm.replay.prefix_record`),
+    with vLLM's own block table row and ``ref_cnt`` (its block pool after this step's schedule)."""
+    from infertrace.runtimes.vllm.replay import prefix_record
+
     i = rec["req_ids"].index(rid)
     shared = [int(b) for b in rec["block_table"][i, : hit // B]]
-    stop = (f"block {hit // B}: the last token is recomputed for its logits and vLLM hits whole blocks only"
-            if hit == (num_tokens - 1) // B * B else f"block {hit // B}: its hash is not in vLLM's cache")
-    out = {"hit": hit, "prompt_len": num_tokens, "shared_blocks": shared, "ref_cnt": [kv.ref_cnt.get(b, 0) for b in shared],
-           "computed": f"{hit}..{num_tokens - 1}", "stop": stop}
-    if resumed:
-        out["resumed"] = True  # preempted earlier: its own full blocks were still hashed in vLLM's cache
-    return out
+    return prefix_record(hit, num_tokens, shared, [kv.ref_cnt.get(b, 0) for b in shared], resumed, B)
 
 
 #: per-rank tensors that hold a slice of the query heads: [T, heads/tp * hd] (Q before / after RoPE)
