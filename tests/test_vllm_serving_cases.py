@@ -117,7 +117,7 @@ def test_placeholder_trace_checks_and_replays_identical(placeholder_run, tmp_pat
     assert res.exit_code == 0 and "no violation" in res.output, res.output[-1500:]
     b = tmp_path / "paged"
     args = ["run", "-p", P33, "-p", P33, "--arrival", "0", "--arrival", "1", "-n", "3", "--ignore-eos",
-            "--backend", "paged", "--replay", str(d), "--num-blocks", str(OPTS.num_blocks), "--tokens-per-block", "32",
+            "--backend", "paged", "--replay", str(d), "--tokens-per-block", "32",  # --num-blocks: the trace's pool
             "--ctx-size", str(OPTS.ctx_size), "--layer", str(LAYER), "--save", str(b), "--json"]
     res = r.invoke(app, args)
     assert res.exit_code == 0, res.output[-2000:]
@@ -125,6 +125,24 @@ def test_placeholder_trace_checks_and_replays_identical(placeholder_run, tmp_pat
     assert res.exit_code == 0 and "structure: identical" in res.output, res.output[-4000:]
     res = r.invoke(app, ["check", str(b)])
     assert res.exit_code == 0 and "no violation" in res.output, res.output[-1500:]
+    assert json.loads((b / "trace.json").read_text())["options"]["engine"]["num_blocks"] == OPTS.num_blocks
+
+
+def test_num_blocks_has_one_meaning_stated_in_the_header(placeholder_run, vllm_run) -> None:
+    """--num-blocks N is the pool, block 0 included, under every engine: vLLM's pool is N blocks, of which
+    vLLM itself counts N - 1 free when nothing runs (block 0 its null block); the header says both."""
+    from rich.console import Console
+
+    from infertrace.present.render import render_run
+
+    trace, _, _ = placeholder_run
+    pool = vllm_run.sched.kv_cache_manager.block_pool
+    assert pool.num_gpu_blocks == OPTS.num_blocks and pool.get_num_free_blocks() == OPTS.num_blocks - 1  # vLLM's own
+    assert trace.options["vllm"]["num_blocks"] == trace.options["engine"]["num_blocks"] == OPTS.num_blocks
+    con = Console(width=400, record=True)
+    render_run(con, trace, steps=[0])
+    flat = " ".join(con.export_text().replace("│", " ").split())
+    assert f"num_blocks {OPTS.num_blocks} (block 0 vLLM's null block: {OPTS.num_blocks - 1} usable)" in flat
 
 
 # ----------------------------------------------------------------------------- 10. what the trace says vLLM did
@@ -286,6 +304,24 @@ def test_default_ctx_size_is_what_the_model_allows(tiny512, tmp_path_factory, vl
     assert res.exit_code == 0 and json.loads(res.stdout)["options"]["engine"]["ctx_size"] == 1024  # given: kept
 
 
+def test_default_ctx_size_under_llama_cpp_is_its_n_ctx_train(tmp_path: Path, llama_cpp) -> None:
+    """The same default under --engine llama.cpp: a GGUF whose context_length is 256 runs llama.cpp with
+    n_ctx 256 (llama.cpp's own n_ctx, recorded from its context) instead of 2048."""
+    from tests.tiny import make_weights, write_gguf
+
+    w, s = make_weights(n_layer=2, H=64, n_head=4, n_kv=2, head_dim=16, ff=128, seed=1)
+    g = write_gguf(tmp_path / "m.gguf", w, s)
+    model = llama_cpp.Llama(model_path=str(g), n_ctx=0, verbose=False)  # n_ctx 0: llama.cpp takes n_ctx_train
+    n_train = model.n_ctx()
+    model.close()
+    assert n_train == 256
+    res = CliRunner().invoke(app, ["run", "--model", str(g), "-p", "hello", "-n", "2", "--engine", "llama.cpp", "--json"])
+    assert res.exit_code == 0, res.output[-1500:]
+    js = json.loads(res.stdout)
+    assert js["options"]["engine"]["ctx_size"] == n_train == js["options"]["llama_cpp"]["n_ctx"]
+    assert any("--ctx-size not given: 256" in n for n in js["notes"])
+
+
 # ----------------------------------------------------------------------------- 5. tensor parallel
 
 
@@ -378,3 +414,36 @@ def test_weights_and_kv_dtype_refused_naming_the_runtimes_setting(vllm_mod, llam
     assert f"kv_cache_dtype '{CacheConfig().cache_dtype}'" in line and "type_k" not in line
     line = _one_line_error(r.invoke(app, ["run", "-p", "hi", "--engine", "llama.cpp", "--kv-dtype", "f16"]))
     assert "type_k/type_v" in line
+
+
+def test_resumed_request_prefix_lookup_is_labelled_and_counts_its_output(smol, vllm_run, tmp_path: Path) -> None:
+    """Three 30-token generations in the 6-block pool: vLLM preempts one and resumes it from its own blocks
+    still hashed. The lookup counts vLLM's ``num_tokens`` then (prompt + output: ``len(all_token_ids)`` of
+    vLLM's resumed CachedRequestData), says "resumed", and ``check`` passes (the hit is inside that)."""
+    from rich.console import Console
+
+    from infertrace.present.render import render_run
+    from infertrace.runtimes.vllm.engine import _ours, run_requests_vllm
+    from infertrace.trace.store import save_trace
+
+    three = ["The capital of France is", "def add(a, b):", "Once upon a time, in a small village,"]
+    trace = run_requests_vllm(smol, [PromptSpec(t, _p(30), 0) for t in three], OPTS, layer=LAYER, run=vllm_run)
+    back = [(so, rid) for so, *_ in vllm_run.outs for rid in so.scheduled_cached_reqs.resumed_req_ids
+            if so.scheduled_cached_reqs.num_computed_tokens[so.scheduled_cached_reqs.req_ids.index(rid)] > 0]
+    assert back, "vLLM resumed no request from its own cached blocks"
+    so, rid = back[0]
+    c = so.scheduled_cached_reqs
+    n_tokens, hit = len(c.all_token_ids[rid]), c.num_computed_tokens[c.req_ids.index(rid)]
+    sid = int(_ours(rid)[_ours(rid).rindex("s") + 1:])
+    st = next(s for s in trace.steps if s.vllm and {"seq_id": sid, "num_computed_tokens": hit} in s.vllm["scheduler"]["resumed"])
+    r = next(x for x in st.batch if x.seq_id == sid)
+    assert r.prefix["resumed"] is True and (r.prefix["hit"], r.prefix["prompt_len"]) == (hit, n_tokens) and hit < n_tokens
+    assert n_tokens > len(smol.tokenizer.encode(three[sid]))  # its output counts
+    con = Console(width=300, record=True)
+    render_run(con, trace, steps=[st.step])
+    flat = " ".join(con.export_text().replace("│", " ").split())
+    assert f"seq {sid} resumed after preemption, prefix lookup: hit {hit} of {n_tokens} tokens (prompt + output so far)" in flat
+    assert "ref_cnt None" not in flat and "free list head []" not in flat
+    save_trace(trace, tmp_path / "t")
+    res = CliRunner().invoke(app, ["check", str(tmp_path / "t")])
+    assert res.exit_code == 0 and "no violation" in res.output, res.output[-1500:]
