@@ -302,6 +302,10 @@ def test_default_ctx_size_is_what_the_model_allows(tiny512, tmp_path_factory, vl
     assert js["options"]["engine"]["ctx_size"] == 512 and any("--ctx-size not given: 512" in n for n in js["notes"])
     res = CliRunner().invoke(app, ["run", "--model", str(tiny512), "-p", "hello", "-n", "2", "--ctx-size", "1024", "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["options"]["engine"]["ctx_size"] == 1024  # given: kept
+    for cmd in (["dump-kv", "--step", "0"], ["diff-backends"]):  # the commands that share run's options say it too
+        res = CliRunner().invoke(app, [*cmd, "--model", str(tiny512), "-p", "hello", "-n", "2"])
+        assert res.exit_code == 0, (cmd, res.output[-1500:])
+        assert "note: --ctx-size not given: 512 tokens" in res.stderr, (cmd, res.stderr[-800:])
 
 
 def test_default_ctx_size_under_llama_cpp_is_its_n_ctx_train(tmp_path: Path, llama_cpp) -> None:

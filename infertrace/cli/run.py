@@ -133,7 +133,7 @@ def run(
     layer: Annotated[int, typer.Option("--layer", help="Layer whose RoPE evidence and K/V values are shown.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole trace as JSON on stdout (nothing else).")] = False,
     backend: Annotated[str, typer.Option("--backend", help="KV cache / attention convention: cells (llama.cpp) or paged (TensorRT-LLM/vLLM).")] = "cells",
-    ctx_size: Annotated[Optional[int], typer.Option("--ctx-size", help=f"KV capacity and per-request context limit, in tokens (default {EngineOptions.ctx_size}, or the model's trained context when that is smaller).", show_default=False)] = None,
+    ctx_size: o.CtxSize = None,
     num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="paged: blocks in the pool (default ctx-size / tokens-per-block).")] = None,
     tokens_per_block: Annotated[int, typer.Option("--tokens-per-block", help="paged: slots per block.")] = EngineOptions.tokens_per_block,
     max_batch_tokens: Annotated[int, typer.Option("--max-batch-tokens", help="Scheduler token budget per step.")] = EngineOptions.max_batch_tokens,
@@ -254,26 +254,6 @@ def check_runtime_cache_and_weights(engine: str, kv_dtype: Optional[str], weight
                                   "dequantised float copy of the GGUF (options.vllm.dtype in the trace header): drop --weights")
 
 
-def default_ctx_note(loaded: Any, opts: EngineOptions, engine: str) -> tuple[EngineOptions, Optional[str]]:
-    """Without ``--ctx-size``: the default, lowered to the model's trained context (``n_ctx_train``, HF
-    ``max_position_embeddings`` / GGUF ``context_length``) when that is smaller, for every engine (vLLM refuses a
-    ``max_model_len`` above its derived one).
-
-    Returns:
-        ``(opts, note)``: the options with the context size used and the trace note saying so (None when the
-        default was kept).
-    """
-    import dataclasses
-
-    n_train = int(loaded.config.n_ctx_train)
-    if not 0 < n_train < opts.ctx_size:
-        return opts, None
-    note = (f"--ctx-size not given: {n_train} tokens, the model's trained context (max_position_embeddings / "
-            f"context_length), instead of the default {opts.ctx_size}"
-            + (" (vLLM refuses a max_model_len above the one it derives from the model)" if engine == "vllm" else ""))
-    return dataclasses.replace(opts, ctx_size=n_train), note
-
-
 def check_engine_options(engine: str, backend: str, device: str, dtype: str, prefix_cache: str, context_shift: bool,
                          audit_kv: bool, teacher_force: Optional[Path], llamacpp_flash_attn: Optional[str],
                          tensor_parallel_size: int = 1, replay: Optional[Path] = None) -> tuple[str, str, Optional[str]]:
@@ -342,7 +322,7 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
         loaded = load_with_progress(model, dtype, device, progress, threads, weights if ours else "float", tensors=ours)
         ctx_note = None
         if not ctx_given:  # the default --ctx-size, no larger than the model's trained context
-            opts, ctx_note = default_ctx_note(loaded, opts, engine)
+            opts, ctx_note = o.default_ctx_note(loaded, opts, engine)
         # options.weights: the quant kernels, or {"weights": "float"} when --weights float was given explicitly (a
         # default/auto float run records nothing, so traces of the reference path are unchanged)
         explicit_float = ours and weights == "float" and loaded.weights.get("weights") == "float"
