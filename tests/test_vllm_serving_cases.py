@@ -145,6 +145,29 @@ def test_num_blocks_has_one_meaning_stated_in_the_header(placeholder_run, vllm_r
     assert f"num_blocks {OPTS.num_blocks} (block 0 vLLM's null block: {OPTS.num_blocks - 1} usable)" in flat
 
 
+def test_placeholder_case_through_the_cli(tmp_path: Path, smol) -> None:
+    """The reported command (two identical 33-token prompts, arrivals 0 and 1, ``--prefix-cache on --speculative
+    ngram --num-spec-tokens 3 --tokens-per-block 32 --max-batch-tokens 256``) runs (it aborted with "vLLM packed
+    ids [.., 0, 0, 0] ... expected [.., -1, -1, -1]"), ``check`` passes and the paged replay diffs identical."""
+    ids = smol.tokenizer.encode(P33)
+    args = ["-p", P33, "-p", P33, "--arrival", "0", "--arrival", "1", "-n", "3", "--ignore-eos", "--tokens-per-block", "32",
+            "--max-batch-tokens", "256", "--num-blocks", "8"]
+    a, b = tmp_path / "vllm", tmp_path / "paged"
+    r = _cli("run", *args, "--prefix-cache", "on", "--speculative", "ngram", "--num-spec-tokens", "3", "--engine", "vllm",
+             "--save", a, "--json")
+    assert r.returncode == 0, r.stderr[-2500:]
+    m = json.loads((a / "trace.json").read_text())
+    st = next(s for s in m["steps"] if 1 in s["admitted"])
+    row = next(x for x in st["batch"] if x["seq_id"] == 1)
+    assert (row["C"], row["T"], row["token_ids"]) == (32, 4, [ids[32], 0, 0, 0])
+    assert next(x for x in st["vllm"]["scheduler"]["scheduled"] if x["seq_id"] == 1)["spec_tokens"] == [-1, -1, -1]
+    assert _cli("check", a).returncode == 0
+    r = _cli("run", *args, "--backend", "paged", "--replay", a, "--save", b, "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _cli("diff", a, b)
+    assert r.returncode == 0 and "structure: identical" in r.stdout, r.stdout[-2000:]
+
+
 # ----------------------------------------------------------------------------- 10. what the trace says vLLM did
 
 
