@@ -24,6 +24,9 @@ logits rows                 rows whose sample is kept; vLLM computes one row per
                             request (``logits_indices``) and drops the sample of a partial
                             prefill (recorded as ``vllm.logits_indices``)
 verify chunk                ``scheduled_spec_decode_tokens`` (a chain: parents -1, 0, 1, ..)
+placeholder drafts          ``-1`` in ``scheduled_spec_decode_tokens`` (a new request with one
+                            token left, padded to 1 + K rows): ``token_ids`` hold the id 0 its
+                            forward embeds, ``vllm.scheduler.scheduled[].spec_tokens`` the -1
 ==========================  ==========================================================
 """
 
@@ -45,6 +48,7 @@ from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec, PagedInputs, ranges_text
 from infertrace.kv.paged import PagedKV
 from infertrace.runtimes.vllm import ENGINE, import_vllm, vllm_version
+from infertrace.runtimes.vllm.tp import check_tensor_parallel, kv_heads_of_rank, merge_ranks
 
 #: vLLM's CPU attention backend needs block sizes that are multiples of this (``CPU_ATTN``)
 CPU_BLOCK_MULTIPLE = 32
@@ -326,7 +330,7 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
         time_ms = (time.perf_counter() - t0) * 1e3  # one EngineCore.step: schedule, forward, sample, update
         recs = run.llm.collective_rpc(run.capture.take)
         so, free, refs, head = run.outs[-1] if len(run.outs) > n_out else (None, None, None, [])
-        rec = _merge_ranks([r[-1] for r in recs if r], tracer.cfg.n_head_kv) if recs and recs[0] else None
+        rec = merge_ranks([r[-1] for r in recs if r], tracer.cfg.n_head_kv) if recs and recs[0] else None
         finished = {}
         for o in outputs:
             r = by_id.get(o.request_id)
@@ -593,57 +597,6 @@ def _hit_record(rid: str, hit: int, resumed: bool, num_tokens: int, rec: dict[st
     return prefix_record(hit, num_tokens, shared, [kv.ref_cnt.get(b, 0) for b in shared], resumed, B)
 
 
-#: per-rank tensors that hold a slice of the query heads: [T, heads/tp * hd] (Q before / after RoPE)
-_Q_SHARDED = ("q_pre", "q_rot")
-#: per-rank tensors that hold the rank's KV heads: [T, kv_heads_held, hd] (K/V) or [T, kv_heads_held * hd] (K rope)
-_KV_SHARDED = ("k_written", "v_written", "k_cache", "v_cache", "k_pre", "k_rot")
-
-
-def kv_heads_of_rank(rank: int, tp: int, n_kv: int) -> list[int]:
-    """The KV heads tensor-parallel rank ``rank`` holds, as vLLM's ``QKVParallelLinear`` splits them
-    (vllm/model_executor/layers/linear.py:1053-1058, 1303): ``n_kv >= tp``: heads
-    ``[rank * n_kv / tp, (rank + 1) * n_kv / tp)``; ``tp > n_kv``: one head, ``rank // (tp / n_kv)``
-    (each head replicated on ``tp / n_kv`` ranks)."""
-    if tp >= n_kv:
-        return [rank // (tp // n_kv)]
-    per = n_kv // tp
-    return list(range(rank * per, (rank + 1) * per))
-
-
-def _merge_ranks(per_rank: list[dict[str, Any]], n_kv: int | None = None) -> dict[str, Any]:
-    """One step's record from every tensor-parallel rank -> one record: the metadata, ids, logits and
-    samples every rank shares are rank 0's; the query-head tensors are concatenated in rank order; the
-    KV tensors of the first rank holding each KV head, in head order (:func:`kv_heads_of_rank`: with
-    ``tp > n_kv`` vLLM replicates a head on several ranks); ``ranks`` keeps per rank the heads it held,
-    whether its K/V equal the first holder's and whether its metadata equalled rank 0's."""
-    rec = dict(per_rank[0])
-    if len(per_rank) == 1:
-        return rec
-    tp = len(per_rank)
-    n_kv = n_kv or tp
-    heads = [kv_heads_of_rank(r, tp, n_kv) for r in range(tp)]
-    first = [r for r in range(tp) if r == 0 or heads[r][0] != heads[r - 1][0]]  # the first holder of each head
-    for k in _Q_SHARDED:
-        if all(r.get(k) is not None for r in per_rank):
-            rec[k] = np.concatenate([r[k] for r in per_rank], axis=1)
-    for k in _KV_SHARDED:
-        if all(r.get(k) is not None for r in per_rank):
-            rec[k] = np.concatenate([per_rank[r][k] for r in first], axis=1)
-    same = [all(np.array_equal(r[k], per_rank[0][k]) for k in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"))
-            for r in per_rank]
-    holder = {h: r for r in first for h in heads[r]}
-
-    def replica_ok(i: int) -> bool:
-        j = holder[heads[i][0]]
-        return all(np.array_equal(per_rank[i][k], per_rank[j][k]) for k in ("k_written", "v_written")
-                   if per_rank[i].get(k) is not None and per_rank[j].get(k) is not None)
-
-    rec["ranks"] = [{"tp_rank": i, "kv_heads_held": int(r["k_written"].shape[1]) if r.get("k_written") is not None else None,
-                     "kv_heads": heads[i], "kv_equals_first_holder": replica_ok(i),
-                     "metadata_equals_rank0": bool(ok)} for i, (r, ok) in enumerate(zip(per_rank, same))]
-    return rec
-
-
 def _ours(rid: str) -> str:
     """Our request id from vLLM's internal one (``LLMEngine.add_request`` appends ``-<8 hex>``)."""
     head, sep, tail = str(rid).rpartition("-")
@@ -684,29 +637,6 @@ def _taps(tracer: Any, rec: dict[str, Any], run: VllmRun) -> None:
         for name, value in got.items():
             if run.layer in tracer.layers and name in tracer.taps:
                 tracer.tap(name, layer=run.layer, value=value)
-
-
-def check_tensor_parallel(n_head: int, n_kv: int, tp: int) -> None:
-    """Refuse a tensor-parallel size vLLM refuses for this model, with vLLM's own words.
-
-    vLLM's rules: the query heads divide by ``tp`` (vllm/config/model.py:1546,
-    ``ModelConfig.verify_with_parallel_config``); the KV heads divide by ``tp`` when ``tp <= n_kv``, else
-    ``tp`` divides by them and each is replicated (vllm/model_executor/layers/linear.py:1053-1057,
-    ``QKVParallelLinear``, through ``divide`` in vllm/distributed/utils.py:54).
-
-    Raises:
-        InfertraceError: a size vLLM refuses.
-    """
-    if tp <= 1:
-        return
-    if n_head % tp:
-        raise InfertraceError(f"--tensor-parallel-size {tp}: vLLM refuses it: Total number of attention heads ({n_head}) must "
-                              f"be divisible by tensor parallel size ({tp}). (vllm/config/model.py); use a size dividing {n_head}")
-    num, den = (tp, n_kv) if tp >= n_kv else (n_kv, tp)
-    if num % den:
-        raise InfertraceError(f"--tensor-parallel-size {tp}: vLLM refuses it: {num} is not divisible by {den} (its "
-                              f"QKVParallelLinear splits the model's {n_kv} KV heads over {tp} ranks, or replicates them when "
-                              f"the ranks are a multiple of the heads: vllm/model_executor/layers/linear.py)")
 
 
 def run_requests_vllm(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: int = 0,
