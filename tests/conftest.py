@@ -80,3 +80,27 @@ def hf_gemma(gemma_path):
                                                               dtype=torch.float32)
     model.eval()
     return tok, model
+
+
+@pytest.fixture(scope="session")
+def vllm_mod():
+    """vLLM, required: ``make test`` installs the vllm extra. Missing: a failure naming it, not a skip."""
+    from infertrace.errors import InfertraceError
+    from infertrace.runtimes.vllm import import_vllm
+
+    try:
+        return import_vllm()
+    except InfertraceError as e:
+        pytest.fail(f"{e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_run(smol, vllm_mod):
+    """One in-process vLLM engine on SmolLM2 with :data:`tests.vllm_shared.OPTS`, shared by every vLLM test file."""
+    from infertrace.runtimes.vllm.convert import hf_dir_for
+    from infertrace.runtimes.vllm.engine import VllmRun
+    from tests.vllm_shared import LAYER, OPTS
+
+    run = VllmRun(hf_dir_for(smol.ckpt.path), OPTS, "float32", LAYER)
+    yield run
+    run.close()

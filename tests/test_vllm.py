@@ -4,7 +4,7 @@ structural value -- positions, query_start_loc / seq_lens (our cu_seqlens / kv_l
 slot mapping, logits rows, prefix hits, verify records -- must be equal, and K/V and logits within
 the measured noise floor (ours float32 vs ours float64, x4).
 
-One vLLM engine serves every case (session fixture; vLLM init takes 10-50 s): block 32, a pool of 6
+One vLLM engine serves every case (session fixture in conftest.py, tests/vllm_shared.py; vLLM init takes 10-50 s): block 32, a pool of 6
 blocks (block 0 is vLLM's null block: 160 usable slots), prefix caching and n-gram speculation on,
 token budget 64, ``long_prefill_token_threshold`` 8. Needs the vllm extra (``make test`` installs
 it); without it every test here fails by name, it never skips.
@@ -23,12 +23,10 @@ import pytest
 from infertrace.engine.options import EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.runner import PromptSpec
+from tests.vllm_shared import LAYER, OPTS
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
-LAYER = 3
-OPTS = EngineOptions(backend="paged", tokens_per_block=32, num_blocks=6, max_batch_tokens=64, prefill_chunk=8,
-                     prefix_cache=True, speculative="ngram", num_spec_tokens=3, ctx_size=160, n_seq_max=4)
 THREE = ["The capital of France is", "def add(a, b):", "Once upon a time, in a small village,"]
 LONG = "The quick brown fox jumps over the lazy dog. " * 6
 COUNT = "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,"
@@ -46,28 +44,6 @@ CASES = {
     "preempt": [PromptSpec(t, _p(30), 0) for t in THREE],
 }
 FLOAT_CASES = ("one", "three", "prefix", "spec")  # the preemption case checks structure only (no float64 replay)
-
-
-@pytest.fixture(scope="session")
-def vllm_mod():
-    """vLLM, required: ``make test`` installs the vllm extra. Missing: a failure naming it, not a skip."""
-    from infertrace.errors import InfertraceError
-    from infertrace.runtimes.vllm import import_vllm
-
-    try:
-        return import_vllm()
-    except InfertraceError as e:
-        pytest.fail(f"{e}", pytrace=False)
-
-
-@pytest.fixture(scope="session")
-def vllm_run(smol, vllm_mod):
-    from infertrace.runtimes.vllm.convert import hf_dir_for
-    from infertrace.runtimes.vllm.engine import VllmRun
-
-    run = VllmRun(hf_dir_for(smol.ckpt.path), OPTS, "float32", LAYER)
-    yield run
-    run.close()
 
 
 _REPORTS: dict[str, dict] = {}
@@ -303,9 +279,11 @@ def test_tensor_parallel_2_per_rank_kv(tmp_path: Path, vllm_mod) -> None:
     assert [(x["tp_rank"], x["num_kv_heads"], x["num_heads"], x["cache_shape"]) for x in ranks] == \
         [(0, 1, 2, [16, 1, 32, 128]), (1, 1, 2, [16, 1, 32, 128])]
     run_steps = [st for st in m["steps"] if st["batch"]]
-    assert run_steps and all(st["vllm"]["tp_ranks"] == [{"tp_rank": 0, "kv_heads_held": 1, "metadata_equals_rank0": True},
-                                                          {"tp_rank": 1, "kv_heads_held": 1, "metadata_equals_rank0": True}]
-                             for st in run_steps)
+    # vLLM's split (model_executor/layers/linear.py:1057): 2 KV heads over 2 ranks, rank r holds head r
+    assert run_steps and all(st["vllm"]["tp_ranks"] == [
+        {"tp_rank": 0, "kv_heads_held": 1, "kv_heads": [0], "kv_equals_first_holder": True, "metadata_equals_rank0": True},
+        {"tp_rank": 1, "kv_heads_held": 1, "kv_heads": [1], "kv_equals_first_holder": True, "metadata_equals_rank0": True}]
+        for st in run_steps)
     assert all(st["vllm"]["kv_readback"] == {"k_max_abs": 0.0, "v_max_abs": 0.0} for st in run_steps)
     r = cli("run", *args, "--backend", "paged", "--replay", str(a), "--save", str(b), "--json")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -46,7 +46,7 @@ def diff_backends(
     seed: o.Seed = o.D.seed,
     ignore_eos: o.IgnoreEos = False,
     backend: Annotated[str, typer.Option("--backend", help="With --against: our engine's backend (cells or paged). Without: both run.")] = "cells",
-    ctx_size: o.CtxSize = o.E.ctx_size,
+    ctx_size: o.CtxSize = None,
     num_blocks: o.NumBlocks = None,
     tokens_per_block: o.TokensPerBlock = o.E.tokens_per_block,
     max_batch_tokens: o.MaxBatchTokens = o.E.max_batch_tokens,
@@ -75,6 +75,8 @@ def diff_backends(
     if against == "vllm" and weights == "quant":
         raise InfertraceError("--weights quant does not apply to --against vllm (vLLM loads its own float weights and ours "
                               "replays its schedule in float32); drop --weights")
+    ctx_given = ctx_size is not None  # not given: the default, lowered to the model's trained context once loaded
+    ctx_size = o.E.ctx_size if ctx_size is None else ctx_size
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -91,6 +93,10 @@ def diff_backends(
         raise InfertraceError("--against vllm compares float32 runs on the CPU; drop --dtype/--device")
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress, threads, "float" if against == "vllm" else weights)
+        if not ctx_given:
+            opts, note = o.default_ctx_note(loaded, opts, "vllm" if against == "vllm" else "infertrace")
+            if note:
+                progress.console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task("comparing" + (f" with {against}" if against else " cells and paged in lockstep"), total=None)
         rep = compare(loaded, specs, opts, against, atol, backend, dtype, layer, llamacpp_flash_attn)

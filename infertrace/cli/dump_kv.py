@@ -52,7 +52,7 @@ def dump_kv(
     seed: o.Seed = o.D.seed,
     ignore_eos: o.IgnoreEos = False,
     backend: o.Backend = "cells",
-    ctx_size: o.CtxSize = o.E.ctx_size,
+    ctx_size: o.CtxSize = None,
     num_blocks: o.NumBlocks = None,
     tokens_per_block: o.TokensPerBlock = o.E.tokens_per_block,
     max_batch_tokens: o.MaxBatchTokens = o.E.max_batch_tokens,
@@ -94,6 +94,8 @@ def dump_kv(
 
     check_thread_settings(threads)  # --threads and OMP_NUM_THREADS/INFERTRACE_THREADS, before torch loads
     weights = o.check_weights(weights)
+    ctx_given = ctx_size is not None  # not given: the default, lowered to the model's trained context once loaded
+    ctx_size = o.E.ctx_size if ctx_size is None else ctx_size
     specs, opts = o.build_run_inputs(
         prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -104,6 +106,10 @@ def dump_kv(
         kv_unified=kv_unified)
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress, threads, weights)
+        if not ctx_given:
+            opts, note = o.default_ctx_note(loaded, opts, "infertrace")
+            if note:
+                progress.console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task(f"running to step {step}", total=None)
         from infertrace.runner import dump_kv_at_step  # the engine side (torch): only for a live run

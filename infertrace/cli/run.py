@@ -149,7 +149,7 @@ def run(
     layer: Annotated[int, typer.Option("--layer", help="Layer whose RoPE evidence and K/V values are shown.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole trace as JSON on stdout (nothing else).")] = False,
     backend: Annotated[str, typer.Option("--backend", help="KV cache / attention convention: cells (llama.cpp) or paged (TensorRT-LLM/vLLM).")] = "cells",
-    ctx_size: Annotated[int, typer.Option("--ctx-size", help="KV capacity and per-request context limit, in tokens.")] = EngineOptions.ctx_size,
+    ctx_size: o.CtxSize = None,
     num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="paged: blocks in the pool (default ctx-size / tokens-per-block).")] = None,
     tokens_per_block: Annotated[int, typer.Option("--tokens-per-block", help="paged: slots per block.")] = EngineOptions.tokens_per_block,
     max_batch_tokens: Annotated[int, typer.Option("--max-batch-tokens", help="Scheduler token budget per step.")] = EngineOptions.max_batch_tokens,
@@ -198,6 +198,8 @@ def run(
     if save is not None:
         check_output_dir(save, force)
     check_min("--layer", layer, 0)
+    ctx_given = ctx_size is not None
+    ctx_size = EngineOptions.ctx_size if ctx_size is None else ctx_size
     engine, backend, llamacpp_flash_attn = check_engine_options(engine, backend, device, dtype, prefix_cache, context_shift,
                                                                 audit_kv, teacher_force, llamacpp_flash_attn,
                                                                 tensor_parallel_size, replay)
@@ -217,9 +219,7 @@ def run(
         check_teacher_force(teacher_force, specs, model)
     if replay is not None and opts.kv_dtype is not None:
         raise InfertraceError("--replay rebuilds vLLM's pool in the model dtype; drop --kv-dtype")
-    if engine != "infertrace" and opts.kv_dtype is not None:
-        raise InfertraceError(f"--kv-dtype sets this engine's cache; --engine {engine} keeps its own (llama.cpp's type_k/type_v "
-                              "are in the trace header): drop --kv-dtype")
+    check_runtime_cache_and_weights(engine, opts.kv_dtype, weights)
     opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
     if engine == "llama.cpp" and opts.speculative:
         raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
@@ -234,7 +234,7 @@ def run(
     trace, tensors, tensor_layers = execute_run(engine, model, dtype, device, threads, specs, opts, layer, layers,
                                                 keep_tensors, show_vars, forced, llamacpp_flash_attn, quiet=as_json,
                                                 tensor_parallel_size=tensor_parallel_size, factory=factory,
-                                                weights=weights)
+                                                weights=weights, ctx_given=ctx_given)
     if replay is not None:
         trace.notes.append(f"replayed the schedule, block ids, drafts and sampled tokens of the vLLM trace {visible(str(replay))}; "
                            "positions, slot mapping, lengths, K/V and logits computed by this engine")
@@ -244,6 +244,31 @@ def run(
 
 
 # ----------------------------------------------------------------------------- the command's parts
+
+
+def check_runtime_cache_and_weights(engine: str, kv_dtype: Optional[str], weights: str) -> None:
+    """Refuse ``--kv-dtype`` and an explicit ``--weights`` with a recorded runtime, which keeps its own
+    cache type and computes on its own copy of the weights (one line each, naming the runtime's setting).
+
+    Raises:
+        InfertraceError: ``--kv-dtype`` or ``--weights quant|float`` with ``--engine llama.cpp`` (llama.cpp's
+            ``type_k/type_v``; its kernels on the GGUF's own tensor types), ``--kv-dtype`` or ``--weights quant``
+            with ``--engine vllm`` (vLLM's ``kv_cache_dtype``; its dequantised float copy).
+    """
+    if engine == "llama.cpp":
+        if kv_dtype is not None:
+            raise InfertraceError("--kv-dtype sets this engine's cache; --engine llama.cpp keeps its own (llama.cpp's "
+                                  "type_k/type_v are in the trace header, options.llama_cpp): drop --kv-dtype")
+        if weights.strip().lower() != "auto":
+            raise InfertraceError(f"--weights {weights} chooses this engine's linear kernels; --engine llama.cpp computes on "
+                                  "the GGUF's own tensor types with its own kernels: drop --weights")
+    elif engine == "vllm":
+        if kv_dtype is not None:
+            raise InfertraceError("--kv-dtype sets this engine's cache; --engine vllm keeps vLLM's kv_cache_dtype 'auto' (the "
+                                  "model dtype; recorded as options.vllm.cache_dtype in the trace header): drop --kv-dtype")
+        if weights.strip().lower() == "quant":
+            raise InfertraceError("--weights quant chooses this engine's quantised kernels; --engine vllm computes on its own "
+                                  "dequantised float copy of the GGUF (options.vllm.dtype in the trace header): drop --weights")
 
 
 def check_engine_options(engine: str, backend: str, device: str, dtype: str, prefix_cache: str, context_shift: bool,
@@ -296,7 +321,7 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
                 opts: EngineOptions, layer: int, layers: Optional[str], keep_tensors: bool, show_vars: tuple[str, ...],
                 forced: Optional[dict[int, list[int]]], llamacpp_flash_attn: Optional[str],
                 quiet: bool, tensor_parallel_size: int = 1, factory: Any = None,
-                weights: str = "float") -> tuple[Any, Optional[dict], Optional[list[int]]]:
+                weights: str = "float", ctx_given: bool = True) -> tuple[Any, Optional[dict], Optional[list[int]]]:
     """Load the model and run the requests on ``engine``, progress on stderr (none when ``quiet``).
 
     Returns:
@@ -312,6 +337,9 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
     with progress_display(enabled=not quiet) as progress:
         ours = engine == "infertrace"  # llama.cpp and vLLM compute from their own copy: header, config, tokenizer only
         loaded = load_with_progress(model, dtype, device, progress, threads, weights if ours else "float", tensors=ours)
+        ctx_note = None
+        if not ctx_given:  # the default --ctx-size, no larger than the model's trained context
+            opts, ctx_note = o.default_ctx_note(loaded, opts, engine)
         # options.weights: the quant kernels, or {"weights": "float"} when --weights float was given explicitly (a
         # default/auto float run records nothing, so traces of the reference path are unchanged)
         explicit_float = ours and weights == "float" and loaded.weights.get("weights") == "float"
@@ -348,6 +376,8 @@ def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, thr
             trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
                                  options_for_record=record, tensors=tensors,
                                  tensor_layers=tensor_layers, engine_factory=factory)
+    if ctx_note:
+        trace.notes.append(ctx_note)
     return trace, tensors, tensor_layers
 
 

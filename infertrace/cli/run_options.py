@@ -35,7 +35,7 @@ PresencePenalty = Annotated[float, typer.Option("--presence-penalty", help="Subt
 Seed = Annotated[int, typer.Option("--seed", help="Seed of each request's sampler.")]
 IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Keep generating after an end-of-generation token.")]
 Backend = Annotated[str, typer.Option("--backend", help="KV cache / attention convention: cells (llama.cpp) or paged (TensorRT-LLM/vLLM).")]
-CtxSize = Annotated[int, typer.Option("--ctx-size", help="KV capacity and per-request context limit, in tokens.")]
+CtxSize = Annotated[Optional[int], typer.Option("--ctx-size", help=f"KV capacity and per-request context limit, in tokens (default {EngineOptions.ctx_size}, or the model's trained context when that is smaller).", show_default=False)]
 NumBlocks = Annotated[Optional[int], typer.Option("--num-blocks", help="paged: blocks in the pool (default ctx-size / tokens-per-block).")]
 TokensPerBlock = Annotated[int, typer.Option("--tokens-per-block", help="paged: slots per block.")]
 MaxBatchTokens = Annotated[int, typer.Option("--max-batch-tokens", help="Scheduler token budget per step.")]
@@ -339,3 +339,23 @@ def weights_record(loaded: Any) -> dict[str, Any]:
     tensor type, :attr:`infertrace.loading.model.Loaded.weights`), else ``{}`` (the float path, as before)."""
     w = getattr(loaded, "weights", None) or {}
     return {"weights": w} if w.get("weights") not in (None, "float") else {}
+
+
+def default_ctx_note(loaded: Any, opts: EngineOptions, engine: str) -> tuple[EngineOptions, Optional[str]]:
+    """Without ``--ctx-size``: the default, lowered to the model's trained context (``n_ctx_train``, HF
+    ``max_position_embeddings`` / GGUF ``context_length``) when that is smaller, for every engine (vLLM refuses a
+    ``max_model_len`` above its derived one).
+
+    Returns:
+        ``(opts, note)``: the options with the context size used and the trace note saying so (None when the
+        default was kept).
+    """
+    import dataclasses
+
+    n_train = int(loaded.config.n_ctx_train)
+    if not 0 < n_train < opts.ctx_size:
+        return opts, None
+    note = (f"--ctx-size not given: {n_train} tokens, the model's trained context (max_position_embeddings / "
+            f"context_length), instead of the default {opts.ctx_size}"
+            + (" (vLLM refuses a max_model_len above the one it derives from the model)" if engine == "vllm" else ""))
+    return dataclasses.replace(opts, ctx_size=n_train), note

@@ -119,7 +119,10 @@ def render_header(console: Console, trace: RunTrace) -> None:
     conv = "llama.cpp-style cells + kq_mask" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool + metadata"
     detail = f"ctx {eng.get('ctx_size')}"
     if be == "paged":
-        detail += f" · tokens_per_block {eng.get('tokens_per_block')} · num_blocks {eng.get('num_blocks') or -(-int(eng.get('ctx_size') or 0) // int(eng.get('tokens_per_block') or 1))}"
+        nb = eng.get('num_blocks') or -(-int(eng.get('ctx_size') or 0) // int(eng.get('tokens_per_block') or 1))
+        usable = (f"block 0 vLLM's null block: {nb - 1} usable" if getattr(trace, "engine", "infertrace") == "vllm"
+                  and isinstance(nb, int) else "every block usable")
+        detail += f" · tokens_per_block {eng.get('tokens_per_block')} · num_blocks {nb} ({usable})"
     if eng.get("prefill_chunk"):
         detail += f" · prefill_chunk {eng['prefill_chunk']}"
     if eng.get("kv_dtype"):  # --kv-dtype (absent: the cache is in the model dtype)
@@ -550,10 +553,21 @@ def decode_view(st: StepTrace, d: DecodeRec) -> RenderableType:
                    if any(r.spec for r in st.batch) else ""))
     else:
         head = f"none this step: no request finishes its prompt here (N={st.N} prefill-chunk tokens only fill the cache)"
+    from infertrace.present.render_vllm import vllm_dropped_samples
+
+    dropped = vllm_dropped_samples(st)  # run --engine vllm: rows vLLM computed for partial prefills
+    if dropped and not d.logits_rows:
+        head = (f"vLLM computed packed rows {sorted(r for r, _ in dropped.values())} of N={st.N} (one per scheduled request, "
+                "step.vllm.logits_indices); no request finishes its prompt here, so every sample is discarded")
     parts: list[RenderableType] = [_kv("logits", head)]
     for p in d.per_request:
         if p.get("row") is None and "top" not in p:
-            parts.append(_kv(f"seq {p['seq_id']}", p.get("note", "no logits"), style="bold cyan"))
+            note = p.get("note", "no logits")
+            if p["seq_id"] in dropped:
+                row, tok = dropped[p["seq_id"]]
+                note = (f"vLLM computed logits row {row} and sampled {tok if tok is not None else '?'}: sample discarded "
+                        "(partial prefill: the prompt is not finished)")
+            parts.append(_kv(f"seq {p['seq_id']}", note, style="bold cyan"))
             continue
         vr = next((r for r in st.batch if r.seq_id == p["seq_id"] and r.spec), None)
         why = ""

@@ -52,9 +52,11 @@ def serving_mark(pos_text: str, r: Any) -> str | Text:
 
 def _prefix_line(sid: str, p: dict[str, Any]) -> Text:
     t = Text()
-    t.append(f"seq {_s(sid)} prefix lookup: ", style="bold")
+    resumed = p.get("resumed") is True  # vLLM: a request resumed after preemption hits its own still-hashed blocks
+    t.append(f"seq {_s(sid)} {'resumed after preemption, ' if resumed else ''}prefix lookup: ", style="bold")
     hit = p.get("hit") if isinstance(p.get("hit"), int) else 0
-    t.append(f"hit {hit} of {_s(p.get('prompt_len', '?'))} tokens", style="green" if hit else "")
+    t.append(f"hit {hit} of {_s(p.get('prompt_len', '?'))} tokens{' (prompt + output so far)' if resumed else ''}",
+             style="green" if hit else "")
     if p.get("src") is not None:
         t.append(f" from request {_s(p['src'])}" + (f" ({_s(p['src_state'])})" if p.get("src_state") else ""))
     if p.get("shared_blocks"):

@@ -48,3 +48,24 @@ def render_vllm_diff(con: Console, rep: dict[str, Any]) -> None:
     con.print(table)
     for line in tail:
         con.print(line)
+
+
+def vllm_dropped_samples(st: Any) -> dict[int, tuple[int, int | None]]:
+    """``run --engine vllm``: the rows vLLM computed and whose sample it dropped, by seq_id:
+    ``{seq_id: (packed row, token vLLM sampled there)}``. vLLM computes one logits row per scheduled request
+    (plus one per draft: ``step.vllm.logits_indices``, in packed order) and discards the sample of a partial
+    prefill (vllm/v1/core/sched/scheduler.py ``update_from_output``: a request still prefilling gets no token).
+    Empty for a step without a ``vllm`` section."""
+    vl = getattr(st, "vllm", None)
+    if not isinstance(vl, dict) or not isinstance(vl.get("logits_indices"), list):
+        return {}
+    idx, sampled = vl["logits_indices"], vl.get("sampled_token_ids") or []
+    out: dict[int, tuple[int, int | None]] = {}
+    k = 0
+    for i, r in enumerate(st.batch):  # st.batch is in packed order, as logits_indices
+        n = 1 + (r.spec.get("drafted", 0) if isinstance(r.spec, dict) else 0)
+        if r.logits_row is None and not r.spec and k < len(idx):
+            tok = sampled[i][0] if i < len(sampled) and sampled[i] else None
+            out[r.seq_id] = (int(idx[k]), tok if isinstance(tok, int) and tok >= 0 else None)
+        k += n
+    return out

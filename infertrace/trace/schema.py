@@ -413,7 +413,8 @@ SLOT = Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"])
 VLLM_STEP = Obj({"scheduler": Obj({"scheduled": List(Obj({"seq_id": SEQ, "num_scheduled_tokens": Int(0, L["MAX_CTX"]),
                                                           "num_computed_tokens": Int(0, L["MAX_CTX"]),
                                                           "phase": Str(choices=("prefill", "decode"))},
-                                                         {"spec_tokens": List(U, 4096)})),
+                                                         # -1: vLLM's placeholder draft (scheduler.py pad_spec_decode)
+                                                         {"spec_tokens": List(Int(-1, L["MAX_ID"]), 4096)})),
                                    "free_blocks": Int(0, L["MAX_BLOCKS"], null=True)},
                                   {"new": List(Obj({"seq_id": SEQ, "num_computed_tokens": Int(0, L["MAX_CTX"])})),
                                    "resumed": List(Obj({"seq_id": SEQ, "num_computed_tokens": Int(0, L["MAX_CTX"])})),
@@ -430,7 +431,8 @@ VLLM_STEP = Obj({"scheduler": Obj({"scheduled": List(Obj({"seq_id": SEQ, "num_sc
                  "sampled_token_ids": List(List(Int(-1, L["MAX_ID"]), 4096)),
                  "kv_readback": Obj({"k_max_abs": F, "v_max_abs": F}, null=True),
                  "tp_ranks": List(Obj({"tp_rank": DIM, "kv_heads_held": Int(0, L["MAX_DIM"], null=True),
-                                       "metadata_equals_rank0": Bool()}), 4096)}, null=True)
+                                       "metadata_equals_rank0": Bool()},
+                                      {"kv_heads": List(DIM, 4096), "kv_equals_first_holder": Bool()}), 4096)}, null=True)
 STEP = Obj({"step": Int(0, L["MAX_STEPS"], limit="MAX_STEPS"), "backend": Str(choices=("cells", "paged")), "attention": S,
             "N": Int(0, L["MAX_LIST"]), "batch": List(REQ_STEP)},
            {"hidden": HIDDEN, "positions": POSITIONS, "mask": MASK, "kv": KV, "decode": DECODE,

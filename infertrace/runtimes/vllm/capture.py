@@ -40,8 +40,18 @@ from infertrace.runtimes.vllm.layout import read_slots
 ATTR = "_infertrace_capture"
 
 
+#: float dtypes numpy holds as they are; any other (bfloat16: numpy has none; float16) is widened to float32
+_NUMPY_FLOATS = (torch.float32, torch.float64)
+
+
 def _np(t: Any) -> np.ndarray:
-    return t.detach().to("cpu").clone().numpy()
+    """A numpy copy of vLLM tensor ``t`` (any shape). Integer tensors keep their dtype; a bfloat16 or
+    float16 tensor (vLLM's compute dtype under ``--dtype bfloat16/float16``; bfloat16 is vLLM's CPU
+    default for a float32 checkpoint) is widened to float32 first, exactly (numpy has no bfloat16)."""
+    t = t.detach().to("cpu")
+    if t.is_floating_point() and t.dtype not in _NUMPY_FLOATS:
+        return t.float().numpy()  # .float() copies: no clone needed
+    return t.clone().numpy()
 
 
 class WorkerCapture:

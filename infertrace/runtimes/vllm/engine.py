@@ -24,12 +24,16 @@ logits rows                 rows whose sample is kept; vLLM computes one row per
                             request (``logits_indices``) and drops the sample of a partial
                             prefill (recorded as ``vllm.logits_indices``)
 verify chunk                ``scheduled_spec_decode_tokens`` (a chain: parents -1, 0, 1, ..)
+placeholder drafts          ``-1`` in ``scheduled_spec_decode_tokens`` (a new request with one
+                            token left, padded to 1 + K rows): ``token_ids`` hold the id 0 its
+                            forward embeds, ``vllm.scheduler.scheduled[].spec_tokens`` the -1
 ==========================  ==========================================================
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict
 from typing import Any, Callable
 
@@ -44,6 +48,7 @@ from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec, PagedInputs, ranges_text
 from infertrace.kv.paged import PagedKV
 from infertrace.runtimes.vllm import ENGINE, import_vllm, vllm_version
+from infertrace.runtimes.vllm.tp import check_tensor_parallel, kv_heads_of_rank, merge_ranks
 
 #: vLLM's CPU attention backend needs block sizes that are multiples of this (``CPU_ATTN``)
 CPU_BLOCK_MULTIPLE = 32
@@ -70,6 +75,7 @@ class VllmKV(PagedKV):
         self.free = []  # vLLM's free queue is not mirrored; free_blocks comes from its block pool
         self.prefix_cache = False  # vLLM's enable_prefix_caching: tables may share full prefix blocks
         self.ref_cnt: dict[int, int] = {}  # vLLM's block pool after this step's schedule: block -> ref_cnt
+        self.free_head: list[int] = []  # the first blocks of vLLM's free queue after this step's schedule
 
     def apply(self, chunks: list[ChunkSpec], bt: np.ndarray, slots: np.ndarray, k: np.ndarray | None,
               v: np.ndarray | None) -> None:
@@ -102,13 +108,25 @@ class VllmKV(PagedKV):
     def snapshot(self) -> dict[str, Any]:
         snap = super().snapshot()
         snap.update({"free_blocks": self.free_count, "used_blocks": self.num_blocks - self.free_count,
-                     "free_list_head": []})
+                     "free_list_head": list(self.free_head)})
         if self.prefix_cache:  # as PrefixPagedKV marks it: `check` then allows shared prefix blocks
             snap["prefix_cache"] = True
             for v in snap["requests"].values():  # vLLM's own ref_cnt of every held block
                 for blk in v["blocks"]:
                     blk["ref"] = self.ref_cnt.get(blk["block"], 0)
         return snap
+
+
+def _free_head(pool: Any, n: int = 8) -> list[int]:
+    """The first ``n`` block ids of vLLM's free queue (``BlockPool.free_block_queue``, a doubly linked list
+    from ``fake_free_list_head``; ``popleft`` allocates from this end: vllm/v1/core/kv_cache_utils.py)."""
+    out: list[int] = []
+    b = getattr(getattr(pool, "free_block_queue", None), "fake_free_list_head", None)
+    b = getattr(b, "next_free_block", None)
+    while b is not None and len(out) < n and int(b.block_id) >= 0:
+        out.append(int(b.block_id))
+        b = b.next_free_block
+    return out
 
 
 class _Shim:
@@ -126,11 +144,28 @@ def _env(tp: int = 1) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of our hook functions (TP workers)
 
 
-def engine_args(opts: EngineOptions, dtype: str, tp: int = 1) -> dict[str, Any]:
-    """vLLM ``LLM(...)`` keyword arguments for our options.
+def max_num_seqs(opts: EngineOptions, n_requests: int | None) -> int:
+    """vLLM's ``max_num_seqs`` for a run: at most ``n_seq_max`` (64), and no more than the run's requests
+    (``n_requests``; None: not known yet), so a small ``--max-batch-tokens`` is not refused over a value the
+    user never set.
 
     Raises:
-        InfertraceError: a setting vLLM's CPU build cannot run as asked (block size).
+        InfertraceError: the requests that may run at once exceed ``--max-batch-tokens``: vLLM requires
+            ``max_num_batched_tokens >= max_num_seqs`` (vllm/config/scheduler.py:328, ``SchedulerConfig``).
+    """
+    n = max(1, min(opts.n_seq_max, n_requests) if n_requests else opts.n_seq_max)
+    if opts.max_batch_tokens < n:
+        raise InfertraceError(f"--engine vllm: vLLM requires max_num_batched_tokens >= max_num_seqs; --max-batch-tokens "
+                              f"{opts.max_batch_tokens} is below the {n} requests this run may hold at once "
+                              f"(max_num_seqs {n}); raise --max-batch-tokens to {n} or give fewer requests")
+    return n
+
+
+def engine_args(opts: EngineOptions, dtype: str, tp: int = 1, n_requests: int | None = None) -> dict[str, Any]:
+    """vLLM ``LLM(...)`` keyword arguments for our options (``n_requests``: see :func:`max_num_seqs`).
+
+    Raises:
+        InfertraceError: a setting vLLM's CPU build cannot run as asked (block size, token budget).
     """
     B = opts.tokens_per_block
     if B % CPU_BLOCK_MULTIPLE:
@@ -141,7 +176,7 @@ def engine_args(opts: EngineOptions, dtype: str, tp: int = 1) -> dict[str, Any]:
                   "float16": "float16", "fp16": "float16"}[dtype.lower()],
         "block_size": B, "enforce_eager": True, "async_scheduling": False, "seed": 0,
         "max_model_len": opts.ctx_size, "max_num_batched_tokens": opts.max_batch_tokens,
-        "max_num_seqs": max(1, opts.n_seq_max), "enable_prefix_caching": bool(opts.prefix_cache),
+        "max_num_seqs": max_num_seqs(opts, n_requests), "enable_prefix_caching": bool(opts.prefix_cache),
         "enable_chunked_prefill": True, "tensor_parallel_size": tp, "disable_log_stats": True,
     }
     if opts.prefill_chunk is not None:
@@ -173,11 +208,12 @@ class VllmRun:
         InfertraceError: vLLM missing or refusing the model / settings.
     """
 
-    def __init__(self, hf_dir: Any, opts: EngineOptions, dtype: str = "float32", layer: int = 0, tp: int = 1):
+    def __init__(self, hf_dir: Any, opts: EngineOptions, dtype: str = "float32", layer: int = 0, tp: int = 1,
+                 n_requests: int | None = None):
         _env(tp)
         vllm = import_vllm()
         self.opts, self.layer, self.dtype, self.tp = opts, layer, dtype, tp
-        self.kw = engine_args(opts, dtype, tp)
+        self.kw = engine_args(opts, dtype, tp, n_requests)
         import torch
 
         set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide (cpu_worker.py)
@@ -196,6 +232,9 @@ class VllmRun:
         self.capture = capture
         self.ranks = self.llm.collective_rpc(capture.install, args=(layer,))
         self.eng = self.llm.llm_engine
+        mc = self.eng.model_config
+        self.head_dim = int(mc.get_head_size())
+        self.max_model_len = int(mc.max_model_len)  # vLLM's own, after its derivation from the model config
         self.core = self.eng.engine_core.engine_core
         self.sched = self.core.scheduler
         self.outs: list[Any] = []
@@ -206,7 +245,7 @@ class VllmRun:
             pool = self.sched.kv_cache_manager.block_pool
             # after allocation: the free count and each held block's ref_cnt (how many requests hold it)
             refs = {int(b.block_id): int(b.ref_cnt) for b in pool.blocks if b.ref_cnt > 0 and not b.is_null}
-            self.outs.append((so, int(pool.get_num_free_blocks()), refs))
+            self.outs.append((so, int(pool.get_num_free_blocks()), refs, _free_head(pool)))
             return so
 
         self.sched.schedule = schedule
@@ -220,6 +259,7 @@ class VllmRun:
         return {"version": vllm_version(), "backend": h["backend"], "isa": h["isa"], "block_size": self.block_size,
                 "dtype": self.kw["dtype"], "cache_dtype": h["cache_dtype"], "num_blocks": self.num_blocks,
                 "null_block": 0, "max_num_batched_tokens": self.kw["max_num_batched_tokens"],
+                "max_num_seqs": self.kw["max_num_seqs"], "max_model_len": self.max_model_len,
                 "long_prefill_token_threshold": self.kw.get("long_prefill_token_threshold"),
                 "enable_prefix_caching": self.kw["enable_prefix_caching"],
                 "speculative": self.kw.get("speculative_config"), "tensor_parallel_size": self.tp,
@@ -264,6 +304,7 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
     kv.prefix_cache = bool(run.kw["enable_prefix_caching"])
     future = sorted(requests, key=lambda r: (r.arrival_step, r.seq_id))
     raw_steps: list[dict[str, Any]] = []
+    cached_tokens: dict[int, int] = {}
     live: set[int] = set()
     step = 0
     run.llm.collective_rpc(run.capture.take)  # drop anything left from an earlier run
@@ -279,27 +320,33 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
             live.add(r.seq_id)
             admitted_now.append(r.seq_id)
         if not live:  # idle: waiting for a later arrival
-            _idle(tracer, step, kv, requests)
+            _idle(tracer, step, kv, requests, 0.0)
             raw_steps.append({"step": step, "idle": True})
             step += 1
             continue
         n_out = len(run.outs)
-        outputs = run.eng.step()
+        t0 = time.perf_counter()
+        outputs = _vllm_step(run, step)
+        time_ms = (time.perf_counter() - t0) * 1e3  # one EngineCore.step: schedule, forward, sample, update
         recs = run.llm.collective_rpc(run.capture.take)
-        so, free, refs = run.outs[-1] if len(run.outs) > n_out else (None, None, None)
-        rec = _merge_ranks([r[-1] for r in recs if r]) if recs and recs[0] else None
+        so, free, refs, head = run.outs[-1] if len(run.outs) > n_out else (None, None, None, [])
+        rec = merge_ranks([r[-1] for r in recs if r], tracer.cfg.n_head_kv) if recs and recs[0] else None
         finished = {}
         for o in outputs:
             r = by_id.get(o.request_id)
             if r is not None and o.finished:
                 finished[r.seq_id] = FINISH.get(str(o.outputs[0].finish_reason), str(o.outputs[0].finish_reason))
+        for o in outputs:  # vLLM's own count of prompt tokens served from its prefix cache, per request
+            r = by_id.get(o.request_id)
+            if r is not None and getattr(o, "num_cached_tokens", None) is not None:
+                cached_tokens[r.seq_id] = int(o.num_cached_tokens)
         if rec is None:  # nothing ran (vLLM bookkeeping step)
             raw_steps.append({"step": step, "idle": True})
-            _idle(tracer, step, kv, requests)
+            _idle(tracer, step, kv, requests, time_ms)
             step += 1
             continue
-        kv.ref_cnt = refs or {}
-        raw = _record_step(run, tracer, step, so, free, rec, by_id, kv, finished)
+        kv.ref_cnt, kv.free_head = refs or {}, head
+        raw = _record_step(run, tracer, step, so, free, rec, by_id, kv, finished, time_ms)
         raw_steps.append(raw)
         for sid in finished:
             live.discard(sid)
@@ -307,21 +354,56 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
         if on_step is not None and getattr(tracer, "steps", None):
             on_step(tracer.steps[-1])
         step += 1
+    for r in requests:
+        r.vllm_num_cached_tokens = cached_tokens.get(r.seq_id)  # type: ignore[attr-defined]
     return raw_steps
 
 
-def _idle(tracer: Any, step: int, kv: VllmKV, requests: list[Request]) -> None:
+def _vllm_step(run: VllmRun, step: int) -> list[Any]:
+    """One ``LLMEngine.step()``; an exception vLLM raises while stepping (a kernel refusing a head size,
+    a scheduler assertion) becomes one line naming it.
+
+    Raises:
+        InfertraceError: whatever vLLM raised, with its type and message (and, for a head size its CPU
+            attention does not list, the sizes it supports).
+    """
+    try:
+        return run.eng.step()
+    except InfertraceError:
+        raise
+    except Exception as e:  # vLLM raises many kinds (RuntimeError from its C++ ops, AssertionError, ValueError)
+        msg = " ".join(str(e).split())[:300]
+        extra = ""
+        sizes = _cpu_head_sizes()
+        hd = run.head_dim
+        if sizes and hd is not None and hd not in sizes:
+            extra = (f"; vLLM's CPU attention supports head sizes {sizes} (CPUAttentionBackend.get_supported_head_sizes, "
+                     f"vllm/v1/attention/backends/cpu_attn.py), the model's is {hd}")
+        raise InfertraceError(f"vLLM failed at step {step} ({type(e).__name__}: {msg}){extra}") from None
+
+
+def _cpu_head_sizes() -> list[int] | None:
+    """vLLM's CPU attention backend's head sizes, or None when it cannot be imported."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # pragma: no cover - another vLLM build
+        return None
+
+
+def _idle(tracer: Any, step: int, kv: VllmKV, requests: list[Request], time_ms: float) -> None:
     from infertrace.engine.engine import StepContext
 
     if tracer.enabled:
         tracer.begin_step()
         tracer.end_step(StepContext(step=step, batch=ScheduledBatch(step, []), inp=None, kv=kv, attention="vllm",
                                     logits=None, logits_rows=[], samples={}, finished={},
-                                    requests={r.seq_id: r for r in requests}))
+                                    requests={r.seq_id: r for r in requests}, time_ms=time_ms))
 
 
 def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None, rec: dict[str, Any],
-                 by_id: dict[str, Request], kv: VllmKV, finished: dict[int, str]) -> dict[str, Any]:
+                 by_id: dict[str, Request], kv: VllmKV, finished: dict[int, str], time_ms: float = 0.0) -> dict[str, Any]:
     """Turn one vLLM step into our step context, hand it to the recorder, update the requests."""
     from infertrace.engine.engine import StepContext
     from infertrace.kv.spec_meta import spec_metadata
@@ -342,6 +424,7 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
         r.num_preemptions += 1
         r.num_computed = 0
     chunks, specs, samples = [], [], {}
+    known_of: dict[str, int] = {}
     logits_idx, row = [], 0
     sampled = rec["sampled"]
     acc_nodes: dict[int, list[int]] = {}
@@ -354,8 +437,13 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
         C = int(vseq[i]) - T
         drafts = spec_tokens.get(rid, [])
         known = len(req.all_ids)
+        known_of[rid] = known  # vLLM's request.num_tokens before this step (prompt + output so far)
         parents = [-1] + list(range(len(drafts))) if drafts else None
-        ids = (req.all_ids[C:C + T - len(drafts)] + drafts) if drafts else req.all_ids[C:C + T]
+        # a new request with one token left to compute is padded to 1 + K rows with -1 placeholder drafts
+        # (vllm/v1/core/sched/scheduler.py:1133-1153, 1371-1375); the forward embeds them as id 0
+        # (vllm/v1/worker/gpu_model_runner.py:3310-3311 clamp_(min=0)): the trace's ids are the forward's
+        fed = [max(int(d), 0) for d in drafts]
+        ids = (req.all_ids[C:C + T - len(drafts)] + fed) if drafts else req.all_ids[C:C + T]
         ids_vllm = rec["input_ids"][int(qsl[i]):int(qsl[i + 1])].tolist() if rec.get("input_ids") is not None else ids
         if ids_vllm != ids:
             raise InfertraceError(f"step {step}: vLLM packed ids {ids_vllm[:8]} for seq {req.seq_id}, expected {ids[:8]}")
@@ -453,15 +541,19 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
         spec_ctx = {"requests": spec_rec, "drafted": drafted, "accepted": accepted,
                     "acceptance_rate": round(accepted / drafted, 4) if drafted else None} if spec_rec else None
     serving = None
-    hits = {str(by_id[r].seq_id): {"hit": c, "prompt_len": len(by_id[r].prompt_ids),
-                                   "shared_blocks": [int(b) for b in rec["block_table"][rec["req_ids"].index(r), : c // B]]}
+    hits = {str(by_id[r].seq_id): _hit_record(r, c, r in resumed, known_of.get(r, len(by_id[r].prompt_ids)), rec, kv, B)
             for r, c in {**new, **resumed}.items() if c > 0 and r in by_id}
     if hits:
         serving = {"prefix": hits}
+    # the scheduler's order (SchedulerOutput.num_scheduled_tokens: running requests, then the waiting ones it
+    # admitted), not the model runner's packed-row order (its input batch may hold them in another order)
+    order = [_ours(x) for x in so.num_scheduled_tokens] if so is not None else list(rec["req_ids"])
+    row_of = {rid: i for i, rid in enumerate(rec["req_ids"])}
+    sched_rows = [row_of[r] for r in order if r in row_of] + [i for r, i in row_of.items() if r not in order]
     vsec = {
-        "scheduler": {"scheduled": [{"seq_id": c.req.seq_id, "num_scheduled_tokens": c.T, "num_computed_tokens": c.C,
-                                     "phase": c.phase, "spec_tokens": list(spec_tokens.get(rid, []))}
-                                    for c, rid in zip(chunks, rec["req_ids"])],
+        "scheduler": {"scheduled": [{"seq_id": chunks[i].req.seq_id, "num_scheduled_tokens": chunks[i].T,
+                                     "num_computed_tokens": chunks[i].C, "phase": chunks[i].phase,
+                                     "spec_tokens": list(spec_tokens.get(rec["req_ids"][i], []))} for i in sched_rows],
                       "new": [{"seq_id": by_id[r].seq_id, "num_computed_tokens": c} for r, c in new.items() if r in by_id],
                       "new_block_ids": _new_blocks(so, by_id),
                       "resumed": [{"seq_id": by_id[r].seq_id, "num_computed_tokens": c} for r, c in resumed.items() if r in by_id],
@@ -485,7 +577,7 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
         kv.rewind(sid, reqs[sid].num_computed)
     tracer.end_step(StepContext(step=step, batch=batch, inp=inp, kv=kv, attention="vllm", logits=lg,
                                 logits_rows=used_rows, samples=samples, finished=finished, requests=reqs,
-                                sampler_order="hf", serving=serving, spec=spec_ctx))
+                                sampler_order="hf", serving=serving, spec=spec_ctx, time_ms=time_ms))
     if tracer.steps:
         tracer.steps[-1].vllm = vsec
     for sid in finished:
@@ -495,26 +587,14 @@ def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None
             "logits": lg, "logits_rows": used_rows, "vllm": vsec}
 
 
-#: per-rank tensors that hold a slice of the heads: [T, heads/tp, hd] (K/V) or [T, heads/tp * hd] (Q/K rope)
-_HEAD_SHARDED = ("k_written", "v_written", "k_cache", "v_cache", "q_pre", "q_rot", "k_pre", "k_rot")
+def _hit_record(rid: str, hit: int, resumed: bool, num_tokens: int, rec: dict[str, Any], kv: VllmKV, B: int) -> dict[str, Any]:
+    """The prefix lookup of one request as vLLM did it (:func:`~infertrace.runtimes.vllm.replay.prefix_record`),
+    with vLLM's own block table row and ``ref_cnt`` (its block pool after this step's schedule)."""
+    from infertrace.runtimes.vllm.replay import prefix_record
 
-
-def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One step's record from every tensor-parallel rank -> one record: the metadata, ids, logits and
-    samples every rank shares are rank 0's; the head-sharded tensors are concatenated in rank order
-    (rank r holds heads ``[r * n / tp, (r + 1) * n / tp)``, vLLM's ``QKVParallelLinear`` split), and
-    ``ranks`` keeps per rank the heads it held and whether its metadata equalled rank 0's."""
-    rec = dict(per_rank[0])
-    if len(per_rank) == 1:
-        return rec
-    for k in _HEAD_SHARDED:
-        if all(r.get(k) is not None for r in per_rank):
-            rec[k] = np.concatenate([r[k] for r in per_rank], axis=1)
-    same = [all(np.array_equal(r[k], per_rank[0][k]) for k in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"))
-            for r in per_rank]
-    rec["ranks"] = [{"tp_rank": i, "kv_heads_held": int(r["k_written"].shape[1]) if r.get("k_written") is not None else None,
-                     "metadata_equals_rank0": bool(ok)} for i, (r, ok) in enumerate(zip(per_rank, same))]
-    return rec
+    i = rec["req_ids"].index(rid)
+    shared = [int(b) for b in rec["block_table"][i, : hit // B]]
+    return prefix_record(hit, num_tokens, shared, [kv.ref_cnt.get(b, 0) for b in shared], resumed, B)
 
 
 def _ours(rid: str) -> str:
@@ -585,14 +665,12 @@ def run_requests_vllm(loaded: Any, prompts: list[Any], opts: EngineOptions, laye
         raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
     if getattr(cfg, "is_hybrid", False) or cfg.windowed_layers:
         raise InfertraceError("--engine vllm records full-attention decoder models here (no hybrid / sliding-window layers)")
-    if tp > 1 and (cfg.n_head_kv % tp or cfg.n_head % tp):
-        raise InfertraceError(f"--tensor-parallel-size {tp}: the model's {cfg.n_head} heads / {cfg.n_head_kv} KV heads do not "
-                              f"divide by {tp} (vLLM would replicate KV heads; this capture records one shard per rank)")
+    check_tensor_parallel(cfg.n_head, cfg.n_head_kv, tp)
     owned = run is None
     if run is None:
         from infertrace.runtimes.vllm.convert import hf_dir_for
 
-        run = VllmRun(hf_dir_for(loaded.ckpt.path), opts, dtype, layer, tp)
+        run = VllmRun(hf_dir_for(loaded.ckpt.path), opts, dtype, layer, tp, n_requests=len(prompts))
     show = tuple(show or VARIABLES)
     rec = Recorder(loaded.tokenizer, cfg, layer=layer, show=show, layers=[layer], tensors=tensors)
     reqs = [Request(i, encode_prompt(loaded.tokenizer, s), s.params.validate(), s.arrival_step, s.text)
@@ -602,20 +680,40 @@ def run_requests_vllm(loaded: Any, prompts: list[Any], opts: EngineOptions, laye
         tok = loaded.tokenizer
         out_reqs = [{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                      "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
-                     "num_preemptions": r.num_preemptions, "params": r.params.to_dict()} for r in reqs]
-        options = {"backend": "paged", "attention": "vllm", **(options_for_record or {}), "engine": asdict(opts),
+                     "num_preemptions": r.num_preemptions, "params": r.params.to_dict(),
+                     "vllm_num_cached_tokens": getattr(r, "vllm_num_cached_tokens", None)} for r in reqs]
+        eng_opts = asdict(opts)
+        if eng_opts["num_blocks"] is None:  # vLLM sized its pool itself (VLLM_CPU_KVCACHE_SPACE): record that pool
+            eng_opts["num_blocks"] = run.num_blocks
+        options = {"backend": "paged", "attention": "vllm", **(options_for_record or {}), "engine": eng_opts,
                    "layer": layer, "show": list(show), "sampler_order": "hf", "vllm": run.header()}
         notes = [f"engine vLLM ({vllm_version()}): in-process engine core, one EngineCore.step per step, "
                  f"{run.header()['backend'].rsplit('.', 1)[-1]} ISA {run.header()['isa']}, block {run.block_size}, "
-                 f"{run.num_blocks} blocks (block 0 is vLLM's null block)",
+                 f"{run.num_blocks} blocks (block 0 is vLLM's null block: {run.num_blocks - 1} usable; --num-blocks counts "
+                 "block 0 under every engine, and the paged backend uses every block)"
+                 + ("" if opts.num_blocks is not None else
+                    f"; --num-blocks not given: vLLM sized the pool from VLLM_CPU_KVCACHE_SPACE "
+                    f"({os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB)"),
                  "vLLM computes a logits row for every scheduled request (also a partial prefill, whose sample it drops); "
                  "the trace's logits rows are the rows whose sample is kept, vLLM's rows are in step.vllm.logits_indices"]
         if run.tp > 1:
-            per = cfg.n_head_kv // run.tp
+            def held(r: int) -> str:
+                hs = kv_heads_of_rank(r, run.tp, cfg.n_head_kv)
+                return f"{hs[0]}..{hs[-1]}" if len(hs) > 1 else str(hs[0])
+
+            rep = run.tp // cfg.n_head_kv if run.tp > cfg.n_head_kv else 1
             notes.append(f"tensor parallel {run.tp} through vLLM's executor: " + "; ".join(
-                f"rank {r['tp_rank']} holds KV heads {r['tp_rank'] * per}..{(r['tp_rank'] + 1) * per - 1} "
+                f"rank {r['tp_rank']} holds KV heads {held(r['tp_rank'])} "
                 f"({r['num_kv_heads']} of {cfg.n_head_kv}), {r['num_heads']} query heads, cache {r['cache_shape']}"
-                for r in run.ranks) + "; every rank builds the same metadata (step.vllm.tp_ranks), K/V are its heads' shard")
+                for r in run.ranks) + "; every rank builds the same metadata (step.vllm.tp_ranks), K/V are its heads' shard"
+                + (f"; {cfg.n_head_kv} KV head(s) on {run.tp} ranks: vLLM replicates each on {rep} ranks "
+                   "(QKVParallelLinear num_kv_head_replicas), the trace's K/V are each head's first holder's" if rep > 1 else ""))
+        placeholders = [(x["step"], sc["seq_id"], len(sc["spec_tokens"])) for x in raw if not x.get("idle")
+                        for sc in x["vllm"]["scheduler"]["scheduled"] if sc["spec_tokens"] and min(sc["spec_tokens"]) < 0]
+        if placeholders:
+            notes.append("vLLM padded a request with one token left to compute to 1 + K rows of placeholder drafts (-1 in "
+                         "step.vllm.scheduler.scheduled spec_tokens, embedded as token id 0, never accepted): "
+                         + ", ".join(f"step {s} seq {q} ({k} placeholders)" for s, q, k in placeholders))
         trace = RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
                          notes=list(loaded.ckpt.notes) + notes, steps=list(rec.steps), requests=out_reqs, engine=ENGINE)
         trace._vllm_raw = raw  # type: ignore[attr-defined]  # for the comparison, never serialised

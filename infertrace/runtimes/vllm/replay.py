@@ -85,6 +85,21 @@ def plan_from_manifest(m: dict[str, Any], directory: str = "the trace") -> dict[
             "prefix_cache": vl.get("enable_prefix_caching") is True}
 
 
+def prefix_record(hit: int, num_tokens: int, shared: list[int], ref_cnt: list[int], resumed: bool, B: int) -> dict[str, Any]:
+    """One request's prefix lookup in vLLM's terms (also what ``--engine vllm`` records): ``hit`` tokens (whole
+    blocks) of ``prompt_len`` = vLLM's ``request.num_tokens`` then (prompt + output for a request resumed
+    after preemption), the ``shared`` blocks and their ``ref_cnt`` (tables holding each), the tokens left to
+    compute, and where the hit stopped: vLLM caps a hit at ``num_tokens - 1`` and hits whole blocks only
+    (vllm/v1/core/kv_cache_manager.py:286-298, ``max_cache_hit_length = request.num_tokens - 1``)."""
+    stop = (f"block {hit // B}: the last token is recomputed for its logits and vLLM hits whole blocks only"
+            if hit == (num_tokens - 1) // B * B else f"block {hit // B}: its hash is not in vLLM's cache")
+    out: dict[str, Any] = {"hit": hit, "prompt_len": num_tokens, "shared_blocks": list(shared), "ref_cnt": list(ref_cnt),
+                           "computed": f"{hit}..{num_tokens - 1}", "stop": stop}
+    if resumed:
+        out["resumed"] = True  # preempted earlier: its own full blocks were still hashed
+    return out
+
+
 class ReplayPagedKV(PagedKV):
     """Our paged pool whose block tables are set from the replayed trace instead of our free list
     (``_grow``); everything else -- slot mapping, lengths, metadata, the writes and the paged
@@ -155,8 +170,11 @@ class ReplayEngine(Engine):
             raise InfertraceError("--replay holds the paged backend to vLLM: add --backend paged")
         if opts.tokens_per_block != plan["block_size"]:
             raise InfertraceError(f"--replay: the vLLM trace used blocks of {plan['block_size']} tokens; pass --tokens-per-block {plan['block_size']}")
+        if opts.num_blocks is None:  # not given: the vLLM trace's pool (block 0 included, as --num-blocks counts it)
+            opts.num_blocks = plan["num_blocks"]
         if opts.num_blocks != plan["num_blocks"]:
-            raise InfertraceError(f"--replay: the vLLM trace's pool has {plan['num_blocks']} blocks; pass --num-blocks {plan['num_blocks']}")
+            raise InfertraceError(f"--replay: the vLLM trace's pool has {plan['num_blocks']} blocks (block 0 its null block); "
+                                  f"pass --num-blocks {plan['num_blocks']} or leave it out")
         if opts.prefix_cache or opts.speculative or opts.context_shift:
             raise InfertraceError("--replay takes prefix hits and drafts from the vLLM trace; drop --prefix-cache / --speculative / --context-shift")
         super().__init__(model, tokenizer, opts, tracer)
@@ -197,8 +215,8 @@ class ReplayEngine(Engine):
             r.status = RUNNING
             if c["C"] and self.kv.seq_len(r.seq_id) == 0:  # a prefix hit at admission or resumption: shared blocks
                 self.kv.attach_prefix(r.seq_id, c["C"], c["table"])
-                prefix[str(r.seq_id)] = {"hit": c["C"], "prompt_len": len(r.prompt_ids),
-                                         "shared_blocks": list(c["table"][: c["C"] // self.kv.B])}
+                prefix[str(r.seq_id)] = (c["C"], len(r.all_ids), list(c["table"][: c["C"] // self.kv.B]),
+                                         r.num_preemptions > 0)
             r.num_computed = c["C"]
             if self.kv.seq_len(r.seq_id) != c["C"]:
                 raise InfertraceError(f"replay step {s}: seq {r.seq_id} holds {self.kv.seq_len(r.seq_id)} tokens, the trace says C={c['C']}")
@@ -208,6 +226,10 @@ class ReplayEngine(Engine):
             if ids[: len(own)] != own:
                 raise InfertraceError(f"replay step {s}: seq {r.seq_id}'s tokens differ from the trace's")
             chunks.append(ScheduledChunk(r, c["phase"], c["C"], list(ids), c["need_logits"], c["parents"]))
+        held = {sid: tab for sid, tab in self.kv.tables.items()}
+        held.update({c["seq_id"]: c["table"] for c in p["chunks"]})  # every table after this step's allocation
+        prefix = {sid: prefix_record(hit, n, shared, [sum(b in t for t in held.values()) for b in shared], resumed, self.kv.B)
+                  for sid, (hit, n, shared, resumed) in prefix.items()}
         batch = ScheduledBatch(s, chunks, preempted=list(p["preempted"]), admitted=list(p["admitted"]))
         tracer = self.tracer
         if not chunks:
