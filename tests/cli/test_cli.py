@@ -153,7 +153,7 @@ def test_inspect_real_model(smol_path):
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
 def test_inspect_and_run_tiny_checkpoints(tmp_path, fmt):
     """Both checkpoint formats go through inspect and run (random tiny Llama, no download)."""
-    from tests.tiny import make_weights, write_gguf, write_hf
+    from tests.helpers.tiny import make_weights, write_gguf, write_hf
 
     w, s = make_weights()
     path = write_hf(tmp_path / "hf", w, s) if fmt == "hf" else write_gguf(tmp_path / "tiny.gguf", w, s)

@@ -11,7 +11,7 @@ from infertrace.cli.app import app
 
 
 def test_show_var_not_recorded_says_so_in_one_line(tmp_path):
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     w, s = make_weights(seed=5)
     gguf = write_gguf(tmp_path / "m.gguf", w, s)

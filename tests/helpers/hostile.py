@@ -15,7 +15,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "golden"
 
 #: sets an attribute whose name is assembled at run time: ``data-xss="1"`` in the DOM means a script ran
 _JS = "document.documentElement.setAttribute('data-x'+'ss','1')"

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from tests.tiny import VOCAB, add_tiny_tokenizer, write_hf
+from tests.helpers.tiny import VOCAB, add_tiny_tokenizer, write_hf
 
 SHAPE = dict(n_layer=4, H=32, n_head=4, n_kv=2, head_dim=16, ff=48, vocab=VOCAB, nk=2, nv=4, dk=8, dv=8, conv=4,
              interval=2, partial=0.25, tie=False, mtp=False)

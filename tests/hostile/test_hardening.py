@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from infertrace.cli.app import app
 from infertrace.errors import InfertraceError
 from infertrace.loading.weights import load_checkpoint
-from tests.tiny import make_weights, write_gguf, write_hf
+from tests.helpers.tiny import make_weights, write_gguf, write_hf
 
 runner = CliRunner()
 

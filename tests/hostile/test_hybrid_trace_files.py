@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import hostile as H
-from test_hostile_trace import check_inert, invoke, no_control, one_line_or_ok
-from tiny_qwen35 import make_weights, write_hf_dir
+from tests.helpers import hostile as H
+from tests.hostile.test_trace_files import check_inert, invoke, no_control, one_line_or_ok
+from tests.helpers.tiny_qwen35 import make_weights, write_hf_dir
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import hostile as H
+from tests.helpers import hostile as H
 from infertrace.cli.app import app
 
 
@@ -80,7 +80,7 @@ def test_kv_unified_off_full_stream_names_ctx_size_not_num_blocks(tmp_path):
     """3 sequences, --ctx-size 512: llama.cpp's n_ctx_seq = pad256(pad256(512) / 3) = 256 cells per stream; a
     300-token prompt does not fit its stream. The refusal must name --ctx-size (the cells backend has no
     --num-blocks) and the split."""
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     w, s = make_weights(seed=0)
     m = write_gguf(tmp_path / "m.gguf", w, s)
@@ -164,7 +164,7 @@ def test_check_inv_freq_overflowing_the_angle_is_a_violation_not_an_internal_err
 @pytest.fixture(scope="module")
 def spec_trace(tmp_path_factory):
     """A greedy draft-layers run of a tiny llama (2 layers, draft = layer 0), saved."""
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     d = tmp_path_factory.mktemp("spec")
     w, s = make_weights(seed=0)

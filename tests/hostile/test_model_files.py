@@ -25,9 +25,9 @@ from infertrace.cli.app import app
 from infertrace.errors import InfertraceError
 from infertrace.loading.gguf_check import check_gguf_header
 from infertrace.loading.weights import load_checkpoint
-from tests.hostile_gguf import (ARRAY, FLOAT32, STRING, UINT8, UINT32, UINT64, arr, g1_bytes, gguf_bytes, kv,
+from tests.helpers.hostile_gguf import (ARRAY, FLOAT32, STRING, UINT8, UINT32, UINT64, arr, g1_bytes, gguf_bytes, kv,
                                 patch_kv, s, tensor_info)
-from tests.tiny import make_weights, write_gguf, write_hf
+from tests.helpers.tiny import make_weights, write_gguf, write_hf
 
 runner = CliRunner()
 

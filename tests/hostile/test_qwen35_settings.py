@@ -15,8 +15,8 @@ import torch
 from typer.testing import CliRunner
 
 from infertrace.cli.app import app
-from tests.test_hostile_models import _err, deadline
-from tests.tiny_qwen35 import make_weights, write_gguf, write_hf_dir
+from tests.hostile.test_model_files import _err, deadline
+from tests.helpers.tiny_qwen35 import make_weights, write_gguf, write_hf_dir
 
 runner = CliRunner()
 
@@ -172,7 +172,7 @@ def test_make_qwen35_no_space_is_one_line_and_leaves_nothing(tmp_path):
         "except InfertraceError as e:\n    print('error:', e.message); sys.exit(2)\n"
     )
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=Path(__file__).resolve().parents[2])
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stdout.startswith("error: cannot write the checkpoint to") and "File too large" in res.stdout, res.stdout
     assert "nothing was left there" in res.stdout and list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ from infertrace.engine.sampler import SamplingParams
 from infertrace.loading.weights import load_checkpoint
 from infertrace.model.decoder import DecoderModel
 from infertrace.runner import Loaded, PromptSpec, run_requests
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 PROMPT = [72, 101, 108, 108, 111, 33, 34, 35, 100, 101]
 
@@ -202,7 +202,7 @@ def test_audit_recomputation_of_a_hybrid_equals_hfs_cache(tmp_path):
     pytest.importorskip("transformers")
     from infertrace.kv.audit import recompute_kv
     from infertrace.model.decoder import DecoderModel
-    from tests.tiny_qwen35 import hf_model, make_weights as q35_weights, write_hf_dir
+    from tests.helpers.tiny_qwen35 import hf_model, make_weights as q35_weights, write_hf_dir
 
     w, s = q35_weights(seed=3)
     ck = load_checkpoint(write_hf_dir(tmp_path / "q35", w, s))
@@ -227,7 +227,7 @@ def test_audit_kv_runs_on_a_hybrid_model(tmp_path, backend):
     from typer.testing import CliRunner
 
     from infertrace.cli.app import app
-    from tests.tiny_qwen35 import make_weights as q35_weights, write_gguf as q35_gguf
+    from tests.helpers.tiny_qwen35 import make_weights as q35_weights, write_gguf as q35_gguf
 
     w, s = q35_weights(seed=1)
     g = q35_gguf(tmp_path / "q35.gguf", w, s)

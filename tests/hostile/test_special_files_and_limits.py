@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import hostile as H
+from tests.helpers import hostile as H
 from infertrace import safe_io
 from infertrace.cli.app import app
 from infertrace.errors import InfertraceError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def invoke(*args, env=None):
@@ -149,7 +149,7 @@ def test_model_cache_note_planted_as_a_fifo_is_refused_not_replaced(tmp_path):
 
 def test_header_cache_entry_planted_as_a_fifo_stays_a_fifo(tmp_path, monkeypatch):
     from infertrace.loading import gguf_meta
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("INFERTRACE_NO_CACHE", raising=False)
@@ -374,7 +374,7 @@ def test_tensor_without_a_layer_number_is_one_line_in_inspect_and_run(tmp_path, 
     """``int("x")`` / ``int("²")`` on the layer field was an internal error; an Arabic-Indic digit aliased layer 3."""
     import numpy as np
 
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     monkeypatch.setenv("INFERTRACE_NO_CACHE", "1")
     g = write_gguf(tmp_path / "m.gguf", *make_weights(), extra_tensors={name: np.zeros(4, np.float32)})
@@ -398,7 +398,7 @@ def test_hybrid_draft_model_runs_instead_of_an_internal_error(tmp_path):
     a hybrid memory with state checkpoints, so greedy speculative decoding gives plain greedy's tokens."""
     import json
 
-    from tests import tiny_qwen35 as Q
+    from tests.helpers import tiny_qwen35 as Q
 
     q35 = Q.write_gguf(tmp_path / "q35.gguf", *Q.make_weights())
     plain = invoke("run", "-m", q35, "-p", "hello", "-n", "6", "--save", tmp_path / "plain")
@@ -523,7 +523,7 @@ def test_hf_mask_with_window_zero_hides_every_key():
 
 
 def test_gemma3_gguf_sliding_window_zero_is_refused(tmp_path):
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     g = write_gguf(tmp_path / "g.gguf", *make_weights(family="gemma3"), kv={"attention.sliding_window": 0})
     refused(invoke("run", "-m", g, "-p", "hi", "-n", "1"), "gemma3.attention.sliding_window", "a window of 0 keys hides every key")
@@ -533,7 +533,7 @@ def test_gemma3_gguf_sliding_window_zero_is_refused(tmp_path):
                                            ("qwen2", {"use_sliding_window": True, "sliding_window": 0,
                                                       "max_window_layers": 1})])
 def test_hf_sliding_window_zero_is_refused(tmp_path, family, extra):
-    from tests.tiny import make_weights, write_hf
+    from tests.helpers.tiny import make_weights, write_hf
 
     w, s = make_weights(family=family)
     d = write_hf(tmp_path / family, w, s, **extra)
@@ -572,7 +572,7 @@ def test_n_discard_beyond_the_context_is_refused_not_clamped():
 
 def test_n_discard_over_n_left_at_the_shift_is_refused(tmp_path):
     """The up-front bound cannot know BOS or --n-keep -1; the shift itself refuses instead of clamping."""
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     g = write_gguf(tmp_path / "b.gguf", *make_weights(), add_bos=True)  # BOS: n_keep 0 keeps 1 token
     res = invoke("run", "-m", g, "-p", "hello", "-n", 20, "--ctx-size", 16, "--context-shift", "--n-discard", 14,

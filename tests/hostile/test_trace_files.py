@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import hostile as H
+from tests.helpers import hostile as H
 from infertrace.cli.app import app
 from infertrace.present.report_assets import BODY_JS, HEAD_JS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -152,7 +152,7 @@ def test_show_diff_dump_kv_of_hostile_trace_print_no_control_bytes(tmp_path):
 
 def test_inspect_escapes_control_characters_from_gguf(tmp_path, monkeypatch):
     import gguf
-    import tiny
+    from tests.helpers import tiny
 
     evil = "evil\x1b]52;c;SGVsbG8=\x07\x1b[2J\x9b2J[bold]x[/bold]\u202e"
 
@@ -449,7 +449,7 @@ def test_show_into_head_exits_quietly(tmp_path):
 @pytest.fixture(scope="module", params=["cells", "paged"])
 def spec_trace(request, tmp_path_factory):
     """A real speculative trace (tiny model, n-gram tree draft, accepted and rejected nodes)."""
-    import tiny
+    from tests.helpers import tiny
 
     d = tmp_path_factory.mktemp("spec")
     w, s = tiny.make_weights(seed=5, n_layer=3)

@@ -137,7 +137,7 @@ def test_diff_backends_idle_steps_tiny(tmp_path):
     from infertrace.model.decoder import DecoderModel
     from infertrace.loading.weights import load_checkpoint
     from infertrace.runner import Loaded, PromptSpec
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     w, s = make_weights(seed=3)
     ck = load_checkpoint(write_gguf(tmp_path / "t.gguf", w, s))

@@ -4,7 +4,7 @@ of the project's pytest plugin (``infertrace.testing.plugin``, entry point ``pyt
 Scenarios: the study's worked example ("The capital of", prefill then 2 decode steps) and a
 continuous-batching run (3 prompts arriving at steps 0, 1, 3, prefill chunk 2), each on both
 backends. Floats compare within atol/rtol 1e-4, so float noise across CPUs passes.
-Regenerate after an intended change: ``pytest --infertrace-update tests/test_snapshots.py``
+Regenerate after an intended change: ``pytest --infertrace-update tests/real_models/test_snapshots.py``
 (or ``fixtures/golden/regenerate.sh``), then review the diff and commit.
 """
 
@@ -20,7 +20,7 @@ from infertrace.trace.store import manifest_dict
 
 pytestmark = pytest.mark.model
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "golden"
 
 WORKED = ["The capital of"]
 BATCHING = [{"prompt": "The capital of", "arrival": 0}, {"prompt": "Hello, my name is", "arrival": 1},

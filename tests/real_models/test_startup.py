@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: run one CLI invocation in this interpreter, then write which heavy modules got imported
 PROBE = """

@@ -26,7 +26,7 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 7
 
 @pytest.fixture(scope="module")
 def tiny_g3(tmp_path_factory, llama_cpp):
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     w, s = make_weights(seed=7, family="gemma3", n_layer=6, tie=True)
     p = write_gguf(tmp_path_factory.mktemp("g3") / "g3.gguf", w, s,
@@ -36,7 +36,7 @@ def tiny_g3(tmp_path_factory, llama_cpp):
 
 @pytest.fixture(scope="module")
 def tiny_q35(tmp_path_factory, llama_cpp):
-    from tests.tiny_qwen35 import make_weights, write_gguf
+    from tests.helpers.tiny_qwen35 import make_weights, write_gguf
 
     w, s = make_weights(seed=3)
     return load_model(write_gguf(tmp_path_factory.mktemp("q35") / "m.gguf", w, s))

@@ -282,7 +282,7 @@ def test_tensor_parallel_2_per_rank_kv(tmp_path: Path, vllm_mod) -> None:
     model whose heads divide by 2 (4 heads, 2 KV heads): each rank holds one KV head and a cache
     [blocks, 1, 32, 2*64], both ranks build the same metadata, K/V read back exactly on both, and the
     paged replay diffs clean."""
-    from tests.tiny import make_weights, write_hf
+    from tests.helpers.tiny import make_weights, write_hf
 
     w, s = make_weights(n_layer=2, H=256, n_head=4, n_kv=2, head_dim=64, ff=512, seed=1)
     model = write_hf(tmp_path / "tiny", w, s)

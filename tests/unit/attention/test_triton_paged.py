@@ -41,8 +41,12 @@ from infertrace.errors import InfertraceError  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
-ROOT = Path(__file__).resolve().parents[1]
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def needs_cuda(f):
+    """The ``needs_cuda`` marker (``-m "not needs_cuda"`` deselects it), skipped without a CUDA device."""
+    return pytest.mark.needs_cuda(pytest.mark.skipif(not CUDA, reason="needs a CUDA device")(f))
 
 
 @pytest.fixture(autouse=True, scope="module")

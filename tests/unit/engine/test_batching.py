@@ -9,7 +9,7 @@ from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
 from infertrace.model.decoder import DecoderModel
 from infertrace.loading.weights import load_checkpoint
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from infertrace.kv.budget import check_kv_budget, recurrent_state_bytes, spec_sn
 from infertrace.loading.weights import load_checkpoint
 from infertrace.model.decoder import DecoderModel
 from infertrace.model.gdn import gdn_sequence, gdn_tree
-from tests import tiny as tiny_dense
-from tests.tiny_qwen35 import make_weights, write_hf_dir
+from tests.helpers import tiny as tiny_dense
+from tests.helpers.tiny_qwen35 import make_weights, write_hf_dir
 
 #: the first prompt repeats itself; the others are plain
 PROMPTS = [[72, 101, 108, 108, 111, 72, 101, 108], [33, 34, 35], [100, 101, 102, 103, 104, 105, 106], [7]]

@@ -17,7 +17,7 @@ from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.model.decoder import DecoderModel
 from infertrace.loading.weights import load_checkpoint
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 TOPK = 3
 

@@ -15,7 +15,7 @@ from infertrace.kv.base import ChunkSpec
 from infertrace.kv.spec_meta import pack_mask, spec_metadata, unpack_mask
 from infertrace.model.decoder import DecoderModel
 from infertrace.loading.weights import load_checkpoint
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +287,7 @@ def test_sliding_window_model_equals_plain_greedy(tmp_path, backend):
     attention): chain and tree verify rows see only their window, output equals plain greedy, also
     at the context limit."""
     from infertrace.runner import load_model
-    from tests.tiny import write_hf
+    from tests.helpers.tiny import write_hf
 
     w, s = make_weights(seed=3, n_layer=2, family="gemma3")
     lm = load_model(str(write_hf(tmp_path / "g", w, s, sliding_window=4,

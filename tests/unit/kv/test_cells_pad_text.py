@@ -9,7 +9,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-import hostile as H
+from tests.helpers import hostile as H
 from infertrace.cli.app import app
 from infertrace.kv.cells import N_PAD
 

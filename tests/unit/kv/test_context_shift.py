@@ -10,7 +10,7 @@ from infertrace.errors import InfertraceError
 from infertrace.model.decoder import DecoderModel
 from infertrace.loading.weights import load_checkpoint
 from infertrace.runner import Loaded, PromptSpec, run_requests
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 PROMPT = [72, 101, 108, 108, 111, 33, 34, 35, 100, 101]  # 10 tokens
 
@@ -137,7 +137,7 @@ def _shift_run(loaded, backend, **kw):
 
 @pytest.fixture(scope="module")
 def yarn(tmp_path_factory):
-    from tests.tiny import write_hf
+    from tests.helpers.tiny import write_hf
 
     w, s = make_weights(seed=11)
     d = write_hf(tmp_path_factory.mktemp("yarn") / "hf", w, s,

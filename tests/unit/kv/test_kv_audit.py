@@ -11,7 +11,7 @@ from infertrace.errors import InfertraceError
 from infertrace.model.decoder import DecoderModel
 from infertrace.loading.weights import load_checkpoint
 from infertrace.runner import Loaded, PromptSpec, run_requests
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 BACKENDS = ["cells", "paged"]
 A = list(range(40, 58))
@@ -102,7 +102,7 @@ def test_audit_cli_renders_table(tiny, tmp_path):
     from typer.testing import CliRunner
 
     from infertrace.cli.app import app
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     w, s = make_weights(seed=13)
     path = write_gguf(tmp_path / "m.gguf", w, s)

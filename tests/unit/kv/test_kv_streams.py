@@ -88,7 +88,7 @@ def test_cross_stream_seq_cp_copies_the_whole_stream_or_refuses_a_part():
 def _tiny_engine(tmp_path, **o):
     from infertrace.loading.weights import load_checkpoint
     from infertrace.model.decoder import DecoderModel
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     w, s = make_weights(seed=5)
     ck = load_checkpoint(write_gguf(tmp_path / "m.gguf", w, s))
@@ -131,7 +131,7 @@ def test_kv_unified_refusals_are_one_line(args, msg):
 def test_cli_trace_check_dump_kv_and_report_show_streams(tmp_path):
     import json
 
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     w, s = make_weights(seed=5)
     gguf = write_gguf(tmp_path / "m.gguf", w, s)
@@ -200,7 +200,7 @@ def test_context_shift_per_stream_equals_each_request_alone(tmp_path):
 def test_windowed_model_non_unified_is_refused_in_one_line(tmp_path):
     """Gemma 3 style sliding window with --kv-unified off: llama.cpp keeps an iSWA pool (base + SWA
     cells) per stream, which the cells backend does not model: refused in one line, like --engine llama.cpp."""
-    from tests.tiny import make_weights, write_hf
+    from tests.helpers.tiny import make_weights, write_hf
 
     w, s = make_weights(family="gemma3", n_layer=6, seed=4)
     d = write_hf(tmp_path / "hf", w, s, sliding_window=3)

@@ -19,10 +19,10 @@ from infertrace.kv.seq_ops import seq_rm
 from infertrace.model.decoder import DecoderModel
 from infertrace.model.rope import layer_ropes
 from infertrace.loading.weights import load_checkpoint
-from tests.test_layering import imports_of
-from tests.tiny import make_weights, write_gguf
+from tests.unit.test_layering import imports_of
+from tests.helpers.tiny import make_weights, write_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PKG = ROOT / "infertrace"
 
 

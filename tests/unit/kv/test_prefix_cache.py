@@ -13,7 +13,7 @@ from infertrace.kv.prefix_cache import block_hash
 from infertrace.model.decoder import DecoderModel
 from infertrace.loading.weights import load_checkpoint
 from infertrace.runner import Loaded, PromptSpec
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 BACKENDS = ["cells", "paged"]
 

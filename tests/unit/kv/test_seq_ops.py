@@ -15,7 +15,7 @@ from infertrace.kv.seq_ops import cells_defrag, cells_seq_add, cells_seq_cp, cel
 from infertrace.model.decoder import DecoderModel
 from infertrace.model.rope import layer_ropes
 from infertrace.loading.weights import load_checkpoint
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from infertrace.cli.app import app
 from infertrace.loading.gguf_check import check_gguf_header
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 IDS = [72, 101, 108, 108, 111, 32, 119]  # "Hello w"
 
@@ -91,6 +91,7 @@ def test_big_endian_type_without_a_defined_layout_is_refused_in_one_line(tmp_pat
     assert len(lines) == 1 and "Q4_1 in a big-endian GGUF" in lines[0] and "version" not in lines[0], r.output
 
 
+@pytest.mark.needs_llamacpp
 def test_big_endian_k_quants_from_llama_cpp_quantize_load_with_equal_logits(tmp_path, monkeypatch):
     """Q4_K and Q6_K (llama.cpp's own ``llama_model_quantize``, Q4_K_M), converted to big-endian by
     gguf-py: the blocks' fp16 d / dmin swapped back, equal logits."""
@@ -115,6 +116,7 @@ def test_big_endian_k_quants_from_llama_cpp_quantize_load_with_equal_logits(tmp_
     assert float((a - _logits(f32)).abs().max()) > 0  # quantised: not the F32 weights (the swap is exercised)
 
 
+@pytest.mark.needs_llamacpp
 def test_llama_cpp_engine_names_the_byte_order(tmp_path):
     """llama.cpp itself reads only its host's byte order: ``--engine llama.cpp`` on a big-endian file
     says why in one line (exit 2)."""

@@ -16,7 +16,7 @@ import pytest
 from infertrace.loading.gguf_meta import cache_dir, load_header
 from infertrace.tokenizer.vocab import Tokenizer
 from infertrace.loading.weights import load_checkpoint, read_gguf
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 CORPUS = [
     "Hello world", "def f(x):\n    return x * 2  # code", "你好，世界", "emoji 🎉🚀 and ZWJ 👩‍💻", "   runs   of    spaces",

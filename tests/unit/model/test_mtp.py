@@ -30,7 +30,7 @@ from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
 from infertrace.loading.weights import load_checkpoint
 from infertrace.model.decoder import DecoderModel
-from tests.tiny_qwen35 import hf_config, make_weights, write_gguf, write_hf_dir
+from tests.helpers.tiny_qwen35 import hf_config, make_weights, write_gguf, write_hf_dir
 
 IDS = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]  # "Hello world" in the byte-level tiny tokenizer
 PROMPT = "Hello world"
@@ -131,7 +131,7 @@ def _hf_mtp_layer(w, s):
 def _by_hand(w, s, prompt, g0):
     """The first draft step computed from the raw HF weights: returns the main hidden at n-1, the
     MTP rows' (hidden read, logits) for the pending token's row and the chained row."""
-    from tests.tiny_qwen35 import hf_model
+    from tests.helpers.tiny_qwen35 import hf_model
 
     E = w["model.embed_tokens.weight"]
     fc = w["mtp.fc.weight"]
@@ -312,6 +312,7 @@ def test_make_qwen35_writes_the_mtp_head_in_hf_and_gguf(made):
     assert a.tokenizer.encode("Hi Qwen!") == b.tokenizer.encode("Hi Qwen!") == list(b"Hi Qwen!")
 
 
+@pytest.mark.needs_llamacpp
 def test_llama_cpp_loads_the_made_gguf_and_agrees(made):
     """llama.cpp (llama-cpp-python) reads the GGUF, MTP block included (its loader skips it unless
     load_mtp), and its logits agree with ours within bfloat16 rounding."""
@@ -363,6 +364,7 @@ def test_mtp_position_convention_does_not_change_the_draft(tiny):
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.needs_llamacpp
 def test_draft_equals_llama_cpp_graph_mtp(made):
     """llama.cpp's own MTP graph on the made GGUF: its ``t_h_nextn`` is our hidden after the final norm
     (the MTP's input), and its MTP logits for the pending token's row are our draft logits (bfloat16
@@ -371,7 +373,7 @@ def test_draft_equals_llama_cpp_graph_mtp(made):
     from infertrace.engine.engine import make_kv
     from infertrace.kv.base import ChunkSpec
     from infertrace.kv.cells import CellsKV
-    from tests.llama_mtp import llama_cpp_mtp
+    from tests.helpers.llama_mtp import llama_cpp_mtp
 
     ck, m = _load(made[1])
     ids = list(b"Hi Qwen!")

@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from infertrace.cli.app import app
-from tests.tiny import VOCAB, make_weights, write_gguf, write_hf
+from tests.helpers.tiny import VOCAB, make_weights, write_gguf, write_hf
 
 ROWS = 264  # the checkpoint's vocab_size; the tokenizer has VOCAB = 259 tokens
 PROMPT = "Hello"

@@ -16,7 +16,7 @@ from infertrace.kv.base import ChunkSpec
 from infertrace.model.decoder import DecoderModel
 from infertrace.model.gdn import delta_rule_chunked, delta_rule_recurrent
 from infertrace.loading.weights import load_checkpoint
-from tests.tiny_qwen35 import hf_model, make_weights, write_gguf, write_hf_dir
+from tests.helpers.tiny_qwen35 import hf_model, make_weights, write_gguf, write_hf_dir
 
 pytest.importorskip("transformers")
 
@@ -191,7 +191,7 @@ def test_hf_config_settings_are_honoured_or_refused(tiny, tmp_path):
     import json
 
     from infertrace.model.families import config_from_hf
-    from tests.tiny_qwen35 import hf_config
+    from tests.helpers.tiny_qwen35 import hf_config
 
     cfg = hf_config(tiny["s"])
     c = config_from_hf(cfg, tie_default=False)
@@ -239,6 +239,7 @@ def test_diff_backends_passes_on_the_hybrid_model_with_several_requests(tiny):
     assert "GDN state (every GDN layer, every request, every step): conv max |Δ|" in out and "recurrent max |Δ|" in out
 
 
+@pytest.mark.needs_llamacpp
 def test_llama_cpp_runs_the_tiny_qwen35_gguf_and_agrees(tiny):
     """The installed llama-cpp-python runs arch qwen35: its logits over the prompt rows and its greedy
     tokens match ours on the same GGUF (llama.cpp's F32 CPU kernels differ by float rounding only)."""
@@ -306,7 +307,7 @@ def test_stray_tensor_refused_mtp_and_vision_not_loaded_with_a_note(tiny, tmp_pa
     from typer.testing import CliRunner
 
     from infertrace.cli.app import app
-    from tests.tiny_qwen35 import hf_config
+    from tests.helpers.tiny_qwen35 import hf_config
 
     w = dict(tiny["w"])
     d = write_hf_dir(tmp_path / "stray", {**w, "model.layers.0.linear_attn.extra.weight": torch.zeros(2, 2)}, tiny["s"])

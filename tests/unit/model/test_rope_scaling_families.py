@@ -9,8 +9,8 @@ from infertrace.errors import InfertraceError
 from infertrace.model.families import config_from_hf
 from infertrace.model.rope import inv_freq_f32, inv_freq_table, rope_attention_factor
 from infertrace.loading.weights import load_checkpoint
-from tests.test_families import IDS, _hf, _hf_logits, _model, _our_logits
-from tests.tiny import hf_config, make_weights, write_gguf, write_hf
+from tests.unit.model.test_families import IDS, _hf, _hf_logits, _model, _our_logits
+from tests.helpers.tiny import hf_config, make_weights, write_gguf, write_hf
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402

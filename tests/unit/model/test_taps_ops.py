@@ -22,7 +22,7 @@ from infertrace.model.taps import (
     ATTN_OUT, BLOCK_TAPS, EMBED, MLP_OUT, Q_ROT, RESID_MID, RESID_POST, RESID_PRE, SSM_STATE, TAP_NAMES, Z,
 )
 from infertrace.loading.weights import load_checkpoint
-from tests import tiny, tiny_qwen35
+from tests.helpers import tiny, tiny_qwen35
 
 IDS = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
 

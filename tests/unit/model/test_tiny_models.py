@@ -9,7 +9,7 @@ from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
 from infertrace.model.decoder import DecoderModel
 from infertrace.loading.weights import load_checkpoint
-from tests.tiny import make_weights, write_gguf, write_hf
+from tests.helpers.tiny import make_weights, write_gguf, write_hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,7 +21,7 @@ from infertrace.present.report import build_report
 from infertrace.present.report_views import recorded_cells, recorded_tables, simulate_cells, simulate_paged
 from infertrace.trace.store import load_trace
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+GOLDEN = Path(__file__).resolve().parents[3] / "fixtures" / "golden"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not on PATH (apt-get install -y chromium)")
 
@@ -29,7 +29,7 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not on PA
 def golden(name: str):
     p = GOLDEN / name
     if not (p / "trace.json").is_file():
-        pytest.fail(f"golden {name} missing (pytest --infertrace-update tests/test_snapshots.py)")
+        pytest.fail(f"golden {name} missing (pytest --infertrace-update tests/real_models/test_snapshots.py)")
     return p
 
 

@@ -337,7 +337,7 @@ def test_untied_embedding_is_looked_up_from_the_file_not_built(tmp_path):
     """An untied model (``output.weight`` present): build_unfused builds the lm head but not ``token_embd``
     (only its rows are read), and the quantised model's logits equal the float path's (float32: the
     dequant kernel multiplies gguf-py's weights exactly; the rows are gguf-py's values)."""
-    from tests.tiny import make_weights, write_gguf
+    from tests.helpers.tiny import make_weights, write_gguf
 
     from infertrace.engine.engine import EngineOptions, make_kv
     from infertrace.kv.base import ChunkSpec

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from infertrace.tokenizer.vocab import Tokenizer
-from tests.tiny import make_weights, write_hf
+from tests.helpers.tiny import make_weights, write_hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from infertrace.cli.app import app
 from infertrace.trace.check import check_trace, parse_ranges
 
-GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden"
+GOLDEN = Path(__file__).resolve().parents[3] / "fixtures" / "golden"
 GOLDENS = sorted(p.name for p in GOLDEN.iterdir() if (p / "trace.json").is_file())
 
 

@@ -19,8 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from infertrace.cli.app import app
-from tests.tiny import make_weights, write_gguf
-from tests.tiny_qwen35 import make_weights as make_q35, write_hf_dir
+from tests.helpers.tiny import make_weights, write_gguf
+from tests.helpers.tiny_qwen35 import make_weights as make_q35, write_hf_dir
 
 # the same runs as the README's kinds of trace, on tiny models (tests/tiny.py): the prompt of the Gemma
 # runs is longer than the window W = 4, so the window really cuts keys on the windowed layers 0..4

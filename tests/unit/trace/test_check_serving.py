@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from infertrace.cli.app import app
 from infertrace.trace.check import check_trace
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from infertrace.cli.app import app
 from infertrace.trace.engine_diff import cross_engine_diff
 
-GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden" / "batching-cells"
+GOLDEN = Path(__file__).resolve().parents[3] / "fixtures" / "golden" / "batching-cells"
 
 
 def _as_llamacpp(m: dict) -> dict:

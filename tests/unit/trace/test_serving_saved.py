@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from infertrace.cli.app import app
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.tiny import make_weights, write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_saved_prefix_cache_and_context_shift_round_trip(gguf, tmp_path, backend
 def test_saved_windowed_trace_round_trip(tmp_path, backend):
     """A Gemma 3-style tiny checkpoint (windowed and global layers): the saved trace passes the schema and
     ``check``, and ``show`` / ``report`` / ``dump-kv DIR`` print the window records."""
-    from tests.tiny import write_hf
+    from tests.helpers.tiny import write_hf
 
     w, s = make_weights(family="gemma3", n_layer=6, tie=True, seed=2)
     m = str(write_hf(tmp_path / "hf", w, s, sliding_window=4, final_logit_softcapping=3.0))

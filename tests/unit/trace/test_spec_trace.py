@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from infertrace.cli.app import app
 from infertrace.trace.records import RunTrace
 from infertrace.trace.store import load_trace, read_manifest
-from tests.hostile import HTML_PAYLOAD, active_content
-from tests.tiny import make_weights, write_gguf
+from tests.helpers.hostile import HTML_PAYLOAD, active_content
+from tests.helpers.tiny import make_weights, write_gguf
 
 ENV = {"COLUMNS": "120"}
 PROMPT = "abcabcabcabcab"

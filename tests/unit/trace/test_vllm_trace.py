@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from infertrace.cli.app import app
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "worked-example-paged"
+GOLDEN = Path(__file__).resolve().parents[3] / "fixtures" / "golden" / "worked-example-paged"
 
 
 def _vllm_trace(tmp_path: Path) -> Path:
