@@ -4,7 +4,7 @@
 
 Prints, per prompt: its length in tokens, the last-prompt-token logit max |Δ| against HF, and how
 many of the first ``--tokens`` greedy tokens equal HF's. The prompts are those of
-``tests/test_gemma3_real.py`` (one longer than 600 tokens). Measured, not asserted.
+``tests/real_models/test_gemma3_real.py`` (one longer than 600 tokens). Measured, not asserted.
 """
 
 from __future__ import annotations

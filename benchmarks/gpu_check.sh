@@ -38,8 +38,8 @@ step() {  # step <timeout_s> <label> cmd...
     if [ $r -ne 0 ] && [ $rc -eq 0 ]; then rc=$r; fi
 }
 
-step 240 "pytest tests/test_triton_paged.py (CUDA, native)" \
-    "$PY" -m pytest tests/test_triton_paged.py -q -x -p no:cacheprovider --durations=5
+step 240 "pytest tests/unit/attention/test_triton_paged.py (CUDA, native)" \
+    "$PY" -m pytest tests/unit/attention/test_triton_paged.py -q -x -p no:cacheprovider --durations=5
 step 200 "benchmark (quick)" "$PY" benchmarks/attention.py --quick --iters 10
 step 120 "decode config sweep" "$PY" benchmarks/attention.py --sweep --iters 10
 exit $rc

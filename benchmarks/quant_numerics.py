@@ -6,7 +6,7 @@ For one tensor of each type in each model (the first layer that has it), with ``
 standard normal (``--tokens`` rows), prints the max |Δ| of the layer output ``x @ W.T`` of the
 quantised kernel against the float path (``F.linear`` on gguf-py's dequantised ``W`` in the same
 activation dtype), and both against a float64 product, for float32 and bf16 activations.
-Nothing is asserted (``tests/test_quant.py`` holds the bounds).
+Nothing is asserted (``tests/unit/quant/test_quant.py`` holds the bounds).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Regenerate docs/report-worked-example.png from a run (tests/test_report_png.py runs it).
+"""Regenerate docs/report-worked-example.png from a run (tests/unit/present/test_report_png.py runs it).
 
     python docs/make_report_png.py [--out docs/report-worked-example.png]
 

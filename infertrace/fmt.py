@@ -1,6 +1,6 @@
 """Small text formatting shared by every layer: byte sizes and values clipped for one-line messages.
 
-Torch-free and engine-free (the trace and presentation layers import it; ``tests/test_layering.py``
+Torch-free and engine-free (the trace and presentation layers import it; ``tests/unit/test_layering.py``
 lists it among the shared modules). Range text (``"0..2,5"``) is :mod:`infertrace.ranges`;
 terminal escaping of file strings is :mod:`infertrace.safe_text`.
 """

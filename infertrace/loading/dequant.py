@@ -6,7 +6,7 @@ with the short rows of a small model (576 values: 18 Q4_1 blocks per row) most o
 numpy call overhead per group (the 49,152-row embedding of SmolLM2-135M is 3,072 groups). Here the
 same type's ``dequantize_rows`` (the function those groups call) runs on chunks of about
 :data:`CHUNK_VALUES` values instead: the same arithmetic on every block, so the same float32 bits
-(``tests/test_dequant.py`` compares them with ``gguf.quants.dequantize`` for every type gguf-py
+(``tests/unit/loading/test_dequant.py`` compares them with ``gguf.quants.dequantize`` for every type gguf-py
 dequantises), in a third of the CPU time: all of SmolLM2-135M Q4_1 in 0.25 s instead of 0.76 s
 (``benchmarks/README.md``). Types gguf-py does not expose that way go through
 ``gguf.quants.dequantize`` itself.

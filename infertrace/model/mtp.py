@@ -30,7 +30,7 @@ unchanged); its logits propose the token at ``p + 2``. A chained draft feeds the
 post-norm hidden state back with the drafted token at the next position. llama.cpp
 (``common/speculative.cpp`` ``common_speculative_impl_draft_mtp::process`` / ``draft``) runs the same
 row at the token's position ``p + 1`` instead; every row shifts by one, and RoPE attention depends
-on position differences only, so the draft is the same (tests/test_mtp.py checks it).
+on position differences only, so the draft is the same (tests/unit/model/test_mtp.py checks it).
 
 Norm weights are in the engine's stored convention (``1 + w``: llama.cpp's converter adds 1 to
 every ``*norm.weight`` of Qwen3.5, the MTP's included; HF weights get +1 at load).

@@ -10,7 +10,7 @@ with small integer codes ``q``. This module returns ``(q, scale, offset)`` so a 
 the codes (4 or 8 bits a value) instead of float32. The float32 arithmetic is the one gguf-py
 does, in the same order (``d * q`` for Q4_0/Q5_0/Q8_0, ``d * q + m`` for Q4_1/Q5_1,
 ``(d * sc) * q - dmin * m`` for the K types), so :func:`affine_dequantize` gives gguf-py's bits
-exactly (``tests/test_quant.py`` checks every type against ``gguf.quants.dequantize``).
+exactly (``tests/unit/quant/test_quant.py`` checks every type against ``gguf.quants.dequantize``).
 
 | type | group | q range | offset |
 | --- | ---: | --- | --- |

@@ -10,7 +10,7 @@ is :data:`infertrace.quant.source.FAST_KERNELS` (measured in ``benchmarks/quant_
   (``s = d·sc``, ``z = -dmin·m + 8s``) map onto it. ``z`` is rounded once in float32, and with
   bf16 activations ``s`` and ``z`` are rounded to bf16 (8 significant bits; ``d`` is float16 with 11):
   a weight can move by up to about 2^-9 of its group's range — measured per type in
-  ``tests/test_quant.py`` and ``benchmarks/quant_kernels.py``.
+  ``tests/unit/quant/test_quant.py`` and ``benchmarks/quant_kernels.py``.
 * ``int4x2`` — the group-32 5- and 8-bit types (Q5_0, Q5_1, Q5_K, Q8_0) as two int4pack
   matmuls over the high and low nibble planes of their codes (:class:`Int4x2Linear`).
 * ``int4pair16`` — the group-16 types (Q6_K) on the int4pack kernel with ``in`` doubled and a
@@ -55,7 +55,7 @@ def _buffer(dtype: torch.dtype, n: int) -> torch.Tensor:
 
 
 #: rows of a row block built at a time (a multiple of 64: packed row chunks of 64k rows concatenate to
-#: the packing of the whole, checked in tests/test_quant.py)
+#: the packing of the whole, checked in tests/unit/quant/test_quant.py)
 PACK_ROWS = 2048
 #: codes packed per chunk (bounds the packing temporaries to a few MiB whatever the row length)
 PACK_VALUES = 1 << 22
@@ -262,7 +262,7 @@ class _RowChunked:
     def from_row_chunks(cls, chunks: Iterable[Affine], n: int, qtype: str, act_dtype: torch.dtype) -> "QuantLinear":
         """The kernel object of an ``[n, in]`` matrix from consecutive row blocks (each a multiple of 64
         rows but the last: packed row blocks of such sizes concatenate to the whole packing, as
-        ``tests/test_quant.py`` checks); each field is preallocated whole and filled block by block.
+        ``tests/unit/quant/test_quant.py`` checks); each field is preallocated whole and filled block by block.
 
         Raises:
             ValueError: the blocks do not add up to ``n`` rows, or a block cannot be packed.
@@ -377,7 +377,7 @@ class Int4x2Linear(_RowChunked, _PackedKernel):
     centred (B in -8s..7s, A odd multiples of 8s), which keeps the partial sums small: each
     plane's output is rounded to the activation dtype before the sum, and with B in 0..15s the
     bf16 error was 3.4x the float path's on Gemma's Q5_0 ``ffn_gate`` (centred: see
-    ``tests/test_quant.py``). The asymmetric types' codes 0..31 are centred first (``q - 16``,
+    ``tests/unit/quant/test_quant.py``). The asymmetric types' codes 0..31 are centred first (``q - 16``,
     ``o + 16s``). Exact in float32 (``8s`` and ``16s`` are exact) up to the rounding of
     ``o + 16s`` and of ``(u - 8)·s + o`` inside the kernel; in bf16 ``s`` and ``o`` are rounded once.
     Q8_0, Q5_0, Q5_1 and Q5_K map onto it.

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 import pytest
-from fuzzkit import EXAMPLES, OUTCOMES, RANDOM, rss_guard
+from tests.fuzz.fuzzkit import EXAMPLES, OUTCOMES, RANDOM, rss_guard
 
 
 @pytest.fixture(scope="module", autouse=True)

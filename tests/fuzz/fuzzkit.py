@@ -1,4 +1,4 @@
-"""Shared helpers of the fuzz targets in tests/fuzz/ (import them as ``from fuzzkit import ...``;
+"""Shared helpers of the fuzz targets in tests/fuzz/ (import them as ``from tests.fuzz.fuzzkit import ...``;
 ``conftest`` is not importable by name, tests/conftest.py shadows it).
 
 :func:`fuzz_settings` (hypothesis settings from the environment), :func:`record` (count an

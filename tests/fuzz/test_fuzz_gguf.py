@@ -1,9 +1,9 @@
 """Fuzz target: the GGUF reader (header pre-pass, gguf-py, config, tokenizer, dequantisation) and
 ``infertrace inspect`` on hostile GGUF files.
 
-Inputs: a tiny valid GGUF written with gguf-py's GGUFWriter (tests/tiny.py), then truncated,
+Inputs: a tiny valid GGUF written with gguf-py's GGUFWriter (tests/helpers/tiny.py), then truncated,
 bit-flipped, or with a u32/u64 overwritten by an interesting value (0, 1, 2^31, 2^62, 2^64-1 ...);
-and structured hostile headers built byte by byte (tests/hostile_gguf.py) with arbitrary counts,
+and structured hostile headers built byte by byte (tests/helpers/hostile_gguf.py) with arbitrary counts,
 lengths, value types, dims, ggml types and offsets.
 
 Invariant: :func:`load_checkpoint` returns or raises :class:`InfertraceError` (no other
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from fuzzkit import check_cli_result, fuzz_settings, record, time_bound  # noqa: E402
+from tests.fuzz.fuzzkit import check_cli_result, fuzz_settings, record, time_bound  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
@@ -38,8 +38,8 @@ from typer.testing import CliRunner  # noqa: E402
 from infertrace.cli.app import app  # noqa: E402
 from infertrace.errors import InfertraceError  # noqa: E402
 from infertrace.loading.weights import load_checkpoint  # noqa: E402
-from tests.hostile_gguf import arr, gguf_bytes, kv, s, tensor_info  # noqa: E402
-from tests.tiny import make_weights, write_gguf  # noqa: E402
+from tests.helpers.hostile_gguf import arr, gguf_bytes, kv, s, tensor_info  # noqa: E402
+from tests.helpers.tiny import make_weights, write_gguf  # noqa: E402
 
 SETTINGS = fuzz_settings()
 INTERESTING = [0, 1, 2, 3, 31, 32, 33, 63, 64, 255, 1 << 15, 1 << 16, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32,

@@ -1,7 +1,7 @@
 """Fuzz target: the HF model-directory reader (``config.json``, ``tokenizer_config.json``) and
 ``infertrace inspect`` on a tiny HF directory whose JSON files are hostile.
 
-Inputs: the tiny directory of tests/tiny.py with (a) fields of ``config.json`` replaced by hostile
+Inputs: the tiny directory of tests/helpers/tiny.py with (a) fields of ``config.json`` replaced by hostile
 values (huge / negative / non-integer numbers, Infinity, NaN, bools, strings, nulls, lists,
 objects, deep nesting) or deleted, (b) the JSON text truncated, byte-flipped, or replaced by deep
 nesting / over-long integers, (c) ``tokenizer_config.json`` fields replaced the same way.
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from fuzzkit import check_cli_result, fuzz_settings, record, time_bound  # noqa: E402
+from tests.fuzz.fuzzkit import check_cli_result, fuzz_settings, record, time_bound  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
@@ -36,7 +36,7 @@ from typer.testing import CliRunner  # noqa: E402
 from infertrace.cli.app import app  # noqa: E402
 from infertrace.errors import InfertraceError  # noqa: E402
 from infertrace.loading.weights import load_checkpoint  # noqa: E402
-from tests.tiny import make_weights, write_hf  # noqa: E402
+from tests.helpers.tiny import make_weights, write_hf  # noqa: E402
 
 SETTINGS = fuzz_settings()
 

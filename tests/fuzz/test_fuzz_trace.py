@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzzkit import check_cli_result, fuzz_settings, record
+from tests.fuzz.fuzzkit import check_cli_result, fuzz_settings, record
 from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from infertrace.cli.app import app
 
-from hostile import active_content  # noqa: E402 - tests/hostile.py
+from tests.helpers.hostile import active_content  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "golden"
 NAMES = ["worked-example-cells", "worked-example-paged", "batching-cells", "batching-paged"]

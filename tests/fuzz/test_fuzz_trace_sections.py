@@ -1,6 +1,6 @@
 """Fuzz targets for the newer trace sections (issue 23: Gemma 3 sliding window, speculative verify
 rows, hybrid layer map, the display fields), on real traces the tool writes with tiny models
-(tests/tiny.py, tests/tiny_qwen35.py).
+(tests/helpers/tiny.py, tests/helpers/tiny_qwen35.py).
 
 Inputs: one of three saved traces (Gemma 3 windowed cells run, speculative draft-tree cells run,
 Qwen3.5 hybrid paged run) with 1..3 mutations drawn by hypothesis, each at a path inside
@@ -26,15 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzzkit import check_cli_result, fuzz_settings, record
+from tests.fuzz.fuzzkit import check_cli_result, fuzz_settings, record
 from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from infertrace.cli.app import app
 
-from tiny import make_weights, write_gguf  # noqa: E402 - tests/tiny.py
-from tiny_qwen35 import make_weights as make_q35, write_hf_dir  # noqa: E402
+from tests.helpers.tiny import make_weights, write_gguf  # noqa: E402
+from tests.helpers.tiny_qwen35 import make_weights as make_q35, write_hf_dir  # noqa: E402
 
 BAD_TERMINAL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 KINDS = ("gemma", "spec", "hybrid")

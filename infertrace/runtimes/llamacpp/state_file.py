@@ -2,7 +2,7 @@
 torch-free, bounded and validated against the model: the file is untrusted input.
 
 What it mirrors (llama.cpp as vendored by llama-cpp-python 0.3.36: ``LLAMA_STATE_SEQ_VERSION 3`` in
-``llama.h``; checked byte for byte against files that build writes, ``tests/test_llamacpp_state_file.py``):
+``llama.h``; checked byte for byte against files that build writes, ``tests/runtimes/llamacpp/test_state_file.py``):
 
 * ``src/llama-context.cpp`` ``llama_context::state_seq_save_file``: ``u32 magic`` (``LLAMA_STATE_SEQ_MAGIC``
   ``'ggsq'`` = ``0x67677371``), ``u32 version`` (3), ``u32 n_token_count``, ``i32 tokens[n_token_count]``,

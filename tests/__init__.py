@@ -1,0 +1,1 @@
+"""infertrace test suite, a package so every subfolder imports the shared helpers as ``tests.helpers.<module>``."""

@@ -1,0 +1,260 @@
+"""The layering, enforced statically: the trace layer (``infertrace/trace``) and the presentation
+layer (``infertrace/present``) import neither torch nor the engine side (engine, capture, model,
+kv, attention, runner), at module level or inside a function, and neither does any infertrace
+module they reach; ``trace`` does not import ``present`` (records sit below their views).
+
+The walk reads the source (``ast``), so it sees the lazy imports a run would reach only on some
+path; the subprocess check of ``tests/real_models/test_startup.py`` sees what one command really imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: the torch-free layers and what each may import from infertrace (prefixes of module names)
+LAYERS = {
+    "infertrace.trace": ("infertrace.trace",),
+    "infertrace.present": ("infertrace.present", "infertrace.trace"),
+}
+#: torch-free shared modules any layer may use
+SHARED = ("infertrace.errors", "infertrace.fmt", "infertrace.ranges", "infertrace.safe_io", "infertrace.safe_text",
+          "infertrace.quant.choice")  # the kernel chooser's rule, by dtype name: check asks which kernels a trace may name
+#: third-party modules that load torch or a model runtime
+FORBIDDEN = ("torch", "triton", "transformers", "accelerate", "llama_cpp", "safetensors.torch")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_package(name: str, root: Path) -> bool:
+    return (root / Path(*name.split(".")) / "__init__.py").exists()
+
+
+def imports_of(path: Path, root: Path) -> list[tuple[int, str]]:
+    """Every module ``path`` imports, anywhere in the file (module level, functions,
+    ``TYPE_CHECKING`` blocks), as absolute names: ``(line, module)``. ``from X import y`` yields
+    ``X`` and, when ``X.y`` is a module or package under ``root``, ``X.y`` too."""
+    name = _module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.append((node.lineno, mod))
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                if (root / Path(*sub.split("."))).with_suffix(".py").exists() or _is_package(sub, root):
+                    out.append((node.lineno, sub))
+    return out
+
+
+def torch_loads(path: Path) -> list[int]:
+    """Lines where ``path`` has a library load torch for it without an import statement:
+    ``framework="pt"`` (safetensors' ``safe_open``/``load``)."""
+    return [n.value.lineno for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+            if isinstance(n, ast.keyword) and n.arg == "framework" and isinstance(n.value, ast.Constant)
+            and n.value.value == "pt"]
+
+
+def _file_of(module: str, root: Path) -> Path | None:
+    p = root / Path(*module.split("."))
+    if p.with_suffix(".py").exists():
+        return p.with_suffix(".py")
+    return p / "__init__.py" if (p / "__init__.py").exists() else None
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def violations(root: Path, layers: dict[str, tuple[str, ...]] = LAYERS, shared: tuple[str, ...] = SHARED,
+               forbidden: tuple[str, ...] = FORBIDDEN) -> list[str]:
+    """``"file:line: what"`` for every import that breaks the layering under ``root`` (the
+    directory holding the ``infertrace`` package): a layer's module importing an infertrace
+    module outside its allowed prefixes and :data:`SHARED`, or any module reached from a layer
+    (itself, a shared module, or one those import) importing a :data:`FORBIDDEN` module or an
+    infertrace module outside the layers and :data:`SHARED`, or asking safetensors for torch
+    (``framework="pt"``)."""
+    bad: list[str] = []
+    seen: set[Path] = set()
+    todo: list[Path] = []
+    for layer, allowed in layers.items():
+        for f in sorted((root / Path(*layer.split("."))).rglob("*.py")):
+            todo.append(f)
+            for line, mod in imports_of(f, root):
+                if _under(mod, ("infertrace",)) and not _under(mod, allowed + shared):
+                    bad.append(f"{f.relative_to(root)}:{line}: {layer} imports {mod}")
+    inside = tuple(layers) + shared
+    while todo:  # every infertrace module reachable from the layers stays free of torch and of the engine side
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        bad += [f"{f.relative_to(root)}:{line}: loads torch (framework='pt')" for line in torch_loads(f)]
+        for line, mod in imports_of(f, root):
+            if _under(mod, forbidden):
+                bad.append(f"{f.relative_to(root)}:{line}: imports {mod}")
+            elif _under(mod, ("infertrace",)) and not _under(mod, inside) and mod != "infertrace":
+                bad.append(f"{f.relative_to(root)}:{line}: reaches {mod}")  # not followed: reported here
+            elif _under(mod, ("infertrace",)) and (g := _file_of(mod, root)) is not None:
+                todo.append(g)
+                parent = mod.rpartition(".")[0]  # importing a.b.c runs a/__init__ and a/b/__init__
+                while parent:
+                    if (p := _file_of(parent, root)) is not None:
+                        todo.append(p)
+                    parent = parent.rpartition(".")[0]
+    return sorted(set(bad))
+
+
+def test_trace_and_present_layers_are_torch_free_and_engine_free():
+    assert violations(ROOT) == []
+
+
+def test_the_layers_exist_and_are_walked():
+    """The check is not vacuous: both layers hold the modules docs/architecture.md names."""
+    for layer, names in (("trace", ("records", "schema", "store", "check", "diff", "kv_dump", "saved_kv")),
+                         ("present", ("render", "render_kv", "report", "report_views"))):
+        for n in names:
+            assert (ROOT / "infertrace" / layer / f"{n}.py").exists() or (ROOT / "infertrace" / layer / n / "__init__.py").exists(), \
+                (layer, n)  # a module or a package (trace/check is one: a module per convention)
+    mods = {m for _, m in imports_of(ROOT / "infertrace" / "present" / "report.py", ROOT)}
+    assert {"infertrace.present.report_views", "infertrace.trace.records"} <= mods
+
+
+def _fake_tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in {"infertrace/__init__.py": "", "infertrace/trace/__init__.py": "",
+                      "infertrace/present/__init__.py": "", "infertrace/errors.py": "", **files}.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"infertrace/trace/store.py": "def save():\n    import torch\n"},
+     "infertrace/trace/store.py:2: imports torch"),
+    ({"infertrace/trace/store.py": "def save():\n    from safetensors.torch import save\n"},
+     "infertrace/trace/store.py:2: imports safetensors.torch"),
+    ({"infertrace/trace/store.py": "from safetensors import safe_open\ndef get(p):\n    return safe_open(p, framework='pt')\n"},
+     "infertrace/trace/store.py:3: loads torch (framework='pt')"),
+    ({"infertrace/present/render.py": "from infertrace.engine.engine import Engine\n"},
+     "infertrace/present/render.py:1: infertrace.present imports infertrace.engine.engine"),
+    ({"infertrace/present/render.py": "from ..capture import recorder\n"},
+     "infertrace/present/render.py:1: infertrace.present imports infertrace.capture"),
+    ({"infertrace/trace/diff.py": "from infertrace.present import render\n",
+      "infertrace/present/render.py": ""},
+     "infertrace/trace/diff.py:1: infertrace.trace imports infertrace.present"),
+    ({"infertrace/trace/diff.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from infertrace.kv.base import AttnInputs\n"},
+     "infertrace/trace/diff.py:3: infertrace.trace imports infertrace.kv.base"),
+    ({"infertrace/present/render.py": "from infertrace.errors import InfertraceError\n",
+      "infertrace/errors.py": "def f():\n    import torch\n"},  # a shared module reached from a layer
+     "infertrace/errors.py:2: imports torch"),
+    ({"infertrace/trace/diff.py": "import infertrace.safe_io\n",
+      "infertrace/safe_io.py": "from infertrace.runner import load_model\n"},  # a shared module reaching the engine
+     "infertrace/safe_io.py:1: reaches infertrace.runner"),
+], ids=["lazy-torch", "safetensors-torch", "safetensors-framework-pt", "engine", "relative-capture", "trace-imports-present", "type-checking-kv",
+        "shared-module-torch", "shared-module-engine"])
+def test_the_check_catches_a_bad_import(tmp_path, files, expected):
+    root = _fake_tree(tmp_path, files)
+    assert expected in violations(root)
+
+
+def test_the_check_accepts_numpy_and_shared_modules(tmp_path):
+    root = _fake_tree(tmp_path, {
+        "infertrace/trace/store.py": "import numpy as np\nfrom safetensors import safe_open\nfrom infertrace.errors import InfertraceError\n",
+        "infertrace/present/render.py": "from rich.text import Text\nfrom infertrace.trace import store\nfrom . import report\n",
+        "infertrace/present/report.py": "from markupsafe import Markup\n"})
+    assert violations(root) == []
+
+
+# ----------------------------------------------------------------------------- no import cycles (issue 18)
+
+#: packages of the memory (llama_memory_i kinds) and what they must never import: the engine drives them
+MEMORY_MUST_NOT_IMPORT = ("infertrace.engine", "infertrace.runner", "infertrace.capture", "infertrace.cli",
+                          "infertrace.compare", "infertrace.runtimes")
+#: the engine's must-nots: the runner and the CLI sit above it
+ENGINE_MUST_NOT_IMPORT = ("infertrace.runner", "infertrace.cli", "infertrace.compare", "infertrace.runtimes")
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the infertrace modules it imports (module level, lazy, ``TYPE_CHECKING``), plus the
+    parent packages whose ``__init__`` an import runs."""
+    graph: dict[str, set[str]] = {}
+    for f in sorted((root / "infertrace").rglob("*.py")):
+        name = _module_name(f, root)
+        deps: set[str] = set()
+        for _, mod in imports_of(f, root):
+            while mod and _under(mod, ("infertrace",)):
+                if _file_of(mod, root) is not None and mod != name and not _under(name, (mod,)):
+                    deps.add(mod)
+                mod = mod.rpartition(".")[0]
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph(ROOT)) == []
+
+
+def test_cycle_check_finds_a_lazy_cycle(tmp_path):
+    root = _fake_tree(tmp_path, {"infertrace/a.py": "def f():\n    from infertrace import b\n",
+                                 "infertrace/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import infertrace.a\n"})
+    assert cycles(import_graph(root)) == [["infertrace.a", "infertrace.b"]]
+
+
+@pytest.mark.parametrize("package, must_not", [("infertrace.kv", MEMORY_MUST_NOT_IMPORT),
+                                               ("infertrace.engine", ENGINE_MUST_NOT_IMPORT)])
+def test_lower_rooms_do_not_import_upward(package, must_not):
+    bad = [f"{f.relative_to(ROOT)}:{line}: imports {mod}"
+           for f in sorted((ROOT / Path(*package.split("."))).rglob("*.py"))
+           for line, mod in imports_of(f, ROOT) if _under(mod, must_not)]
+    assert bad == []
