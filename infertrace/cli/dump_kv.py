@@ -76,12 +76,7 @@ def dump_kv(
         raise InfertraceError("--step N is required (the step whose end state is shown), unless --state FILE is given")
     if step < 0:
         raise InfertraceError(f"step {step} out of range: steps are numbered from 0")
-    for opt, val in (("--layer", layer), ("--head", head)):
-        if val is not None and val < 0:
-            raise InfertraceError(f"{opt} must be >= 0 (got {val})")
-    pos = parse_positions(positions)
-    if (pos is not None or full) and layer is None and head is None:
-        raise InfertraceError("--positions / --full choose K/V values: add --layer L and/or --head H")
+    pos = _value_options(layer, head, positions, full)
     if trace_dir is not None:  # a saved trace: the step's record (+ saved tensors for values), no model, no run
         from infertrace.present.render_kv import render_kv_dump
         from infertrace.trace.saved_kv import dump_saved
@@ -129,12 +124,7 @@ def _dump_state(state: Path, step: Optional[int], trace_dir: Optional[Path], pro
     """``dump-kv --state FILE``: the file checked against ``--model``'s header (no weights, no torch)."""
     if step is not None or trace_dir is not None or prompt:
         raise InfertraceError("--state FILE shows a saved llama.cpp slot: drop --step, the trace DIR and --prompt/--prompts")
-    for opt, val in (("--layer", layer), ("--head", head)):
-        if val is not None and val < 0:
-            raise InfertraceError(f"{opt} must be >= 0 (got {val})")
-    pos = parse_positions(positions)
-    if (pos is not None or full) and layer is None and head is None:
-        raise InfertraceError("--positions / --full choose K/V values: add --layer L and/or --head H")
+    pos = _value_options(layer, head, positions, full)
     from infertrace.loading.registry import resolve_model
     from infertrace.loading.weights import load_checkpoint
     from infertrace.runtimes.llamacpp.state_dump import state_dump
@@ -152,3 +142,18 @@ def _dump_state(state: Path, step: Optional[int], trace_dir: Optional[Path], pro
     from infertrace.present.render_kv import render_state_dump
 
     render_state_dump(stdout_console(), d)
+
+
+def _value_options(layer: Optional[int], head: Optional[int], positions: Optional[str], full: bool):
+    """The K/V value options checked: ``--layer`` / ``--head`` >= 0, ``--positions`` parsed (None = all).
+
+    Raises:
+        InfertraceError: a negative layer or head, or ``--positions`` / ``--full`` without a layer or head.
+    """
+    for opt, val in (("--layer", layer), ("--head", head)):
+        if val is not None and val < 0:
+            raise InfertraceError(f"{opt} must be >= 0 (got {val})")
+    pos = parse_positions(positions)
+    if (pos is not None or full) and layer is None and head is None:
+        raise InfertraceError("--positions / --full choose K/V values: add --layer L and/or --head H")
+    return pos

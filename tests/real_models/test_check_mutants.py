@@ -17,16 +17,13 @@ draft k."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import pytest
-from typer.testing import CliRunner
 
-from infertrace.cli.app import app
 from tests.helpers.tiny import make_weights, write_gguf
+from tests.helpers.mutation import invoke, load_manifest as _load, tampered as _tampered
 from tests.helpers.tiny_qwen35 import make_weights as make_q35, write_hf_dir
 
 GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "golden"
@@ -56,10 +53,6 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "vllm-prefix": ("smol", ["-p", VLLM_PREFIX, "-p", VLLM_PREFIX, "--arrival", "0", "--arrival", "3", "-n", "2",
                              "--num-blocks", "64", "--tokens-per-block", "32", "--prefix-cache", "on", "--engine", "vllm"]),
 }
-
-
-def invoke(*args) -> object:
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
@@ -97,16 +90,6 @@ def traces(models, tmp_path_factory) -> Callable[[str], Path]:
     return get
 
 
-def _load(t: Path) -> dict:
-    return json.loads((t / "trace.json").read_text(encoding="utf-8"))
-
-
-def _tampered(t: Path, d: dict, tmp_path: Path) -> Path:
-    out = tmp_path / "tampered"
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(t, out)
-    (out / "trace.json").write_text(json.dumps(d), encoding="utf-8")
-    return out
 
 
 ALL = [*RUNS, *(f"golden/{p.name}" for p in sorted(GOLDEN.iterdir()) if (p / "trace.json").exists())]

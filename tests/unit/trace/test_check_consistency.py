@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import pytest
-from typer.testing import CliRunner
 
-from infertrace.cli.app import app
 from tests.helpers.tiny import make_weights, write_gguf
+from tests.helpers.mutation import invoke, load_manifest as _load, tampered as _tampered
 from tests.helpers.tiny_qwen35 import make_weights as make_q35, write_hf_dir
 
 # the same runs as the README's kinds of trace, on tiny models (tests/helpers/tiny.py): the prompt of the Gemma
@@ -50,10 +48,6 @@ RUNS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def invoke(*args) -> object:
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
@@ -82,16 +76,6 @@ def traces(models, tmp_path_factory) -> Callable[[str], Path]:
     return get
 
 
-def _load(t: Path) -> dict:
-    return json.loads((t / "trace.json").read_text(encoding="utf-8"))
-
-
-def _tampered(t: Path, d: dict, tmp_path: Path) -> Path:
-    out = tmp_path / "tampered"
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(t, out)
-    (out / "trace.json").write_text(json.dumps(d), encoding="utf-8")
-    return out
 
 
 @pytest.mark.parametrize("kind", [k for k in RUNS])
