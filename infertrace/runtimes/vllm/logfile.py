@@ -3,7 +3,8 @@
 vLLM configures its ``vllm`` logger at import with a stream handler on ``sys.stdout``; its weight loading
 draws tqdm bars on stderr; torch and the CPU backend print from C++ straight to file descriptors 1 and 2.
 :func:`vllm_log` sends all of them to one file for the duration of a run and names the file in one line on
-stderr; infertrace's own progress and notes (Python's ``sys.stderr``) still reach the terminal.
+stderr when the run is over (a refusal stays one ``error:`` line: the log's path is appended to it when vLLM
+wrote anything); infertrace's own progress and notes (Python's ``sys.stderr``) still reach the terminal.
 
 The file: ``$INFERTRACE_VLLM_LOG`` when set, else ``infertrace-vllm-<pid>.log`` in the temporary directory.
 """
@@ -18,6 +19,8 @@ import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
+
+from infertrace.errors import InfertraceError
 
 
 def log_path() -> Path:
@@ -50,13 +53,16 @@ def vllm_log(console: Any = None, announce: bool = True) -> Iterator[Path]:
     Yields:
         the log file's path. On exit the descriptors, the streams, the console's file and
         ``warnings.showwarning`` are restored; vLLM's handlers keep the log (it logs again at shutdown).
+        ``announce``: the path is named in one stderr line after a run that completed.
+
+    Raises:
+        InfertraceError: the block's own, with `` (vLLM's own log: PATH)`` appended when the log grew.
     """
     path = log_path()
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(path, flags, 0o600)
     log = os.fdopen(fd, "a", buffering=1, encoding="utf-8", errors="replace")
-    if announce:
-        print(f"vLLM's own log (its warnings and progress bars): {path}", file=sys.stderr)
+    start_size, ok = os.fstat(fd).st_size, False
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {n: os.dup(n) for n in (1, 2)}
@@ -74,6 +80,13 @@ def vllm_log(console: Any = None, announce: bool = True) -> Iterator[Path]:
             h.setStream(log)
         warnings.showwarning = lambda m, c, f, ln, file=None, line=None: log.write(warnings.formatwarning(m, c, f, ln, line))
         yield path
+    except InfertraceError as e:
+        log.flush()
+        if os.fstat(log.fileno()).st_size > start_size and "vLLM's own log" not in e.message:
+            raise InfertraceError(f"{e.message} (vLLM's own log: {path})", e.exit_code) from None
+        raise
+    else:
+        ok = True
     finally:
         for h, s in handlers:
             h.setStream(s)
@@ -87,3 +100,5 @@ def vllm_log(console: Any = None, announce: bool = True) -> Iterator[Path]:
         if term is not old_err:
             term.close()
         log.flush()
+    if announce and ok:
+        print(f"vLLM's own log (its warnings and progress bars): {path}", file=sys.stderr)

@@ -35,7 +35,7 @@ def test_vllm_output_goes_to_the_named_log(tmp_path):
         assert line in text, line
     assert p.stdout.splitlines() == ["after-out", "after-logger"]  # the logger is restored after the block
     err = p.stderr.splitlines()
-    assert err == [f"vLLM's own log (its warnings and progress bars): {log}", "our-progress-line"]
+    assert err == ["our-progress-line", f"vLLM's own log (its warnings and progress bars): {log}"]  # named once it ran
     assert (log.stat().st_mode & 0o777) == 0o600
 
 
@@ -46,3 +46,29 @@ def test_a_symlinked_log_is_not_followed(tmp_path):
     env = {**os.environ, "INFERTRACE_VLLM_LOG": str(tmp_path / "vllm.log"), "PYTHONPATH": os.pathsep.join(sys.path)}
     p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode != 0 and target.read_text() == ""
+
+
+REFUSAL = r'''
+import os, sys
+from infertrace.errors import InfertraceError
+from infertrace.runtimes.vllm.logfile import vllm_log
+quiet = sys.argv[1] == "quiet"
+try:
+    with vllm_log():
+        if not quiet:
+            os.write(2, b"vllm-wrote-this\n")
+        raise InfertraceError("refused-here")
+except InfertraceError as e:
+    print("error: " + e.message, file=sys.stderr)
+'''
+
+
+def test_a_refusal_stays_one_line_naming_the_log_only_when_vllm_wrote(tmp_path):
+    """A refusal inside the block is the only stderr line: the log is named inside it when vLLM wrote to the
+    log, not at all when it did not (a conversion-cache refusal before vLLM starts)."""
+    log = tmp_path / "vllm.log"
+    env = {**os.environ, "INFERTRACE_VLLM_LOG": str(log), "PYTHONPATH": os.pathsep.join(sys.path)}
+    for mode, want in (("wrote", f"error: refused-here (vLLM's own log: {log})"), ("quiet", "error: refused-here")):
+        p = subprocess.run([sys.executable, "-c", REFUSAL, mode], capture_output=True, text=True, env=env, timeout=120)
+        assert p.stderr.splitlines() == [want], (mode, p.stderr)
+        log.unlink()
