@@ -45,7 +45,7 @@ def _write(d: dict, t: Path, ref: Path | None = None) -> Path:
 def _all_commands(ref: Path, t: Path, tmp_path: Path) -> dict[str, object]:
     """Run every reader on ``t``; each exits 0/1/2 with at most one error line and no control byte, quickly."""
     out = {}
-    for name, args, ok in (("show", ("show", t), (0,)), ("report", ("report", t, "-o", tmp_path / "r.html", "--force"), (0,)),
+    for name, args, ok in (("show", ("show", t, "--show", "all"), (0,)), ("report", ("report", t, "-o", tmp_path / "r.html", "--force"), (0,)),
                            ("check", ("check", t), (0, 1)), ("diff", ("diff", ref, t), (0, 1)),
                            ("dump-kv", ("dump-kv", "--step", "0", t), (0,))):
         t0 = time.monotonic()
