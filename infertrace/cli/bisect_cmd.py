@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from infertrace.errors import InfertraceError
 from infertrace.safe_text import json_text, visible
-from infertrace.trace import bisect as bs
 from infertrace.trace.store import load_tensors, load_trace, read_manifest
+
+if TYPE_CHECKING:  # numpy-based: imported when the command runs, so `infertrace --help` stays light
+    from infertrace.trace import bisect as bs
 
 HELP = ("Find where two saved traces of one model and one token sequence first diverge: the first position whose "
         "top-1 or logits differ beyond the noise floor, the first layer/tap there (attention vs MLP), and the batch "
@@ -25,6 +27,8 @@ HELP = ("Find where two saved traces of one model and one token sequence first d
 
 
 def _side(path: Path, seq: Optional[int], prompt_ids: Optional[list[int]] = None) -> tuple[bs.Side, dict[str, Any]]:
+    from infertrace.trace import bisect as bs
+
     m = read_manifest(path)
     tensors = load_tensors(path, m)
     tr = load_trace(path, timings=False, manifest=m)
@@ -46,6 +50,8 @@ def _dtype(m: dict[str, Any]) -> str:
 
 
 def _default_floor(ma: dict[str, Any], mb: dict[str, Any]) -> bs.Floor:
+    from infertrace.trace import bisect as bs
+
     da, db = (_dtype(m) for m in (ma, mb))
     if da == db == "float32":
         f, why = bs.DEFAULT_FLOOR_FP32, "default for two float32 traces"
@@ -76,6 +82,8 @@ def bisect(
     seq: Annotated[Optional[int], typer.Option("--seq", help="seq_id of the request compared in A (default: the first); B's request is the one with the same prompt tokens.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
+    from infertrace.trace import bisect as bs
+
     if floor is not None and floor_from is not None:
         raise InfertraceError("give --floor F or --floor-from C D, not both")
     if floor is not None and not (math.isfinite(floor) and floor >= 0):
