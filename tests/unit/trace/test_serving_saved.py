@@ -30,7 +30,7 @@ def test_saved_prefix_cache_and_context_shift_round_trip(gguf, tmp_path, backend
          "--context-shift", "--n-keep", "1", "--audit-kv", "--save", d,
          *(["--num-blocks", "12"] if backend == "paged" else []))  # paged: room for both requests at once
     assert _cli("check", d).startswith("ok: ")  # hit, shift and retained sequence are valid serving events (case X3)
-    out = _cli("show", d)
+    out = _cli("show", d, "--show", "all")  # the panels (show draws none by default)
     assert "prefix lookup: hit" in out and "from request 0" in out
     assert "context shift seq" in out
     assert "KV audit" in out

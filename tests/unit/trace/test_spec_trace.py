@@ -36,7 +36,7 @@ def saved(request, model_path, tmp_path_factory):
     d = tmp_path_factory.mktemp("t") / request.param
     res = invoke("run", "--model", model_path, "--prompt", PROMPT, "--prompt", "xyz", "-n", "14", "--ignore-eos",
                  "--backend", request.param, "--tokens-per-block", "4", "--speculative", "draft", "--draft-layers", "1",
-                 "--spec-tree=-1,-1,0,0,1,2", "--save", d, "--keep", "summary")
+                 "--spec-tree=-1,-1,0,0,1,2", "--save", d, "--keep", "summary", "--show", "all")  # the panels the table claims are checked below
     assert res.exit_code == 0, res.output
     return request.param, d, res.output
 
