@@ -23,7 +23,9 @@ from tests.helpers.tiny_qwen35 import make_weights as make_q35, write_hf_dir
 # the same runs as the README's kinds of trace, on tiny models (tests/helpers/tiny.py): the prompt of the Gemma
 # runs is longer than the window W = 4, so the window really cuts keys on the windowed layers 0..4
 RUNS: dict[str, tuple[str, list[str]]] = {
-    "plain": ("llama", ["-p", "abcdefgh", "-p", "xyz", "-n", "3"]),
+    # --ctx-size 2048 stated: the tiny model's trained context (256) would lower the default, and a mutant below
+    # names the cells' size 2048
+    "plain": ("llama", ["-p", "abcdefgh", "-p", "xyz", "-n", "3", "--ctx-size", "2048"]),
     "serving": ("llama", ["-p", "abcdefgh", "-p", "xy", "-p", "hello", "--arrival", "0", "--arrival", "1", "--arrival", "2",
                           "-n", "4", "--backend", "paged", "--tokens-per-block", "2", "--num-blocks", "8"]),
     "spec-cells": ("llama", ["-p", "abcabcabcabcab", "-p", "xyz", "-n", "8", "--speculative", "draft", "--draft-layers", "1",
@@ -44,7 +46,8 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "llamacpp": ("llama", ["-p", "abcdefgh", "-p", "xy", "-n", "3", "--engine", "llama.cpp"]),
     "summary": ("llama", ["-p", "abcdefgh", "-n", "2", "--keep", "summary"]),
     # far positions: pos 700 * inv_freq 0.75 (head_dim 64) is an angle float32 rounds by ~3e-5
-    "far": ("wide", ["-p", "abcdefghij" * 70, "-n", "3", "--keep", "summary"]),
+    # (--ctx-size stated: the tiny model's trained context, 256, would be the default and refuse the 700-token prompt)
+    "far": ("wide", ["-p", "abcdefghij" * 70, "-n", "3", "--keep", "summary", "--ctx-size", "1024"]),
 }
 
 
