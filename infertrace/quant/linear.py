@@ -46,10 +46,13 @@ _scratch: dict[torch.dtype, torch.Tensor] = {}
 
 
 def _buffer(dtype: torch.dtype, n: int) -> torch.Tensor:
-    """A reused flat buffer of at least ``n`` values of ``dtype`` (grown, never shrunk)."""
+    """A reused flat buffer of at least ``n`` values of ``dtype`` (grown, never shrunk). Always a normal
+    tensor, even when first made under ``torch.inference_mode()`` (an inference tensor could not be written
+    in place by a later call outside it: "Inplace update to inference tensor outside InferenceMode")."""
     b = _scratch.get(dtype)
-    if b is None or b.numel() < n:
-        b = torch.empty(n, dtype=dtype)
+    if b is None or b.numel() < n or b.is_inference():
+        with torch.inference_mode(False):
+            b = torch.empty(n, dtype=dtype)  # [n]
         _scratch[dtype] = b
     return b[:n]
 

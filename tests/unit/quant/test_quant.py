@@ -368,3 +368,18 @@ def test_untied_embedding_is_looked_up_from_the_file_not_built(tmp_path):
     quant, flt = load_model(p, weights="quant"), load_model(p, weights="float")
     assert quant.ckpt.weights["token_embd"]._lin is None
     assert torch.allclose(logits(quant), logits(flt), rtol=0, atol=1e-5)
+
+
+def test_scratch_buffer_made_in_inference_mode_is_writable_outside_it():
+    """The dequantisation scratch buffer is shared by every kernel call: one first made under
+    ``torch.inference_mode()`` (an engine run) must still take in-place writes from a later call outside
+    it (the kernel equality tests after a run in one session failed with torch's "Inplace update to
+    inference tensor outside InferenceMode")."""
+    import infertrace.quant.linear as lin
+
+    lin._scratch.clear()
+    with torch.inference_mode():
+        lin._buffer(torch.float32, 16).fill_(1.0)
+    b = lin._buffer(torch.float32, 16)
+    b.fill_(2.0)  # raised RuntimeError when the buffer was an inference tensor
+    assert not b.is_inference() and float(b.sum()) == 32.0
