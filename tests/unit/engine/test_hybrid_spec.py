@@ -243,7 +243,7 @@ def saved(request, tmp_path_factory):
     d = root / backend
     res = _invoke("run", "--model", model, "--prompt", "HelloHel", "-n", "12", "--ignore-eos", "--backend", backend,
                   "--tokens-per-block", "4", "--speculative", "draft", "--draft-layers", "3", *shape, "--save", d,
-                  "--keep", "summary")
+                  "--keep", "summary", "--show", "all")  # the panels asserted below (run shows none by default)
     assert res.exit_code == 0, res.output
     return backend, d, res.output
 
