@@ -221,7 +221,7 @@ def test_diff_backends_passes_on_the_hybrid_model_with_several_requests(tiny):
     r = CliRunner().invoke(app, ["diff-backends", "--model", str(tiny["dir"]), "-p", "hello world", "-p", "abc",
                                  "-p", "the quick brown fox", "-n", "5", "--json"])
     assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)  # the JSON is stdout; the default --ctx-size note goes to stderr
     assert d["identical"] and len(d["requests"]) == 3
     kv = [s["checks"]["kv"]["detail"] for s in d["steps"] if not s["idle"]]
     assert all("GDN conv+recurrent state of" in t for t in kv)
@@ -290,11 +290,11 @@ def test_trace_and_dump_kv_show_state_beside_kv_and_round_trip(tiny, tmp_path, b
     live = run(app, ["dump-kv", "--model", str(tiny["dir"]), "-p", "hello", "-p", "abc", "--step", "1", "--backend", backend,
                      "--json"])
     assert live.exit_code == 0, live.output
-    d = json.loads(live.output)
+    d = json.loads(live.stdout)  # stdout: the ctx-size note is on stderr
     assert d["state"]["conv_shape"] == [tiny["m"].cfg.conv_dim, 3] and d["state"]["state_indices"] == [0, 1]
     saved = run(app, ["dump-kv", str(tmp_path / "t"), "--step", "1", "--json"])
     assert saved.exit_code == 0, saved.output
-    assert json.loads(saved.output)["state"]["per_seq"] == d["state"]["per_seq"]
+    assert json.loads(saved.stdout)["state"]["per_seq"] == d["state"]["per_seq"]
 
 
 def test_stray_tensor_refused_mtp_and_vision_not_loaded_with_a_note(tiny, tmp_path):
