@@ -83,6 +83,21 @@ def paged_table_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
             c.fail(s, sid, "kv", "block table recorded once", f"kv.per_request block table {str(tab)[:40]} but "
                    f"kv.physical.requests[{sid}] holds {str(after)[:40]}")
         c.n_checks += 1
-        if _int(B) and B > 0 and (p.get("len") != kept_len(r) or len(after) != -(-kept_len(r) // B)):
+        if _int(B) and B > 0 and (p.get("len") != kept_len(r) or len(after) not in _held_blocks(c, r, B)):
             c.fail(s, sid, "kv", "block table recorded once", f"kv.physical.requests[{sid}] len {p.get('len')!r} with "
-                   f"{len(after)} blocks, but the request holds {kept_len(r)} positions ({-(-kept_len(r) // B)} blocks of {B})")
+                   f"{len(after)} blocks, but the request holds {kept_len(r)} positions ({-(-kept_len(r) // B)} blocks of {B}"
+                   + (f", up to {-(-(r['C'] + r['T']) // B)} under vLLM after a verify" if len(_held_blocks(c, r, B)) > 1 else "")
+                   + ")")
+
+
+def _held_blocks(c: Any, r: dict, B: int) -> range:
+    """How many blocks a request's table may hold after its step: ``ceil(kept / B)``. Under ``--engine vllm`` a
+    verify step keeps the blocks of its rejected drafts too, up to ``ceil((C + T) / B)``: vLLM 0.32 allocates
+    slots for every scheduled token (kv_cache_manager.py:541-543, ``total_computed_tokens + num_new_tokens``),
+    its ``allocate_new_blocks`` only grows a table (single_type_kv_cache_manager.py:369-386, "at least
+    num_tokens"), and a rejection rolls back ``num_computed_tokens`` only (n-gram drafting reserves no lookahead
+    slots: config/vllm.py ``num_lookahead_tokens``)."""
+    lo = -(-kept_len(r) // B)
+    verify = isinstance(_d(r.get("spec")).get("accepted_nodes"), list)
+    hi = -(-(r["C"] + r["T"]) // B) if c.m.get("engine") == "vllm" and verify else lo
+    return range(lo, max(lo, hi) + 1)
