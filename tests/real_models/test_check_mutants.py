@@ -252,6 +252,12 @@ MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
         num_scheduled_tokens=_vllm_two_rows(d)["batch"][0]["T"] + 1), (1,), "scheduler counts"),
     "vllm num_computed_tokens": ("vllm", lambda d: _vllm_two_rows(d)["vllm"]["scheduler"]["scheduled"][1].update(
         num_computed_tokens=_vllm_two_rows(d)["batch"][1]["C"] + 2), (1,), "scheduler counts"),
+    # the scheduler's order is not the forward's (vLLM's runner reorders its batch): compared per sequence, so a
+    # wrong count still fails when the scheduled list is in another order
+    "vllm num_computed_tokens, scheduled in another order": ("vllm", lambda d: (
+        _vllm_two_rows(d)["vllm"]["scheduler"]["scheduled"].reverse(),
+        _vllm_two_rows(d)["vllm"]["scheduler"]["scheduled"][0].update(
+            num_computed_tokens=_vllm_two_rows(d)["batch"][1]["C"] + 2)), (1,), "scheduler counts"),
     "vllm total_num_scheduled_tokens": ("vllm", lambda d: _vllm_two_rows(d)["vllm"]["scheduler"].update(
         total_num_scheduled_tokens=_vllm_two_rows(d)["N"] + 1), (1,), "scheduler counts"),
     "vllm free_blocks leaves no block for the tables": ("vllm", _vllm_free, (1,), "free blocks of the pool"),
