@@ -3,7 +3,11 @@ ends), a context shift (positions continue from the shifted cache), a finished s
 cache retains for reuse and prefix blocks shared by two block tables all pass; a tampered trace of
 each kind is caught. And every sample command of the docs pages (docs/**/*.md) that saves a trace (or
 prints a serving sample) produces a trace that passes ``check``, run as the page prints it (the default
-model). The README's own tour is run by tests/cli/test_docs.py, which checks its traces too."""
+model). The README's own tour is run by tests/cli/test_docs.py, which checks its traces too.
+
+Kept under tests/cli/ (collected before tests/runtimes/vllm/): its docs samples start vLLM in this process, and a
+vLLM engine built after that folder's engines (tensor-parallel ones among them) in the same pytest process failed
+here with `AttributeError: '_lib_fn_wrapper' object has no attribute 'get'` inside vLLM's start-up."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from infertrace.cli.app import app
 from infertrace.trace.check import check_trace
 from tests.helpers.tiny import make_weights, write_gguf
 
-DOCS = Path(__file__).resolve().parents[3] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 @pytest.fixture(scope="module")
