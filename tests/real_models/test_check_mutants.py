@@ -23,7 +23,7 @@ from typing import Callable
 import pytest
 
 from tests.helpers.tiny import make_weights, write_gguf
-from tests.helpers.mutation import invoke, load_manifest as _load, tampered as _tampered
+from tests.helpers.mutation import assert_mutant_caught, invoke, load_manifest as _load, tampered as _tampered
 from tests.helpers.tiny_qwen35 import make_weights as make_q35, write_hf_dir
 
 GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "golden"
@@ -358,17 +358,7 @@ MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
 @pytest.mark.parametrize("case", list(MUTANTS))
 def test_mutant_is_caught(traces, tmp_path, case):
     kind, mutate, codes, phrase = MUTANTS[case]
-    t = traces(kind)
-    d = _load(t)
-    mutate(d)
-    bad = _tampered(t, d, tmp_path)
-    res = invoke("check", bad)
-    out = res.output.strip()
-    assert res.exit_code in codes, (res.exit_code, out)
-    assert len(out.splitlines()) == 1 and phrase in out, out
-    if res.exit_code == 2:  # refused by the schema: every reader refuses it the same way
-        show = invoke("show", bad)
-        assert show.exit_code == 2 and phrase in show.output, show.output
+    assert_mutant_caught(traces(kind), mutate, codes, phrase, tmp_path)
 
 
 #: mutants check fails (exit 1) in a variable show draws as fact: show refuses them in one line, exit 2

@@ -97,22 +97,14 @@ def check_trace(manifest: dict[str, Any]) -> tuple[Violation | None, int]:
     try:
         if not isinstance(steps, list):
             c.fail(None, None, "schema", "schema", "the trace has no list of steps")
-        c.n_checks += 1
-        bad = config_problem(manifest)
-        if bad:
-            c.fail(None, None, "config", "model config", bad)
-        c.n_checks += 1
-        bad = layers_problem(manifest)
-        if bad:
-            c.fail(None, None, "config", "layers of the model", bad)
-        c.n_checks += 1
-        bad = options_problem(manifest)
-        if bad:
-            c.fail(None, None, "options", "options agree with the steps", bad)
-        c.n_checks += 1
-        bad = kernels_problem(manifest)
-        if bad:
-            c.fail(None, None, "options", "quant kernels the chooser returns", bad)
+        for problem, variable, rule in ((config_problem, "config", "model config"),
+                                        (layers_problem, "config", "layers of the model"),
+                                        (options_problem, "options", "options agree with the steps"),
+                                        (kernels_problem, "options", "quant kernels the chooser returns")):
+            c.n_checks += 1
+            bad = problem(manifest)
+            if bad:
+                c.fail(None, None, variable, rule, bad)
         for st in steps:
             c.step(st)
         c.n_checks += 1

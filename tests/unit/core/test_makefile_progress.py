@@ -30,7 +30,7 @@ exit ${FAKE_RC:-0}
 @pytest.fixture
 def fake_venv(tmp_path):
     if shutil.which("make") is None:
-        pytest.skip("make not on PATH")
+        pytest.fail("make not on PATH: the Makefile recipe under test needs GNU make", pytrace=False)
     b = tmp_path / "venv" / "bin"
     b.mkdir(parents=True)
     (b / "pip").write_text(PIP)

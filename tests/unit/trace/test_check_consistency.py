@@ -17,7 +17,7 @@ from typing import Callable
 import pytest
 
 from tests.helpers.tiny import make_weights, write_gguf
-from tests.helpers.mutation import invoke, load_manifest as _load, tampered as _tampered
+from tests.helpers.mutation import assert_mutant_caught, invoke, load_manifest as _load, tampered as _tampered
 from tests.helpers.tiny_qwen35 import make_weights as make_q35, write_hf_dir
 
 # the same runs as the README's kinds of trace, on tiny models (tests/helpers/tiny.py): the prompt of the Gemma
@@ -269,18 +269,7 @@ MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
 @pytest.mark.parametrize("case", list(MUTANTS))
 def test_mutant_is_caught(traces, tmp_path, case):
     kind, mutate, codes, phrase = MUTANTS[case]
-    t = traces(kind)
-    d = _load(t)
-    mutate(d)
-    bad = _tampered(t, d, tmp_path)
-    res = invoke("check", bad)
-    out = res.output.strip()
-    assert res.exit_code in codes, (res.exit_code, out)
-    assert len(out.splitlines()) == 1 and phrase in out, out
-    assert "\x1b" not in out
-    if res.exit_code == 2:  # refused by the schema: the other readers refuse it the same way
-        show = invoke("show", bad)
-        assert show.exit_code == 2 and phrase in show.output, show.output
+    assert_mutant_caught(traces(kind), mutate, codes, phrase, tmp_path)
 
 
 def test_schema_refuses_what_cannot_be_consistent(traces, tmp_path):
