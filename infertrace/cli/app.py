@@ -123,13 +123,33 @@ app.command("make-qwen35", help=make_qwen35.HELP, no_args_is_help=True)(cli_erro
 def main() -> None:
     """Console-script entry point (``infertrace``): runs :data:`app` and exits with its code."""
     try:
-        app(prog_name="infertrace")
+        rv = app(prog_name="infertrace", standalone_mode=False)
     except BrokenPipeError:
         quiet_broken_pipe()
     except Exception as e:  # noqa: BLE001 - errors raised outside a command (e.g. while parsing)
         if _is_cli_control(e):
-            raise
+            sys.exit(_cli_control_exit(e))
         sys.exit(report_error(e, _STATE["debug"]))
+    sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+
+
+def _cli_control_exit(e: BaseException) -> int:
+    """Print click's / Typer's own control exceptions the way every other error is printed and return the
+    exit code: a usage error (unknown option, bad value, missing argument) as one ``error:`` line naming
+    the command's help (exit 2), a bare command (``no_args_is_help``: Typer has printed its help) exit 2, Ctrl-C as
+    ``Aborted.`` (exit 1), an explicit exit with its code."""
+    name = type(e).__name__
+    if name == "NoArgsIsHelpError":  # a bare `infertrace show`: Typer printed the help already
+        return 2
+    if hasattr(e, "format_message") and hasattr(e, "exit_code") and name != "Exit":  # UsageError and its kinds
+        ctx = getattr(e, "ctx", None)
+        where = f"infertrace {ctx.info_name} -h" if ctx is not None and ctx.parent is not None else "infertrace -h"
+        typer.echo(f"error: {_one_line(visible(e.format_message()))}; see '{where}'", err=True)
+        return int(e.exit_code)
+    if name == "Abort":
+        typer.echo("Aborted.", err=True)
+        return 1
+    return int(getattr(e, "exit_code", 1) or 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

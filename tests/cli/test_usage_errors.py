@@ -1,0 +1,41 @@
+"""Usage errors of the real console entry point (``python -m infertrace``, what the ``infertrace``
+script runs): one ``error:`` line naming the command's help, exit 2, no Typer box; help still exit 0."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "infertrace", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, says, where", [
+    (("run", "--bogus"), "No such option: --bogus", "infertrace run -h"),
+    (("run", "--prompt", "x", "--max-new-tokens", "abc"), "Invalid value for '--max-new-tokens'", "infertrace run -h"),
+    (("nosuch",), "No such command 'nosuch'", "infertrace -h"),
+    (("show", "a", "b"), "Got unexpected extra argument", "infertrace show -h"),
+])
+def test_usage_error_is_one_line(args: tuple[str, ...], says: str, where: str) -> None:
+    r = _cli(*args)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and says in lines[0] and f"see '{where}'" in lines[0]
+    assert "╭" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_usage_error_escapes_control_bytes() -> None:
+    r = _cli("run", "--prompt", "x", "--max-new-tokens", "\x1b[31mred")
+    assert r.returncode == 2 and "\x1b" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_help_and_bare_command_unchanged() -> None:
+    h = _cli("show", "-h")
+    assert h.returncode == 0 and "Usage: infertrace show" in h.stdout
+    bare = _cli("show")  # no_args_is_help: the help, exit 2 (click's convention)
+    assert bare.returncode == 2 and "Usage: infertrace show" in bare.stdout
