@@ -157,6 +157,7 @@ def Obj(req: dict[str, Spec], opt: dict[str, Spec] | None = None, extra: bool = 
                 Any_(x, f"{p}.{visible(k)[:40]}")
             else:
                 raise Bad(p, f"unknown key {_short(k)} (written by a different infertrace?)")
+    check.keys = (frozenset(req), frozenset(opt), extra)  # type: ignore[attr-defined]  # read by tests/unit/trace/test_format_once.py
     return check
 
 
