@@ -27,11 +27,14 @@ carries no timings.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from infertrace.trace.records import ReqStep, RunTrace, StepTrace
 
+#: a step time above this (one day) is not a measurement: read as not recorded
+MAX_STEP_MS = 86_400_000.0
 KINDS = ("prefill", "chunk", "decode", "verify", "preempted")
 
 
@@ -191,7 +194,8 @@ def build_lanes(trace: RunTrace) -> Lanes:
     order: dict[int, list[Slot]] = {}
     for st in trace.steps:
         lanes.n_tokens[st.step] = int(st.N or 0)
-        lanes.time_ms[st.step] = float(st.time_ms or 0.0)
+        t = float(st.time_ms or 0.0)
+        lanes.time_ms[st.step] = t if math.isfinite(t) and 0.0 <= t <= MAX_STEP_MS else 0.0  # timing.json is untrusted
         for r in st.batch:
             s = _slot(st, r)
             lanes.by_seq.setdefault(r.seq_id, {})[st.step] = s
