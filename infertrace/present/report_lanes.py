@@ -9,7 +9,8 @@ blocks or cells after the step, sampled piece, stop reason). Above the lanes: ea
 size N.
 
 Every value enters HTML through ``markupsafe.Markup.format`` (escaped for text and attribute context);
-at most :data:`MAX_LANE_STEPS` steps and :data:`MAX_LANE_ROWS` requests are drawn ("… N more").
+at most :data:`MAX_LANE_STEPS` steps, :data:`MAX_LANE_ROWS` requests and :data:`MAX_LANE_CELLS` cells are
+drawn ("… N more").
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from infertrace.trace.records import RunTrace
 M = Markup
 J = Markup("").join
 MAX_LANE_STEPS, MAX_LANE_ROWS = 400, 256
+#: cells drawn at most (requests × steps): many requests draw fewer steps, so the page stays a few MB
+MAX_LANE_CELLS = 40_000
 GLYPH = {"prefill": "P", "decode": "D", "verify": "V", "preempted": "✗"}
 LEGEND = ("P prefill (whole prompt) · C1..Cn prefill chunks · D decode · V speculative verify · ✗ preempted · "
           "+H prefix hit of H tokens (green edge) · ■ finished · empty: not scheduled · hover a cell for its facts")
@@ -65,9 +68,15 @@ def _cell(s: Slot | None) -> Markup:
     return M('<td class="{}" title="{}">{}</td>').format(cls, slot_title(s), text)
 
 
+def drawn(lanes: Lanes) -> tuple[list[int], list[int]]:
+    """The steps and requests the grid draws (within :data:`MAX_LANE_STEPS`, :data:`MAX_LANE_ROWS`, :data:`MAX_LANE_CELLS`)."""
+    seqs = lanes.seqs[:MAX_LANE_ROWS]
+    return lanes.steps[:min(MAX_LANE_STEPS, MAX_LANE_CELLS // max(1, len(seqs)))], seqs
+
+
 def lane_grid(lanes: Lanes) -> Markup:
     """The lanes as one HTML table: a header of step numbers, a row of N per step, one row per request."""
-    steps, seqs = lanes.steps[:MAX_LANE_STEPS], lanes.seqs[:MAX_LANE_ROWS]
+    steps, seqs = drawn(lanes)
     head = J(M("<th>{}</th>").format(s) for s in steps)
     ntok = J(M("<td>{}</td>").format(lanes.n_tokens.get(s, 0)) for s in steps)
     rows = J(M('<tr data-seq="{}"><th class="seq">seq {}</th>{}</tr>').format(
@@ -82,10 +91,11 @@ def lanes_section(trace: RunTrace) -> Markup:
     if len(lanes.seqs) < 2 or not lanes.steps:
         return M("")
     more = []
-    if len(lanes.steps) > MAX_LANE_STEPS:
-        more.append(f"{len(lanes.steps) - MAX_LANE_STEPS} more steps")
-    if len(lanes.seqs) > MAX_LANE_ROWS:
-        more.append(f"{len(lanes.seqs) - MAX_LANE_ROWS} more requests")
+    steps, seqs = drawn(lanes)
+    if len(lanes.steps) > len(steps):
+        more.append(f"{len(lanes.steps) - len(steps)} more steps")
+    if len(lanes.seqs) > len(seqs):
+        more.append(f"{len(lanes.seqs) - len(seqs)} more requests")
     note = (M('<p class="dim more">… {} not drawn (infertrace export DIR --format perfetto has every lane)</p>')
             .format(", ".join(more)) if more else M(""))
     return M('<section id="lanes"><h2>request lanes (one row per request, one column per step)</h2>'
