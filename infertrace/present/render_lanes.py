@@ -23,9 +23,9 @@ from infertrace.trace.records import RunTrace
 #: rows (after folding) and request columns drawn before "… N more"
 MAX_ROWS, MAX_LANES = 200, 16
 STYLE = {"prefill": "magenta", "chunk": "magenta", "decode": "blue", "verify": "cyan", "preempted": "bold red"}
-LEGEND = ("T = tokens computed, [positions] · prefill = the whole prompt in one step · chunk k/n = the k-th of n "
-          "prefill steps · decode @p = one token at position p · verify acc a/d = speculative verify, a of d drafts "
-          "accepted · hit H = H prompt tokens from the prefix cache · ■ reason = finished this step · blank = not scheduled")
+LEGEND = ("T = tokens computed [at positions] · prefill = whole prompt in one step · chunk k/n = k-th of n prefill "
+          "steps · decode @p · verify acc a/d = drafts accepted · hit H = tokens from the prefix cache · ■ finished · "
+          "blank = not scheduled")
 
 
 def slot_text(s: Slot, span: int = 1, last_pos: int | None = None) -> Text:
@@ -65,18 +65,19 @@ def folded_rows(lanes: Lanes) -> list[tuple[int, int]]:
     return rows
 
 
-def composition_table(lanes: Lanes, width: int = 120) -> Table:
+def composition_table(lanes: Lanes) -> Table:
     """The table (see the module docstring); at most :data:`MAX_ROWS` rows and :data:`MAX_LANES` request columns."""
     shown = lanes.seqs[:MAX_LANES]
-    t = Table(title="batch composition per step (which requests shared each step, tokens each)", title_justify="left",
-              title_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), width=None)
+    t = Table(title="batch composition per step", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
+              show_edge=False, pad_edge=False, padding=(0, 1))
     t.add_column("step", justify="right", no_wrap=True)
     t.add_column("N", justify="right", no_wrap=True)
     for sid in shown:
         t.add_column(f"seq {sid}", overflow="fold")
     rows = folded_rows(lanes)
+    index = {st: i for i, st in enumerate(lanes.steps)}
     for a, b in rows[:MAX_ROWS]:
-        n = lanes.n_tokens.get(a, 0)
+        n, span = lanes.n_tokens.get(a, 0), index[b] - index[a] + 1
         cells: list[Text | str] = [str(a) if a == b else f"{a}..{b}", str(n) if a == b else f"{n}/step"]
         if not lanes.at(a):
             cells[1] = Text("0 idle", style="dim")
@@ -85,19 +86,24 @@ def composition_table(lanes: Lanes, width: int = 120) -> Table:
             if s is None:
                 cells.append("")
             elif a != b:
-                cells.append(slot_text(s, span=len([x for x in lanes.steps if a <= x <= b]), last_pos=lanes.by_seq[sid][b].C))
+                cells.append(slot_text(s, span=span, last_pos=lanes.by_seq[sid][b].C))
             else:
                 cells.append(slot_text(s))
         t.add_row(*cells)
+    return t
+
+
+def composition_notes(lanes: Lanes) -> str:
+    """The line under the table: what was not drawn (rows past :data:`MAX_ROWS`, requests past
+    :data:`MAX_LANES`) and the legend."""
+    rows = folded_rows(lanes)
     more = []
     if len(rows) > MAX_ROWS:
         more.append(f"{len(rows) - MAX_ROWS} more rows (steps {rows[MAX_ROWS][0]}..{lanes.steps[-1]})")
     if len(lanes.seqs) > MAX_LANES:
         more.append(f"{len(lanes.seqs) - MAX_LANES} more requests")
-    t.caption = ("… " + ", ".join(more) + " not drawn: infertrace export DIR --format perfetto has every lane; "
-                 if more else "") + LEGEND
-    t.caption_justify, t.caption_style = "left", "dim"
-    return t
+    cut = "… " + ", ".join(more) + " not drawn: infertrace export DIR --format perfetto has every lane. " if more else ""
+    return cut + LEGEND
 
 
 def render_composition(console: Console, trace: RunTrace) -> None:
@@ -105,4 +111,5 @@ def render_composition(console: Console, trace: RunTrace) -> None:
     lanes = build_lanes(trace)
     if len(lanes.seqs) < 2 or not lanes.steps:
         return
-    console.print(composition_table(lanes, console.width))
+    console.print(composition_table(lanes))
+    console.print(Text(composition_notes(lanes), style="dim"))

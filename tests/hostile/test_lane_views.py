@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from infertrace.cli.app import app
 from infertrace.present import perfetto
 from infertrace.present.perfetto import trace_events
-from infertrace.present.render_lanes import MAX_ROWS, composition_table
+from infertrace.present.render_lanes import MAX_LANES, MAX_ROWS, composition_notes, composition_table
 from infertrace.present.report_lanes import MAX_LANE_CELLS, MAX_LANE_ROWS, MAX_LANE_STEPS, lanes_section
 from infertrace.safe_text import visible
 from infertrace.trace.lanes import build_lanes
@@ -104,7 +104,9 @@ def test_huge_step_counts_are_bounded(monkeypatch):
     lanes = build_lanes(tr)
     assert len(lanes.steps) == 3000 and len(lanes.seqs) == 20
     t = composition_table(lanes)
-    assert t.row_count == MAX_ROWS and "2800 more rows (steps 200..2999)" in t.caption and "4 more requests" in t.caption
+    note = composition_notes(lanes)
+    assert t.row_count == MAX_ROWS and "2800 more rows (steps 200..2999)" in note and "4 more requests" in note
+    assert len(t.columns) == 2 + MAX_LANES
     sec = str(lanes_section(tr))
     assert sec.count("<th>") == MAX_LANE_STEPS and f"{3000 - MAX_LANE_STEPS} more steps" in sec
     monkeypatch.setattr(perfetto, "MAX_SLICES", 1000)
