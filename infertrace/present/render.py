@@ -29,6 +29,7 @@ from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, RunTrace, StepTrace
 from infertrace.safe_text import visible
 from infertrace.present.text import piece_text  # noqa: F401 - used here and re-exported
+from infertrace.present.render_lanes import render_composition
 from infertrace.present.render_serving import render_audit_summary, serving_mark, serving_view
 from infertrace.present.render_streams import stream_mask_grids, streams_line, streams_state
 from infertrace.present.render_spec import (render_spec_summary, spec_kv_view, spec_mask_view, spec_mtp_view, spec_output_text,
@@ -670,6 +671,7 @@ def render_run(console: Console, trace: RunTrace, show: Sequence[str] = VARIABLE
         steps: step numbers whose panels are printed (None = all); the table lists every step.
     """
     render_header(console, trace)
+    render_composition(console, trace)  # several requests: who shared each step (render_lanes.py)
     console.print(worked_example_table(trace, console.width))
     wanted = None if steps is None else set(steps)
     if show:

@@ -1,7 +1,7 @@
 """One self-contained HTML page for a saved trace (``infertrace report DIR -o report.html``).
 
 Inline CSS, JS and SVG only: it opens from a file with no network. Top to bottom: run facts,
-the worked-example table, the cache over time (llama.cpp cell map and paged block tables, one
+the request lanes of a multi-request run (:mod:`infertrace.present.report_lanes`), the worked-example table, the cache over time (llama.cpp cell map and paged block tables, one
 recorded and one derived, see :mod:`infertrace.present.report_views`), then one section per step
 (its table rows, hidden, positions, the masks side by side, a speculative step's verify rows -- mask
 grid with accepted ✓ / rejected ✗ nodes, its llama.cpp / TensorRT-LLM forms, the rewind --, kv,
@@ -21,6 +21,7 @@ from infertrace.fmt import human_bytes
 from infertrace.present.render import _sampler_text, _step_title, piece_text
 from infertrace.present.render_serving import prefix_hits, serving_lines, serving_mark
 from infertrace.present.report_assets import BODY_JS, CSS, HEAD_JS
+from infertrace.present.report_lanes import CSS as LANES_CSS, lanes_section
 
 # Autoescape discipline: every fragment is a markupsafe.Markup built from a literal template;
 # values enter only as ``.format`` arguments (or ``Markup + value``, ``Markup("").join``), which
@@ -409,10 +410,11 @@ def build_report(trace: RunTrace, source: str = "") -> str:
     return str(J([
         M('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'),
         M('<meta name="viewport" content="width=device-width, initial-scale=1">'),
-        M("<title>{}</title><style>{}</style><script>{}</script></head>").format(title, M(CSS), M(HEAD_JS)),
+        M("<title>{}</title><style>{}</style><script>{}</script></head>").format(title, M(CSS + LANES_CSS), M(HEAD_JS)),
         M('<body data-report="infertrace"><main>'),
         M("<h1>{}</h1>").format(title), _facts(facts),
         M('<pre id="console-errors"></pre><nav class="steps"></nav>'),
+        lanes_section(trace),  # several requests: one row per request, one column per step (report_lanes.py)
         M('<section id="worked-example"><h2>worked example (step by step)</h2>'), v.table(HEADS, table_rows[:MAX_TABLE_ROWS], "worked"),
         _more(len(table_rows) - MAX_TABLE_ROWS, "rows"), M("</section>"),
         cache_over_time(trace),

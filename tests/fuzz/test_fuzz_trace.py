@@ -158,7 +158,7 @@ def _step_of(data: bytes) -> int:
     return int(m.group(1)) if m else 0
 
 
-@pytest.mark.parametrize("command", ["show", "report", "diff", "dump-kv"])
+@pytest.mark.parametrize("command", ["show", "report", "diff", "dump-kv", "export"])
 def test_fuzz_consumers(tmp_path, command):
     @fuzz_settings()
     @given(mutated_trace())
@@ -166,7 +166,8 @@ def test_fuzz_consumers(tmp_path, command):
         name, data = case
         d = _write(_fresh(tmp_path), data)
         args = {"show": ["show", d], "report": ["report", d, "-o", d / "r.html"],
-                "diff": ["diff", GOLDEN / name, d], "dump-kv": ["dump-kv", "--step", _step_of(data), d]}[command]
+                "diff": ["diff", GOLDEN / name, d], "dump-kv": ["dump-kv", "--step", _step_of(data), d],
+                "export": ["export", d, "-o", d.parent / f"{d.name}-p.json", "--force"]}[command]
         res, elapsed = invoke(*args)
         check_cli_result(command, res, elapsed, ok=(0, 1) if command == "diff" else (0,))
         out = res.stdout + res.stderr
@@ -175,5 +176,8 @@ def test_fuzz_consumers(tmp_path, command):
             html = (d / "r.html").read_text(encoding="utf-8")
             a = active_content(html)
             assert not a.handlers and not a.loaders and len(a.scripts) == 2, (a.handlers[:2], a.loaders[:2])
+        if command == "export" and res.exit_code == 0:  # strict JSON, ASCII (present/perfetto.py)
+            raw = (d.parent / f"{d.name}-p.json").read_bytes()
+            assert raw.isascii() and isinstance(json.loads(raw)["traceEvents"], list)
 
     run()
