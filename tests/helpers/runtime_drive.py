@@ -14,14 +14,15 @@ from infertrace.trace.records import VARIABLES, RunTrace
 
 
 def record(name: str, loaded: Any, prompts: list[list[int]], max_new_tokens: int = 3, native: dict | None = None,
-           layer: int = 0, params: SamplingParams | None = None, **kw: Any) -> RunTrace:
-    """Run ``prompts`` (token ids) through runtime ``name`` and return its trace (``kw`` go to the runtime)."""
+           layer: int = 0, params: SamplingParams | list[SamplingParams] | None = None, **kw: Any) -> RunTrace:
+    """Run ``prompts`` (token ids) through runtime ``name`` and return its trace (``params``: one for all, or one
+    per prompt; ``kw`` go to the runtime)."""
     cls = runtime_class(name)
     settings = RunSettings(opts=EngineOptions(), layer=layer, show=VARIABLES, native=native or {})
     rt = cls(loaded, settings, **kw)
     try:
-        p = params or SamplingParams(max_new_tokens=max_new_tokens)
-        for ids in prompts:
+        ps = params if isinstance(params, list) else [params or SamplingParams(max_new_tokens=max_new_tokens)] * len(prompts)
+        for ids, p in zip(prompts, ps):
             rt.add_request(EncodedRequest(list(ids), p, 0, ""))
         steps = []
         while (rec := rt.step()) is not None:
