@@ -122,3 +122,19 @@ def test_a_saved_trace_naming_an_unknown_engine_is_refused(ragged, tmp_path):
     (out / "trace.json").write_text(json.dumps(m))
     res = CliRunner().invoke(app, ["check", str(out)])
     assert res.exit_code == 2 and "'engine' must be one of infertrace, llama.cpp, vllm, hf" in res.output
+
+
+def test_no_pad_column_means_sdpa_runs_is_causal(smol, hf_smol):
+    """Two prompts of the same length: no pad column, so HF's create_causal_mask returns None under sdpa (its
+    ``_ignore_causal_mask_sdpa``) and the trace says ``none: is_causal``; the run checks clean, and the same
+    record with a pad column planted in the mask is a violation (nothing would drop it)."""
+    ids = [smol.tokenizer.encode("The capital of France is"), smol.tokenizer.encode("One two three four five")]
+    assert len(ids[0]) == len(ids[1])
+    m = record("hf", smol, ids, 2, {"padding": "left"}, model=hf_smol[1]).to_dict()
+    assert hf_smol[1].config._attn_implementation == "sdpa"
+    assert [st["hf"]["masks"]["full_attention"]["returned"] for st in m["steps"]] == ["none: is_causal"] * 2
+    v, _ = check_trace(copy.deepcopy(m))
+    assert v is None, v.line()
+    m["steps"][0]["hf"]["attention_mask"][1][0] = 0
+    v, _ = check_trace(m)
+    assert v is not None and v.rule in ("dense layout [B, T]", "pad columns masked")
