@@ -65,10 +65,13 @@ def capture_forward(model: Any) -> Iterator[ForwardCapture]:
         hooks.append(emb.register_forward_hook(lambda m, a, out: setattr(cap, "embed", out.detach().to("cpu"))))
     rot = getattr(dec, "rotary_emb", None)
     if rot is not None:
-        def on_rot(m: Any, a: Any, out: Any) -> None:
-            if cap.cos is None and isinstance(out, tuple) and len(out) == 2:
+        def on_rot(m: Any, a: Any, kw: Any, out: Any) -> None:
+            # Gemma 3 calls it once per layer type (rotary_emb(x, position_ids, layer_type)): keep full_attention's,
+            # the one whose inv_freq :func:`inv_freq` returns and whose theta the trace names
+            lt = a[2] if len(a) > 2 else kw.get("layer_type")
+            if lt in (None, "full_attention") and isinstance(out, tuple) and len(out) == 2:
                 cap.cos, cap.sin = out[0].detach().to("cpu"), out[1].detach().to("cpu")
-        hooks.append(rot.register_forward_hook(on_rot))
+        hooks.append(rot.register_forward_hook(on_rot, with_kwargs=True))
     try:
         yield cap
     finally:
@@ -79,11 +82,13 @@ def capture_forward(model: Any) -> Iterator[ForwardCapture]:
 
 
 def inv_freq(model: Any) -> torch.Tensor | None:
-    """The rotary module's ``inv_freq`` buffer ``[head_dim / 2]`` (float32), or None."""
+    """The rotary module's ``inv_freq`` buffer ``[head_dim / 2]`` (float32; Gemma 3: the full-attention layers'
+    ``full_attention_inv_freq``), or None."""
     rot = getattr(_decoder(model), "rotary_emb", None)
-    for name, buf in (rot.named_buffers() if rot is not None else ()):
-        if name.endswith("inv_freq") and not name.startswith("original"):
-            return buf.detach().float().cpu()
+    bufs = dict(rot.named_buffers()) if rot is not None else {}
+    for name in ("inv_freq", "full_attention_inv_freq"):  # Llama-like; Gemma 3 keeps one per layer type
+        if name in bufs:
+            return bufs[name].detach().float().cpu()
     return None
 
 
