@@ -18,6 +18,7 @@ FOLDER_MARKS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("runtimes",): ("slow",),
     ("runtimes", "llamacpp"): ("needs_llamacpp",),
     ("runtimes", "vllm"): ("needs_vllm", "vllm"),
+    ("runtimes", "hf"): ("hf",),
     ("fuzz",): ("slow",),
 }
 

@@ -63,6 +63,27 @@ class LogitsCapture:
                 j += 1
 
 
+def hf_model(path: Path) -> Any:
+    """HF transformers' ``AutoModelForCausalLM`` on ``path`` (GGUF file or HF directory), float32, eval mode; one
+    loaded model is kept (the same cache :func:`hf_reference` uses).
+
+    Raises:
+        InfertraceError: transformers missing (``make setup-dev``) or load failure.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise InfertraceError("--engine hf needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)") from None
+    key = str(Path(path).resolve())
+    model = _HF_CACHE.get(key)
+    if model is None:
+        with _quiet_transformers(transformers):
+            model = _load_hf(transformers, Path(path))
+        _HF_CACHE.clear()
+        _HF_CACHE[key] = model
+    return model
+
+
 def hf_reference(path: Path) -> Reference:
     """HF transformers on ``path`` (GGUF file or HF directory), float32, its own KV cache.
 

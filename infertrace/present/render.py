@@ -117,7 +117,8 @@ def render_header(console: Console, trace: RunTrace) -> None:
     ]
     lines += family_lines(c)
     be = o.get("backend", "?")
-    conv = "llama.cpp-style cells + kq_mask" if be == "cells" else "TensorRT-LLM/vLLM-style paged pool + metadata"
+    conv = ("llama.cpp-style cells + kq_mask" if be == "cells" else "HF-style padded [B, T] batch + 2-D attention_mask"
+            if be == "dense" else "TensorRT-LLM/vLLM-style paged pool + metadata")
     detail = f"ctx {eng.get('ctx_size')}"
     if be == "paged":
         nb = eng.get('num_blocks') or -(-int(eng.get('ctx_size') or 0) // int(eng.get('tokens_per_block') or 1))
@@ -147,6 +148,11 @@ def render_header(console: Console, trace: RunTrace) -> None:
                 f"ISA {vl.get('isa', '?')}, block {vl.get('block_size', '?')}, {vl.get('num_blocks', '?')} blocks, null block 0, "
                 f"dtype {vl.get('dtype', '?')}, TP {vl.get('tensor_parallel_size', 1)}): scheduler output, block tables, "
                 "slot mapping, K/V and logits read from its objects")
+    elif getattr(trace, "engine", "infertrace") == "hf":
+        hf = o.get("hf", {}) if isinstance(o.get("hf"), dict) else {}
+        conv = (f"computed by HF transformers itself ({hf.get('version', '?')}, {hf.get('model_class', '?')}, "
+                f"{hf.get('padding', '?')} padding, pad id {hf.get('pad_token_id', '?')}, batch {hf.get('batch_size', '?')} x "
+                f"{hf.get('padded_len', '?')}): input_ids, attention_mask, position_ids, masks and DynamicCache read from its objects")
     lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))
@@ -416,6 +422,10 @@ def swa_parts(st: StepTrace, swa: dict[str, Any]) -> list[RenderableType]:
 def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableType:
     """Visible keys per query; the kq_mask slice (cells) or the attention metadata (paged)."""
     parts: list[RenderableType] = [_kv("rule", m.rule)]
+    if m.backend == "dense":  # --engine hf: HF's own masks per layer type (render_dense.py)
+        from infertrace.present.render_dense import dense_mask_parts
+
+        parts += dense_mask_parts(st)
     for v in m.visible:
         qs = [f"q{q['pos']}→{q['keys']}" for q in v["queries"]]
         parts.append(_kv(f"seq {v['seq_id']}", "visible keys: " + short(qs, head=4, tail=2, sep="  "), style="bold cyan"))
@@ -476,6 +486,10 @@ def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableT
 def kv_view(st: StepTrace, kv: KVRec) -> RenderableType:
     """Per request K/V shapes before → after and where the new entries went; physical state."""
     ph = kv.physical
+    if kv.backend == "dense":  # --engine hf: the padded grid and DynamicCache (render_dense.py)
+        from infertrace.present.render_dense import dense_kv_view
+
+        return dense_kv_view(st, kv)
     if kv.backend == "cells":
         shape_desc = f"k_l / v_l per layer [{kv.physical_shape[0]} cells, {kv.physical_shape[1]} kv heads, {kv.physical_shape[2]}]"
     else:
@@ -634,6 +648,10 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
             console.print(serving_view(st))
         return
     console.print(packed_batch_view(st))
+    if st.hf:  # --engine hf: the padded [B, L] grid HF computed (render_dense.py)
+        from infertrace.present.render_dense import dense_grid_view
+
+        console.print(dense_grid_view(st))
     if st.serving:
         console.print(serving_view(st))
     views = {

@@ -188,6 +188,10 @@ REGISTRY: dict[str, RuntimeInfo] = {
     "vllm": RuntimeInfo(
         "vllm", "vLLM itself, in-process, step by step: its scheduler output, block tables, slot mapping, K/V and logits",
         "infertrace.runtimes.vllm.runtime:VllmRuntime", ("paged",), own_weights=True, install="vllm", native="vllm"),
+    "hf": RuntimeInfo(
+        "hf", "HF transformers, one padded [B, T] batch with its DynamicCache: its input_ids, attention_mask, position_ids, "
+        "masks per layer type, cache lengths, K/V and logits",
+        "infertrace.runtimes.hf.runtime:HfRuntime", ("dense",), own_weights=True, install="dev", native="hf"),
 }
 
 

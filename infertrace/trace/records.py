@@ -153,10 +153,11 @@ class StepTrace:
     spec: dict[str, Any] | None = None  # speculative decoding: drafted, accepted, acceptance rate of the step
     hybrid: dict[str, Any] | None = None  # hybrid models: layer map, M-RoPE positions, GDN state (capture/hybrid_rec.py)
     vllm: dict[str, Any] | None = None  # run --engine vllm: vLLM's scheduler output and attention metadata as built (runtimes/vllm)
+    hf: dict[str, Any] | None = None  # --engine hf: HF's forward inputs, masks per layer type, cache lengths (runtimes/hf)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("serving", "spec", "hybrid", "vllm"):  # only when the mechanism was on (older traces compare equal)
+        for k in ("serving", "spec", "hybrid", "vllm", "hf"):  # only when the mechanism was on (older traces compare equal)
             if d.get(k) is None:
                 d.pop(k, None)
         for b in d["batch"]:
@@ -187,6 +188,7 @@ class StepTrace:
             spec=d.get("spec") if isinstance(d.get("spec"), dict) else None,
             hybrid=d.get("hybrid") if isinstance(d.get("hybrid"), dict) else None,
             vllm=d.get("vllm") if isinstance(d.get("vllm"), dict) else None,
+            hf=d.get("hf") if isinstance(d.get("hf"), dict) else None,
         )
 
 
@@ -201,7 +203,7 @@ class RunTrace:
     steps: list[StepTrace]
     requests: list[dict[str, Any]]  # seq_id, prompt, prompt_ids, output_ids, text, stop_reason
     schema_version: int = SCHEMA_VERSION
-    engine: str = "infertrace"  # who computed: "infertrace" (this engine), "llama.cpp" or "vllm" (run --engine ...)
+    engine: str = "infertrace"  # who computed: "infertrace" (this engine), "llama.cpp", "vllm" or "hf" (run --engine ...)
     #: machine facts of the run, like ``time_ms``: in ``to_dict`` (``run --json``) but not in
     #: trace.json (timing.json holds them): ``{"threads": int, "threads_reason": str}`` or empty
     runtime: dict[str, Any] = field(default_factory=dict)

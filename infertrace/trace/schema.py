@@ -220,6 +220,8 @@ def Range(null: bool = False) -> Spec:
 
 
 # ----------------------------------------------------------------------------- the trace
+#: the KV conventions a trace may name: llama.cpp cells, vLLM / TensorRT-LLM pages, HF's dense padded batch
+BACKENDS = ("cells", "paged", "dense")
 I, U = Int(), Int(0, L["MAX_ID"])
 POS = Int(0, L["MAX_CTX"] - 1, limit="MAX_CTX")
 DIM = Int(0, L["MAX_DIM"], limit="MAX_DIM")
@@ -369,15 +371,25 @@ PHYS_PAGED = Obj({"kind": Str(choices=("paged",)), "num_blocks": Int(1, L["MAX_B
                   "cached_free_blocks": Int(0, L["MAX_BLOCKS"])})
 
 
+#: ``--engine hf`` (runtimes/hf/record.py ``dense_physical``): the padded ``[B, L]`` grid after the step, per batch
+#: row its real / pad columns (range texts over columns), and each layer type's cache length and stored columns
+PHYS_DENSE = Obj({"kind": Str(choices=("dense",)), "batch_size": Int(1, L["MAX_SEQ_ID"]), "padded_len": Int(0, L["MAX_CTX"]),
+                  "columns": Int(0, L["MAX_CTX"]), "padding": Str(choices=("left", "right")),
+                  "rows": List(Obj({"row": DIM, "seq_id": SEQ, "real_cols": Range(), "pad_cols": Range(),
+                                    "len": Int(0, L["MAX_CTX"]), "finished": Bool()}, {"fed_pad_cols": Range()})),
+                  "cache": Map(Obj({"seq_length": Int(0, L["MAX_CTX"]), "stored": Int(0, L["MAX_CTX"])}), key_int=False, max_len=8)})
+
+
 def _physical(v: Any, p: str) -> None:
     kind = v.get("kind") if isinstance(v, dict) else None
-    (PHYS_CELLS if kind == "cells" else PHYS_PAGED)(v, p)
+    (PHYS_CELLS if kind == "cells" else PHYS_DENSE if kind == "dense" else PHYS_PAGED)(v, p)
 
 
-KV = Obj({"backend": Str(choices=("cells", "paged")), "dtype": S, "layers": DIM,
+KV = Obj({"backend": Str(choices=BACKENDS), "dtype": S, "layers": DIM,
           "per_request": List(Obj({"seq_id": SEQ, "shape_before": SHAPE, "shape_after": SHAPE, "written_pos": Range()},
                                   {"cells": Range(), "stream": Int(0, MAX_STREAMS - 1), "slot_mapping": List(Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"])),
-                                   "block_table": List(Int(0, L["MAX_BLOCKS"]))})),
+                                   "block_table": List(Int(0, L["MAX_BLOCKS"])),
+                                   "row": DIM, "columns": Range()})),  # dense: the batch row and the cache columns written
           "layer_view": Obj({}, {"layer": DIM, "requests": List(Obj({"seq_id": SEQ, "rows": List(Obj(
               {"pos": POS, "k": List(F, 1 << 16), "v": List(F, 1 << 16)}))}))}),
           "physical": _physical, "physical_shape": SHAPE}, null=True)
@@ -434,11 +446,33 @@ VLLM_STEP = Obj({"scheduler": Obj({"scheduled": List(Obj({"seq_id": SEQ, "num_sc
                  "tp_ranks": List(Obj({"tp_rank": DIM, "kv_heads_held": Int(0, L["MAX_DIM"], null=True),
                                        "metadata_equals_rank0": Bool()},
                                       {"kv_heads": List(DIM, 4096), "kv_equals_first_holder": Bool()}), 4096)}, null=True)
-STEP = Obj({"step": Int(0, L["MAX_STEPS"], limit="MAX_STEPS"), "backend": Str(choices=("cells", "paged")), "attention": S,
+#: ``--engine hf`` (runtimes/hf/record.py ``hf_section``): the step in HF's names: the forward's inputs as fed, each
+#: layer type's mask as its mask function returned it (per batch row, per query, "1" keep / "0" drop over the key
+#: columns), the DynamicCache's per-layer lengths, K/V of the recorded layer by column, the logits' shape
+MASK_ROW = Str(max_len=4096)
+HF_STEP = Obj({"padding": Str(choices=("left", "right")), "input_ids": List(List(U)), "attention_mask": List(List(Int(0, 1))),
+               "position_ids": List(List(Int(0, L["MAX_CTX"]))), "cache_position": List(POS), "past_seen_tokens": Int(0, L["MAX_CTX"]),
+               "masks": Map(Obj({"function": Str(max_len=200), "returned": Str(max_len=200), "shape": List(DIM, 8, null=True)},
+                                {"kv_offset": Int(0, L["MAX_CTX"]), "rows": List(List(MASK_ROW, 256)), "truncated": Bool()}),
+                            key_int=False, max_len=8),
+               "cache": Obj({"class": Str(max_len=200), "layers": List(Obj(
+                   {"layer": DIM, "class": Str(max_len=200), "is_sliding": Bool(), "seq_length": Int(0, L["MAX_CTX"]),
+                    "stored": Int(0, L["MAX_CTX"])}, {"sliding_window": Int(0, L["MAX_CTX"])}), L["MAX_DIM"])}),
+               "kv_layer": Obj({"layer": DIM, "rows": List(Obj({"row": DIM, "columns": List(Obj(
+                   {"col": POS, "k": List(F, 1 << 16), "v": List(F, 1 << 16)}), 64)}))}),
+               "logits": Obj({"shape": SHAPE, "columns": List(List(Int(0, L["MAX_CTX"]), length=2))})},
+              {"attn_implementation": Str(max_len=64), "pad_token_id": U, "row_seq_ids": List(SEQ),
+               "finished_rows": List(Obj({"row": DIM, "fed_pad_from_col": POS})),
+               "generate_position_ids": List(Int(0, L["MAX_CTX"]), null=True), "next_tokens": List(U, null=True)}, null=True)
+#: ``--engine hf``: HF's own run facts (runtimes/hf/runtime.py HfRuntime.header)
+HF_HEADER = Obj({}, {"version": Str(max_len=200), "model_class": Str(max_len=200), "attn_implementation": Str(max_len=64),
+                     "dtype": Str(max_len=32), "padding": Str(choices=("left", "right")), "pad_token_id": U,
+                     "batch_size": Int(0, L["MAX_SEQ_ID"]), "padded_len": Int(0, L["MAX_CTX"])}, extra=True)
+STEP = Obj({"step": Int(0, L["MAX_STEPS"], limit="MAX_STEPS"), "backend": Str(choices=BACKENDS), "attention": S,
             "N": Int(0, L["MAX_LIST"]), "batch": List(REQ_STEP)},
            {"hidden": HIDDEN, "positions": POSITIONS, "mask": MASK, "kv": KV, "decode": DECODE,
             "preempted": List(SEQ), "admitted": List(SEQ), "time_ms": F, "serving": SERVING, "spec": SPEC_STEP, "hybrid": HYBRID,
-            "vllm": VLLM_STEP})
+            "vllm": VLLM_STEP, "hf": HF_STEP})
 REQUEST = Obj({"seq_id": SEQ}, {"prompt": S, "prompt_ids": List(U), "output_ids": List(U), "text": S, "stop_reason": Str(null=True),
                                 "arrival_step": Int(0, L["MAX_STEPS"]), "num_preemptions": Int(0, L["MAX_STEPS"]),
                                 "params": SAMPLER}, extra=True)
@@ -447,7 +481,7 @@ FIN = Num(lo=-_NUM_ABS, hi=_NUM_ABS)
 FIN_OR_NULL = Num(null=True, lo=-_NUM_ABS, hi=_NUM_ABS)
 #: the run's EngineOptions (engine/options.py) as the runtimes record them: every field typed and bounded
 #: (speculative.py MAX_DRAFT = 64 drafts; a tree of at most 4096 nodes, as SPEC_REQ)
-ENGINE = Obj({}, {"backend": Str(choices=("cells", "paged")), "ctx_size": Int(1, L["MAX_CTX"], null=True, limit="MAX_CTX"),
+ENGINE = Obj({}, {"backend": Str(choices=BACKENDS), "ctx_size": Int(1, L["MAX_CTX"], null=True, limit="MAX_CTX"),
                   "num_blocks": Int(1, L["MAX_BLOCKS"], null=True, limit="MAX_BLOCKS"),
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], null=True, limit="MAX_TOKENS_PER_BLOCK"),
                   "max_batch_tokens": Int(1, L["MAX_CTX"], null=True), "prefill_chunk": Int(1, L["MAX_CTX"], null=True),
@@ -484,11 +518,11 @@ VLLM_HEADER = Obj({}, {"version": Str(max_len=200), "backend": Str(max_len=400),
                                               "layer_name": Str(max_len=400)}, extra=True), 4096),
                        "kv_cache_layout": Str(max_len=4096)}, extra=True)
 PADDED_VOCAB = Obj({"rows": U, "tokens": U}, {"policy": Str(max_len=64), "masked": Range()}, extra=True)
-OPTIONS = Obj({}, {"backend": Str(choices=("cells", "paged")), "attention": Str(max_len=64), "device": Str(max_len=64),
+OPTIONS = Obj({}, {"backend": Str(choices=BACKENDS), "attention": Str(max_len=64), "device": Str(max_len=64),
                    "dtype": Str(choices=("float32", "bfloat16", "float16")), "layer": DIM,
                    "show": List(Str(choices=("hidden", "positions", "mask", "kv", "decode")), 64), "engine": ENGINE,
                    "llama_cpp": LLAMA_CPP, "weights": WEIGHTS, "sampler_order": Str(null=True, choices=("hf", "llama.cpp")),
-                   "vllm": VLLM_HEADER, "padded_vocab": PADDED_VOCAB}, extra=True)
+                   "vllm": VLLM_HEADER, "hf": HF_HEADER, "padded_vocab": PADDED_VOCAB}, extra=True)
 MODEL = Obj({}, {"file": S, "name": Str(null=True), "size": Int(0, 1 << 62), "source": S, "metadata_sha256": Str(null=True)},
             extra=True)
 ROPE_SCALING = Obj({}, {"type": Str(max_len=64), "factor": FIN, "low_freq_factor": FIN, "high_freq_factor": FIN,
@@ -743,6 +777,13 @@ def _kv_consistent(st: dict[str, Any], p: str) -> None:
     if ph["kind"] != kv["backend"]:
         raise Bad(f"{p}.kv.physical.kind", f"{ph['kind']!r} but the record's backend is {kv['backend']!r}")
     shape = kv["physical_shape"]
+    if ph["kind"] == "dense":  # HF DynamicCache keys [B, n_kv_heads, stored columns, head_dim]
+        if len(shape) != 4 or shape[0] != ph["batch_size"] or shape[2] > ph["columns"]:
+            raise Bad(f"{p}.kv.physical_shape", f"{shape} does not match the dense storage [batch_size = {ph['batch_size']}, "
+                      f"n_kv_heads, columns <= {ph['columns']}, head_dim]")
+        if any(r["row"] >= ph["batch_size"] for r in ph["rows"]) or len(ph["rows"]) > ph["batch_size"]:
+            raise Bad(f"{p}.kv.physical.rows", f"batch rows must lie in 0..{ph['batch_size'] - 1}")
+        return
     want = [ph["size"], None, None] if ph["kind"] == "cells" else [ph["num_blocks"], 2, None, ph["tokens_per_block"], None]
     if len(shape) != len(want) or any(w is not None and x != w for x, w in zip(shape, want)):
         raise Bad(f"{p}.kv.physical_shape", f"{shape} does not match the {ph['kind']} storage "

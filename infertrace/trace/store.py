@@ -33,8 +33,9 @@ MANIFEST, TENSORS, TIMING = "trace.json", "tensors.safetensors", "timing.json"
 #: what a saved trace directory may hold (``--force`` replaces only such a directory)
 TRACE_FILES = frozenset({MANIFEST, TENSORS, TIMING, "report.html"})
 KEEP = ("summary", "tensors")
-#: who computed a trace (the manifest's ``engine``)
-ENGINES = ("infertrace", "llama.cpp", "vllm")
+#: who computed a trace (the manifest's ``engine``): the names of :data:`infertrace.runtimes.api.REGISTRY` (kept
+#: equal to it by tests/unit/trace/test_engine_names.py; trace/ stays torch-free, so it does not import the registry)
+ENGINES = ("infertrace", "llama.cpp", "vllm", "hf")
 #: per-step fields that depend on the machine, not on the run; stored in timing.json
 TIMING_FIELDS = ("time_ms",)
 

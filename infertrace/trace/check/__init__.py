@@ -92,11 +92,21 @@ Newer sections, each recomputed from the facts it summarises:
   sequence's own table; ``tp_ranks`` one per rank of ``tensor_parallel_size``; a ``vllm`` section only in
   a trace whose header names the engine ``vllm`` (and every computed step of such a trace has one).
 
+* **dense** (``run --engine hf``, HF transformers' padded ``[B, T]`` batch; :mod:`infertrace.trace.check.dense`):
+  the first forward is ``[B, T]`` with T = the longest prompt, each row's prompt at its left- or right-padded
+  columns and ``attention_mask`` 0 exactly at the pads; every later forward ``[B, 1]`` with the mask one column
+  wider; ``position_ids = cumsum(mask) - 1`` (pads 0), so real tokens sit at 0..n-1 whatever the padding and
+  each request's positions are HF's at its columns; every mask HF built keeps, for each real query, exactly the
+  real key columns at or before it (sliding layers: inside the window) and no pad column (``none: is_causal``
+  only without pads); every layer's cache length is ``T + decode steps`` (a sliding layer stores at most
+  ``sliding_window - 1``); ``kv.layer_view`` equals HF's K/V at the mapped column; each row samples its last
+  real column. :func:`padding_kv_problem` compares two traces of the same prompts (left vs right padding).
+
 The package, one module per convention (each rule written once): ``positions`` (rules 1-2, serving
 events, prefix hits), ``mask`` (3, 4, 7), ``swa`` (``kq_mask_swa``, the SWA pool), ``streams``
 (``--kv-unified off``), ``cells`` (5 cells, 8), ``paged`` (5 paged, block tables), ``speculative`` (6, 8,
 MTP), ``options`` (options, layers, kernels, kv dtype), ``decode`` (the decode loop), ``tensors`` (9),
-``vllm`` (the per-step ``vllm`` section), ``base`` (shared pieces, the header's facts) and ``checker``
+``vllm`` (the per-step ``vllm`` section), ``dense`` (the per-step ``hf`` section, ``--engine hf``), ``base`` (shared pieces, the header's facts) and ``checker``
 (the pass over the steps). The rule-mixin methods and ``*_rules`` functions take the running checker
 (``fail`` / ``need`` / ``n_checks``) and raise through ``fail`` on the first violation.
 """
@@ -107,10 +117,11 @@ from infertrace.ranges import parse_ranges, ranges_text  # the range grammar liv
 from infertrace.trace.check.base import Violation, config_problem, intervals, intervals_of, kept_len, run_facts
 from infertrace.trace.check.checker import check_trace, iter_rules
 from infertrace.trace.check.decode import decode_loop_problem
+from infertrace.trace.check.dense import padding_kv_problem
 from infertrace.trace.check.options import kernels_problem, layers_problem, options_problem
 from infertrace.trace.check.speculative import run_spec_problem, verify_row_problem
 from infertrace.trace.check.tensors import check_tensors
 
 __all__ = ["Violation", "check_tensors", "check_trace", "config_problem", "decode_loop_problem", "intervals", "intervals_of",
-           "iter_rules", "kept_len", "kernels_problem", "layers_problem", "options_problem", "parse_ranges", "ranges_text",
+           "iter_rules", "kept_len", "kernels_problem", "layers_problem", "options_problem", "padding_kv_problem", "parse_ranges", "ranges_text",
            "run_facts", "run_spec_problem", "verify_row_problem"]

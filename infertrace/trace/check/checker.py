@@ -9,6 +9,7 @@ from typing import Any, Iterator
 from infertrace.trace.check.base import _Bad, config_problem, _int, run_facts, Violation
 from infertrace.trace.check.cells import CellRules
 from infertrace.trace.check.decode import decode_loop_problem
+from infertrace.trace.check.dense import dense_rules
 from infertrace.trace.check.mask import MaskRules
 from infertrace.trace.check.options import kernels_problem, kv_dtype_rules, layers_problem, options_problem
 from infertrace.trace.check.paged import paged_table_rules, PagedRules
@@ -78,7 +79,7 @@ class _Checker(PositionRules, MaskRules, SwaRules, CellRules, PagedRules, SpecRu
         self._pool(s, st)
         self._hybrid(s, st)
         for rules in (streams_rules, swa_pool_rules, mtp_rules, paged_table_rules, prefix_rules,
-                      vllm_rules):
+                      vllm_rules, dense_rules):
             rules(self, s, st, reqs)
         kv_dtype_rules(self, s, st)
         for r in reqs:
@@ -140,4 +141,7 @@ def iter_rules() -> Iterator[str]:
                 "the engine named in the header", "scheduler counts", "free blocks of the pool",
                 "new blocks owned by their sequence", "query_start_loc from the batch", "seq_lens from the batch",
                 "num_actual_tokens from the batch", "max_query_len from the batch", "max_seq_len from the batch",
-                "logits_indices", "sampled tokens are the chosen ones", "ranks = tensor_parallel_size")
+                "logits_indices", "sampled tokens are the chosen ones", "ranks = tensor_parallel_size",
+                # the dense convention (--engine hf, trace/check/dense.py)
+                "dense layout [B, T]", "position_ids from the mask", "pad columns masked", "cache lengths",
+                "K/V at the row's columns", "logits at the last real column")
