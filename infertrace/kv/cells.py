@@ -327,13 +327,11 @@ class CellsKV(MemoryDefaults):
         cell_pos, cell_seq = inp.cell_pos, inp.cell_seq  # state when the mask was filled
         out, row = [], 0
         for c in inp.chunks:
-            m = torch.zeros(c.T, c.C + c.T, dtype=torch.bool)
             keep = mask[row : row + c.T, :n_kv] == 0  # [T, n_kv]
-            for cell in range(n_kv):
-                p = int(cell_pos[cell])
-                if p < 0 or p >= c.C + c.T:
-                    continue
-                m[:, p] |= keep[:, cell]
+            p = cell_pos[:n_kv].to(torch.int64)  # [n_kv] pos of each cell (-1: empty)
+            ok = (p >= 0) & (p < c.C + c.T)
+            # column pos gets the OR over the cells holding that pos (a count > 0), all cells at once
+            m = torch.zeros(c.T, c.C + c.T, dtype=torch.int32).index_add_(1, p[ok], keep[:, ok].to(torch.int32)) > 0
             # a cell visible to a query but not owned by its seq would be a leak: expose it
             owned = cell_seq[:, c.seq_id]
             leak = keep & ~owned.unsqueeze(0)
