@@ -343,13 +343,18 @@ class CellsKV(MemoryDefaults):
 
     def snapshot(self) -> dict[str, Any]:
         """Cell map like llama.cpp's cache debug print: per used cell its pos and seq_ids."""
-        used_idx = (self.pos >= 0).nonzero().flatten().tolist()
-        cells = [{"cell": i, "pos": int(self.pos[i]), "seq_ids": self.seq[i].nonzero().flatten().tolist()} for i in used_idx]
+        used = (self.pos >= 0).nonzero().flatten()  # [U] cells in use
+        used_idx = used.tolist()
+        owners: list[list[int]] = [[] for _ in used_idx]
+        for r, s in self.seq[used].nonzero().tolist():  # [nnz, 2] (row in used, seq_id), row-major: seq_ids ascending
+            owners[r].append(s)
+        cells = [{"cell": i, "pos": p, "seq_ids": o} for i, p, o in zip(used_idx, self.pos[used].tolist(), owners)]
         seqs = sorted({s for c in cells for s in c["seq_ids"]})
+        of = {s: self.cells_of(s) for s in seqs}
         return {
             "kind": self.kind, "size": self.size, "head": self.head, "used": len(used_idx), "n_kv": self.n_kv(),
             "n_swa": self.n_swa, "swa_layers": [i for i, w in enumerate(self.windows) if w],
             "cells": cells,
-            "seqs": {str(s): {"cells": ranges_text([c for c, _ in self.cells_of(s)]),
-                               "pos": ranges_text([p for _, p in self.cells_of(s)])} for s in seqs},
+            "seqs": {str(s): {"cells": ranges_text([c for c, _ in of[s]]), "pos": ranges_text([p for _, p in of[s]])}
+                     for s in seqs},
         }
