@@ -327,13 +327,11 @@ class CellsKV(MemoryDefaults):
         cell_pos, cell_seq = inp.cell_pos, inp.cell_seq  # state when the mask was filled
         out, row = [], 0
         for c in inp.chunks:
-            m = torch.zeros(c.T, c.C + c.T, dtype=torch.bool)
             keep = mask[row : row + c.T, :n_kv] == 0  # [T, n_kv]
-            for cell in range(n_kv):
-                p = int(cell_pos[cell])
-                if p < 0 or p >= c.C + c.T:
-                    continue
-                m[:, p] |= keep[:, cell]
+            p = cell_pos[:n_kv].to(torch.int64)  # [n_kv] pos of each cell (-1: empty)
+            ok = (p >= 0) & (p < c.C + c.T)
+            # column pos gets the OR over the cells holding that pos (a count > 0), all cells at once
+            m = torch.zeros(c.T, c.C + c.T, dtype=torch.int32).index_add_(1, p[ok], keep[:, ok].to(torch.int32)) > 0
             # a cell visible to a query but not owned by its seq would be a leak: expose it
             owned = cell_seq[:, c.seq_id]
             leak = keep & ~owned.unsqueeze(0)
@@ -345,13 +343,18 @@ class CellsKV(MemoryDefaults):
 
     def snapshot(self) -> dict[str, Any]:
         """Cell map like llama.cpp's cache debug print: per used cell its pos and seq_ids."""
-        used_idx = (self.pos >= 0).nonzero().flatten().tolist()
-        cells = [{"cell": i, "pos": int(self.pos[i]), "seq_ids": self.seq[i].nonzero().flatten().tolist()} for i in used_idx]
+        used = (self.pos >= 0).nonzero().flatten()  # [U] cells in use
+        used_idx = used.tolist()
+        owners: list[list[int]] = [[] for _ in used_idx]
+        for r, s in self.seq[used].nonzero().tolist():  # [nnz, 2] (row in used, seq_id), row-major: seq_ids ascending
+            owners[r].append(s)
+        cells = [{"cell": i, "pos": p, "seq_ids": o} for i, p, o in zip(used_idx, self.pos[used].tolist(), owners)]
         seqs = sorted({s for c in cells for s in c["seq_ids"]})
+        of = {s: self.cells_of(s) for s in seqs}
         return {
             "kind": self.kind, "size": self.size, "head": self.head, "used": len(used_idx), "n_kv": self.n_kv(),
             "n_swa": self.n_swa, "swa_layers": [i for i, w in enumerate(self.windows) if w],
             "cells": cells,
-            "seqs": {str(s): {"cells": ranges_text([c for c, _ in self.cells_of(s)]),
-                               "pos": ranges_text([p for _, p in self.cells_of(s)])} for s in seqs},
+            "seqs": {str(s): {"cells": ranges_text([c for c, _ in of[s]]), "pos": ranges_text([p for _, p in of[s]])}
+                     for s in seqs},
         }

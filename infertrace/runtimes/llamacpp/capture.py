@@ -93,6 +93,8 @@ GgmlTensor._fields_ = [
 _OFF_NAME, _OFF_SRC, _OFF_FLAGS = GgmlTensor.name.offset, GgmlTensor.src.offset, GgmlTensor.flags.offset
 _PTR = ctypes.sizeof(ctypes.c_void_p)
 _INPUTS_B = frozenset(n.encode() for n in INPUTS)
+_INPUTS_ORDER = tuple(n.encode() for n in INPUTS)  # the C filter's input slots (ask_filter.Filt.inp / done)
+_INPUT_INDEX = {n: i for i, n in enumerate(INPUTS)}
 _RS_PREFIXES = (b"cache_r_l", b"rs_s_copy")
 _string_at, _i32_at = ctypes.string_at, ctypes.c_int32.from_address
 
@@ -227,12 +229,11 @@ class LlamaCppContext:
         self._want_b = frozenset(n.encode() for n in self._want_layer)
         self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval)  # kept alive for the context's life
         cp = llama_cpp.llama_context_default_params()
+        self._install_callback(cp)
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
         cp.n_seq_max = max(1, n_seq_max)
         cp.kv_unified = bool(kv_unified)  # True: one stream (the cells backend); False: one per sequence (kv/streams.py)
         cp.n_threads = cp.n_threads_batch = n_threads
-        cp.cb_eval = self._cb
-        cp.cb_eval_user_data = None
         cp.no_perf = True
         cp.swa_full = bool(swa_full)
         cp.flash_attn_type = FLASH_ATTN[flash_attn]
@@ -291,6 +292,21 @@ class LlamaCppContext:
         L.llama_log_set(self._log_cb, ctypes.c_void_p(0))
 
     # ------------------------------------------------------------------ callback
+    def _install_callback(self, cp: Any) -> None:
+        """``cb_eval``: the C ask filter of :mod:`~infertrace.runtimes.llamacpp.ask_filter` in front of
+        :meth:`_eval` when it could be built (the same answers, no Python call per node), else :meth:`_eval`."""
+        from infertrace.runtimes.llamacpp import ask_filter
+
+        got = ask_filter.make_filter(self._cb, self._want_b, _INPUTS_ORDER, _RS_PREFIXES,
+                                     (_OFF_NAME, _OFF_SRC, _OFF_FLAGS), GGML_MAX_SRC, GGML_TENSOR_FLAG_INPUT)
+        #: the C filter's state (None: Python answers every question); ``active`` mirrors :attr:`_fast`
+        self._filt = None if got is None else got[1]
+        if got is None:
+            cp.cb_eval, cp.cb_eval_user_data = self._cb, None
+            return
+        self._c_cb = self.L.ggml_backend_sched_eval_callback(ctypes.cast(got[0], ctypes.c_void_p).value)
+        cp.cb_eval, cp.cb_eval_user_data = self._c_cb, ctypes.c_void_p(ctypes.addressof(self._filt))
+
     def _read(self, tp: Any) -> tuple[np.ndarray, list[int], str] | None:
         t = tp.contents
         if t.type not in GGML_NP or not t.buffer:
@@ -316,6 +332,9 @@ class LlamaCppContext:
         if name not in self.cap.first:
             self.cap.first[name] = arr
         self.cap.tensors[name], self.cap.ne[name], self.cap.dtype[name] = arr, ne, dt
+        j = _INPUT_INDEX.get(name)
+        if j is not None and self._filt is not None:
+            self._filt.done[j] = 1  # the C filter stops asking for this input's consumers (_ask_fast's "not read yet")
 
     def _eval(self, addr: Any, ask: bool, user_data: Any) -> bool:
         """``ggml_backend_sched_eval_callback``: ``ask`` -> whether we want to see this node once
@@ -430,8 +449,12 @@ class LlamaCppContext:
                 batch.logits[i] = bool(logits[i])
             batch.n_tokens = N
             self.cap = Captured()
+            if self._filt is not None:
+                ctypes.memset(ctypes.addressof(self._filt.done), 0, ctypes.sizeof(self._filt.done))
             rc = L.llama_decode(self.ctx, batch)
             self._fast = self._flags_ok and not self.swa_layers and bool(self.cache_cells)
+            if self._filt is not None:
+                self._filt.active = int(self._fast)
             if rc != 0:
                 raise InfertraceError(f"llama_decode returned {rc} (1: no KV slot; <0: error); raise --ctx-size")
             rows = []
