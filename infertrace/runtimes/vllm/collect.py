@@ -258,7 +258,7 @@ def _trace(loaded: Any, sp: Spool, rec_: Any, reqs: list[Request], chosen: list[
     h = sp.header
     vh = _header(sp, loaded.config, layer)
     tok = loaded.tokenizer
-    out_reqs = [{"seq_id": r.seq_id, "prompt": "", "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
+    out_reqs = [{"seq_id": r.seq_id, "prompt": tok.decode(r.prompt_ids), "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                  "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
                  "num_preemptions": r.num_preemptions, "params": r.params.to_dict(),
                  "vllm_request_id": m["vllm_id"], "vllm_label": m["label"]} for r, m in zip(reqs, chosen)]
@@ -274,7 +274,8 @@ def _trace(loaded: Any, sp: Spool, rec_: Any, reqs: list[Request], chosen: list[
              f"server settings: block {h['block_size']}, {h['num_blocks']} blocks (block 0 is vLLM's null block), prefix caching "
              f"{'on' if h.get('enable_prefix_caching') else 'off'}, async scheduling {'on' if h.get('async_scheduling') else 'off'}, "
              f"attention {vh.get('backend')}, dtype {h.get('dtype')}, tensor parallel {h.get('tensor_parallel_size', 1)}",
-             "arrival_step is the step vLLM's scheduler admitted each request (the server's arrival time is not recorded)",
+             "arrival_step is the step vLLM's scheduler admitted each request (the server's arrival time is not recorded); "
+             "prompt is the prompt ids decoded by the model's tokenizer (the engine core receives ids, not the text)",
              "attn_metadata of a step is the marked rows' (query_start_loc rebuilt over them); the whole batch's counts are "
              "in step.vllm.served.captured_batch"] + list(sp.notes)
     if not all_done:

@@ -40,8 +40,10 @@ from typing import Any
 ENV_SPOOL = "INFERTRACE_SPOOL"
 #: ``vllm_xargs`` key that marks a request
 MARK = "infertrace"
-#: fault injection for the tests: ``core`` or ``worker`` raises inside that hook once recording runs
+#: fault injection for the tests: with ``INFERTRACE_FAULT=worker`` the sampler hook raises in a step holding a
+#: request marked ``inject-fault``; with ``core`` the engine core's hook raises at the first step
 ENV_FAULT = "INFERTRACE_FAULT"
+FAULT_LABEL = "inject-fault"
 
 log = logging.getLogger("vllm.infertrace")
 
@@ -253,6 +255,7 @@ def _safe_capture_class() -> type:
 
         active = False
         step = -1
+        labels: frozenset = frozenset()
 
         def _kv_update(self, layer: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> None:
             self._orig_update(layer, key, value, kv_cache, slot_mapping)  # vLLM's write, always
@@ -264,7 +267,7 @@ def _safe_capture_class() -> type:
                     disable("capture._kv_update", e)
 
         def _sampler_post(self, module: Any, args: tuple, out: Any) -> None:
-            if self.cur is not None and os.environ.get(ENV_FAULT) == "worker":
+            if self.cur is not None and os.environ.get(ENV_FAULT) == "worker" and FAULT_LABEL in self.labels:
                 raise RuntimeError("fault injected by INFERTRACE_FAULT=worker")
             super()._sampler_post(module, args, out)
 
@@ -320,7 +323,8 @@ class RunnerRecorder:
                 self.marked[str(r.req_id)] = lab
         for r in so.finished_req_ids or ():
             self.marked.pop(str(r), None)
-        self.cap.active = any(str(r) in self.marked for r in so.num_scheduled_tokens)
+        here = [self.marked[str(r)] for r in so.num_scheduled_tokens if str(r) in self.marked]
+        self.cap.active, self.cap.labels = bool(here), frozenset(here)
         self.cap.step = self.step
         self.sched = [[str(k), int(v)] for k, v in so.num_scheduled_tokens.items()] if self.cap.active else None
 
