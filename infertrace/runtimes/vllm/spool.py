@@ -88,7 +88,7 @@ class SpoolWriter:
             raise NotADirectoryError(name)
         self.n = 0
         self.kept: list[tuple[int, int]] = []  # (segment number, bytes)
-        self.notes: list[str] = []
+        self.dropped: tuple[int, int] | None = None  # the oldest and newest segment dropped so far
 
     def write(self, records: list[dict[str, Any]], arrays: dict[str, np.ndarray] | None = None) -> None:
         """Write one segment: ``records`` (JSON-able) and ``arrays`` (name -> numpy array, any shape)."""
@@ -97,21 +97,25 @@ class SpoolWriter:
         self.n += 1
         arrays = arrays or {}
         blob = save({k: np.ascontiguousarray(v) for k, v in arrays.items()}) if arrays else b""
+        body = json.dumps(records, separators=(",", ":")).encode()
+        self._bound(len(body) + len(blob) + 512)  # room for this segment first: its note then says what went
+        notes = ([f"spool limit {self.limit} bytes: dropped segments {self.dropped[0]}..{self.dropped[1]} (oldest first)"]
+                 if self.dropped else [])  # every segment after a drop says so (older notes may be dropped too)
         doc = {"version": VERSION, "role": self.role, "pid": self.pid, "segment": self.n, "records": records,
-               "arrays": sorted(arrays), "notes": self.notes}
+               "arrays": sorted(arrays), "notes": notes}
         text = json.dumps(doc, separators=(",", ":")).encode()
         if blob:
             write_file(self.fd, f"seg-{self.n:06d}.safetensors", blob)
         write_file(self.fd, f"seg-{self.n:06d}.json", text)
-        self.notes = []
         self.kept.append((self.n, len(text) + len(blob)))
-        self._bound()
 
-    def _bound(self) -> None:
-        total = sum(b for _, b in self.kept)
+    def _bound(self, incoming: int) -> None:
+        """Drop the oldest segments until ``incoming`` more bytes fit under the limit (segment 1, the process's
+        header, always stays)."""
+        total = sum(b for _, b in self.kept) + incoming
         dropped = []
         while total > self.limit and len(self.kept) > 1:
-            n, b = self.kept.pop(0)
+            n, b = self.kept.pop(1)
             for ext in ("json", "safetensors"):
                 try:
                     os.unlink(f"seg-{n:06d}.{ext}", dir_fd=self.fd)
@@ -120,7 +124,7 @@ class SpoolWriter:
             total -= b
             dropped.append(n)
         if dropped:
-            self.notes.append(f"spool limit {self.limit} bytes: dropped segments {dropped[0]}..{dropped[-1]} (oldest first)")
+            self.dropped = (self.dropped[0] if self.dropped else dropped[0], dropped[-1])
 
     def close(self) -> None:
         """Close the directory fd."""

@@ -222,7 +222,7 @@ def read_spool(path: str) -> Spool:
                     raise _bad(cores[0], f"step {s} recorded twice")
                 sp.steps[s] = rec
             elif rec.get("kind") == "note":
-                sp.notes.append(f"engine core: {rec['text']}")
+                sp.notes = [n for n in sp.notes if not n.startswith("engine core: ")] + [f"engine core: {rec['text']}"]
         for role, rank, n in procs:
             if role == "core":
                 continue
@@ -237,8 +237,8 @@ def read_spool(path: str) -> Spool:
                     s = _int(rec.get("step"), n)
                     check_capture(rec, f"{n} step {s}")
                     caps[s] = rec
-                elif rec.get("kind") == "note":
-                    sp.notes.append(f"rank {r}: {rec['text']}")
+                elif rec.get("kind") == "note":  # the newest says it all (cumulative)
+                    sp.notes = [x for x in sp.notes if not x.startswith(f"rank {r}: ")] + [f"rank {r}: {rec['text']}"]
             sp.rank_headers.setdefault(r, {})
             sp.captures[r] = caps
         if not sp.header:
