@@ -248,6 +248,19 @@ def _one_step(rec_: Any, facts: _Facts, s: int, first: int, core: dict[str, Any]
         kv.release(sid)
 
 
+def _foreign_prefix_notes(sp: Spool, chosen: list[dict[str, Any]]) -> list[str]:
+    """A note per marked request whose prefix hit reuses blocks no earlier request of the trace computed (their K/V are
+    not in the trace: a replay computes them anew, so its floats for that request do not compare)."""
+    out = []
+    for i, m in enumerate(chosen):
+        new = next((r for r in sp.steps[m["step"]]["sd"]["new"] if r["req_id"] == m["vllm_id"]), None)
+        hit = int(new["num_computed_tokens"]) if new else 0
+        if hit and not any(e["prompt_ids"][:hit] == m["prompt_ids"][:hit] for e in chosen[:i]):
+            out.append(f"{m['vllm_id']}: its prefix hit of {hit} tokens reuses blocks a request outside this trace computed; their "
+                       "K/V are not in the trace (mark and collect that request too for a replay whose floats compare)")
+    return out
+
+
 def _trace(loaded: Any, sp: Spool, rec_: Any, reqs: list[Request], chosen: list[dict[str, Any]], layer: int,
            all_done: bool, first: int) -> Any:
     from infertrace.capture.recorder import VARIABLES
@@ -278,6 +291,7 @@ def _trace(loaded: Any, sp: Spool, rec_: Any, reqs: list[Request], chosen: list[
              "prompt is the prompt ids decoded by the model's tokenizer (the engine core receives ids, not the text)",
              "attn_metadata of a step is the marked rows' (query_start_loc rebuilt over them); the whole batch's counts are "
              "in step.vllm.served.captured_batch"] + list(sp.notes)
+    notes += _foreign_prefix_notes(sp, chosen)
     if not all_done:
         notes.append("a marked request had not finished when the spool was read: the trace ends at the last recorded step")
     return RunTrace(model=model_identity(loaded.ckpt), config=loaded.config.to_dict(), options=options,
