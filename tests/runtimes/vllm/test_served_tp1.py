@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,7 @@ def served(tmp_path_factory, smol_path, vllm_mod):
                          "topic": "kv"})
     args = ["--dtype", "float32", "--max-model-len", "256", "--block-size", str(B), "--enable-prefix-caching",
             "--enable-prompt-tokens-details", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-            "--kv-events-config", kv_cfg]
+            "--kv-events-config", kv_cfg] + os.environ.get("INFERTRACE_SERVED_ARGS", "").split()  # gpu_check.sh: CUDA flags
     ev = KvEvents(ev_port)  # bound first: vLLM's publisher connects to a non-wildcard endpoint
     srv = Server(hf_dir_for(smol_path), args, {"INFERTRACE_SPOOL": str(spool), "INFERTRACE_LAYER": str(LAYER),
                                                "INFERTRACE_FAULT": "worker"}, d / "server.log")
