@@ -438,6 +438,7 @@ VLLM_STEP = Obj({"scheduler": Obj({"scheduled": List(Obj({"seq_id": SEQ, "num_sc
                  "served": Obj({"engine_step": Int(0, L["MAX_STEPS"] * 1024), "batch": List(Obj(
                      {"request_id": Str(max_len=256), "num_scheduled_tokens": Int(0, L["MAX_LIST"])}), 4096)},
                      {"time": F, "request_ids": Map(Str(max_len=256)), "free_blocks": Int(0, L["MAX_BLOCKS"], null=True),
+                      "freed_blocks": List(BLK),
                       "captured_batch": Obj({"req_ids": List(Str(max_len=256), 4096), "num_actual_tokens": Int(0, L["MAX_LIST"])},
                                             {"max_query_len": Int(0, L["MAX_CTX"], null=True),
                                              "num_decode_tokens": Int(0, L["MAX_LIST"], null=True)})})}, null=True)

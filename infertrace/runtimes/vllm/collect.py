@@ -194,6 +194,7 @@ def collect_trace(sp: Spool, loaded: Any, request: str | None = None, tensors: d
     kv.prefix_cache = bool(h.get("enable_prefix_caching"))
     reqs = list(by_id.values())
     facts = _Facts(B, layer)
+    freed: list[int] = []  # blocks freed since the previous step of the trace (idle steps included)
     for s in range(first, last + 1):
         core = sp.steps.get(s)
         if core is None:
@@ -201,6 +202,7 @@ def collect_trace(sp: Spool, loaded: Any, request: str | None = None, tensors: d
                                   "collect a request recorded whole, or raise INFERTRACE_SPOOL_MB")
         sd = core["sd"]
         mine = {vid for vid, _ in sd["num_scheduled_tokens"] if vid in vids}
+        freed += [b for b in core.get("freed") or [] if b not in freed]
         if not mine:
             _idle(rec_, s - first, kv, reqs, 0.0)
             continue
@@ -212,7 +214,8 @@ def collect_trace(sp: Spool, loaded: Any, request: str | None = None, tensors: d
             if not mine <= set(cap["req_ids"]):
                 raise InfertraceError(f"collect: rank {r}'s capture of step {s} lacks requests the scheduler ran there")
             per_rank.append(rows_of(cap, mine, sd["spec"]))
-        _one_step(rec_, facts, s, first, core, per_rank, by_id, kv, cfg, FINISH)
+        _one_step(rec_, facts, s, first, {**core, "freed": freed}, per_rank, by_id, kv, cfg, FINISH)
+        freed = []
     return _trace(loaded, sp, rec_, reqs, chosen, layer, all_done, first)
 
 
@@ -243,7 +246,8 @@ def _one_step(rec_: Any, facts: _Facts, s: int, first: int, core: dict[str, Any]
                                          "batch": [{"request_id": vid, "num_scheduled_tokens": n}
                                                    for vid, n in core["sd"]["num_scheduled_tokens"]],
                                          "request_ids": {str(r.seq_id): k for k, r in by_id.items()},
-                                         "captured_batch": batch, "free_blocks": core["free"]}
+                                         "captured_batch": batch, "free_blocks": core["free"],
+                                         "freed_blocks": sorted(core.get("freed") or [])}
     for sid in finished:
         kv.release(sid)
 

@@ -12,7 +12,7 @@ vLLM 0.32 method                            recorded (process)
                                             num_computed_tokens, new/cached block ids, preemptions,
                                             finished), the new requests' prompt ids and sampling
                                             params, the block pool (free count, ref_cnt per held block,
-                                            free-queue head) (engine core)
+                                            free-queue head, blocks freed since the last step) (engine core)
 ``Scheduler.update_from_output``            the step's sampled tokens, finish reasons and
                                             ``num_cached_tokens`` per request (engine core)
 ``GPUModelRunner.execute_model`` /          for steps holding a marked request: the capture of
@@ -162,6 +162,7 @@ class CoreRecorder:
         self.step = 0
         self.buf: list[dict[str, Any]] = []
         self.cur: dict[str, Any] | None = None
+        self.held: set[int] = set()
         hd = header(sched.vllm_config)
         hd["num_blocks"] = int(sched.kv_cache_manager.block_pool.num_gpu_blocks)
         self.w.write([{"kind": "header", **hd}])
@@ -172,8 +173,11 @@ class CoreRecorder:
         free, refs, head = pool_data(sched.kv_cache_manager.block_pool)
         new = {str(r.req_id): {"marked": marked_label(r.sampling_params), "params": _params(r.sampling_params)}
                for r in so.scheduled_new_reqs}
+        held = set(refs)
+        freed = sorted(self.held - held)  # blocks some request held after the last schedule and none holds now
+        self.held = held
         self.cur = {"kind": "step", "step": self.step, "time": time.time(), "sd": scheduler_data(so), "free": free,
-                    "refs": sorted([b, c] for b, c in refs.items()), "free_head": head, "requests": new}
+                    "refs": sorted([b, c] for b, c in refs.items()), "free_head": head, "requests": new, "freed": freed}
         self.step += 1
 
     def on_update(self, sched: Any, outs: Any) -> None:

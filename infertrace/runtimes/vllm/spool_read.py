@@ -120,6 +120,7 @@ def _check_step(r: Any, where: str) -> int:
             raise _bad(where, "refs is not [[block, ref_cnt], ...]")
         _int(pair[0], where), _int(pair[1], where)
     _ints(r.get("free_head") or [], where)
+    _ints(r.get("freed") or [], where)
     if not isinstance(r.get("requests"), dict) or not isinstance(r.get("outputs", {}), dict):
         raise _bad(where, f"step {s} lacks requests / outputs")
     return s

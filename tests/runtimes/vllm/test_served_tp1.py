@@ -176,6 +176,13 @@ def test_every_step_has_the_whole_batch(served, collected) -> None:
     assert max(len(b) for b in batches) >= 4  # the five concurrent requests shared steps
     ids = {x["request_id"].rsplit("-", 2)[0] for b in batches for x in b}
     assert {served["out"][k]["id"] for k in ("plain", "plain_stream")} <= ids
+    # a finished request's blocks go back to vLLM's pool: first's own (uncached tail) block is freed the step after it
+    # finished; the free count rises by the freed blocks no other table holds
+    first = _by_label(m)["first"]
+    new = next(s["vllm"]["scheduler"]["new_block_ids"][str(first["seq_id"])] for s in m["steps"]
+               if s.get("vllm") and str(first["seq_id"]) in s["vllm"]["scheduler"]["new_block_ids"])
+    freed = {b for s in m["steps"] if s.get("vllm") for b in s["vllm"]["served"]["freed_blocks"]}
+    assert set(new[1:]) <= freed  # block 0 of first is shared with repeat (prefix hit), the rest is first's alone
 
 
 def test_replay_diffs_with_zero_structural_differences(served, collected, smol_path) -> None:
