@@ -18,7 +18,9 @@ vLLM 0.32 method                            recorded (process)
 ``GPUModelRunner.execute_model`` /          for steps holding a marked request: the capture of
 ``sample_tokens``                           :mod:`.capture` (packed ids, positions, attention metadata,
                                             block table, slot mapping, layer K/V written and read back,
-                                            logits rows, samples) (engine core at TP=1, each worker)
+                                            logits rows, samples) (each worker: vLLM 0.32 CPU
+                                            serves through its ``mp`` executor, one worker also
+                                            at TP=1; the engine core under ``uni``)
 ==========================================  ==========================================================
 
 A request is marked from the client with vLLM's per-request extra arguments: ``"vllm_xargs":
@@ -297,7 +299,7 @@ SafeCapture: Any = None
 
 
 class RunnerRecorder:
-    """The records of one model runner (the engine core at TP=1, each worker at TP=N): a capture per step
+    """The records of one model runner (one per worker process; in the engine core under the uni executor): a capture per step
     that holds a marked request, one segment per such step."""
 
     def __init__(self, mr: Any):
