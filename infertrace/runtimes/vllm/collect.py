@@ -101,8 +101,9 @@ def rows_of(rec: dict[str, Any], keep: set[str], spec: dict[str, list[int]]) -> 
     out["max_query_len"] = max(T_i)
     out["max_seq_len"] = int(out["seq_lens"].max())
     out["num_decode_tokens"] = sum(t for t in T_i if t == 1)
-    out["batch"] = {"req_ids": ids, "num_actual_tokens": int(rec["num_actual_tokens"]),
-                    "max_query_len": rec.get("max_query_len"), "num_decode_tokens": rec.get("num_decode_tokens")}
+    out["batch"] = rec["batch"] if isinstance(rec.get("batch"), dict) else {  # already cut in the worker: its batch
+        "req_ids": ids, "num_actual_tokens": int(rec["num_actual_tokens"]), "max_query_len": rec.get("max_query_len"),
+        "num_decode_tokens": rec.get("num_decode_tokens")}
     return out
 
 

@@ -27,7 +27,8 @@ A request is marked from the client with vLLM's per-request extra arguments: ``"
 {"infertrace": "<label>"}`` in the OpenAI request body (vllm/entrypoints/openai/completion/protocol.py
 ``vllm_xargs`` -> ``SamplingParams.extra_args``). Environment: ``INFERTRACE_SPOOL`` (the directory),
 ``INFERTRACE_LAYER`` (the captured layer, default 0), ``INFERTRACE_SPOOL_MB`` (per-process limit,
-default 256). Any exception in a hook disables recording in that process with one log line; the
+default 256), ``INFERTRACE_WHOLE_BATCH=1`` (keep every row of a captured step, not only the marked
+requests' rows; the batch's request ids and counts are kept either way). Any exception in a hook disables recording in that process with one log line; the
 server keeps serving. The plugin opens no port and reads no network input.
 """
 
@@ -318,6 +319,8 @@ class RunnerRecorder:
             pass
         self.w = SpoolWriter(ST.spool, f"rank{self.rank}", ST.limit)
         self.step = -1
+        self.spec: dict[str, list[int]] = {}
+        self.whole_batch = os.environ.get("INFERTRACE_WHOLE_BATCH") == "1"  # keep every row of a captured step
         self.marked: dict[str, str] = {}
         self.w.write([{"kind": "header", **self.cap.header, "tp_rank": self.rank, "layer": ST.layer}])
 
@@ -333,6 +336,7 @@ class RunnerRecorder:
         self.cap.active, self.cap.labels = bool(here), frozenset(here)
         self.cap.step = self.step
         self.sched = [[str(k), int(v)] for k, v in so.num_scheduled_tokens.items()] if self.cap.active else None
+        self.spec = {str(k): list(v) for k, v in (so.scheduled_spec_decode_tokens or {}).items()} if self.cap.active else {}
 
     def flush(self) -> None:
         recs = self.cap.take()
@@ -341,6 +345,14 @@ class RunnerRecorder:
         import numpy as np
 
         arrays, docs = {}, []
+        if not self.whole_batch:  # the marked rows only (collect.rows_of); the batch's ids and counts stay as data
+            from infertrace.runtimes.vllm.collect import rows_of
+
+            try:
+                recs = [rows_of(r, set(self.marked) & set(r["req_ids"]), self.spec) for r in recs]
+            except Exception as e:
+                disable("capture rows", e)
+                return
         for i, r in enumerate(recs):
             doc = {"kind": "capture", "step": self.step, "tp_rank": self.rank, "num_scheduled_tokens": self.sched,
                    "marked": {k: v for k, v in self.marked.items() if k in r.get("req_ids", [])}}

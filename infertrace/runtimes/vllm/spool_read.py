@@ -145,6 +145,16 @@ def check_capture(r: dict[str, Any], where: str) -> None:
         want = {"R": R, "R1": R + 1, "T": T, None: a.shape[0]}[length]
         if a.shape[0] != want:
             raise _bad(where, f"{k} has {a.shape[0]} rows, expected {want}")
+    b = r.get("batch")
+    if b is not None:  # the whole batch's ids and counts (the worker kept the marked rows)
+        if not isinstance(b, dict) or not isinstance(b.get("req_ids"), list) or len(b["req_ids"]) > 4096:
+            raise _bad(where, "batch is not {req_ids, num_actual_tokens, ...}")
+        [_str(x, where) for x in b["req_ids"]]
+        _int(b.get("num_actual_tokens"), where)
+        for k in ("max_query_len", "num_decode_tokens"):
+            if b.get(k) is not None:
+                _int(b[k], where)
+        r["batch"] = {k: b.get(k) for k in ("req_ids", "num_actual_tokens", "max_query_len", "num_decode_tokens")}
     q = r["query_start_loc"]
     if q[0] != 0 or q[-1] != T or np.any(np.diff(q) < 0):
         raise _bad(where, "query_start_loc is not 0 .. num_actual_tokens, non-decreasing")
