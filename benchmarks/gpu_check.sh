@@ -42,4 +42,13 @@ step 240 "pytest tests/unit/attention/test_triton_paged.py (CUDA, native)" \
     "$PY" -m pytest tests/unit/attention/test_triton_paged.py -q -x -p no:cacheprovider --durations=5
 step 200 "benchmark (quick)" "$PY" benchmarks/attention.py --quick --iters 10
 step 120 "decode config sweep" "$PY" benchmarks/attention.py --sweep --iters 10
+# the served-vLLM trace test (tests/runtimes/vllm/test_served_tp1.py) on a CUDA vLLM when one is installed:
+# block size, attention backend and CUDA graphs are recorded in the trace header; async scheduling (on by
+# default on CUDA) is turned off so check holds the synchronous schedule rules
+if "$PY" -c "import vllm, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+    INFERTRACE_SERVED_ARGS="--no-async-scheduling" step 600 "served vLLM trace (CUDA)" \
+        "$PY" -m pytest tests/runtimes/vllm/test_served_tp1.py -q -x -p no:cacheprovider
+else
+    echo "=== served vLLM trace: skipped (no CUDA vLLM importable) ==="
+fi
 exit $rc

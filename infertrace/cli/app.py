@@ -24,7 +24,7 @@ import typer
 from infertrace.cli import inspect_cmd, run
 from infertrace.cli import diff_backends, dump_kv
 from infertrace.cli import bisect_cmd, check_cmd, diff_cmd, report_cmd, show
-from infertrace.cli import export_cmd, make_qwen35
+from infertrace.cli import collect_cmd, export_cmd, make_qwen35
 from infertrace.errors import InfertraceError, quiet_broken_pipe
 from infertrace.safe_text import visible
 
@@ -119,6 +119,7 @@ app.command("bisect", help=bisect_cmd.HELP, no_args_is_help=True)(cli_errors(bis
 app.command("export", help=export_cmd.HELP, no_args_is_help=True)(cli_errors(export_cmd.export))
 app.command("check", help=check_cmd.HELP, no_args_is_help=True)(cli_errors(check_cmd.check))
 app.command("make-qwen35", help=make_qwen35.HELP, no_args_is_help=True)(cli_errors(make_qwen35.make_qwen35))
+app.command("collect", help=collect_cmd.HELP, no_args_is_help=True)(cli_errors(collect_cmd.collect))
 
 
 def main() -> None:

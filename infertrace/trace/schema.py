@@ -445,7 +445,16 @@ VLLM_STEP = Obj({"scheduler": Obj({"scheduled": List(Obj({"seq_id": SEQ, "num_sc
                  "kv_readback": Obj({"k_max_abs": F, "v_max_abs": F}, null=True),
                  "tp_ranks": List(Obj({"tp_rank": DIM, "kv_heads_held": Int(0, L["MAX_DIM"], null=True),
                                        "metadata_equals_rank0": Bool()},
-                                      {"kv_heads": List(DIM, 4096), "kv_equals_first_holder": Bool()}), 4096)}, null=True)
+                                      {"kv_heads": List(DIM, 4096), "kv_equals_first_holder": Bool()}), 4096),
+                 # infertrace collect (runtimes/vllm/collect.py): the served step's whole batch, of which the trace keeps
+                 # the marked requests' rows
+                 "served": Obj({"engine_step": Int(0, L["MAX_STEPS"] * 1024), "batch": List(Obj(
+                     {"request_id": Str(max_len=256), "num_scheduled_tokens": Int(0, L["MAX_LIST"])}), 4096)},
+                     {"time": F, "request_ids": Map(Str(max_len=256)), "free_blocks": Int(0, L["MAX_BLOCKS"], null=True),
+                      "freed_blocks": List(BLK),
+                      "captured_batch": Obj({"req_ids": List(Str(max_len=256), 4096), "num_actual_tokens": Int(0, L["MAX_LIST"])},
+                                            {"max_query_len": Int(0, L["MAX_CTX"], null=True),
+                                             "num_decode_tokens": Int(0, L["MAX_LIST"], null=True)})})}, null=True)
 #: ``--engine hf`` (runtimes/hf/record.py ``hf_section``): the step in HF's names: the forward's inputs as fed, each
 #: layer type's mask as its mask function returned it (per batch row, per query, "1" keep / "0" drop over the key
 #: columns), the DynamicCache's per-layer lengths, K/V of the recorded layer by column, the logits' shape

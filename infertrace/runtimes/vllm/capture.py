@@ -151,6 +151,11 @@ class WorkerCapture:
     def _kv_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
         self._orig_update(layer, key, value, kv_cache, slot_mapping)
+        self._kv_copy(layer, key, value, kv_cache, slot_mapping)
+
+    def _kv_copy(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Copy K/V as written (``[T, nkv, hd]``) and as read back through the cache layout."""
         if self.cur is None:
             return
         T = self.cur["num_actual_tokens"]

@@ -41,13 +41,14 @@ import numpy as np
 import torch
 
 from infertrace.engine.options import EngineOptions
-from infertrace.engine.request import FINISHED, RUNNING, Request
-from infertrace.engine.sampler import SampleResult, sample
-from infertrace.engine.scheduler import ScheduledBatch, ScheduledChunk
+from infertrace.engine.request import Request
+from infertrace.engine.scheduler import ScheduledBatch
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import ChunkSpec, PagedInputs, ranges_text
+from infertrace.kv.base import ChunkSpec
 from infertrace.kv.paged import PagedKV
 from infertrace.runtimes.vllm import ENGINE, import_vllm, vllm_version
+from infertrace.runtimes.vllm.steprec import ours as _ours  # noqa: F401 - re-exported (tests)
+from infertrace.runtimes.vllm.steprec import pool_data, record_step, scheduler_data
 from infertrace.runtimes.vllm.tp import check_tensor_parallel, kv_heads_of_rank, merge_ranks
 
 #: vLLM's CPU attention backend needs block sizes that are multiples of this (``CPU_ATTN``)
@@ -115,18 +116,6 @@ class VllmKV(PagedKV):
                 for blk in v["blocks"]:
                     blk["ref"] = self.ref_cnt.get(blk["block"], 0)
         return snap
-
-
-def _free_head(pool: Any, n: int = 8) -> list[int]:
-    """The first ``n`` block ids of vLLM's free queue (``BlockPool.free_block_queue``, a doubly linked list
-    from ``fake_free_list_head``; ``popleft`` allocates from this end: vllm/v1/core/kv_cache_utils.py)."""
-    out: list[int] = []
-    b = getattr(getattr(pool, "free_block_queue", None), "fake_free_list_head", None)
-    b = getattr(b, "next_free_block", None)
-    while b is not None and len(out) < n and int(b.block_id) >= 0:
-        out.append(int(b.block_id))
-        b = b.next_free_block
-    return out
 
 
 class _Shim:
@@ -242,10 +231,10 @@ class VllmRun:
 
         def schedule(*a: Any, **k: Any) -> Any:
             so = orig(*a, **k)
-            pool = self.sched.kv_cache_manager.block_pool
-            # after allocation: the free count and each held block's ref_cnt (how many requests hold it)
-            refs = {int(b.block_id): int(b.ref_cnt) for b in pool.blocks if b.ref_cnt > 0 and not b.is_null}
-            self.outs.append((so, int(pool.get_num_free_blocks()), refs, _free_head(pool)))
+            # after allocation: the free count and each held block's ref_cnt (how many requests hold it); the
+            # SchedulerOutput as data at once (steprec.scheduler_data), the object kept for the tests that read it
+            free, refs, head = pool_data(self.sched.kv_cache_manager.block_pool)
+            self.outs.append((so, free, refs, head, scheduler_data(so)))
             return so
 
         self.sched.schedule = schedule
@@ -329,7 +318,7 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
         outputs = _vllm_step(run, step)
         time_ms = (time.perf_counter() - t0) * 1e3  # one EngineCore.step: schedule, forward, sample, update
         recs = run.llm.collective_rpc(run.capture.take)
-        so, free, refs, head = run.outs[-1] if len(run.outs) > n_out else (None, None, None, [])
+        _, free, refs, head, sd = run.outs[-1] if len(run.outs) > n_out else (None, None, None, [], None)
         rec = merge_ranks([r[-1] for r in recs if r], tracer.cfg.n_head_kv) if recs and recs[0] else None
         finished = {}
         for o in outputs:
@@ -346,7 +335,7 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
             step += 1
             continue
         kv.ref_cnt, kv.free_head = refs or {}, head
-        raw = _record_step(run, tracer, step, so, free, rec, by_id, kv, finished, time_ms)
+        raw = record_step(run, tracer, step, sd, free, rec, by_id, kv, finished, time_ms)
         raw_steps.append(raw)
         for sid in finished:
             live.discard(sid)
@@ -400,243 +389,6 @@ def _idle(tracer: Any, step: int, kv: VllmKV, requests: list[Request], time_ms: 
         tracer.end_step(StepContext(step=step, batch=ScheduledBatch(step, []), inp=None, kv=kv, attention="vllm",
                                     logits=None, logits_rows=[], samples={}, finished={},
                                     requests={r.seq_id: r for r in requests}, time_ms=time_ms))
-
-
-def _record_step(run: VllmRun, tracer: Any, step: int, so: Any, free: int | None, rec: dict[str, Any],
-                 by_id: dict[str, Request], kv: VllmKV, finished: dict[int, str], time_ms: float = 0.0) -> dict[str, Any]:
-    """Turn one vLLM step into our step context, hand it to the recorder, update the requests."""
-    from infertrace.engine.engine import StepContext
-    from infertrace.kv.spec_meta import spec_metadata
-
-    qsl, vseq = rec["query_start_loc"], rec["seq_lens"]
-    rec["req_ids"] = [_ours(x) for x in rec["req_ids"]]
-    spec_tokens = {_ours(k): list(v) for k, v in (so.scheduled_spec_decode_tokens or {}).items()} if so is not None else {}
-    new = {_ours(r.req_id): int(r.num_computed_tokens) for r in (so.scheduled_new_reqs if so is not None else [])}
-    # a preempted request coming back: with prefix caching its own full blocks are still hashed, so it can
-    # resume with num_computed_tokens > 0 (a prefix hit on itself) instead of recomputing from 0
-    cached = so.scheduled_cached_reqs if so is not None else None
-    resumed = ({_ours(rid): int(c) for rid, c in zip(cached.req_ids, cached.num_computed_tokens)
-                if rid in (getattr(cached, "resumed_req_ids", None) or ())} if cached is not None else {})
-    preempted = sorted(by_id[_ours(x)].seq_id for x in (so.preempted_req_ids or ()) if _ours(x) in by_id) if so is not None else []
-    for sid in preempted:
-        kv.release(sid)
-        r = next(r for r in by_id.values() if r.seq_id == sid)
-        r.num_preemptions += 1
-        r.num_computed = 0
-    chunks, specs, samples = [], [], {}
-    known_of: dict[str, int] = {}
-    logits_idx, row = [], 0
-    sampled = rec["sampled"]
-    acc_nodes: dict[int, list[int]] = {}
-    spec_rec: dict[str, Any] = {}
-    for i, rid in enumerate(rec["req_ids"]):
-        req = by_id.get(rid)
-        if req is None:
-            raise InfertraceError(f"vLLM scheduled an unknown request {rid!r}")
-        T = int(qsl[i + 1] - qsl[i])
-        C = int(vseq[i]) - T
-        drafts = spec_tokens.get(rid, [])
-        known = len(req.all_ids)
-        known_of[rid] = known  # vLLM's request.num_tokens before this step (prompt + output so far)
-        parents = [-1] + list(range(len(drafts))) if drafts else None
-        # a new request with one token left to compute is padded to 1 + K rows with -1 placeholder drafts
-        # (vllm/v1/core/sched/scheduler.py:1133-1153, 1371-1375); the forward embeds them as id 0
-        # (vllm/v1/worker/gpu_model_runner.py:3310-3311 clamp_(min=0)): the trace's ids are the forward's
-        fed = [max(int(d), 0) for d in drafts]
-        ids = (req.all_ids[C:C + T - len(drafts)] + fed) if drafts else req.all_ids[C:C + T]
-        ids_vllm = rec["input_ids"][int(qsl[i]):int(qsl[i + 1])].tolist() if rec.get("input_ids") is not None else ids
-        if ids_vllm != ids:
-            raise InfertraceError(f"step {step}: vLLM packed ids {ids_vllm[:8]} for seq {req.seq_id}, expected {ids[:8]}")
-        complete = C + T - len(drafts) >= known
-        phase = "decode" if (drafts or (T == 1 and req.output_ids and C == known - 1)) else "prefill"
-        ch = ScheduledChunk(req, phase, C, ids, complete, parents)
-        chunks.append(ch)
-        specs.append(ChunkSpec(req.seq_id, C, T, parents))
-        if req.status != RUNNING:
-            req.status = RUNNING
-        if rid in new and new[rid] != C:
-            raise InfertraceError(f"step {step}: seq {req.seq_id} admitted with num_computed_tokens {new[rid]}, metadata says {C}")
-        n_rows = 1 + len(drafts)
-        logits_idx += list(range(row + T - n_rows, row + T))
-        row += T
-    # logits of vLLM: one row per request (+ its drafts), in request order
-    logits = torch.from_numpy(rec["logits"])  # [R (+ drafts), V] float32
-    used_rows: list[int] = []
-    used_logits: list[torch.Tensor] = []
-    j = 0
-    for i, ch in enumerate(chunks):
-        req = ch.req
-        n_rows = 1 + (len(ch.parents) - 1 if ch.parents else 0)
-        lrows = logits[j:j + n_rows]  # [n_rows, V]
-        j += n_rows
-        if not ch.need_logits:
-            continue  # a partial prefill: vLLM computed the row and dropped the sample
-        toks = [int(t) for t in sampled[i] if t >= 0]
-        packed0 = logits_idx[j - n_rows]
-        if ch.parents is not None:
-            used_rows += list(range(packed0, packed0 + n_rows))
-            used_logits.append(lrows)
-            acc = len(toks) - 1
-            acc_nodes[req.seq_id] = list(range(acc + 1))
-            tops = [sample(lrows[a], req.params, req.all_ids, req.generator).top for a in range(len(toks))]
-            out = [SampleResult(t, tp) for t, tp in zip(toks, tops)]
-            emitted = []
-            for res in out:
-                emitted.append(res.token)
-                req.output_ids.append(res.token)
-                if len(req.output_ids) >= req.params.max_new_tokens:
-                    break
-            samples[req.seq_id] = out[len(emitted) - 1]
-            spec_rec[str(req.seq_id)] = {"drafted": len(ch.parents) - 1, "accepted": acc, "C": ch.C,
-                                         "tokens": list(ch.token_ids), "parents": list(ch.parents),
-                                         "positions": [ch.C + d for d in range(ch.T)], "accepted_nodes": acc_nodes[req.seq_id],
-                                         "emitted": emitted, "rewind": {"op": "num_computed_tokens", "seq_id": req.seq_id,
-                                                                        "kept_pos": ranges_text(range(ch.C + acc + 1))}}
-            req.num_computed = ch.C + acc + 1
-            continue
-        used_rows.append(packed0 + n_rows - 1)
-        used_logits.append(lrows[-1:])
-        tok = int(toks[0])
-        res = sample(lrows[-1], req.params, req.all_ids, req.generator)
-        samples[req.seq_id] = SampleResult(tok, res.top)
-        req.output_ids.append(tok)
-        req.num_computed = ch.C + ch.T
-    for ch in chunks:
-        if not ch.need_logits:
-            ch.req.num_computed = ch.C + ch.T
-    batch = ScheduledBatch(step, chunks, preempted=preempted,
-                           admitted=[by_id[r].seq_id for r in new if r in by_id])
-    T_all = int(rec["num_actual_tokens"])
-    pos = torch.from_numpy(rec["positions"].astype(np.int64))  # [T]
-    seq_ids = torch.tensor([c.req.seq_id for c in chunks for _ in range(c.T)], dtype=torch.int64)  # [T]
-    B = run.block_size
-    bt_ours = torch.full((len(chunks), max(1, max(-(-int(s) // B) for s in vseq))), -1, dtype=torch.int32)
-    for i, s in enumerate(vseq):
-        n = -(-int(s) // B)
-        bt_ours[i, :n] = torch.from_numpy(rec["block_table"][i, :n].astype(np.int32))
-    T_list = [c.T for c in chunks]
-    types = ["generation" if c.parents is not None else "context" if (c.C == 0 or c.T > 1) else "generation" for c in chunks]
-    inp = PagedInputs(specs, pos, seq_ids, "paged", **spec_metadata(specs),
-                      slot_mapping=torch.from_numpy(rec["slot_mapping"].astype(np.int64)),  # [T]
-                      block_tables=bt_ours, seq_lens=torch.tensor(T_list, dtype=torch.int32),  # [R]
-                      kv_lens=torch.from_numpy(vseq.astype(np.int32)), cu_seqlens=torch.from_numpy(qsl.astype(np.int32)),
-                      request_types=types, num_contexts=sum(t == "context" for t in types), mask_type="causal",
-                      tokens_per_block=B, attention_window={})
-    kv.apply(specs, rec["block_table"], rec["slot_mapping"], rec.get("k_cache", rec.get("k_written")),
-             rec.get("v_cache", rec.get("v_written")))
-    if free is not None:
-        kv.free_count = free
-    readback = None
-    if "k_cache" in rec:
-        readback = {"k_max_abs": float(np.abs(rec["k_cache"] - rec["k_written"]).max(initial=0.0)),
-                    "v_max_abs": float(np.abs(rec["v_cache"] - rec["v_written"]).max(initial=0.0))}
-    tracer.begin_step()
-    _taps(tracer, rec, run)
-    lg = torch.cat(used_logits) if used_logits else torch.zeros(0, logits.shape[-1])  # [M, V]
-    reqs = {r.seq_id: r for r in by_id.values()}
-    spec_ctx = None
-    if spec_tokens or spec_rec:
-        drafted = sum(v["drafted"] for v in spec_rec.values())
-        accepted = sum(v["accepted"] for v in spec_rec.values())
-        spec_ctx = {"requests": spec_rec, "drafted": drafted, "accepted": accepted,
-                    "acceptance_rate": round(accepted / drafted, 4) if drafted else None} if spec_rec else None
-    serving = None
-    hits = {str(by_id[r].seq_id): _hit_record(r, c, r in resumed, known_of.get(r, len(by_id[r].prompt_ids)), rec, kv, B)
-            for r, c in {**new, **resumed}.items() if c > 0 and r in by_id}
-    if hits:
-        serving = {"prefix": hits}
-    # the scheduler's order (SchedulerOutput.num_scheduled_tokens: running requests, then the waiting ones it
-    # admitted), not the model runner's packed-row order (its input batch may hold them in another order)
-    order = [_ours(x) for x in so.num_scheduled_tokens] if so is not None else list(rec["req_ids"])
-    row_of = {rid: i for i, rid in enumerate(rec["req_ids"])}
-    sched_rows = [row_of[r] for r in order if r in row_of] + [i for r, i in row_of.items() if r not in order]
-    vsec = {
-        "scheduler": {"scheduled": [{"seq_id": chunks[i].req.seq_id, "num_scheduled_tokens": chunks[i].T,
-                                     "num_computed_tokens": chunks[i].C, "phase": chunks[i].phase,
-                                     "spec_tokens": list(spec_tokens.get(rec["req_ids"][i], []))} for i in sched_rows],
-                      "new": [{"seq_id": by_id[r].seq_id, "num_computed_tokens": c} for r, c in new.items() if r in by_id],
-                      "new_block_ids": _new_blocks(so, by_id),
-                      "resumed": [{"seq_id": by_id[r].seq_id, "num_computed_tokens": c} for r, c in resumed.items() if r in by_id],
-                      "preempted": preempted,
-                      "finished_before_step": sorted(by_id[_ours(x)].seq_id for x in (so.finished_req_ids if so is not None else ())
-                                                     if _ours(x) in by_id),
-                      "total_num_scheduled_tokens": int(so.total_num_scheduled_tokens) if so is not None else T_all,
-                      "free_blocks": free},
-        "attn_metadata": {"class": rec["metadata_class"], "query_start_loc": qsl.tolist(), "seq_lens": vseq.tolist(),
-                          "block_table": [r[: max(1, -(-int(s) // B))].tolist() for r, s in zip(rec["block_table"], vseq)],
-                          "block_table_width": int(rec["block_table"].shape[1]) if rec["block_table"].ndim == 2 else 0,
-                          "slot_mapping": rec["slot_mapping"].tolist(), "num_actual_tokens": T_all,
-                          "max_query_len": rec["max_query_len"], "max_seq_len": rec["max_seq_len"],
-                          "causal": rec["causal"], "num_decode_tokens": rec["num_decode_tokens"]},
-        "logits_indices": logits_idx, "logits_shape": list(rec["logits"].shape),
-        "sampled_token_ids": rec["sampled"].tolist(), "kv_readback": readback,
-    }
-    if rec.get("ranks"):
-        vsec["tp_ranks"] = rec["ranks"]
-    for sid in acc_nodes:  # a verify step keeps C + accepted + 1 tokens (vLLM's num_computed_tokens)
-        kv.rewind(sid, reqs[sid].num_computed)
-    tracer.end_step(StepContext(step=step, batch=batch, inp=inp, kv=kv, attention="vllm", logits=lg,
-                                logits_rows=used_rows, samples=samples, finished=finished, requests=reqs,
-                                sampler_order="hf", serving=serving, spec=spec_ctx, time_ms=time_ms))
-    if tracer.steps:
-        tracer.steps[-1].vllm = vsec
-    for sid in finished:
-        reqs[sid].status = FINISHED
-        reqs[sid].stop_reason = finished[sid]
-    return {"step": step, "idle": False, "rec": rec, "chunks": [(c.req.seq_id, c.C, c.T) for c in chunks],
-            "logits": lg, "logits_rows": used_rows, "vllm": vsec}
-
-
-def _hit_record(rid: str, hit: int, resumed: bool, num_tokens: int, rec: dict[str, Any], kv: VllmKV, B: int) -> dict[str, Any]:
-    """The prefix lookup of one request as vLLM did it (:func:`~infertrace.runtimes.vllm.replay.prefix_record`),
-    with vLLM's own block table row and ``ref_cnt`` (its block pool after this step's schedule)."""
-    from infertrace.runtimes.vllm.replay import prefix_record
-
-    i = rec["req_ids"].index(rid)
-    shared = [int(b) for b in rec["block_table"][i, : hit // B]]
-    return prefix_record(hit, num_tokens, shared, [kv.ref_cnt.get(b, 0) for b in shared], resumed, B)
-
-
-def _ours(rid: str) -> str:
-    """Our request id from vLLM's internal one (``LLMEngine.add_request`` appends ``-<8 hex>``)."""
-    head, sep, tail = str(rid).rpartition("-")
-    return head if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail) else str(rid)
-
-
-def _new_blocks(so: Any, by_id: dict[str, Request]) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    if so is None:
-        return out
-    for r in so.scheduled_new_reqs:
-        if _ours(r.req_id) in by_id:
-            out[str(by_id[_ours(r.req_id)].seq_id)] = [int(b) for b in r.block_ids[0]]
-    c = so.scheduled_cached_reqs
-    for rid, nb in zip(c.req_ids, c.new_block_ids):
-        rid = _ours(rid)
-        if rid in by_id and nb:
-            out[str(by_id[rid].seq_id)] = [int(b) for b in nb[0]]
-    return out
-
-
-def _taps(tracer: Any, rec: dict[str, Any], run: VllmRun) -> None:
-    """Hand vLLM's captured tensors to the recorder under the tap vocabulary (:mod:`infertrace.model.taps`):
-    the embedding and, for the captured layer, Q/K before and after RoPE and V as written."""
-    from infertrace.model.taps import EMBED, K, K_ROT, Q, Q_ROT, V
-
-    cfg = tracer.cfg
-    if rec.get("hidden") is not None:
-        tracer.tap(EMBED, value=torch.from_numpy(rec["hidden"]))  # [T, H]
-    if all(rec.get(k) is not None for k in ("q_pre", "q_rot", "k_pre", "k_rot", "v_written")):
-        T = rec["q_pre"].shape[0]
-        hd = cfg.head_dim
-
-        def h(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a.reshape(T, -1, hd))  # [T, heads, hd]
-
-        got = {Q: h(rec["q_pre"]), Q_ROT: h(rec["q_rot"]), K: h(rec["k_pre"]), K_ROT: h(rec["k_rot"]), V: h(rec["v_written"])}
-        for name, value in got.items():
-            if run.layer in tracer.layers and name in tracer.taps:
-                tracer.tap(name, layer=run.layer, value=value)
 
 
 def run_requests_vllm(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: int = 0,
