@@ -38,8 +38,6 @@ import torch
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, ranges_text
 from infertrace.kv.cells import KQ_MASK_PAD, CellsKV
-from infertrace.kv.seq_ops import cells_seq_rm
-from infertrace.kv.spec_ops import cells_rewind
 
 #: the SWA pool is padded to a multiple of this (llama_kv_cache_iswa: "the SWA cache is always padded to 256")
 SWA_POOL_PAD = 256
@@ -181,7 +179,7 @@ class SwaCellsPool(CellsKV):
         for s, m in sorted(max_rm.items()):  # "all positions between [pos_min, pos_max] stay present"
             pmin = self.seq_pos_min(s)
             if 0 <= pmin <= m:
-                p = cells_seq_rm(self, s, pmin, m + 1)["pos"]
+                p = CellsKV.seq_rm(self, s, pmin, m + 1)["pos"]
                 if p and p != "-":
                     purged.append(f"seq {s}: {p}")
         self.head = idx[-1] + 1 if idx else self.head
@@ -376,9 +374,9 @@ class IswaCellsKV(CellsKV):
     def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: CellsInputs, row: int,
                is_chain: bool) -> MemOp:
         """Speculative rollback in both pools (each with the cells its rows went to)."""
-        a = MemOp(cells_rewind(self, seq_id, C, T, accepted, inp.cell_idx[row : row + T], is_chain))
+        a = self.rewind_cells(seq_id, C, T, accepted, inp.cell_idx[row : row + T], is_chain)
         sinp = inp.swa if isinstance(inp, IswaInputs) and inp.swa is not None else inp
-        b = MemOp(cells_rewind(self.swa, seq_id, C, T, accepted, sinp.cell_idx[row : row + T], is_chain))
+        b = self.swa.rewind_cells(seq_id, C, T, accepted, sinp.cell_idx[row : row + T], is_chain)
         return _combine("rewind", a, b)
 
     def defrag(self) -> MemOp:

@@ -25,7 +25,7 @@ draft_len+1, ...]`` (``_torch/pyexecutor/mamba_cache_manager.py`` ``SpeculativeS
 ``r_l`` / ``s_l`` (``src/llama-memory-recurrent.cpp``); ``seq_rm(seq, p0, -1)`` of a tail of at most
 ``n_rs_seq`` tokens sets ``rs_idx[seq] = rollback`` and the next graph reads the state from that
 snapshot plane. A tree here continues each branch from its parent's snapshot; llama.cpp would give
-each branch its own seq_id, here one seq owns the tree (as :mod:`infertrace.kv.spec_ops` does).
+each branch its own seq_id, here one seq owns the tree (as :meth:`infertrace.kv.cells.CellsKV.rewind_cells` does).
 
 Either way a request whose chunk starts at ``C == 0`` (a new request, or one recomputed after
 preemption) starts from zero state; the state is never shared between requests, so prefix / block

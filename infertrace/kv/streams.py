@@ -35,8 +35,6 @@ from infertrace.attention.reference import attention_with_kq_mask
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, MemoryDefaults, _dtype, ranges_text
 from infertrace.kv.cells import CellsKV
-from infertrace.kv.seq_ops import cells_defrag, cells_seq_add, cells_seq_div, cells_seq_keep, cells_seq_rm, cells_shift_out
-from infertrace.kv.spec_ops import cells_rewind
 
 _NEG = float("-inf")
 
@@ -230,10 +228,7 @@ class CellsStreamsKV(MemoryDefaults):
             heads_b.append(st.head)
             pos = list(range(c.C, c.C + c.T))
             idx = st.find_slot(c.T)  # this stream only, from its head (llama_kv_cache::find_slot)
-            it = torch.tensor(idx, dtype=torch.int64)  # [T]
-            st.pos[it] = torch.tensor(pos, dtype=torch.int64)
-            st.seq[it, c.seq_id] = True
-            st.head = idx[-1] + 1 if idx else st.head  # apply_ubatch: head = idxs.back() + 1 (may equal size: wraps next search)
+            st.occupy(idx, pos, c.seq_id)  # apply_ubatch: head = idxs.back() + 1 (may equal size: wraps next search)
             heads_a.append(st.head)
             positions += pos
             local += idx
@@ -292,8 +287,8 @@ class CellsStreamsKV(MemoryDefaults):
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
         """``llama_kv_cache::seq_rm``: in ``seq_id``'s stream; ``seq_id < 0``: every stream."""
         if seq_id >= 0:
-            return MemOp({**cells_seq_rm(self.stream_of(seq_id), seq_id, p0, p1), "stream": seq_id})
-        ops = [cells_seq_rm(st, -1, p0, p1) for st in self.streams]
+            return MemOp({**self.stream_of(seq_id).seq_rm(seq_id, p0, p1), "stream": seq_id})
+        ops = [st.seq_rm(-1, p0, p1) for st in self.streams]
         return MemOp({"op": "seq_rm", "seq_id": seq_id, "range": ops[0]["range"],
                       "streams": [{"stream": s, "cells": o["cells"], "freed": o["freed"]} for s, o in enumerate(ops) if o["cells"] != "-"]})
 
@@ -309,29 +304,21 @@ class CellsStreamsKV(MemoryDefaults):
             return MemOp.refused("seq_cp", f"seq_cp of a part [{p0}, {p1}) of seq {src} into seq {dst} across streams: llama.cpp "
                                  "copies whole streams only (GGML_ASSERT is_full: 'seq_cp() is only supported for full KV "
                                  "buffers'); use --kv-unified on or copy the whole sequence (p0 = p1 = -1)", src=src, dst=dst)
-        idx = a.seq[:, src].nonzero().flatten()  # [M] the source cells
-        b.pos.fill_(-1)
-        b.seq.zero_()
-        b.pos[idx] = a.pos[idx]
-        b.seq[idx, dst] = True
-        b.head = a.head
-        for layer in range(self.n_layer):  # update(): ggml_backend_tensor_copy(k_stream[src], k_stream[dst])
-            b.k[layer].copy_(a.k[layer])
-            b.v[layer].copy_(a.v[layer])
+        idx = b.copy_from(a, src, dst)  # [M] the source cells; update(): ggml_backend_tensor_copy(k_stream[src], k_stream[dst])
         return MemOp({"op": "seq_cp", "src": src, "dst": dst, "stream_copy": [src, dst], "cells": ranges_text(idx.tolist()),
                       "pos": ranges_text(a.pos[idx].tolist())})
 
     def seq_keep(self, seq_id: int) -> MemOp:
         """``llama_kv_cache::seq_keep``: only ``seq_id``'s stream is touched (other streams keep theirs)."""
-        return MemOp({**cells_seq_keep(self.stream_of(seq_id), seq_id), "stream": seq_id})
+        return MemOp({**self.stream_of(seq_id).seq_keep(seq_id), "stream": seq_id})
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[Any]) -> MemOp:
         """llama.cpp ``seq_add`` in ``seq_id``'s stream (K re-rotated per layer)."""
-        return MemOp(cells_seq_add(self.stream_of(seq_id), seq_id, p0, p1, delta, ropes))
+        return self.stream_of(seq_id).seq_add(seq_id, p0, p1, delta, ropes)
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[Any]) -> MemOp:
         """llama.cpp ``seq_div`` in ``seq_id``'s stream."""
-        return MemOp(cells_seq_div(self.stream_of(seq_id), seq_id, p0, p1, d, ropes))
+        return self.stream_of(seq_id).seq_div(seq_id, p0, p1, d, ropes)
 
     def seq_pos_min(self, seq_id: int) -> int:
         return self.stream_of(seq_id).seq_pos_min(seq_id)
@@ -340,16 +327,16 @@ class CellsStreamsKV(MemoryDefaults):
         return self.stream_of(seq_id).seq_pos_max(seq_id)
 
     def shift_out(self, seq_id: int, p0: int, p1: int, ropes: Sequence[Any]) -> MemOp:
-        return MemOp(cells_shift_out(self.stream_of(seq_id), seq_id, p0, p1, ropes))
+        return self.stream_of(seq_id).shift_out(seq_id, p0, p1, ropes)
 
     def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: StreamsInputs, row: int,
                is_chain: bool) -> MemOp:
         """Speculative rollback in the sequence's stream (cells of rows ``row..row+T-1``)."""
-        return MemOp(cells_rewind(self.stream_of(seq_id), seq_id, C, T, accepted, inp.cell_local[row : row + T], is_chain))
+        return self.stream_of(seq_id).rewind_cells(seq_id, C, T, accepted, inp.cell_local[row : row + T], is_chain)
 
     def defrag(self) -> MemOp:
         """Defragment every stream."""
-        return MemOp({"op": "defrag", "streams": [cells_defrag(st) for st in self.streams]})
+        return MemOp({"op": "defrag", "streams": [dict(st.defrag()) for st in self.streams]})
 
     # --- description ---------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
