@@ -17,6 +17,7 @@ from infertrace.model.taps import (
 from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES  # noqa: F401 - re-exported (defined torch-free in records)
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
+from infertrace.capture.kv_views import heads, placement
 from infertrace.capture.spec_capture import verify_record
 
 if TYPE_CHECKING:
@@ -326,11 +327,11 @@ class Recorder:
             view["requests"].append({"seq_id": c.seq_id, "rows": [
                 {"pos": p, "k": [_r(a) for a in k[p, 0, : self.n_first].tolist()], "v": [_r(a) for a in v[p, 0, : self.n_first].tolist()]}
                 for p in range(c.C, min(c.C + c.T, k.shape[0]))][:8]})  # a verify step: only the accepted remain
-        for d, place in zip(per, kv.placement(inp)):  # cells: the cells written; paged: slots and block table
+        for d, place in zip(per, placement(kv, inp)):  # cells: the cells written; paged: slots and block table
             d.update(place)
         mem = kv.describe()
         snap = kv.snapshot()
-        snap.update(kv.heads(inp))  # cells: head before / after the step; paged: nothing
+        snap.update(heads(kv, inp))  # cells: head before / after the step; paged: nothing
         return KVRec(mem["kind"], mem["dtype"], len(mem["kv_layers"]), per, view, snap, mem["physical_shape"])
 
     def _decode(self, ctx: StepContext, reqs: list[ReqStep]) -> DecodeRec:

@@ -29,6 +29,7 @@ import torch
 
 from infertrace.engine.drive import encode_requests, submit
 from infertrace.engine.engine import Engine, EngineOptions
+from infertrace.capture.kv_views import step_summary
 from infertrace.kv.base import Memory
 from infertrace.ranges import ranges_text
 
@@ -88,8 +89,8 @@ class StepCapture:
 
 def physical_summary(kv: Memory, inp: Any) -> dict[str, Any]:
     """JSON-ready physical side of one step: where the step's K/V went and what attention got
-    (the memory's ``step_summary``)."""
-    return kv.step_summary(inp)
+    (:func:`infertrace.capture.kv_views.step_summary`)."""
+    return step_summary(kv, inp)
 
 
 def _mask_text(m: torch.Tensor, C: int, row: int) -> str:

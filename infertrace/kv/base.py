@@ -23,9 +23,10 @@ class AttnInputs:
     ``chunks`` (packed order), ``positions`` ``[N]`` int64, ``seq_ids`` ``[N]`` int64, ``backend``
     (the convention: ``cells`` / ``paged``); ``state_indices`` ``[num_seqs]``: the recurrent-state
     slot of each chunk (hybrid memories only, TensorRT-LLM ``state_indices`` / llama.cpp ``s_copy``);
-    ``extra``: annotations a captured runtime adds to its step (llama.cpp's ``kq_mask_ne``,
-    ``out_ids``, ``memory_seq_pos``), never read by the memory. Each convention's inputs are a
-    subclass: :class:`CellsInputs`, :class:`PagedInputs`.
+    ``native``: what a captured runtime adds to its step, as that runtime's own frozen dataclass
+    (llama.cpp: :class:`~infertrace.runtimes.llamacpp.native.LlamaCppStepNative`: ``kq_mask_ne``,
+    ``out_ids``, ``memory_seq_pos`` ...), never read by the memory; None for our engine. Each
+    convention's inputs are a subclass: :class:`CellsInputs`, :class:`PagedInputs`.
     """
 
     chunks: list[ChunkSpec]
@@ -33,11 +34,23 @@ class AttnInputs:
     seq_ids: torch.Tensor
     backend: str
     state_indices: list[int] | None = field(default=None, kw_only=True)
-    extra: dict[str, Any] = field(default_factory=dict, kw_only=True)
+    native: Any = field(default=None, kw_only=True)
 
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+@dataclass(frozen=True)
+class SwaPoolStep:
+    """What llama.cpp's iSWA SWA pool did in one step (``llama_kv_cache::apply_ubatch`` on the pool,
+    :meth:`~infertrace.kv.iswa.SwaCellsPool.apply_ubatch`): ``reused`` the cells taken over from
+    tokens that left every window, ``purged`` the positions removed because of it (range text, ``-``
+    for none), ``pool_size`` the pool's cells."""
+
+    reused: str = "-"
+    purged: str = "-"
+    pool_size: int = 0
 
 
 @dataclass
@@ -47,7 +60,8 @@ class CellsInputs(AttnInputs):
     ``[n_stream, 1, n_tokens_pad, n_kv]`` float32 (ggml ``ne = [n_kv, n_tokens_pad, 1, n_stream]``),
     ``head_before`` / ``head_after``, the cells' ``cell_pos`` ``[n_kv]`` / ``cell_seq``
     ``[n_kv, n_seq_max]`` when the mask was filled; models with windowed layers add ``kq_mask_swa``
-    (same shape), ``n_swa`` and ``swa_layers``."""
+    (same shape), ``n_swa`` and ``swa_layers``; the inputs of llama.cpp's SWA pool add ``swa_pool``
+    (:class:`SwaPoolStep`)."""
 
     cell_idx: torch.Tensor = field(kw_only=True)
     n_kv: int = field(kw_only=True)
@@ -60,6 +74,7 @@ class CellsInputs(AttnInputs):
     kq_mask_swa: torch.Tensor | None = field(default=None, kw_only=True)
     n_swa: int = field(default=0, kw_only=True)
     swa_layers: list[int] = field(default_factory=list, kw_only=True)
+    swa_pool: SwaPoolStep | None = field(default=None, kw_only=True)
 
     def mask(self, swa: bool = False) -> torch.Tensor:
         """``kq_mask_swa`` when ``swa`` and the model has windowed layers, else ``kq_mask``."""
@@ -193,9 +208,15 @@ class Memory(Protocol):
 
     Positions follow llama.cpp: ``p0 < 0`` means 0, ``p1 < 0`` means "to the end". Sequence
     operations return a :class:`MemOp` (false: refused, nothing changed).
+
+    Only the memory's operations and its state as data (``snapshot``, ``describe``) are here; what a
+    trace, ``dump-kv`` or ``diff-backends`` shows of one step (placement, heads, the physical
+    summary, K/V values) is read from the state by :mod:`infertrace.capture.kv_views`, by ``layout``.
+    ``tests/unit/kv/test_memory_layering.py`` holds this protocol's method list.
     """
 
     kind: str
+    layout: str  # storage layout the views read: cells, cells_iswa, cells_streams, paged, hybrid
     capacity_tokens: int
 
     # --- batch preparation and the forward (llama_memory_i::init_batch / the graph inputs) -----------
@@ -283,7 +304,7 @@ class Memory(Protocol):
         """Per chunk, bool ``[T, C+T]``: query i may see key position j."""
 
     def snapshot(self) -> dict[str, Any]:
-        """JSON-ready description of the physical state (for traces and ``dump-kv``)."""
+        """JSON-ready description of the physical state, as data (for traces and ``dump-kv``)."""
 
     def describe(self) -> dict[str, Any]:
         """Shape of the memory: ``kind``, ``dtype``, ``n_layer`` (physical K/V layers), ``kv_layers`` (model
@@ -300,22 +321,6 @@ class Memory(Protocol):
 
     def written_blocks(self, inp: AttnInputs, row: int, T: int) -> list[int]:
         """Blocks the step's rows ``row..row+T-1`` went to (paged; ``[]`` for cells)."""
-
-    def placement(self, inp: AttnInputs | None) -> list[dict[str, Any]]:
-        """Per chunk of the step, where its K/V went, as the trace shows it (cells: ``cells``; paged:
-        ``slot_mapping``, ``block_table``)."""
-
-    def heads(self, inp: AttnInputs | None) -> dict[str, Any]:
-        """What the snapshot adds for the step (cells: ``head_before`` / ``head_after``)."""
-
-    def step_summary(self, inp: AttnInputs | None) -> dict[str, Any]:
-        """The physical side of one step for the backend diff (``diff-backends``)."""
-
-    def dump_writes(self, inp: AttnInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """For ``dump-kv``: per chunk where its rows went, and what the snapshot adds."""
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """For ``dump-kv``: K/V values of one head of physical layer ``layer`` per sequence and position."""
 
 
 #: the name before the protocol grew sequence operations; same protocol.

@@ -32,14 +32,14 @@ from infertrace.attention.reference import attention_with_kq_mask
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, MemoryDefaults, ranges_text
 from infertrace.kv import seq_ops
-from infertrace.trace.schema import N_KV_PAD_MAX
+from infertrace.limits import N_KV_PAD_MAX
 
 #: query rows of kq_mask are padded to a multiple of this (llama.cpp once padded to
 #: ``GGML_KQ_MASK_PAD`` = 64; the llama.cpp measured by ``run --engine llama.cpp`` does not pad).
 KQ_MASK_PAD = 1
 #: ``n_kv`` is padded to a multiple of this (llama.cpp ``llama_kv_cache::get_n_kv``: ``max(n_pad, 256)``,
 #: "so that the graph remains constant across batches and can be reused"), capped at the cache size;
-#: one constant with the trace checks and the ``dump-kv`` text (torch-free, in the trace layer).
+#: one constant with the trace checks and the ``dump-kv`` text (torch-free: :mod:`infertrace.limits`).
 N_PAD = N_KV_PAD_MAX
 
 
@@ -58,6 +58,7 @@ class CellsKV(MemoryDefaults):
     """
 
     kind = "cells"
+    layout = "cells"  # what the views read (infertrace.capture.kv_views)
 
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, size: int, n_seq_max: int = 64,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", windows: Sequence[int] | None = None):
@@ -416,50 +417,7 @@ class CellsKV(MemoryDefaults):
                 "block_size": 0, "n_seq_max": self.n_seq_max, "physical_shape": [self.size, *k.shape[1:]],
                 "tensors": "k_l, v_l per layer", "mask": "explicit kq_mask ne = [n_kv, n_tokens_pad, 1, n_stream], 0 / -inf"}
 
-    def placement(self, inp: CellsInputs | None) -> list[dict[str, Any]]:
-        """Per chunk of the step (packed order), where its K/V went: ``{"cells": ranges}``."""
-        if inp is None:
-            return []
-        idx, out, r = inp.cell_idx.tolist(), [], 0
-        for c in inp.chunks:
-            out.append({"cells": ranges_text(idx[r : r + c.T])})
-            r += c.T
-        return out
-
-    def heads(self, inp: CellsInputs | None) -> dict[str, Any]:
-        """``head_before`` / ``head_after`` of the step (llama.cpp's next-slot search start)."""
-        return {"head_before": inp.head_before, "head_after": inp.head_after} if inp is not None else \
-            {"head_before": self.head, "head_after": self.head}
-
-    def step_summary(self, inp: CellsInputs | None) -> dict[str, Any]:
-        """For the backend diff: storage shape, used cells, ``head``, each request's cells this step
-        and what attention got (``kq_mask`` shape, ``n_kv``)."""
-        per = {str(c.seq_id): p["cells"] for c, p in zip(inp.chunks if inp is not None else [], self.placement(inp))}
-        d = {"storage": [self.size, *self.k[0].shape[1:]], "used": self.used, "head": self.head, "cells": per}
-        if inp is not None:
-            d.update(inp.summary())
-        return d
-
-    def dump_writes(self, inp: CellsInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """For ``dump-kv``: per chunk ``{"seq_id", "pos", "cells"}``, and the heads to add to the snapshot."""
-        idx = inp.cell_idx.tolist() if inp is not None else []
-        writes = [{"seq_id": c.seq_id, "pos": list(range(c.C, c.C + c.T)), "cells": [idx[i] for i in rows[c.seq_id]]}
-                  for c in (inp.chunks if inp is not None else [])]
-        return writes, {"head_before": inp.head_before if inp is not None else self.head, "head_after": self.head}
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """For ``dump-kv``: per sequence holding cells, ``{"seq_id", "len", "rows": [{"pos", "cell", "k", "v"}]}``
-        with the first ``n`` values (all when None) of KV head ``head`` in physical layer ``layer``."""
-        reqs = []
-        for sid in sorted({s for c in self.snapshot()["cells"] for s in c["seq_ids"]}):
-            cells = self.cells_of(sid)  # [(cell, pos)] ordered by pos
-            rows = [{"pos": p, "cell": cell, "k": self.k[layer][cell, head, :n].float().tolist(),
-                     "v": self.v[layer][cell, head, :n].float().tolist()}
-                    for cell, p in cells if wanted is None or p in wanted]
-            reqs.append({"seq_id": sid, "len": len(cells), "rows": rows})
-        return reqs
-
-    # --- views -------------------------------------------------------------------
+    # --- state read ----------------------------------------------------------------
     def cells_of(self, seq_id: int) -> list[tuple[int, int]]:
         """``[(cell, pos)]`` owned by ``seq_id``, ordered by pos."""
         idx = self.seq[:, seq_id].nonzero().flatten()

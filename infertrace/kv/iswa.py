@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, ranges_text
+from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, SwaPoolStep, ranges_text
 from infertrace.kv.cells import KQ_MASK_PAD, CellsKV
 
 #: the SWA pool is padded to a multiple of this (llama_kv_cache_iswa: "the SWA cache is always padded to 256")
@@ -92,6 +92,12 @@ def _fill_mask(kv: CellsKV, chunks: Sequence[ChunkSpec], idx_t: torch.Tensor, po
     return mask
 
 
+def _reuse(inp: CellsInputs) -> dict[str, str]:
+    """``{"reused", "purged"}`` of a SWA pool's step (``-`` each when the inputs carry no :class:`SwaPoolStep`)."""
+    sp = inp.swa_pool if inp.swa_pool is not None else SwaPoolStep()
+    return {"reused": sp.reused, "purged": sp.purged}
+
+
 class SwaCellsPool(CellsKV):
     """The SWA pool of :class:`IswaCellsKV`: a :class:`CellsKV` of ``size`` cells whose ``find_slot``
     may reuse a cell that left every window and whose ``prepare`` purges what it overwrote (module
@@ -137,8 +143,8 @@ class SwaCellsPool(CellsKV):
         they held purged, ``head`` = last cell + 1) and the pool's masks.
 
         Returns :class:`~infertrace.kv.base.CellsInputs` of this pool (``kq_mask_swa`` ``[1, 1, n_pad,
-        n_kv]`` float32 is the one the windowed layers read; ``extra["reused"]`` / ``extra["purged"]``:
-        cells taken over and positions removed, as range text).
+        n_kv]`` float32 is the one the windowed layers read; ``swa_pool``: cells taken over and positions
+        removed, as range text, and the pool's size).
         """
         positions, seq_ids = self._ubatch_rows(chunks)
         N = len(positions)
@@ -152,8 +158,8 @@ class SwaCellsPool(CellsKV):
         inp = CellsInputs(list(chunks), pos_t, sid_t, self.kind, cell_idx=idx_t, n_kv=n_kv, kq_mask=mask, n_tokens_pad=n_pad,
                           head_before=head_before, head_after=self.head, cell_pos=self.pos[:n_kv].clone(),
                           cell_seq=self.seq[:n_kv].clone(), kq_mask_swa=mask_swa, n_swa=self.n_swa,
-                          swa_layers=[i for i, w in enumerate(self.windows) if w])
-        inp.extra["reused"], inp.extra["purged"] = reused, purged
+                          swa_layers=[i for i, w in enumerate(self.windows) if w],
+                          swa_pool=SwaPoolStep(reused, purged, self.size))
         return inp
 
     def apply_ubatch(self, idx_t: torch.Tensor, pos_t: torch.Tensor, sid_t: torch.Tensor) -> tuple[str, str]:
@@ -195,8 +201,7 @@ class SwaCellsPool(CellsKV):
                                        for i in used_idx[:max_cells]]}
         if inp is not None:
             d.update({"k_idxs": ranges_text(inp.cell_idx.tolist()), "head_before": inp.head_before,
-                      "head_after": inp.head_after, "reused": inp.extra.get("reused", "-"),
-                      "purged": inp.extra.get("purged", "-")})
+                      "head_after": inp.head_after, **_reuse(inp)})
         return d
 
 
@@ -227,9 +232,9 @@ class IswaInputs(CellsInputs):
         return {"kq_mask_swa": {"ne": [n_kv, s.n_tokens_pad, 1, 1], "dtype": str(m.dtype).replace("torch.", ""),
                                 "col_start": start, "cell_pos": s.cell_pos[start : start + max_cols].tolist(),
                                 "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]},
-                "pool": {"size": int(s.extra.get("pool_size", 0)), "n_kv": n_kv, "k_idxs": ranges_text(s.cell_idx.tolist()),
-                         "head_before": s.head_before, "head_after": s.head_after,
-                         "reused": s.extra.get("reused", "-"), "purged": s.extra.get("purged", "-")}}
+                "pool": {"size": s.swa_pool.pool_size if s.swa_pool is not None else 0, "n_kv": n_kv,
+                         "k_idxs": ranges_text(s.cell_idx.tolist()), "head_before": s.head_before, "head_after": s.head_after,
+                         **_reuse(s)}}
 
     def summary(self) -> dict[str, Any]:
         """:meth:`CellsInputs.summary` plus the SWA pool's ``kq_mask_swa_ne``, ``n_kv_swa``, ``head_before_swa``."""
@@ -262,6 +267,8 @@ class IswaCellsKV(CellsKV):
         InfertraceError: no windowed layer; bad sizes (:func:`swa_pool_size`).
     """
 
+    layout = "cells_iswa"  # what the views read (infertrace.capture.kv_views): the base pool and the SWA pool
+
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, size: int, n_seq_max: int = 64,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", windows: Sequence[int] | None = None,
                  n_ubatch: int = 512, swa_full: bool = False):
@@ -292,7 +299,6 @@ class IswaCellsKV(CellsKV):
             self.swa.find_slot(sum(c.T for c in chunks))
         base = super().prepare(chunks)
         swa = self.swa.prepare(chunks)
-        swa.extra["pool_size"] = self.swa.size
         inp = IswaInputs(**{f.name: getattr(base, f.name) for f in fields(base)}, swa=swa)
         inp.kq_mask_swa = swa.kq_mask_swa  # the windowed layers' mask is the SWA pool's
         return inp
@@ -391,22 +397,8 @@ class IswaCellsKV(CellsKV):
                   "mask": d["mask"] + "; windowed layers: kq_mask_swa over the SWA pool"})
         return d
 
-    def step_summary(self, inp: CellsInputs | None) -> dict[str, Any]:
-        """:meth:`CellsKV.step_summary` plus the SWA pool's ``used`` / ``head`` / the step's cells."""
-        d = super().step_summary(inp)
-        sinp = inp.swa if isinstance(inp, IswaInputs) else None
-        d["swa_pool"] = {"size": self.swa.size, "used": self.swa.used, "head": self.swa.head,
-                         "cells": ranges_text(sinp.cell_idx.tolist()) if sinp is not None else "-"}
-        return d
-
     def snapshot(self) -> dict[str, Any]:
         """:meth:`CellsKV.snapshot` (the base pool) plus ``swa_pool``: :meth:`SwaCellsPool.pool_record`."""
         snap = super().snapshot()
         snap["swa_pool"] = self.swa.pool_record(None)
         return snap
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """As :meth:`CellsKV.dump_values`; a windowed layer's rows come from the SWA pool (its cells)."""
-        if self.windows[layer]:
-            return self.swa.dump_values(layer, head, n, wanted)
-        return super().dump_values(layer, head, n, wanted)

@@ -39,6 +39,7 @@ class PagedKV(MemoryDefaults):
     """
 
     kind = "paged"
+    layout = "paged"  # what the views read (infertrace.capture.kv_views)
 
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, num_blocks: int,
                  tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, dtype: torch.dtype = torch.float32,
@@ -285,63 +286,7 @@ class PagedKV(MemoryDefaults):
                 "block_size": self.B, "n_seq_max": None, "physical_shape": list(p.shape), "tensors": "pool per layer",
                 "mask": "no dense tensor: mask_type causal + seq_lens, kv_lens, cu_seqlens, block tables"}
 
-    def placement(self, inp: PagedInputs | None) -> list[dict[str, Any]]:
-        """Per chunk of the step (packed order), where its K/V went: ``{"slot_mapping", "block_table"}``
-        (a verify chunk: the table its slots were written through)."""
-        if inp is None:
-            return []
-        sm, out, r = inp.slot_mapping.tolist(), [], 0
-        for i, c in enumerate(inp.chunks):
-            out.append({"slot_mapping": sm[r : r + c.T],
-                        "block_table": (list(self.tables[c.seq_id]) if c.parents is None else
-                                        [b for b in inp.block_tables[i].tolist() if b >= 0])})
-            r += c.T
-        return out
-
-    def heads(self, inp: PagedInputs | None) -> dict[str, Any]:
-        """A pool has no head (cells only)."""
-        return {}
-
-    def step_summary(self, inp: PagedInputs | None) -> dict[str, Any]:
-        """For the backend diff: storage shape, used blocks, each request's slots this step, the block
-        tables and what attention got (lengths, mask type)."""
-        sm = inp.slot_mapping.tolist() if inp is not None else []
-        per, r = {}, 0
-        for c in inp.chunks if inp is not None else []:
-            per[str(c.seq_id)] = ranges_text(sm[r : r + c.T])
-            r += c.T
-        d = {"storage": list(self.pool[0].shape), "used_blocks": self.num_blocks - len(self.free), "slots": per,
-             "block_tables": {str(s): list(t) for s, t in sorted(self.tables.items())}}
-        if inp is not None:
-            d.update(inp.summary())
-        return d
-
-    def dump_writes(self, inp: PagedInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """For ``dump-kv``: per chunk ``{"seq_id", "pos", "slots"}`` (nothing to add to the snapshot)."""
-        sm = inp.slot_mapping.tolist() if inp is not None else []
-        writes = [{"seq_id": c.seq_id, "pos": list(range(c.C, c.C + c.T)), "slots": [sm[i] for i in rows[c.seq_id]]}
-                  for c in (inp.chunks if inp is not None else [])]
-        return writes, {}
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """For ``dump-kv``: per sequence, ``{"seq_id", "len", "rows": [{"pos", "slot", "block", "offset", "k",
-        "v"}]}`` with the first ``n`` values (all when None) of KV head ``head`` in layer ``layer``."""
-        reqs = []
-        for sid in sorted(self.tables):
-            L = self.seq_len(sid)
-            rows = []
-            for p in range(L):
-                if wanted is not None and p not in wanted:
-                    continue
-                slot = self.slot(sid, p)
-                blk, off = divmod(slot, self.B)
-                rows.append({"pos": p, "slot": slot, "block": blk, "offset": off,
-                             "k": self.pool[layer][blk, 0, head, off, :n].float().tolist(),
-                             "v": self.pool[layer][blk, 1, head, off, :n].float().tolist()})
-            reqs.append({"seq_id": sid, "len": L, "rows": rows})
-        return reqs
-
-    # --- views -------------------------------------------------------------------
+    # --- state read ----------------------------------------------------------------
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         L = self.lens.get(seq_id, 0)
         slots = torch.tensor([self.slot(seq_id, p) for p in range(L)], dtype=torch.int64)

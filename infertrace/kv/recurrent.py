@@ -353,6 +353,8 @@ class HybridKV(MemoryDefaults):
     slot (``inp.state_indices``). Prefix / block reuse is off (:data:`NO_REUSE_REASON`).
     """
 
+    layout = "hybrid"  # what the views read (infertrace.capture.kv_views): its attention part
+
     def __init__(self, attn: Any, state: RecurrentState, kv_layers: Sequence[int]):
         self.attn = attn
         self.state = state
@@ -478,19 +480,3 @@ class HybridKV(MemoryDefaults):
 
     def written_blocks(self, inp: AttnInputs, row: int, T: int) -> list[int]:
         return self.attn.written_blocks(inp, row, T)
-
-    def placement(self, inp: AttnInputs | None) -> list[dict[str, Any]]:
-        return self.attn.placement(inp)
-
-    def heads(self, inp: AttnInputs | None) -> dict[str, Any]:
-        return self.attn.heads(inp)
-
-    def step_summary(self, inp: AttnInputs | None) -> dict[str, Any]:
-        return self.attn.step_summary(inp)
-
-    def dump_writes(self, inp: AttnInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        return self.attn.dump_writes(inp, rows)
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """``layer``: physical (``phys_layer`` of a model layer)."""
-        return self.attn.dump_values(layer, head, n, wanted)

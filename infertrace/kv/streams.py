@@ -159,6 +159,7 @@ class CellsStreamsKV(MemoryDefaults):
     """
 
     kind = "cells"
+    layout = "cells_streams"  # what the views read (infertrace.capture.kv_views)
 
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, size: int, n_seq_max: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", windows: Sequence[int] | None = None):
@@ -348,44 +349,7 @@ class CellsStreamsKV(MemoryDefaults):
                   "mask": "explicit kq_mask ne = [n_kv, n_tokens_per_stream, 1, n_stream of the ubatch], 0 / -inf"})
         return d
 
-    def placement(self, inp: StreamsInputs | None) -> list[dict[str, Any]]:
-        """Per chunk: ``{"cells": global rows, "stream": s}``."""
-        if inp is None:
-            return []
-        idx, t = inp.cell_idx.tolist(), inp.n_tps
-        return [{"cells": ranges_text(idx[j * t : (j + 1) * t]), "stream": s} for j, s in enumerate(inp.streams)]
-
-    def heads(self, inp: StreamsInputs | None) -> dict[str, Any]:
-        """Nothing at the top (each stream has its own head: see ``streams`` of the snapshot)."""
-        return {}
-
-    def step_summary(self, inp: StreamsInputs | None) -> dict[str, Any]:
-        """For the backend diff: storage, used cells, per-stream heads, each request's cells this step."""
-        per = {str(c.seq_id): p["cells"] for c, p in zip(inp.chunks if inp is not None else [], self.placement(inp))}
-        d = {"storage": [self.n_stream, self.size, *self.streams[0].k[0].shape[1:]], "used": self.used,
-             "head": [st.head for st in self.streams], "cells": per}
-        if inp is not None:
-            d.update(inp.summary())
-        return d
-
-    def dump_writes(self, inp: StreamsInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """For ``dump-kv``: per chunk ``{"seq_id", "pos", "cells" (global rows), "stream"}``."""
-        idx = inp.cell_idx.tolist() if inp is not None else []
-        writes = [{"seq_id": c.seq_id, "pos": list(range(c.C, c.C + c.T)), "cells": [idx[i] for i in rows[c.seq_id]],
-                   "stream": c.seq_id} for c in (inp.chunks if inp is not None else [])]
-        return writes, {}
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """For ``dump-kv``: per sequence, its rows (global cell rows) from its own stream."""
-        reqs = []
-        for s, st in enumerate(self.streams):
-            for r in st.dump_values(layer, head, n, wanted):
-                for row in r["rows"]:
-                    row["cell"] += s * self.size
-                reqs.append({**r, "stream": s})
-        return reqs
-
-    # --- views -------------------------------------------------------------------
+    # --- state read ----------------------------------------------------------------
     def cells_of(self, seq_id: int) -> list[tuple[int, int]]:
         """``[(global cell row, pos)]`` of ``seq_id``, ordered by pos."""
         return [(seq_id * self.size + c, p) for c, p in self.stream_of(seq_id).cells_of(seq_id)]
