@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from infertrace.capture.mask_views import inputs_summary
 from infertrace.errors import InfertraceError
 from infertrace.ranges import ranges_text
 from infertrace.trace.kv_dump import N_FIRST, build_dump
@@ -53,6 +54,23 @@ def _layout(kv: Any) -> str:
 
 def _chunks(inp: Any) -> list[Any]:
     return list(inp.chunks) if inp is not None else []
+
+
+def conventions(kv: Any) -> dict[str, str]:
+    """The memory's storage and mask conventions in one line each, for a reader (``diff-backends``):
+    ``{"tensors", "mask"}``."""
+    lay = _layout(kv)
+    if lay == "hybrid":
+        return conventions(kv.attn)
+    if lay == "paged":
+        return {"tensors": "pool per layer", "mask": "no dense tensor: mask_type causal + seq_lens, kv_lens, cu_seqlens, block tables"}
+    if lay == "cells_streams":
+        return {"tensors": "k_l, v_l per layer, ne = [n_embd_gqa, kv_size, n_stream]",
+                "mask": "explicit kq_mask ne = [n_kv, n_tokens_per_stream, 1, n_stream of the ubatch], 0 / -inf"}
+    mask = "explicit kq_mask ne = [n_kv, n_tokens_pad, 1, n_stream], 0 / -inf"
+    if lay == "cells_iswa":
+        mask += "; windowed layers: kq_mask_swa over the SWA pool"
+    return {"tensors": "k_l, v_l per layer", "mask": mask}
 
 
 # ----------------------------------------------------------------------------- one step, as the trace shows it
@@ -102,7 +120,8 @@ def heads(kv: Any, inp: Any) -> dict[str, Any]:
 def step_summary(kv: Any, inp: Any) -> dict[str, Any]:
     """The physical side of one step for the backend diff (``diff-backends``): storage shape, what is
     used, each request's cells / slots this step, the heads or block tables, and what attention got
-    (the inputs' ``summary``: ``kq_mask`` shape and ``n_kv``, or the lengths and mask type)."""
+    (:func:`~infertrace.capture.mask_views.inputs_summary`: ``kq_mask`` shape and ``n_kv``, or the lengths
+    and mask type)."""
     lay = _layout(kv)
     if lay == "hybrid":
         return step_summary(kv.attn, inp)
@@ -123,7 +142,7 @@ def step_summary(kv: Any, inp: Any) -> dict[str, Any]:
         else:
             d = {"storage": [kv.size, *kv.k[0].shape[1:]], "used": kv.used, "head": kv.head, "cells": per}
     if inp is not None:
-        d.update(inp.summary())
+        d.update(inputs_summary(inp))
     if lay == "cells_iswa":  # llama.cpp's SWA pool beside the base pool
         sinp = getattr(inp, "swa", None)
         d["swa_pool"] = {"size": kv.swa.size, "used": kv.swa.used, "head": kv.swa.head,

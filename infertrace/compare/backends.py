@@ -29,7 +29,7 @@ import torch
 
 from infertrace.engine.drive import encode_requests, submit
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.capture.kv_views import step_summary
+from infertrace.capture.kv_views import conventions, step_summary
 from infertrace.kv.base import Memory
 from infertrace.ranges import ranges_text
 
@@ -277,7 +277,7 @@ def _storage(e: Engine) -> dict[str, Any]:
     named in ``kv_layers``); ``state`` (hybrid only) the GDN conv and recurrent state per layer."""
     kv, cfg = e.kv, e.model.cfg
     mem = kv.describe()
-    out = {"kind": mem["kind"], "shape": mem["physical_shape"], "tensors": mem["tensors"], "mask": mem["mask"]}
+    out = {"kind": mem["kind"], "shape": mem["physical_shape"], **conventions(kv)}
     out.update(layers=len(mem["kv_layers"]), n_layer=cfg.n_layer, kv_layers=mem["kv_layers"])
     st = kv.recurrent_state()
     if st is not None:

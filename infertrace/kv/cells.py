@@ -414,8 +414,7 @@ class CellsKV(MemoryDefaults):
         k = self.k[0]
         return {"kind": self.kind, "dtype": str(k.dtype).replace("torch.", ""), "n_layer": self.n_layer,
                 "kv_layers": list(self.kv_layers), "n_kv_heads": int(k.shape[1]), "head_dim": int(k.shape[2]),
-                "block_size": 0, "n_seq_max": self.n_seq_max, "physical_shape": [self.size, *k.shape[1:]],
-                "tensors": "k_l, v_l per layer", "mask": "explicit kq_mask ne = [n_kv, n_tokens_pad, 1, n_stream], 0 / -inf"}
+                "block_size": 0, "n_seq_max": self.n_seq_max, "physical_shape": [self.size, *k.shape[1:]]}
 
     # --- state read ----------------------------------------------------------------
     def cells_of(self, seq_id: int) -> list[tuple[int, int]]:

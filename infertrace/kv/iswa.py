@@ -217,33 +217,6 @@ class IswaInputs(CellsInputs):
         """``kq_mask_swa`` over the SWA pool when ``swa``, else ``kq_mask`` over the base pool."""
         return self.swa.kq_mask_swa if (swa and self.swa is not None) else self.kq_mask
 
-    def swa_record(self, max_rows: int, max_cols: int) -> dict[str, Any]:
-        """The sliding-window part of the mask record: a slice of ``kq_mask_swa`` (over the SWA pool)
-        around the first query's window edge, and the pool (``size``, ``n_kv``, ``k_idxs``, heads)."""
-        s = self.swa
-        if s is None:
-            return {}
-        m, n_kv = s.kq_mask_swa, s.n_kv  # [1, 1, n_pad, n_kv_swa]
-        keep0 = (m[0, 0, 0, :n_kv] == 0).nonzero().flatten()  # cells the first query sees
-        # the window edge: the kept cell of smallest pos (after reuse the pool is not in position order)
-        c0 = int(keep0[s.cell_pos[keep0].argmin()]) if keep0.numel() else 0
-        start = max(0, min(c0 - max_cols // 2, n_kv - max_cols))
-        sl = m[0, 0, : min(self.n_tokens, max_rows), start : start + max_cols]
-        return {"kq_mask_swa": {"ne": [n_kv, s.n_tokens_pad, 1, 1], "dtype": str(m.dtype).replace("torch.", ""),
-                                "col_start": start, "cell_pos": s.cell_pos[start : start + max_cols].tolist(),
-                                "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]},
-                "pool": {"size": s.swa_pool.pool_size if s.swa_pool is not None else 0, "n_kv": n_kv,
-                         "k_idxs": ranges_text(s.cell_idx.tolist()), "head_before": s.head_before, "head_after": s.head_after,
-                         **_reuse(s)}}
-
-    def summary(self) -> dict[str, Any]:
-        """:meth:`CellsInputs.summary` plus the SWA pool's ``kq_mask_swa_ne``, ``n_kv_swa``, ``head_before_swa``."""
-        d = super().summary()
-        if self.swa is not None:
-            d.update({"kq_mask_swa_ne": [self.swa.n_kv, self.swa.n_tokens_pad, 1, 1], "n_kv_swa": self.swa.n_kv,
-                      "head_before_swa": self.swa.head_before})
-        return d
-
 
 def _combine(name: str, a: MemOp, b: MemOp) -> MemOp:
     """One answer for an operation done on both pools (llama.cpp: ``res & kv_base->op() & kv_swa->op()``)."""
@@ -393,8 +366,7 @@ class IswaCellsKV(CellsKV):
     def describe(self) -> dict[str, Any]:
         """:meth:`CellsKV.describe` plus ``swa_pool_size`` and ``swa_full``."""
         d = super().describe()
-        d.update({"swa_pool_size": self.swa.size, "swa_full": self.swa_full,
-                  "mask": d["mask"] + "; windowed layers: kq_mask_swa over the SWA pool"})
+        d.update({"swa_pool_size": self.swa.size, "swa_full": self.swa_full})
         return d
 
     def snapshot(self) -> dict[str, Any]:

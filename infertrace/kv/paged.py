@@ -283,8 +283,7 @@ class PagedKV(MemoryDefaults):
         p = self.pool[0]
         return {"kind": self.kind, "dtype": str(p.dtype).replace("torch.", ""), "n_layer": self.n_layer,
                 "kv_layers": list(self.kv_layers), "n_kv_heads": int(p.shape[2]), "head_dim": int(p.shape[4]),
-                "block_size": self.B, "n_seq_max": None, "physical_shape": list(p.shape), "tensors": "pool per layer",
-                "mask": "no dense tensor: mask_type causal + seq_lens, kv_lens, cu_seqlens, block tables"}
+                "block_size": self.B, "n_seq_max": None, "physical_shape": list(p.shape)}
 
     # --- state read ----------------------------------------------------------------
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ import torch
 
 from infertrace.attention.reference import attention_with_kq_mask
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, MemoryDefaults, _dtype, ranges_text
+from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, MemoryDefaults, ranges_text
 from infertrace.kv.cells import CellsKV
 
 _NEG = float("-inf")
@@ -100,34 +100,6 @@ class StreamsInputs(CellsInputs):
         m = self.mask(swa)  # [ns, 1, n_tps, n_kv]
         return m[:, 0].reshape(-1, m.shape[-1])[: self.n_tokens]  # [N, n_kv]
 
-    def mask_record(self, max_rows: int, max_cols: int) -> tuple[str, str, dict[str, Any] | None, dict[str, Any] | None]:
-        """``(convention, rule, cells part, None)``: the first stream's slice of ``kq_mask`` at the top
-        (``rows``, ``cell_pos``, ``cell_seq``) and every ubatch stream in ``streams``."""
-        m, n_kv = self.kq_mask, self.n_kv  # [ns, 1, n_tps, n_kv]
-        per = []
-        for j, s in enumerate(self.streams):
-            sl = m[j, 0, : min(self.n_tps, max_rows), : min(n_kv, max_cols)]
-            per.append({"stream": s, "seq_ids": [int(x) for x in self.seq_ids[j * self.n_tps : (j + 1) * self.n_tps].unique().tolist()],
-                        "head_before": self.head_before[j], "head_after": self.head_after[j],
-                        "cell_pos": self.cell_pos[j, :max_cols].tolist(),
-                        "cell_seq": [row.nonzero().flatten().tolist() for row in self.cell_seq[j, :max_cols]],
-                        "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]})
-        first = per[0] if per else {"cell_pos": [], "cell_seq": [], "rows": []}
-        cells = {"ne": self.ne, "torch_shape": list(m.shape), "dtype": _dtype(m), "n_kv": n_kv, "n_tokens": self.n_tps,
-                 "cell_pos": first["cell_pos"], "cell_seq": first["cell_seq"], "rows": first["rows"],
-                 "n_stream": self.n_stream, "stream_size": self.stream_size, "streams": per}
-        return ("cells", "keep iff cell of the query's own stream holds the query's seq_id and cell.pos <= query pos "
-                "(non-unified: one stream per sequence)", cells, None)
-
-    def swa_record(self, max_rows: int, max_cols: int) -> dict[str, Any]:
-        """The first stream's ``kq_mask_swa`` slice (empty without windowed layers)."""
-        if self.kq_mask_swa is None:
-            return {}
-        m, n_kv = self.kq_mask_swa, self.n_kv  # [ns, 1, n_tps, n_kv]
-        sl = m[0, 0, : min(self.n_tps, max_rows), : min(n_kv, max_cols)]
-        return {"kq_mask_swa": {"ne": self.ne, "dtype": _dtype(m), "col_start": 0, "cell_pos": self.cell_pos[0, :max_cols].tolist(),
-                                "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]}}
-
     def verify_record(self, chunk_index: int, row: int, T: int) -> dict[str, Any]:
         """Never answered: speculative decoding is refused with ``--kv-unified off`` before a run starts.
 
@@ -135,10 +107,6 @@ class StreamsInputs(CellsInputs):
             InfertraceError: always (a guard if a caller reaches it).
         """
         raise InfertraceError("speculative decoding is not implemented with --kv-unified off")
-
-    def summary(self) -> dict[str, Any]:
-        """For the backend diff: kq_mask ``ne`` (with the ubatch's streams), ``n_kv``, per-stream heads."""
-        return {"kq_mask_ne": self.ne, "n_kv": self.n_kv, "head_before": list(self.head_before), "streams": list(self.streams)}
 
 
 class CellsStreamsKV(MemoryDefaults):
@@ -345,8 +313,7 @@ class CellsStreamsKV(MemoryDefaults):
         global rows ``k_idxs`` address), plus ``n_stream`` and ``stream_size``."""
         d = self.streams[0].describe()
         d.update({"physical_shape": [self.n_stream * self.size, *d["physical_shape"][1:]], "n_stream": self.n_stream,
-                  "stream_size": self.size, "tensors": "k_l, v_l per layer, ne = [n_embd_gqa, kv_size, n_stream]",
-                  "mask": "explicit kq_mask ne = [n_kv, n_tokens_per_stream, 1, n_stream of the ubatch], 0 / -inf"})
+                  "stream_size": self.size})
         return d
 
     # --- state read ----------------------------------------------------------------

@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
-from infertrace.capture import kv_views
+from infertrace.capture import kv_views, mask_views
 from infertrace.errors import InfertraceError
 from infertrace.kv import base
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
-from infertrace.kv.iswa import IswaCellsKV, SwaCellsPool
+from infertrace.kv.iswa import IswaCellsKV, IswaInputs, SwaCellsPool
 from infertrace.kv.paged import PagedKV
 from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
 from infertrace.kv.recurrent import HybridKV, RecurrentState
@@ -93,9 +94,24 @@ def test_kv_imports_nothing_from_trace_or_capture():
     assert bad == []
 
 
-def test_the_views_import_no_memory_class():
-    f = PKG / "capture" / "kv_views.py"
+@pytest.mark.parametrize("name", ["kv_views.py", "mask_views.py"])
+def test_the_views_import_no_memory_class(name):
+    f = PKG / "capture" / name
     assert [mod for _, mod in imports_of(f, ROOT) if mod.startswith(("infertrace.kv", "infertrace.engine"))] == []
+
+
+def test_only_the_views_read_a_memorys_layout():
+    views = {PKG / "capture" / "kv_views.py", PKG / "capture" / "mask_views.py"}
+    reads = re.compile(r"\bkv\.layout\b|\(\s*[\w.]*kv\s*,\s*\"layout\"")  # kv.layout, getattr(kv, "layout")
+    bad = [f"{f.relative_to(ROOT)}:{n}" for f in _py_files(PKG) if f not in views and f.parent.name != "kv"
+           for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if reads.search(line)]
+    assert bad == []
+    assert reads.search('lay = getattr(kv, "layout", None)') and reads.search("if self.kv.layout == 'paged':")
+
+
+@pytest.mark.parametrize("cls", [base.CellsInputs, base.PagedInputs, StreamsInputs, IswaInputs], ids=lambda c: c.__name__)
+def test_inputs_classes_carry_no_trace_view_but_the_verify_record(cls):
+    assert [v for v in ("mask_record", "swa_record", "summary") if hasattr(cls, v)] == []
 
 
 # ----------------------------------------------------------------------------- who changes the memory's state
@@ -219,6 +235,10 @@ def test_views_of_a_cells_step():
     assert writes == [{"seq_id": 0, "pos": [0, 1, 2], "cells": [0, 1, 2]}, {"seq_id": 1, "pos": [0, 1], "cells": [3, 4]}]
     s = kv_views.step_summary(kv, inp)
     assert (s["storage"], s["used"], s["head"], s["cells"]) == ([8, 1, 2], 5, 5, {"0": "0..2", "1": "3..4"})
+    assert (s["kq_mask_ne"], s["n_kv"]) == ([8, 5, 1, 1], 8)  # n_kv: 5 used cells padded to 256, capped at size 8
+    conv, _, cells, paged = mask_views.mask_record(inp, 8, 8)
+    assert conv == "cells" and paged is None and cells["cell_pos"] == [0, 1, 2, 0, 1, -1, -1, -1]
+    assert cells["rows"][3] == ["-inf", "-inf", "-inf", "0", "-inf", "-inf", "-inf", "-inf"]  # seq 1, pos 0: its cell 3 only
 
 
 def test_views_of_a_paged_step_and_a_hybrid_reads_its_attention_part():
@@ -227,7 +247,10 @@ def test_views_of_a_paged_step_and_a_hybrid_reads_its_attention_part():
     assert kv_views.placement(kv, inp) == [{"slot_mapping": [0, 1, 2], "block_table": [0]},
                                            {"slot_mapping": [4, 5], "block_table": [1]}]
     assert kv_views.heads(kv, inp) == {}
+    conv, _, cells, paged = mask_views.mask_record(inp, 8, 8)
+    assert (conv, cells, paged["seq_lens"], paged["kv_lens"], paged["cu_seqlens"]) == ("paged", None, [3, 2], [3, 2], [0, 3, 5])
     assert kv_views.step_summary(kv, inp)["used_blocks"] == 2
+    assert kv_views.conventions(kv)["tensors"] == "pool per layer" and "tensors" not in kv.describe()
     hyb = HybridKV(PagedKV(1, 1, 2, num_blocks=4, tokens_per_block=4),
                    RecurrentState([1], 4, 2, 1, 2, 2, 2, "paged"), kv_layers=[0])
     hinp = hyb.prepare([ChunkSpec(0, 0, 5)])  # 5 tokens over blocks of 4: blocks 0 and 1
