@@ -173,13 +173,13 @@ def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer
         full: all head_dim values instead of the first 4.
 
     Returns:
-        the dict of :func:`infertrace.trace.kv_dump.build_dump` (:func:`infertrace.kv.dump.describe_live`).
+        the dict of :func:`infertrace.trace.kv_dump.build_dump` (:func:`infertrace.capture.kv_views.describe_live`).
 
     Raises:
         InfertraceError: step out of range (``step 12 out of range: the run has steps 0..7``),
             layer/head out of range, positions not cached, or any run error.
     """
-    from infertrace.kv.dump import describe_live
+    from infertrace.capture.kv_views import describe_live
 
     cfg = loaded.config
     if layer is not None and not 0 <= layer < cfg.n_layer:

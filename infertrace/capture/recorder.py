@@ -17,6 +17,8 @@ from infertrace.model.taps import (
 from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES  # noqa: F401 - re-exported (defined torch-free in records)
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
+from infertrace.capture.kv_views import heads, placement
+from infertrace.capture.mask_views import mask_record, swa_record
 from infertrace.capture.spec_capture import verify_record
 
 if TYPE_CHECKING:
@@ -298,7 +300,7 @@ class Recorder:
                         for r in reqs],
             "rope_theta_swa": cfg.rope_theta_swa,
         }
-        d.update(inp.swa_record(self.mask_rows, self.mask_cols))  # cells: a kq_mask_swa slice; paged: attention_window
+        d.update(swa_record(inp, self.mask_rows, self.mask_cols))  # cells: a kq_mask_swa slice; paged: attention_window
         return d
 
     def _mask(self, inp: Any, kv: Memory, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
@@ -309,7 +311,7 @@ class Recorder:
     def _mask_base(self, inp: Any, kv: Memory, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
         vis = [{"seq_id": r.seq_id, "queries": [{"pos": p, "keys": v} for p, v in zip(r.positions, r.visible)]} for r in reqs]
         lg = [m.int().tolist() for m in logical]
-        convention, rule, cells, paged = inp.mask_record(self.mask_rows, self.mask_cols)
+        convention, rule, cells, paged = mask_record(inp, self.mask_rows, self.mask_cols)
         return MaskRec(convention, rule, vis, cells, paged, lg)
 
     def _kv(self, batch: Any, inp: Any, kv: Memory) -> KVRec:
@@ -326,11 +328,11 @@ class Recorder:
             view["requests"].append({"seq_id": c.seq_id, "rows": [
                 {"pos": p, "k": [_r(a) for a in k[p, 0, : self.n_first].tolist()], "v": [_r(a) for a in v[p, 0, : self.n_first].tolist()]}
                 for p in range(c.C, min(c.C + c.T, k.shape[0]))][:8]})  # a verify step: only the accepted remain
-        for d, place in zip(per, kv.placement(inp)):  # cells: the cells written; paged: slots and block table
+        for d, place in zip(per, placement(kv, inp)):  # cells: the cells written; paged: slots and block table
             d.update(place)
         mem = kv.describe()
         snap = kv.snapshot()
-        snap.update(kv.heads(inp))  # cells: head before / after the step; paged: nothing
+        snap.update(heads(kv, inp))  # cells: head before / after the step; paged: nothing
         return KVRec(mem["kind"], mem["dtype"], len(mem["kv_layers"]), per, view, snap, mem["physical_shape"])
 
     def _decode(self, ctx: StepContext, reqs: list[ReqStep]) -> DecodeRec:

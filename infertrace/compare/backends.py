@@ -29,6 +29,7 @@ import torch
 
 from infertrace.engine.drive import encode_requests, submit
 from infertrace.engine.engine import Engine, EngineOptions
+from infertrace.capture.kv_views import conventions, step_summary
 from infertrace.kv.base import Memory
 from infertrace.ranges import ranges_text
 
@@ -88,8 +89,8 @@ class StepCapture:
 
 def physical_summary(kv: Memory, inp: Any) -> dict[str, Any]:
     """JSON-ready physical side of one step: where the step's K/V went and what attention got
-    (the memory's ``step_summary``)."""
-    return kv.step_summary(inp)
+    (:func:`infertrace.capture.kv_views.step_summary`)."""
+    return step_summary(kv, inp)
 
 
 def _mask_text(m: torch.Tensor, C: int, row: int) -> str:
@@ -276,7 +277,7 @@ def _storage(e: Engine) -> dict[str, Any]:
     named in ``kv_layers``); ``state`` (hybrid only) the GDN conv and recurrent state per layer."""
     kv, cfg = e.kv, e.model.cfg
     mem = kv.describe()
-    out = {"kind": mem["kind"], "shape": mem["physical_shape"], "tensors": mem["tensors"], "mask": mem["mask"]}
+    out = {"kind": mem["kind"], "shape": mem["physical_shape"], **conventions(kv)}
     out.update(layers=len(mem["kv_layers"]), n_layer=cfg.n_layer, kv_layers=mem["kv_layers"])
     st = kv.recurrent_state()
     if st is not None:

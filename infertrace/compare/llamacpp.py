@@ -177,7 +177,7 @@ class GgmlAttentionKV:
     def attend(self, layer: int, q: torch.Tensor, inp: Any, scale: float) -> torch.Tensor:  # type: ignore[override]
         # iSWA (kv/iswa.py): a windowed layer reads the SWA pool with kq_mask_swa
         pool, pinp = self.pool_for(layer, inp) if hasattr(self, "pool_for") else (self, inp)  # type: ignore[attr-defined]
-        n_kv, N = int(pinp.n_kv), q.shape[0]  # CellsInputs fields (no longer in inp.extra)
+        n_kv, N = int(pinp.n_kv), q.shape[0]  # CellsInputs fields
         mask = pinp.mask(bool(self.windows[layer]))[0, 0, :N].to(q.device).float()  # type: ignore[attr-defined]  # [N, n_kv]
         k, v = pool.k[layer][:n_kv].float(), pool.v[layer][:n_kv].float()  # type: ignore[attr-defined]  # [n_kv, nkv, hd]
         return ggml_cpu_attention(q.float(), k, v, mask, scale, self.flash_attn, self.n_threads).to(q.dtype)
@@ -202,11 +202,17 @@ class GgmlAttentionStreamsKV:
         return torch.cat(out)  # [N, nh, hd]
 
 
+def _native(inp: Any, name: str) -> Any:
+    """Field ``name`` of what a captured runtime added to ``inp`` (``inp.native``; llama.cpp's
+    :class:`~infertrace.runtimes.llamacpp.native.LlamaCppStepNative`), None for our own engine's inputs."""
+    return getattr(inp.native, name, None)
+
+
 def _stream_tap(inp: Any) -> dict[str, Any]:
     """A non-unified step's mask for :class:`StepTap`: the stream blocks stacked in packed order
     (``[N, n_kv]``), ``ne`` with the ubatch's streams, and per stream block its cells' pos / seq_ids
     (``row_block``: the block of each packed row)."""
-    return {"ne": list(inp.extra.get("kq_mask_ne") or inp.ne), "mask": inp.flat_mask().float().clone(),  # [N, n_kv]
+    return {"ne": list(_native(inp, "kq_mask_ne") or inp.ne), "mask": inp.flat_mask().float().clone(),  # [N, n_kv]
             "cell_pos": inp.cell_pos.tolist(),  # [ns][n_kv]
             "cell_seq": [[frozenset(r.nonzero().flatten().tolist()) for r in blk] for blk in inp.cell_seq],
             "row_block": [i // inp.n_tps for i in range(inp.n_tokens)], "streams": list(inp.streams)}
@@ -240,7 +246,7 @@ class StepTap:
         if inp is None:
             self.steps.append({"step": ctx["step"], "idle": True})
             return
-        e, N = inp.extra, inp.n_tokens
+        N = inp.n_tokens
         n_kv = int(inp.n_kv)
         mask = inp.kq_mask  # [n_stream, 1, rows, n_kv]
         own = {}
@@ -252,13 +258,13 @@ class StepTap:
             "step": ctx["step"], "idle": False,
             "chunks": [(c.seq_id, c.C, c.T) for c in inp.chunks],
             "positions": inp.positions.tolist(), "n_kv": n_kv,
-            "ne": list(e.get("kq_mask_ne") or [n_kv, int(inp.n_tokens_pad), 1, 1]),
-            "mask_dtype": e.get("kq_mask_dtype") or str(mask.dtype).replace("torch.", ""),
+            "ne": list(_native(inp, "kq_mask_ne") or [n_kv, int(inp.n_tokens_pad), 1, 1]),
+            "mask_dtype": _native(inp, "kq_mask_dtype") or str(mask.dtype).replace("torch.", ""),
             "mask": mask[0, 0, :N, :n_kv].float().clone(),  # [N, n_kv]
             "cell_idx": inp.cell_idx.tolist(), "cell_pos": inp.cell_pos.tolist(),
             "cell_seq": [frozenset(r.nonzero().flatten().tolist()) for r in inp.cell_seq],
             "head": (inp.head_before, inp.head_after), "logits_rows": list(ctx["logits_rows"]),
-            "out_ids": e.get("out_ids"), "memory_seq_pos": e.get("memory_seq_pos"), "own": own,
+            "out_ids": _native(inp, "out_ids"), "memory_seq_pos": _native(inp, "memory_seq_pos"), "own": own,
             "logits": ctx["logits"].float().clone(), **self._t,
         })
         if hasattr(inp, "streams"):  # non-unified KV: one mask block per stream
@@ -282,12 +288,13 @@ def swa_step(inp: Any, kv: Any, requests: Any) -> dict[str, Any] | None:
         cells = pool.cells_of(sid)
         if cells:
             own[sid] = [p for _, p in cells]
-    return {"n_kv": n_kv, "ne": list(s.extra.get("kq_mask_ne") or [n_kv, int(s.n_tokens_pad), 1, 1]),
+    sp = s.swa_pool  # what the pool's apply_ubatch reused / purged (kv.base.SwaPoolStep; None: nothing recorded)
+    return {"n_kv": n_kv, "ne": list(_native(s, "kq_mask_ne") or [n_kv, int(s.n_tokens_pad), 1, 1]),
             "mask": s.kq_mask_swa[0, 0, :N, :n_kv].float().clone(),  # [N, n_kv]
             "cell_idx": s.cell_idx.tolist(), "cell_pos": s.cell_pos.tolist(),
             "cell_seq": [frozenset(r.nonzero().flatten().tolist()) for r in s.cell_seq],
-            "head": (s.head_before, s.head_after), "reused": s.extra.get("reused", "-"),
-            "purged": s.extra.get("purged", "-"), "size": pool.size, "own": own}
+            "head": (s.head_before, s.head_after), "reused": getattr(sp, "reused", "-"),
+            "purged": getattr(sp, "purged", "-"), "size": pool.size, "own": own}
 
 
 def swa_diff(x: dict[str, Any], y: dict[str, Any], bad: Any, name_b: str = "llama.cpp") -> int:

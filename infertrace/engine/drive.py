@@ -3,7 +3,7 @@ and the comparisons share ("add each request, step until done, collect").
 
 The request side lives here too: :class:`PromptSpec` (text or ids, sampling settings, arrival
 step) and :func:`encode_prompt`, so the drivers below the runner (``compare/``,
-``kv/dump.py``, ``runtimes/``) need not import it (runner -> engine, never back).
+``capture/kv_views.py``, ``runtimes/``) need not import it (runner -> engine, never back).
 
 Mirrors the offline loop of vLLM ``LLM.generate`` (``add_request`` for each prompt, then
 ``step()`` until no unfinished request) and nano-vllm ``LLMEngine.generate``.

@@ -17,7 +17,7 @@ After the forward, :meth:`Speculator.verify` walks the tree:
   every draft is accepted, a bonus token is drawn from p at the last node (Leviathan et al. 2023;
   vLLM v1 ``rejection_sampler.py``). The emitted tokens follow the target distribution exactly.
 
-The rejected candidates' K/V are then rewound (kv/spec_ops.py). Counters: per step drafted /
+The rejected candidates' K/V are then rewound (the memory's ``rewind``). Counters: per step drafted /
 accepted / acceptance rate, per request acceptance by draft position, per run tokens per target
 forward.
 """

@@ -23,9 +23,10 @@ class AttnInputs:
     ``chunks`` (packed order), ``positions`` ``[N]`` int64, ``seq_ids`` ``[N]`` int64, ``backend``
     (the convention: ``cells`` / ``paged``); ``state_indices`` ``[num_seqs]``: the recurrent-state
     slot of each chunk (hybrid memories only, TensorRT-LLM ``state_indices`` / llama.cpp ``s_copy``);
-    ``extra``: annotations a captured runtime adds to its step (llama.cpp's ``kq_mask_ne``,
-    ``out_ids``, ``memory_seq_pos``), never read by the memory. Each convention's inputs are a
-    subclass: :class:`CellsInputs`, :class:`PagedInputs`.
+    ``native``: what a captured runtime adds to its step, as that runtime's own frozen dataclass
+    (llama.cpp: :class:`~infertrace.runtimes.llamacpp.native.LlamaCppStepNative`: ``kq_mask_ne``,
+    ``out_ids``, ``memory_seq_pos`` ...), never read by the memory; None for our engine. Each
+    convention's inputs are a subclass: :class:`CellsInputs`, :class:`PagedInputs`.
     """
 
     chunks: list[ChunkSpec]
@@ -33,11 +34,23 @@ class AttnInputs:
     seq_ids: torch.Tensor
     backend: str
     state_indices: list[int] | None = field(default=None, kw_only=True)
-    extra: dict[str, Any] = field(default_factory=dict, kw_only=True)
+    native: Any = field(default=None, kw_only=True)
 
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+@dataclass(frozen=True)
+class SwaPoolStep:
+    """What llama.cpp's iSWA SWA pool did in one step (``llama_kv_cache::apply_ubatch`` on the pool,
+    :meth:`~infertrace.kv.iswa.SwaCellsPool.apply_ubatch`): ``reused`` the cells taken over from
+    tokens that left every window, ``purged`` the positions removed because of it (range text, ``-``
+    for none), ``pool_size`` the pool's cells."""
+
+    reused: str = "-"
+    purged: str = "-"
+    pool_size: int = 0
 
 
 @dataclass
@@ -47,7 +60,8 @@ class CellsInputs(AttnInputs):
     ``[n_stream, 1, n_tokens_pad, n_kv]`` float32 (ggml ``ne = [n_kv, n_tokens_pad, 1, n_stream]``),
     ``head_before`` / ``head_after``, the cells' ``cell_pos`` ``[n_kv]`` / ``cell_seq``
     ``[n_kv, n_seq_max]`` when the mask was filled; models with windowed layers add ``kq_mask_swa``
-    (same shape), ``n_swa`` and ``swa_layers``."""
+    (same shape), ``n_swa`` and ``swa_layers``; the inputs of llama.cpp's SWA pool add ``swa_pool``
+    (:class:`SwaPoolStep`)."""
 
     cell_idx: torch.Tensor = field(kw_only=True)
     n_kv: int = field(kw_only=True)
@@ -60,37 +74,13 @@ class CellsInputs(AttnInputs):
     kq_mask_swa: torch.Tensor | None = field(default=None, kw_only=True)
     n_swa: int = field(default=0, kw_only=True)
     swa_layers: list[int] = field(default_factory=list, kw_only=True)
+    swa_pool: SwaPoolStep | None = field(default=None, kw_only=True)
 
     def mask(self, swa: bool = False) -> torch.Tensor:
         """``kq_mask_swa`` when ``swa`` and the model has windowed layers, else ``kq_mask``."""
         return self.kq_mask_swa if (swa and self.kq_mask_swa is not None) else self.kq_mask
 
-    # --- what a trace shows of these inputs ---------------------------------------------------------
-    def mask_record(self, max_rows: int, max_cols: int) -> tuple[str, str, dict[str, Any] | None, dict[str, Any] | None]:
-        """``(convention, rule, cells part, paged part)`` of the trace's mask record: a slice of
-        ``kq_mask`` (at most ``max_rows`` x ``max_cols``) with the cells' pos / seq_ids."""
-        m, n_kv = self.kq_mask, self.n_kv  # [1, 1, n_pad, n_kv]
-        sl = m[0, 0, : min(self.n_tokens, max_rows), : min(n_kv, max_cols)]
-        cells = {"ne": [n_kv, self.n_tokens_pad, 1, 1], "torch_shape": list(m.shape), "dtype": _dtype(m), "n_kv": n_kv,
-                 "n_tokens": self.n_tokens, "cell_pos": self.cell_pos[:max_cols].tolist(),
-                 "cell_seq": [row.nonzero().flatten().tolist() for row in self.cell_seq[:max_cols]],
-                 "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]}
-        return "cells", "keep iff cell holds the query's seq_id and cell.pos <= query pos", cells, None
-
-    def swa_record(self, max_rows: int, max_cols: int) -> dict[str, Any]:
-        """The sliding-window part of the mask record: a slice of ``kq_mask_swa`` around the first
-        query's window edge (empty when the model has no windowed layer)."""
-        if self.kq_mask_swa is None:
-            return {}
-        m, n_kv = self.kq_mask_swa, self.n_kv  # [1, 1, n_pad, n_kv]
-        keep0 = (m[0, 0, 0, :n_kv] == 0).nonzero().flatten()  # cells the first query sees
-        c0 = int(keep0[0]) if keep0.numel() else 0
-        start = max(0, min(c0 - max_cols // 2, n_kv - max_cols))  # window edge in view
-        sl = m[0, 0, : min(self.n_tokens, max_rows), start : start + max_cols]
-        return {"kq_mask_swa": {"ne": [n_kv, self.n_tokens_pad, 1, 1], "dtype": _dtype(m), "col_start": start,
-                                "cell_pos": self.cell_pos[start : start + max_cols].tolist(),
-                                "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]}}
-
+    # --- a verify chunk's mask as a trace shows it (the other views: infertrace.capture.mask_views) ---
     def verify_record(self, chunk_index: int, row: int, T: int) -> dict[str, Any]:
         """A speculative verify chunk's mask: the chunk's cells and the ``[T, T]`` block of ``kq_mask``
         over them (llama.cpp has no tree metadata: the verify mask is rows of ``kq_mask``)."""
@@ -98,10 +88,6 @@ class CellsInputs(AttnInputs):
         block = self.kq_mask[0, 0, row : row + T][:, cells]  # [T, T] the verify block of kq_mask
         return {"cells": cells.tolist(), "kq_mask_block": [["0" if x == 0 else "-inf" for x in r] for r in block.tolist()],
                 "verify_mask": ["".join("1" if x == 0 else "0" for x in r) for r in block.tolist()]}
-
-    def summary(self) -> dict[str, Any]:
-        """What attention got this step, for the backend diff: kq_mask shape, ``n_kv``, ``head_before``."""
-        return {"kq_mask_ne": [self.n_kv, self.n_tokens_pad, 1, 1], "n_kv": self.n_kv, "head_before": self.head_before}
 
 
 @dataclass
@@ -131,20 +117,7 @@ class PagedInputs(AttnInputs):
     #: the five index tensors on the pool's device, made once per step by the first layer
     dev: dict[str, torch.Tensor] | None = field(default=None, kw_only=True, repr=False)
 
-    # --- what a trace shows of these inputs ---------------------------------------------------------
-    def mask_record(self, max_rows: int, max_cols: int) -> tuple[str, str, dict[str, Any] | None, dict[str, Any] | None]:
-        """``(convention, rule, cells part, paged part)`` of the trace's mask record: no dense mask, the
-        lengths and block tables attention reads."""
-        return ("paged", "mask_type causal: query at position p of request r sees keys 0..p of r's block-table row", None,
-                {"mask_type": self.mask_type, "seq_lens": self.seq_lens.tolist(), "kv_lens": self.kv_lens.tolist(),
-                 "cu_seqlens": self.cu_seqlens.tolist(), "request_types": list(self.request_types),
-                 "num_contexts": self.num_contexts, "request_ids": [c.seq_id for c in self.chunks],
-                 "block_tables": self.block_tables.tolist(), "dense_mask_tensor": None})
-
-    def swa_record(self, max_rows: int, max_cols: int) -> dict[str, Any]:
-        """The sliding-window part of the mask record: each windowed layer's W (attention metadata)."""
-        return {"attention_window": {str(i): w for i, w in self.attention_window.items()}}
-
+    # --- a verify chunk's mask as a trace shows it (the other views: infertrace.capture.mask_views) ---
     def verify_record(self, chunk_index: int, row: int, T: int) -> dict[str, Any]:
         """A speculative verify chunk's metadata: TensorRT-LLM's position offsets and packed tree mask."""
         from infertrace.kv.spec_meta import unpack_mask
@@ -154,15 +127,6 @@ class PagedInputs(AttnInputs):
         return {"position_offsets": self.spec_decoding_position_offsets[chunk_index, :T].tolist(),
                 "packed_mask": packed.tolist(),
                 "verify_mask": ["".join("1" if x else "0" for x in r) for r in rows.tolist()]}
-
-    def summary(self) -> dict[str, Any]:
-        """What attention got this step, for the backend diff: the lengths and the mask type."""
-        return {"seq_lens": self.seq_lens.tolist(), "kv_lens": self.kv_lens.tolist(), "cu_seqlens": self.cu_seqlens.tolist(),
-                "num_contexts": self.num_contexts, "mask_type": self.mask_type}
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
 
 
 class MemOp(dict):
@@ -193,9 +157,15 @@ class Memory(Protocol):
 
     Positions follow llama.cpp: ``p0 < 0`` means 0, ``p1 < 0`` means "to the end". Sequence
     operations return a :class:`MemOp` (false: refused, nothing changed).
+
+    Only the memory's operations and its state as data (``snapshot``, ``describe``) are here; what a
+    trace, ``dump-kv`` or ``diff-backends`` shows of one step (placement, heads, the physical
+    summary, K/V values) is read from the state by :mod:`infertrace.capture.kv_views`, by ``layout``.
+    ``tests/unit/kv/test_memory_layering.py`` holds this protocol's method list.
     """
 
     kind: str
+    layout: str  # storage layout the views read: cells, cells_iswa, cells_streams, paged, hybrid
     capacity_tokens: int
 
     # --- batch preparation and the forward (llama_memory_i::init_batch / the graph inputs) -----------
@@ -283,12 +253,13 @@ class Memory(Protocol):
         """Per chunk, bool ``[T, C+T]``: query i may see key position j."""
 
     def snapshot(self) -> dict[str, Any]:
-        """JSON-ready description of the physical state (for traces and ``dump-kv``)."""
+        """JSON-ready description of the physical state, as data (for traces and ``dump-kv``)."""
 
     def describe(self) -> dict[str, Any]:
         """Shape of the memory: ``kind``, ``dtype``, ``n_layer`` (physical K/V layers), ``kv_layers`` (model
         layers with K/V), ``n_kv_heads``, ``head_dim``, ``block_size`` (0 = cells), ``n_seq_max`` (None =
-        unbounded), ``physical_shape`` (per layer), ``tensors`` and ``mask`` (one-line conventions)."""
+        unbounded), ``physical_shape`` (per layer); its one-line conventions for a reader are
+        :func:`infertrace.capture.kv_views.conventions`."""
 
     kv_layers: list[int]  # model layers holding K/V (a hybrid's attention layers)
 
@@ -300,22 +271,6 @@ class Memory(Protocol):
 
     def written_blocks(self, inp: AttnInputs, row: int, T: int) -> list[int]:
         """Blocks the step's rows ``row..row+T-1`` went to (paged; ``[]`` for cells)."""
-
-    def placement(self, inp: AttnInputs | None) -> list[dict[str, Any]]:
-        """Per chunk of the step, where its K/V went, as the trace shows it (cells: ``cells``; paged:
-        ``slot_mapping``, ``block_table``)."""
-
-    def heads(self, inp: AttnInputs | None) -> dict[str, Any]:
-        """What the snapshot adds for the step (cells: ``head_before`` / ``head_after``)."""
-
-    def step_summary(self, inp: AttnInputs | None) -> dict[str, Any]:
-        """The physical side of one step for the backend diff (``diff-backends``)."""
-
-    def dump_writes(self, inp: AttnInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """For ``dump-kv``: per chunk where its rows went, and what the snapshot adds."""
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """For ``dump-kv``: K/V values of one head of physical layer ``layer`` per sequence and position."""
 
 
 #: the name before the protocol grew sequence operations; same protocol.

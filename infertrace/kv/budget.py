@@ -19,7 +19,7 @@ import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.fmt import human_bytes as _human_bytes
-from infertrace.trace.schema import LIMITS
+from infertrace.limits import LIMITS
 
 #: largest --ctx-size / pool in tokens accepted before a model is loaded (2^24 = 16.7M positions): the
 #: trace schema's ``MAX_CTX``, so a run never records a context a saved trace may not hold.

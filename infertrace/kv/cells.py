@@ -31,17 +31,15 @@ import torch
 from infertrace.attention.reference import attention_with_kq_mask
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, MemoryDefaults, ranges_text
-from infertrace.kv.seq_ops import (cells_defrag, cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep, cells_seq_rm,
-                                   cells_shift_out)
-from infertrace.kv.spec_ops import cells_rewind
-from infertrace.trace.schema import N_KV_PAD_MAX
+from infertrace.kv import seq_ops
+from infertrace.limits import N_KV_PAD_MAX
 
 #: query rows of kq_mask are padded to a multiple of this (llama.cpp once padded to
 #: ``GGML_KQ_MASK_PAD`` = 64; the llama.cpp measured by ``run --engine llama.cpp`` does not pad).
 KQ_MASK_PAD = 1
 #: ``n_kv`` is padded to a multiple of this (llama.cpp ``llama_kv_cache::get_n_kv``: ``max(n_pad, 256)``,
 #: "so that the graph remains constant across batches and can be reused"), capped at the cache size;
-#: one constant with the trace checks and the ``dump-kv`` text (torch-free, in the trace layer).
+#: one constant with the trace checks and the ``dump-kv`` text (torch-free: :mod:`infertrace.limits`).
 N_PAD = N_KV_PAD_MAX
 
 
@@ -60,6 +58,7 @@ class CellsKV(MemoryDefaults):
     """
 
     kind = "cells"
+    layout = "cells"  # what the views read (infertrace.capture.kv_views)
 
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, size: int, n_seq_max: int = 64,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", windows: Sequence[int] | None = None):
@@ -210,25 +209,94 @@ class CellsKV(MemoryDefaults):
         if freed.numel() and int(freed[0]) < self.head:  # llama_kv_cache::seq_rm: head back to the first freed cell
             self.head = int(freed[0])
 
-    # --- sequence operations (llama_kv_cache::seq_*; algorithms in kv/seq_ops.py) ------------------
+    # --- sequence operations (llama_kv_cache::seq_*; K-shift math in kv/seq_ops.py) ------------------
+    # Subclasses that run an operation on several pools (kv/iswa.py) override these; where one
+    # operation is built from others (context shift, rewind) it calls this class's own, non-virtually.
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
-        """``llama_kv_cache::seq_rm``: any range of any sequence (``seq_id < 0``: every owner)."""
-        return MemOp(cells_seq_rm(self, seq_id, p0, p1))
+        """``llama_kv_cache::seq_rm``: remove ``seq_id`` from its cells with ``p0 <= pos < p1``; cells left
+        without owner become empty (``seq_id < 0``: remove every owner); ``head`` moves back to the
+        first freed cell. Answers ``{"op", "seq_id", "range", "pos", "cells", "freed"}``."""
+        a, b = seq_ops.pos_range(p0, p1)
+        in_range = (self.pos >= a) & (self.pos < b) & (self.pos >= 0)  # [size]
+        hit = in_range if seq_id < 0 else in_range & self.seq[:, seq_id]
+        idx = hit.nonzero().flatten()
+        removed = self.pos[idx].tolist()
+        if seq_id < 0:
+            self.seq[idx] = False
+        else:
+            self.seq[idx, seq_id] = False
+        freed = idx[~self.seq[idx].any(dim=1)]
+        self.pos[freed] = -1
+        if freed.numel():
+            self.head = min(self.head, int(freed.min()))
+        return MemOp({"op": "seq_rm", "seq_id": seq_id, "range": seq_ops.range_text(a, b), "pos": ranges_text(removed),
+                      "cells": ranges_text(idx.tolist()), "freed": ranges_text(freed.tolist())})
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> MemOp:
-        """``llama_kv_cache::seq_cp``: ``dst`` joins the owners of ``src``'s cells in range."""
-        return MemOp(cells_seq_cp(self, src, dst, p0, p1))
+        """``llama_kv_cache::seq_cp`` (unified cache): ``dst`` joins the owners of ``src``'s cells with
+        ``p0 <= pos < p1`` (no K/V copied). Answers ``{"op", "src", "dst", "cells", "pos"}``."""
+        a, b = seq_ops.pos_range(p0, p1)
+        idx = ((self.pos >= a) & (self.pos < b) & (self.pos >= 0) & self.seq[:, src]).nonzero().flatten()
+        self.seq[idx, dst] = True
+        return MemOp({"op": "seq_cp", "src": src, "dst": dst, "cells": ranges_text(idx.tolist()),
+                      "pos": ranges_text(self.pos[idx].tolist())})
 
     def seq_keep(self, seq_id: int) -> MemOp:
-        return MemOp(cells_seq_keep(self, seq_id))
+        """``llama_kv_cache::seq_keep``: ``seq_id``'s cells keep only that owner, other cells become empty."""
+        mine = self.seq[:, seq_id].clone()  # [size]
+        others = ((self.pos >= 0) & ~mine).nonzero().flatten()
+        self.seq[:] = False
+        self.seq[mine, seq_id] = True
+        self.pos[others] = -1
+        if others.numel():
+            self.head = min(self.head, int(others.min()))
+        return MemOp({"op": "seq_keep", "seq_id": seq_id, "freed": ranges_text(others.tolist())})
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[Any]) -> MemOp:
-        """llama.cpp ``seq_add``: positions ``[p0, p1)`` += ``delta``; K re-rotated per layer with ``ropes[il]`` (K-shift)."""
-        return MemOp(cells_seq_add(self, seq_id, p0, p1, delta, ropes))
+        """llama.cpp ``seq_add`` + ``build_graph_shift``: positions ``[p0, p1)`` of ``seq_id``'s cells +=
+        ``delta``, their K re-rotated in every layer with ``ropes[il]`` (K-shift); a cell whose position
+        becomes negative is removed. As llama.cpp, a cell shared with other sequences moves for all of them.
+        Answers ``{"op", "seq_id", "range", "delta", "cells", "from", "to", "removed"}``."""
+        a, b = seq_ops.pos_range(p0, p1)
+        tables = seq_ops.shift_tables(self, ropes)
+        if delta == 0:
+            return MemOp({"op": "seq_add", "seq_id": seq_id, "delta": 0, "cells": "-"})
+        idx = ((self.pos >= a) & (self.pos < b) & (self.pos >= 0) & self.seq[:, seq_id]).nonzero().flatten()  # [M]
+        old = self.pos[idx].clone()
+        new = old + delta
+        gone, keep = idx[new < 0], idx[new >= 0]
+        d = torch.full((keep.numel(),), delta, dtype=torch.int64)  # [M']
+        for layer in range(self.n_layer):
+            self.k[layer][keep] = seq_ops.rotate_k(self.k[layer][keep], d, tables[layer])  # [M', n_kv_heads, hd]
+        self.pos[keep] = new[new >= 0]
+        self.seq[gone] = False
+        self.pos[gone] = -1
+        if gone.numel():
+            self.head = min(self.head, int(gone.min()))
+        return MemOp({"op": "seq_add", "seq_id": seq_id, "range": seq_ops.range_text(a, b), "delta": delta,
+                      "cells": ranges_text(keep.tolist()), "from": ranges_text(old[new >= 0].tolist()),
+                      "to": ranges_text(new[new >= 0].tolist()), "removed": ranges_text(old[new < 0].tolist())})
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[Any]) -> MemOp:
-        """llama.cpp ``seq_div``: positions ``[p0, p1)`` //= ``d`` (self-extend); K re-rotated per layer with ``ropes[il]``."""
-        return MemOp(cells_seq_div(self, seq_id, p0, p1, d, ropes))
+        """llama.cpp ``seq_div`` (self-extend): positions ``[p0, p1)`` //= ``d``, K re-rotated by ``new - old``
+        in every layer with ``ropes[il]``.
+
+        Raises:
+            InfertraceError: ``d < 1``.
+        """
+        if d < 1:
+            raise InfertraceError(f"seq_div by {d}: the divisor must be >= 1")
+        a, b = seq_ops.pos_range(p0, p1)
+        tables = seq_ops.shift_tables(self, ropes)
+        idx = ((self.pos >= a) & (self.pos < b) & (self.pos >= 0) & self.seq[:, seq_id]).nonzero().flatten()  # [M]
+        old = self.pos[idx].clone()  # [M]
+        new = old // d  # [M]
+        if d > 1 and idx.numel():
+            for layer in range(self.n_layer):
+                self.k[layer][idx] = seq_ops.rotate_k(self.k[layer][idx], new - old, tables[layer])  # [M, n_kv_heads, hd]
+            self.pos[idx] = new
+        return MemOp({"op": "seq_div", "seq_id": seq_id, "range": seq_ops.range_text(a, b), "d": d,
+                      "cells": ranges_text(idx.tolist()), "from": ranges_text(old.tolist()), "to": ranges_text(new.tolist())})
 
     def seq_pos_min(self, seq_id: int) -> int:
         """``llama_memory_seq_pos_min`` (-1 when ``seq_id`` holds no cell)."""
@@ -240,17 +308,104 @@ class CellsKV(MemoryDefaults):
         p = self.pos[self.seq[:, seq_id]]
         return int(p.max()) if p.numel() else -1
 
+    def copy_on_write(self, seq_id: int, p0: int) -> dict[str, Any]:
+        """Give ``seq_id`` its own copy of every cell with ``pos >= p0`` it shares with other sequences
+        (before a shift, which would otherwise move the cell for every owner).
+        Returns ``{"op": "copy_on_write", "seq_id", "from", "to"}``."""
+        shared = ((self.pos >= p0) & self.seq[:, seq_id] & (self.seq.sum(dim=1) > 1)).nonzero().flatten()
+        if not shared.numel():
+            return {"op": "copy_on_write", "seq_id": seq_id, "from": "-", "to": "-"}
+        dst = torch.tensor(self.find_slot(int(shared.numel())), dtype=torch.int64)
+        for layer in range(self.n_layer):
+            self.k[layer][dst] = self.k[layer][shared]
+            self.v[layer][dst] = self.v[layer][shared]
+        self.pos[dst] = self.pos[shared]
+        self.seq[shared, seq_id] = False
+        self.seq[dst, seq_id] = True
+        return {"op": "copy_on_write", "seq_id": seq_id, "from": ranges_text(shared.tolist()), "to": ranges_text(dst.tolist())}
+
     def shift_out(self, seq_id: int, p0: int, p1: int, ropes: Sequence[Any]) -> MemOp:
-        return MemOp(cells_shift_out(self, seq_id, p0, p1, ropes))
+        """Context shift on cells: copy-on-write of the cells shared with other sequences, ``seq_rm(p0, p1)``,
+        ``seq_add(p1, end, -(p1 - p0))`` (llama.cpp server's pair)."""
+        seq_ops.shift_tables(self, ropes)
+        steps = [self.copy_on_write(seq_id, p1), dict(CellsKV.seq_rm(self, seq_id, p0, p1)),
+                 dict(CellsKV.seq_add(self, seq_id, p1, -1, -(p1 - p0), ropes))]
+        return MemOp({"op": "shift_out", "seq_id": seq_id, "steps": steps, "removed": ranges_text(range(p0, p1)),
+                      "delta": -(p1 - p0)})
 
     def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: CellsInputs, row: int,
                is_chain: bool) -> MemOp:
         """Speculative rollback: ``seq_rm`` of the rejected candidates' cells (rows ``row..row+T-1``)."""
-        return MemOp(cells_rewind(self, seq_id, C, T, accepted, inp.cell_idx[row : row + T], is_chain))
+        return self.rewind_cells(seq_id, C, T, accepted, inp.cell_idx[row : row + T], is_chain)
+
+    def rewind_cells(self, seq_id: int, C: int, T: int, accepted: Sequence[int], cell_idx: torch.Tensor,
+                     is_chain: bool = True) -> MemOp:
+        """Keep the accepted candidates ``accepted`` (chunk-local node indices, root 0 first, depth
+        ``0..len-1`` in order) of a verify chunk ``C, T`` of ``seq_id``; free the rest (llama.cpp
+        ``common/speculative.cpp``: a chain is ``seq_rm(seq, C + n_accepted + 1, -1)``; a tree's rejected
+        cells are freed one by one, as llama.cpp drops each rejected branch's seq_id).
+
+        Args:
+            cell_idx: ``[T]`` cells the chunk's candidates went to (rows of ``CellsInputs.cell_idx``).
+            is_chain: the chunk was a chain (accepted is then ``0..a``): one ``seq_rm(seq, C + a, -1)``.
+
+        Returns ``{"op", "seq_id", "kept_pos", "removed_pos", "n_removed", "freed", ...}``.
+        """
+        keep = C + len(accepted)
+        rec: dict[str, Any] = {"seq_id": seq_id, "kept_pos": ranges_text(range(C, keep)), "n_removed": T - len(accepted)}
+        if is_chain:
+            op = CellsKV.seq_rm(self, seq_id, keep, -1)
+            return MemOp({**rec, "op": "seq_rm", "range": op["range"], "removed_pos": op["pos"], "freed": op["freed"]})
+        acc = set(accepted)
+        rej = torch.tensor([int(cell_idx[i]) for i in range(T) if i not in acc], dtype=torch.int64)  # [T - a]
+        removed = self.pos[rej].tolist()
+        self.seq[rej, seq_id] = False
+        freed = rej[~self.seq[rej].any(dim=1)]
+        self.pos[freed] = -1
+        if freed.numel():
+            self.head = min(self.head, int(freed.min()))
+        return MemOp({**rec, "op": "seq_rm_cells", "removed_pos": ranges_text(removed), "freed": ranges_text(freed.tolist())})
 
     def defrag(self) -> MemOp:
-        """llama.cpp's defragmentation: used cells moved down into the holes."""
-        return MemOp(cells_defrag(self))
+        """llama.cpp's defragmentation (``defrag_prepare`` move list): used cells moved down into the holes
+        so they occupy ``0..used-1`` in their current order, K/V of every layer with them; ``head`` = used.
+        Answers ``{"op", "moves": [[src, dst], ...], "used"}``."""
+        used = (self.pos >= 0).nonzero().flatten()  # [U] ascending
+        dst = torch.arange(used.numel())
+        moves = [[int(s), int(d)] for s, d in zip(used.tolist(), dst.tolist()) if s != d]
+        if moves:
+            for layer in range(self.n_layer):
+                self.k[layer][dst] = self.k[layer][used].clone()
+                self.v[layer][dst] = self.v[layer][used].clone()
+            pos, seq = self.pos[used].clone(), self.seq[used].clone()
+            self.pos[:] = -1
+            self.seq[:] = False
+            self.pos[dst], self.seq[dst] = pos, seq
+        self.head = int(used.numel()) % self.size
+        return MemOp({"op": "defrag", "moves": moves, "used": int(used.numel())})
+
+    def occupy(self, idx: Sequence[int], positions: Sequence[int], seq_id: int) -> None:
+        """``apply_ubatch`` of one sequence's tokens in this (stream's) cells: cells ``idx`` get
+        ``positions`` and owner ``seq_id``; ``head`` = last cell + 1 (not wrapped: the next search wraps)."""
+        it = torch.tensor(list(idx), dtype=torch.int64)  # [T]
+        self.pos[it] = torch.tensor(list(positions), dtype=torch.int64)
+        self.seq[it, seq_id] = True
+        self.head = idx[-1] + 1 if len(idx) else self.head
+
+    def copy_from(self, other: "CellsKV", src: int, dst: int) -> torch.Tensor:
+        """Become a copy of ``other``'s cells of ``src``, owned by ``dst`` (llama.cpp ``seq_cp`` across
+        streams: cells reset, ``src``'s cells at the same indices, head copied, every layer's K/V copied by
+        ``ggml_backend_tensor_copy``). Returns the copied cells ``[M]`` int64."""
+        idx = other.seq[:, src].nonzero().flatten()  # [M] the source cells
+        self.pos.fill_(-1)
+        self.seq.zero_()
+        self.pos[idx] = other.pos[idx]
+        self.seq[idx, dst] = True
+        self.head = other.head
+        for layer in range(self.n_layer):
+            self.k[layer].copy_(other.k[layer])
+            self.v[layer].copy_(other.v[layer])
+        return idx
 
     # --- description ---------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -259,53 +414,9 @@ class CellsKV(MemoryDefaults):
         k = self.k[0]
         return {"kind": self.kind, "dtype": str(k.dtype).replace("torch.", ""), "n_layer": self.n_layer,
                 "kv_layers": list(self.kv_layers), "n_kv_heads": int(k.shape[1]), "head_dim": int(k.shape[2]),
-                "block_size": 0, "n_seq_max": self.n_seq_max, "physical_shape": [self.size, *k.shape[1:]],
-                "tensors": "k_l, v_l per layer", "mask": "explicit kq_mask ne = [n_kv, n_tokens_pad, 1, n_stream], 0 / -inf"}
+                "block_size": 0, "n_seq_max": self.n_seq_max, "physical_shape": [self.size, *k.shape[1:]]}
 
-    def placement(self, inp: CellsInputs | None) -> list[dict[str, Any]]:
-        """Per chunk of the step (packed order), where its K/V went: ``{"cells": ranges}``."""
-        if inp is None:
-            return []
-        idx, out, r = inp.cell_idx.tolist(), [], 0
-        for c in inp.chunks:
-            out.append({"cells": ranges_text(idx[r : r + c.T])})
-            r += c.T
-        return out
-
-    def heads(self, inp: CellsInputs | None) -> dict[str, Any]:
-        """``head_before`` / ``head_after`` of the step (llama.cpp's next-slot search start)."""
-        return {"head_before": inp.head_before, "head_after": inp.head_after} if inp is not None else \
-            {"head_before": self.head, "head_after": self.head}
-
-    def step_summary(self, inp: CellsInputs | None) -> dict[str, Any]:
-        """For the backend diff: storage shape, used cells, ``head``, each request's cells this step
-        and what attention got (``kq_mask`` shape, ``n_kv``)."""
-        per = {str(c.seq_id): p["cells"] for c, p in zip(inp.chunks if inp is not None else [], self.placement(inp))}
-        d = {"storage": [self.size, *self.k[0].shape[1:]], "used": self.used, "head": self.head, "cells": per}
-        if inp is not None:
-            d.update(inp.summary())
-        return d
-
-    def dump_writes(self, inp: CellsInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """For ``dump-kv``: per chunk ``{"seq_id", "pos", "cells"}``, and the heads to add to the snapshot."""
-        idx = inp.cell_idx.tolist() if inp is not None else []
-        writes = [{"seq_id": c.seq_id, "pos": list(range(c.C, c.C + c.T)), "cells": [idx[i] for i in rows[c.seq_id]]}
-                  for c in (inp.chunks if inp is not None else [])]
-        return writes, {"head_before": inp.head_before if inp is not None else self.head, "head_after": self.head}
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """For ``dump-kv``: per sequence holding cells, ``{"seq_id", "len", "rows": [{"pos", "cell", "k", "v"}]}``
-        with the first ``n`` values (all when None) of KV head ``head`` in physical layer ``layer``."""
-        reqs = []
-        for sid in sorted({s for c in self.snapshot()["cells"] for s in c["seq_ids"]}):
-            cells = self.cells_of(sid)  # [(cell, pos)] ordered by pos
-            rows = [{"pos": p, "cell": cell, "k": self.k[layer][cell, head, :n].float().tolist(),
-                     "v": self.v[layer][cell, head, :n].float().tolist()}
-                    for cell, p in cells if wanted is None or p in wanted]
-            reqs.append({"seq_id": sid, "len": len(cells), "rows": rows})
-        return reqs
-
-    # --- views -------------------------------------------------------------------
+    # --- state read ----------------------------------------------------------------
     def cells_of(self, seq_id: int) -> list[tuple[int, int]]:
         """``[(cell, pos)]`` owned by ``seq_id``, ordered by pos."""
         idx = self.seq[:, seq_id].nonzero().flatten()

@@ -36,10 +36,8 @@ from typing import Any, Sequence
 import torch
 
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, ranges_text
+from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, SwaPoolStep, ranges_text
 from infertrace.kv.cells import KQ_MASK_PAD, CellsKV
-from infertrace.kv.seq_ops import cells_seq_rm
-from infertrace.kv.spec_ops import cells_rewind
 
 #: the SWA pool is padded to a multiple of this (llama_kv_cache_iswa: "the SWA cache is always padded to 256")
 SWA_POOL_PAD = 256
@@ -94,6 +92,12 @@ def _fill_mask(kv: CellsKV, chunks: Sequence[ChunkSpec], idx_t: torch.Tensor, po
     return mask
 
 
+def _reuse(inp: CellsInputs) -> dict[str, str]:
+    """``{"reused", "purged"}`` of a SWA pool's step (``-`` each when the inputs carry no :class:`SwaPoolStep`)."""
+    sp = inp.swa_pool if inp.swa_pool is not None else SwaPoolStep()
+    return {"reused": sp.reused, "purged": sp.purged}
+
+
 class SwaCellsPool(CellsKV):
     """The SWA pool of :class:`IswaCellsKV`: a :class:`CellsKV` of ``size`` cells whose ``find_slot``
     may reuse a cell that left every window and whose ``prepare`` purges what it overwrote (module
@@ -139,8 +143,8 @@ class SwaCellsPool(CellsKV):
         they held purged, ``head`` = last cell + 1) and the pool's masks.
 
         Returns :class:`~infertrace.kv.base.CellsInputs` of this pool (``kq_mask_swa`` ``[1, 1, n_pad,
-        n_kv]`` float32 is the one the windowed layers read; ``extra["reused"]`` / ``extra["purged"]``:
-        cells taken over and positions removed, as range text).
+        n_kv]`` float32 is the one the windowed layers read; ``swa_pool``: cells taken over and positions
+        removed, as range text, and the pool's size).
         """
         positions, seq_ids = self._ubatch_rows(chunks)
         N = len(positions)
@@ -154,8 +158,8 @@ class SwaCellsPool(CellsKV):
         inp = CellsInputs(list(chunks), pos_t, sid_t, self.kind, cell_idx=idx_t, n_kv=n_kv, kq_mask=mask, n_tokens_pad=n_pad,
                           head_before=head_before, head_after=self.head, cell_pos=self.pos[:n_kv].clone(),
                           cell_seq=self.seq[:n_kv].clone(), kq_mask_swa=mask_swa, n_swa=self.n_swa,
-                          swa_layers=[i for i, w in enumerate(self.windows) if w])
-        inp.extra["reused"], inp.extra["purged"] = reused, purged
+                          swa_layers=[i for i, w in enumerate(self.windows) if w],
+                          swa_pool=SwaPoolStep(reused, purged, self.size))
         return inp
 
     def apply_ubatch(self, idx_t: torch.Tensor, pos_t: torch.Tensor, sid_t: torch.Tensor) -> tuple[str, str]:
@@ -181,7 +185,7 @@ class SwaCellsPool(CellsKV):
         for s, m in sorted(max_rm.items()):  # "all positions between [pos_min, pos_max] stay present"
             pmin = self.seq_pos_min(s)
             if 0 <= pmin <= m:
-                p = cells_seq_rm(self, s, pmin, m + 1)["pos"]
+                p = CellsKV.seq_rm(self, s, pmin, m + 1)["pos"]
                 if p and p != "-":
                     purged.append(f"seq {s}: {p}")
         self.head = idx[-1] + 1 if idx else self.head
@@ -197,8 +201,7 @@ class SwaCellsPool(CellsKV):
                                        for i in used_idx[:max_cells]]}
         if inp is not None:
             d.update({"k_idxs": ranges_text(inp.cell_idx.tolist()), "head_before": inp.head_before,
-                      "head_after": inp.head_after, "reused": inp.extra.get("reused", "-"),
-                      "purged": inp.extra.get("purged", "-")})
+                      "head_after": inp.head_after, **_reuse(inp)})
         return d
 
 
@@ -213,33 +216,6 @@ class IswaInputs(CellsInputs):
     def mask(self, swa: bool = False) -> torch.Tensor:
         """``kq_mask_swa`` over the SWA pool when ``swa``, else ``kq_mask`` over the base pool."""
         return self.swa.kq_mask_swa if (swa and self.swa is not None) else self.kq_mask
-
-    def swa_record(self, max_rows: int, max_cols: int) -> dict[str, Any]:
-        """The sliding-window part of the mask record: a slice of ``kq_mask_swa`` (over the SWA pool)
-        around the first query's window edge, and the pool (``size``, ``n_kv``, ``k_idxs``, heads)."""
-        s = self.swa
-        if s is None:
-            return {}
-        m, n_kv = s.kq_mask_swa, s.n_kv  # [1, 1, n_pad, n_kv_swa]
-        keep0 = (m[0, 0, 0, :n_kv] == 0).nonzero().flatten()  # cells the first query sees
-        # the window edge: the kept cell of smallest pos (after reuse the pool is not in position order)
-        c0 = int(keep0[s.cell_pos[keep0].argmin()]) if keep0.numel() else 0
-        start = max(0, min(c0 - max_cols // 2, n_kv - max_cols))
-        sl = m[0, 0, : min(self.n_tokens, max_rows), start : start + max_cols]
-        return {"kq_mask_swa": {"ne": [n_kv, s.n_tokens_pad, 1, 1], "dtype": str(m.dtype).replace("torch.", ""),
-                                "col_start": start, "cell_pos": s.cell_pos[start : start + max_cols].tolist(),
-                                "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]},
-                "pool": {"size": int(s.extra.get("pool_size", 0)), "n_kv": n_kv, "k_idxs": ranges_text(s.cell_idx.tolist()),
-                         "head_before": s.head_before, "head_after": s.head_after,
-                         "reused": s.extra.get("reused", "-"), "purged": s.extra.get("purged", "-")}}
-
-    def summary(self) -> dict[str, Any]:
-        """:meth:`CellsInputs.summary` plus the SWA pool's ``kq_mask_swa_ne``, ``n_kv_swa``, ``head_before_swa``."""
-        d = super().summary()
-        if self.swa is not None:
-            d.update({"kq_mask_swa_ne": [self.swa.n_kv, self.swa.n_tokens_pad, 1, 1], "n_kv_swa": self.swa.n_kv,
-                      "head_before_swa": self.swa.head_before})
-        return d
 
 
 def _combine(name: str, a: MemOp, b: MemOp) -> MemOp:
@@ -263,6 +239,8 @@ class IswaCellsKV(CellsKV):
     Raises:
         InfertraceError: no windowed layer; bad sizes (:func:`swa_pool_size`).
     """
+
+    layout = "cells_iswa"  # what the views read (infertrace.capture.kv_views): the base pool and the SWA pool
 
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, size: int, n_seq_max: int = 64,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", windows: Sequence[int] | None = None,
@@ -294,7 +272,6 @@ class IswaCellsKV(CellsKV):
             self.swa.find_slot(sum(c.T for c in chunks))
         base = super().prepare(chunks)
         swa = self.swa.prepare(chunks)
-        swa.extra["pool_size"] = self.swa.size
         inp = IswaInputs(**{f.name: getattr(base, f.name) for f in fields(base)}, swa=swa)
         inp.kq_mask_swa = swa.kq_mask_swa  # the windowed layers' mask is the SWA pool's
         return inp
@@ -376,9 +353,9 @@ class IswaCellsKV(CellsKV):
     def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: CellsInputs, row: int,
                is_chain: bool) -> MemOp:
         """Speculative rollback in both pools (each with the cells its rows went to)."""
-        a = MemOp(cells_rewind(self, seq_id, C, T, accepted, inp.cell_idx[row : row + T], is_chain))
+        a = self.rewind_cells(seq_id, C, T, accepted, inp.cell_idx[row : row + T], is_chain)
         sinp = inp.swa if isinstance(inp, IswaInputs) and inp.swa is not None else inp
-        b = MemOp(cells_rewind(self.swa, seq_id, C, T, accepted, sinp.cell_idx[row : row + T], is_chain))
+        b = self.swa.rewind_cells(seq_id, C, T, accepted, sinp.cell_idx[row : row + T], is_chain)
         return _combine("rewind", a, b)
 
     def defrag(self) -> MemOp:
@@ -389,16 +366,7 @@ class IswaCellsKV(CellsKV):
     def describe(self) -> dict[str, Any]:
         """:meth:`CellsKV.describe` plus ``swa_pool_size`` and ``swa_full``."""
         d = super().describe()
-        d.update({"swa_pool_size": self.swa.size, "swa_full": self.swa_full,
-                  "mask": d["mask"] + "; windowed layers: kq_mask_swa over the SWA pool"})
-        return d
-
-    def step_summary(self, inp: CellsInputs | None) -> dict[str, Any]:
-        """:meth:`CellsKV.step_summary` plus the SWA pool's ``used`` / ``head`` / the step's cells."""
-        d = super().step_summary(inp)
-        sinp = inp.swa if isinstance(inp, IswaInputs) else None
-        d["swa_pool"] = {"size": self.swa.size, "used": self.swa.used, "head": self.swa.head,
-                         "cells": ranges_text(sinp.cell_idx.tolist()) if sinp is not None else "-"}
+        d.update({"swa_pool_size": self.swa.size, "swa_full": self.swa_full})
         return d
 
     def snapshot(self) -> dict[str, Any]:
@@ -406,9 +374,3 @@ class IswaCellsKV(CellsKV):
         snap = super().snapshot()
         snap["swa_pool"] = self.swa.pool_record(None)
         return snap
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """As :meth:`CellsKV.dump_values`; a windowed layer's rows come from the SWA pool (its cells)."""
-        if self.windows[layer]:
-            return self.swa.dump_values(layer, head, n, wanted)
-        return super().dump_values(layer, head, n, wanted)

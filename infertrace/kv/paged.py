@@ -17,8 +17,7 @@ from infertrace.attention.reference import paged_attention_torch
 from infertrace.attention.select import paged_attention, write_kv_paged
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec, MemOp, MemoryDefaults, PagedInputs, ranges_text
-from infertrace.kv.seq_ops import paged_seq_cp, paged_seq_keep, paged_seq_rm, paged_shift_out
-from infertrace.kv.spec_ops import paged_rewind
+from infertrace.kv import seq_ops
 
 #: TensorRT-LLM's default ``tokens_per_block`` (vLLM uses 16).
 DEFAULT_TOKENS_PER_BLOCK = 32
@@ -40,6 +39,7 @@ class PagedKV(MemoryDefaults):
     """
 
     kind = "paged"
+    layout = "paged"  # what the views read (infertrace.capture.kv_views)
 
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, num_blocks: int,
                  tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, dtype: torch.dtype = torch.float32,
@@ -170,24 +170,48 @@ class PagedKV(MemoryDefaults):
         """Copy-on-write of ``seq_id``'s shared blocks from block ``first`` on: nothing is shared here."""
         return []
 
-    # --- sequence operations (vLLM / TensorRT-LLM block free and fork; algorithms in kv/seq_ops.py) ---------
+    # --- sequence operations (vLLM / TensorRT-LLM block free and fork; K-shift math in kv/seq_ops.py) ---------
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
         """Remove positions ``p0..`` of ``seq_id``: a tail only (false for a middle range: a block table
-        cannot hold a hole; a context shift closes the gap instead)."""
+        cannot hold a hole; a context shift closes the gap instead). Blocks no longer needed are released
+        (reference counted when the pool shares blocks). Answers ``{"op", "seq_id", "range", "pos", "freed_blocks"}``."""
         L = self.lens.get(seq_id, 0)
         if 0 <= p1 < L:
             return MemOp.refused("seq_rm", f"paged seq_rm({seq_id}, {p0}, {p1}): only a tail can be removed from a block "
                                  f"table (sequence holds 0..{L - 1}); use a context shift to drop a middle range")
-        return MemOp(paged_seq_rm(self, seq_id, p0, p1))
+        a, _ = seq_ops.pos_range(p0, p1)
+        if a >= L:
+            return MemOp({"op": "seq_rm", "seq_id": seq_id, "range": f"[{a}, end)", "pos": "-", "freed_blocks": []})
+        if a == 0:
+            tab = list(self.tables.get(seq_id, []))
+            self.release(seq_id)
+            return MemOp({"op": "seq_rm", "seq_id": seq_id, "range": "[0, end)", "pos": ranges_text(range(L)),
+                          "freed_blocks": tab})
+        if a % self.B:
+            self.make_private(seq_id, a // self.B)  # the kept partial block will be rewritten: copy-on-write / unhash
+        keep_blocks = -(-a // self.B)
+        tab = self.tables[seq_id]
+        dropped = tab[keep_blocks:]
+        self.tables[seq_id] = tab[:keep_blocks]
+        self.lens[seq_id] = a
+        self.free_blocks(dropped)  # reference counted when the pool shares blocks (kv/prefix_cache.py)
+        return MemOp({"op": "seq_rm", "seq_id": seq_id, "range": f"[{a}, end)", "pos": ranges_text(range(a, L)),
+                      "freed_blocks": dropped})
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> MemOp:
-        """Fork ``dst`` from ``src``'s prefix ``0..p1-1`` (false unless ``p0 <= 0``)."""
+        """Fork ``dst`` from ``src``'s prefix ``0..p1-1`` (shared full blocks reference counted, the partial
+        last block copied: vLLM / TensorRT-LLM fork; false unless ``p0 <= 0``: a table shares a prefix only)."""
         if p0 > 0:
             return MemOp.refused("seq_cp", "paged seq_cp copies a prefix: p0 must be 0 (or -1)")
-        return MemOp(paged_seq_cp(self, src, dst, p0, p1))
+        L = self.lens.get(src, 0)
+        return MemOp(self.fork(src, dst, L if p1 < 0 else min(p1, L)))
 
     def seq_keep(self, seq_id: int) -> MemOp:
-        return MemOp(paged_seq_keep(self, seq_id))
+        """Release every sequence but ``seq_id``."""
+        others = [s for s in list(self.tables) if s != seq_id]
+        for s in others:
+            self.release(s)
+        return MemOp({"op": "seq_keep", "seq_id": seq_id, "released": others})
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[Any]) -> MemOp:
         """Positions are slot order in a block table: moving some alone is not representable (false);
@@ -204,12 +228,49 @@ class PagedKV(MemoryDefaults):
         return self.lens.get(seq_id, 0) - 1
 
     def shift_out(self, seq_id: int, p0: int, p1: int, ropes: Sequence[Any]) -> MemOp:
-        return MemOp(paged_shift_out(self, seq_id, p0, p1, ropes))
+        """Drop positions ``p0 <= p < p1`` of ``seq_id`` and close the gap: the K/V of ``p1..L-1`` move to
+        ``p0..`` and their K is re-rotated by ``-(p1 - p0)`` with each layer's RoPE (``ropes``, one per layer:
+        K-shift), then the tail is freed: llama.cpp's ``seq_rm`` + ``seq_add`` pair (server context shift) in
+        block-table form. Blocks shared with another sequence are never written: they are replaced by private
+        copies first. Answers ``{"op": "shift_out", "seq_id", "removed", "from", "to", "delta", "freed_blocks"}``."""
+        tables = seq_ops.shift_tables(self, ropes)
+        L = self.lens.get(seq_id, 0)
+        p1 = min(p1, L)
+        n = p1 - p0
+        if n <= 0:
+            return MemOp({"op": "shift_out", "seq_id": seq_id, "removed": "-", "delta": 0, "freed_blocks": []})
+        self.make_private(seq_id, p0 // self.B)  # copy-on-write of shared blocks that will be rewritten
+        src = torch.tensor([self.slot(seq_id, p) for p in range(p1, L)], dtype=torch.int64)  # [M]
+        dst = torch.tensor([self.slot(seq_id, p) for p in range(p0, L - n)], dtype=torch.int64)  # [M]
+        d = torch.full((src.numel(),), -n, dtype=torch.int64)  # [M]
+        for pool, inv_freq in zip(self.pool, tables):
+            sb, so, db, do = src // self.B, src % self.B, dst // self.B, dst % self.B
+            k = pool[sb, 0, :, so, :].clone()  # [M, n_kv_heads, hd]
+            v = pool[sb, 1, :, so, :].clone()  # [M, n_kv_heads, hd]
+            pool[db, 0, :, do, :] = seq_ops.rotate_k(k, d, inv_freq)
+            pool[db, 1, :, do, :] = v
+        rm = PagedKV.seq_rm(self, seq_id, L - n, -1)
+        return MemOp({"op": "shift_out", "seq_id": seq_id, "removed": ranges_text(range(p0, p1)),
+                      "from": ranges_text(range(p1, L)), "to": ranges_text(range(p0, L - n)), "delta": -n,
+                      "freed_blocks": rm["freed_blocks"]})
 
     def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: PagedInputs, row: int,
                is_chain: bool) -> MemOp:
-        """Speculative rollback: accepted candidates moved to ``C + depth``, the tail freed."""
-        return MemOp(paged_rewind(self, seq_id, C, T, accepted))
+        """Speculative rollback after a verify chunk ``C, T`` of ``seq_id``: the accepted path's K/V move to
+        positions ``C + depth`` (TensorRT-LLM ``update_kv_cache_draft_token_location``), then the tail is
+        freed. Answers ``{"op", "seq_id", "kept_pos", "removed_pos", "n_removed", "moved_slots", "freed_blocks", ...}``."""
+        keep = C + len(accepted)
+        rec: dict[str, Any] = {"seq_id": seq_id, "kept_pos": ranges_text(range(C, keep)), "n_removed": T - len(accepted)}
+        moves = []
+        for depth, node in enumerate(accepted):
+            if node != depth:  # candidate `node` was stored at position C + node; it belongs at C + depth
+                src, dst = self.slot(seq_id, C + node), self.slot(seq_id, C + depth)
+                for pool in self.pool:
+                    pool[dst // self.B, :, :, dst % self.B, :] = pool[src // self.B, :, :, src % self.B, :]
+                moves.append([src, dst])
+        op = PagedKV.seq_rm(self, seq_id, keep, -1)
+        return MemOp({**rec, "op": "seq_rm", "range": op["range"], "removed_pos": op["pos"], "moved_slots": moves,
+                      "freed_blocks": list(op["freed_blocks"])})
 
     def written_blocks(self, inp: PagedInputs, row: int, T: int) -> list[int]:
         """Blocks of ``slot_mapping[row : row + T]``."""
@@ -222,66 +283,9 @@ class PagedKV(MemoryDefaults):
         p = self.pool[0]
         return {"kind": self.kind, "dtype": str(p.dtype).replace("torch.", ""), "n_layer": self.n_layer,
                 "kv_layers": list(self.kv_layers), "n_kv_heads": int(p.shape[2]), "head_dim": int(p.shape[4]),
-                "block_size": self.B, "n_seq_max": None, "physical_shape": list(p.shape), "tensors": "pool per layer",
-                "mask": "no dense tensor: mask_type causal + seq_lens, kv_lens, cu_seqlens, block tables"}
+                "block_size": self.B, "n_seq_max": None, "physical_shape": list(p.shape)}
 
-    def placement(self, inp: PagedInputs | None) -> list[dict[str, Any]]:
-        """Per chunk of the step (packed order), where its K/V went: ``{"slot_mapping", "block_table"}``
-        (a verify chunk: the table its slots were written through)."""
-        if inp is None:
-            return []
-        sm, out, r = inp.slot_mapping.tolist(), [], 0
-        for i, c in enumerate(inp.chunks):
-            out.append({"slot_mapping": sm[r : r + c.T],
-                        "block_table": (list(self.tables[c.seq_id]) if c.parents is None else
-                                        [b for b in inp.block_tables[i].tolist() if b >= 0])})
-            r += c.T
-        return out
-
-    def heads(self, inp: PagedInputs | None) -> dict[str, Any]:
-        """A pool has no head (cells only)."""
-        return {}
-
-    def step_summary(self, inp: PagedInputs | None) -> dict[str, Any]:
-        """For the backend diff: storage shape, used blocks, each request's slots this step, the block
-        tables and what attention got (lengths, mask type)."""
-        sm = inp.slot_mapping.tolist() if inp is not None else []
-        per, r = {}, 0
-        for c in inp.chunks if inp is not None else []:
-            per[str(c.seq_id)] = ranges_text(sm[r : r + c.T])
-            r += c.T
-        d = {"storage": list(self.pool[0].shape), "used_blocks": self.num_blocks - len(self.free), "slots": per,
-             "block_tables": {str(s): list(t) for s, t in sorted(self.tables.items())}}
-        if inp is not None:
-            d.update(inp.summary())
-        return d
-
-    def dump_writes(self, inp: PagedInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """For ``dump-kv``: per chunk ``{"seq_id", "pos", "slots"}`` (nothing to add to the snapshot)."""
-        sm = inp.slot_mapping.tolist() if inp is not None else []
-        writes = [{"seq_id": c.seq_id, "pos": list(range(c.C, c.C + c.T)), "slots": [sm[i] for i in rows[c.seq_id]]}
-                  for c in (inp.chunks if inp is not None else [])]
-        return writes, {}
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """For ``dump-kv``: per sequence, ``{"seq_id", "len", "rows": [{"pos", "slot", "block", "offset", "k",
-        "v"}]}`` with the first ``n`` values (all when None) of KV head ``head`` in layer ``layer``."""
-        reqs = []
-        for sid in sorted(self.tables):
-            L = self.seq_len(sid)
-            rows = []
-            for p in range(L):
-                if wanted is not None and p not in wanted:
-                    continue
-                slot = self.slot(sid, p)
-                blk, off = divmod(slot, self.B)
-                rows.append({"pos": p, "slot": slot, "block": blk, "offset": off,
-                             "k": self.pool[layer][blk, 0, head, off, :n].float().tolist(),
-                             "v": self.pool[layer][blk, 1, head, off, :n].float().tolist()})
-            reqs.append({"seq_id": sid, "len": L, "rows": rows})
-        return reqs
-
-    # --- views -------------------------------------------------------------------
+    # --- state read ----------------------------------------------------------------
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         L = self.lens.get(seq_id, 0)
         slots = torch.tensor([self.slot(seq_id, p) for p in range(L)], dtype=torch.int64)

@@ -31,7 +31,6 @@ from infertrace.errors import InfertraceError
 from infertrace.kv.base import MemOp, ranges_text
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.paged import PagedKV
-from infertrace.kv.seq_ops import cells_seq_cp, cells_seq_rm
 
 
 def block_hash(parent: str | None, tokens: Sequence[int]) -> str:
@@ -375,10 +374,10 @@ class CachingCellsKV(CellsKV):
         state = "retained" if best in self.retained else "live"
         if best == seq_id:  # own retained cells (after preemption): keep the prefix, drop the rest
             self.retained.pop(seq_id, None)
-            cells_seq_rm(self, seq_id, best_n, -1)
+            CellsKV.seq_rm(self, seq_id, best_n, -1)
             op = {"cells": ranges_text([c for c, _ in self.cells_of(seq_id)])}
         else:
-            op = cells_seq_cp(self, best, seq_id, 0, best_n)
+            op = CellsKV.seq_cp(self, best, seq_id, 0, best_n)
             if best in self.retained:
                 self.retained.move_to_end(best)
         self.tokens[seq_id] = list(prompt[:best_n])

@@ -25,7 +25,7 @@ draft_len+1, ...]`` (``_torch/pyexecutor/mamba_cache_manager.py`` ``SpeculativeS
 ``r_l`` / ``s_l`` (``src/llama-memory-recurrent.cpp``); ``seq_rm(seq, p0, -1)`` of a tail of at most
 ``n_rs_seq`` tokens sets ``rs_idx[seq] = rollback`` and the next graph reads the state from that
 snapshot plane. A tree here continues each branch from its parent's snapshot; llama.cpp would give
-each branch its own seq_id, here one seq owns the tree (as :mod:`infertrace.kv.spec_ops` does).
+each branch its own seq_id, here one seq owns the tree (as :meth:`infertrace.kv.cells.CellsKV.rewind_cells` does).
 
 Either way a request whose chunk starts at ``C == 0`` (a new request, or one recomputed after
 preemption) starts from zero state; the state is never shared between requests, so prefix / block
@@ -353,6 +353,8 @@ class HybridKV(MemoryDefaults):
     slot (``inp.state_indices``). Prefix / block reuse is off (:data:`NO_REUSE_REASON`).
     """
 
+    layout = "hybrid"  # what the views read (infertrace.capture.kv_views): its attention part
+
     def __init__(self, attn: Any, state: RecurrentState, kv_layers: Sequence[int]):
         self.attn = attn
         self.state = state
@@ -478,19 +480,3 @@ class HybridKV(MemoryDefaults):
 
     def written_blocks(self, inp: AttnInputs, row: int, T: int) -> list[int]:
         return self.attn.written_blocks(inp, row, T)
-
-    def placement(self, inp: AttnInputs | None) -> list[dict[str, Any]]:
-        return self.attn.placement(inp)
-
-    def heads(self, inp: AttnInputs | None) -> dict[str, Any]:
-        return self.attn.heads(inp)
-
-    def step_summary(self, inp: AttnInputs | None) -> dict[str, Any]:
-        return self.attn.step_summary(inp)
-
-    def dump_writes(self, inp: AttnInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        return self.attn.dump_writes(inp, rows)
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """``layer``: physical (``phys_layer`` of a model layer)."""
-        return self.attn.dump_values(layer, head, n, wanted)

@@ -33,10 +33,8 @@ import torch
 
 from infertrace.attention.reference import attention_with_kq_mask
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, MemoryDefaults, _dtype, ranges_text
+from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, MemoryDefaults, ranges_text
 from infertrace.kv.cells import CellsKV
-from infertrace.kv.seq_ops import cells_defrag, cells_seq_add, cells_seq_div, cells_seq_keep, cells_seq_rm, cells_shift_out
-from infertrace.kv.spec_ops import cells_rewind
 
 _NEG = float("-inf")
 
@@ -102,34 +100,6 @@ class StreamsInputs(CellsInputs):
         m = self.mask(swa)  # [ns, 1, n_tps, n_kv]
         return m[:, 0].reshape(-1, m.shape[-1])[: self.n_tokens]  # [N, n_kv]
 
-    def mask_record(self, max_rows: int, max_cols: int) -> tuple[str, str, dict[str, Any] | None, dict[str, Any] | None]:
-        """``(convention, rule, cells part, None)``: the first stream's slice of ``kq_mask`` at the top
-        (``rows``, ``cell_pos``, ``cell_seq``) and every ubatch stream in ``streams``."""
-        m, n_kv = self.kq_mask, self.n_kv  # [ns, 1, n_tps, n_kv]
-        per = []
-        for j, s in enumerate(self.streams):
-            sl = m[j, 0, : min(self.n_tps, max_rows), : min(n_kv, max_cols)]
-            per.append({"stream": s, "seq_ids": [int(x) for x in self.seq_ids[j * self.n_tps : (j + 1) * self.n_tps].unique().tolist()],
-                        "head_before": self.head_before[j], "head_after": self.head_after[j],
-                        "cell_pos": self.cell_pos[j, :max_cols].tolist(),
-                        "cell_seq": [row.nonzero().flatten().tolist() for row in self.cell_seq[j, :max_cols]],
-                        "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]})
-        first = per[0] if per else {"cell_pos": [], "cell_seq": [], "rows": []}
-        cells = {"ne": self.ne, "torch_shape": list(m.shape), "dtype": _dtype(m), "n_kv": n_kv, "n_tokens": self.n_tps,
-                 "cell_pos": first["cell_pos"], "cell_seq": first["cell_seq"], "rows": first["rows"],
-                 "n_stream": self.n_stream, "stream_size": self.stream_size, "streams": per}
-        return ("cells", "keep iff cell of the query's own stream holds the query's seq_id and cell.pos <= query pos "
-                "(non-unified: one stream per sequence)", cells, None)
-
-    def swa_record(self, max_rows: int, max_cols: int) -> dict[str, Any]:
-        """The first stream's ``kq_mask_swa`` slice (empty without windowed layers)."""
-        if self.kq_mask_swa is None:
-            return {}
-        m, n_kv = self.kq_mask_swa, self.n_kv  # [ns, 1, n_tps, n_kv]
-        sl = m[0, 0, : min(self.n_tps, max_rows), : min(n_kv, max_cols)]
-        return {"kq_mask_swa": {"ne": self.ne, "dtype": _dtype(m), "col_start": 0, "cell_pos": self.cell_pos[0, :max_cols].tolist(),
-                                "rows": [["0" if x == 0 else "-inf" for x in row] for row in sl.tolist()]}}
-
     def verify_record(self, chunk_index: int, row: int, T: int) -> dict[str, Any]:
         """Never answered: speculative decoding is refused with ``--kv-unified off`` before a run starts.
 
@@ -137,10 +107,6 @@ class StreamsInputs(CellsInputs):
             InfertraceError: always (a guard if a caller reaches it).
         """
         raise InfertraceError("speculative decoding is not implemented with --kv-unified off")
-
-    def summary(self) -> dict[str, Any]:
-        """For the backend diff: kq_mask ``ne`` (with the ubatch's streams), ``n_kv``, per-stream heads."""
-        return {"kq_mask_ne": self.ne, "n_kv": self.n_kv, "head_before": list(self.head_before), "streams": list(self.streams)}
 
 
 class CellsStreamsKV(MemoryDefaults):
@@ -161,6 +127,7 @@ class CellsStreamsKV(MemoryDefaults):
     """
 
     kind = "cells"
+    layout = "cells_streams"  # what the views read (infertrace.capture.kv_views)
 
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, size: int, n_seq_max: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", windows: Sequence[int] | None = None):
@@ -230,10 +197,7 @@ class CellsStreamsKV(MemoryDefaults):
             heads_b.append(st.head)
             pos = list(range(c.C, c.C + c.T))
             idx = st.find_slot(c.T)  # this stream only, from its head (llama_kv_cache::find_slot)
-            it = torch.tensor(idx, dtype=torch.int64)  # [T]
-            st.pos[it] = torch.tensor(pos, dtype=torch.int64)
-            st.seq[it, c.seq_id] = True
-            st.head = idx[-1] + 1 if idx else st.head  # apply_ubatch: head = idxs.back() + 1 (may equal size: wraps next search)
+            st.occupy(idx, pos, c.seq_id)  # apply_ubatch: head = idxs.back() + 1 (may equal size: wraps next search)
             heads_a.append(st.head)
             positions += pos
             local += idx
@@ -292,8 +256,8 @@ class CellsStreamsKV(MemoryDefaults):
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> MemOp:
         """``llama_kv_cache::seq_rm``: in ``seq_id``'s stream; ``seq_id < 0``: every stream."""
         if seq_id >= 0:
-            return MemOp({**cells_seq_rm(self.stream_of(seq_id), seq_id, p0, p1), "stream": seq_id})
-        ops = [cells_seq_rm(st, -1, p0, p1) for st in self.streams]
+            return MemOp({**self.stream_of(seq_id).seq_rm(seq_id, p0, p1), "stream": seq_id})
+        ops = [st.seq_rm(-1, p0, p1) for st in self.streams]
         return MemOp({"op": "seq_rm", "seq_id": seq_id, "range": ops[0]["range"],
                       "streams": [{"stream": s, "cells": o["cells"], "freed": o["freed"]} for s, o in enumerate(ops) if o["cells"] != "-"]})
 
@@ -309,29 +273,21 @@ class CellsStreamsKV(MemoryDefaults):
             return MemOp.refused("seq_cp", f"seq_cp of a part [{p0}, {p1}) of seq {src} into seq {dst} across streams: llama.cpp "
                                  "copies whole streams only (GGML_ASSERT is_full: 'seq_cp() is only supported for full KV "
                                  "buffers'); use --kv-unified on or copy the whole sequence (p0 = p1 = -1)", src=src, dst=dst)
-        idx = a.seq[:, src].nonzero().flatten()  # [M] the source cells
-        b.pos.fill_(-1)
-        b.seq.zero_()
-        b.pos[idx] = a.pos[idx]
-        b.seq[idx, dst] = True
-        b.head = a.head
-        for layer in range(self.n_layer):  # update(): ggml_backend_tensor_copy(k_stream[src], k_stream[dst])
-            b.k[layer].copy_(a.k[layer])
-            b.v[layer].copy_(a.v[layer])
+        idx = b.copy_from(a, src, dst)  # [M] the source cells; update(): ggml_backend_tensor_copy(k_stream[src], k_stream[dst])
         return MemOp({"op": "seq_cp", "src": src, "dst": dst, "stream_copy": [src, dst], "cells": ranges_text(idx.tolist()),
                       "pos": ranges_text(a.pos[idx].tolist())})
 
     def seq_keep(self, seq_id: int) -> MemOp:
         """``llama_kv_cache::seq_keep``: only ``seq_id``'s stream is touched (other streams keep theirs)."""
-        return MemOp({**cells_seq_keep(self.stream_of(seq_id), seq_id), "stream": seq_id})
+        return MemOp({**self.stream_of(seq_id).seq_keep(seq_id), "stream": seq_id})
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int, ropes: Sequence[Any]) -> MemOp:
         """llama.cpp ``seq_add`` in ``seq_id``'s stream (K re-rotated per layer)."""
-        return MemOp(cells_seq_add(self.stream_of(seq_id), seq_id, p0, p1, delta, ropes))
+        return self.stream_of(seq_id).seq_add(seq_id, p0, p1, delta, ropes)
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[Any]) -> MemOp:
         """llama.cpp ``seq_div`` in ``seq_id``'s stream."""
-        return MemOp(cells_seq_div(self.stream_of(seq_id), seq_id, p0, p1, d, ropes))
+        return self.stream_of(seq_id).seq_div(seq_id, p0, p1, d, ropes)
 
     def seq_pos_min(self, seq_id: int) -> int:
         return self.stream_of(seq_id).seq_pos_min(seq_id)
@@ -340,16 +296,16 @@ class CellsStreamsKV(MemoryDefaults):
         return self.stream_of(seq_id).seq_pos_max(seq_id)
 
     def shift_out(self, seq_id: int, p0: int, p1: int, ropes: Sequence[Any]) -> MemOp:
-        return MemOp(cells_shift_out(self.stream_of(seq_id), seq_id, p0, p1, ropes))
+        return self.stream_of(seq_id).shift_out(seq_id, p0, p1, ropes)
 
     def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: StreamsInputs, row: int,
                is_chain: bool) -> MemOp:
         """Speculative rollback in the sequence's stream (cells of rows ``row..row+T-1``)."""
-        return MemOp(cells_rewind(self.stream_of(seq_id), seq_id, C, T, accepted, inp.cell_local[row : row + T], is_chain))
+        return self.stream_of(seq_id).rewind_cells(seq_id, C, T, accepted, inp.cell_local[row : row + T], is_chain)
 
     def defrag(self) -> MemOp:
         """Defragment every stream."""
-        return MemOp({"op": "defrag", "streams": [cells_defrag(st) for st in self.streams]})
+        return MemOp({"op": "defrag", "streams": [dict(st.defrag()) for st in self.streams]})
 
     # --- description ---------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -357,48 +313,10 @@ class CellsStreamsKV(MemoryDefaults):
         global rows ``k_idxs`` address), plus ``n_stream`` and ``stream_size``."""
         d = self.streams[0].describe()
         d.update({"physical_shape": [self.n_stream * self.size, *d["physical_shape"][1:]], "n_stream": self.n_stream,
-                  "stream_size": self.size, "tensors": "k_l, v_l per layer, ne = [n_embd_gqa, kv_size, n_stream]",
-                  "mask": "explicit kq_mask ne = [n_kv, n_tokens_per_stream, 1, n_stream of the ubatch], 0 / -inf"})
+                  "stream_size": self.size})
         return d
 
-    def placement(self, inp: StreamsInputs | None) -> list[dict[str, Any]]:
-        """Per chunk: ``{"cells": global rows, "stream": s}``."""
-        if inp is None:
-            return []
-        idx, t = inp.cell_idx.tolist(), inp.n_tps
-        return [{"cells": ranges_text(idx[j * t : (j + 1) * t]), "stream": s} for j, s in enumerate(inp.streams)]
-
-    def heads(self, inp: StreamsInputs | None) -> dict[str, Any]:
-        """Nothing at the top (each stream has its own head: see ``streams`` of the snapshot)."""
-        return {}
-
-    def step_summary(self, inp: StreamsInputs | None) -> dict[str, Any]:
-        """For the backend diff: storage, used cells, per-stream heads, each request's cells this step."""
-        per = {str(c.seq_id): p["cells"] for c, p in zip(inp.chunks if inp is not None else [], self.placement(inp))}
-        d = {"storage": [self.n_stream, self.size, *self.streams[0].k[0].shape[1:]], "used": self.used,
-             "head": [st.head for st in self.streams], "cells": per}
-        if inp is not None:
-            d.update(inp.summary())
-        return d
-
-    def dump_writes(self, inp: StreamsInputs | None, rows: dict[int, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """For ``dump-kv``: per chunk ``{"seq_id", "pos", "cells" (global rows), "stream"}``."""
-        idx = inp.cell_idx.tolist() if inp is not None else []
-        writes = [{"seq_id": c.seq_id, "pos": list(range(c.C, c.C + c.T)), "cells": [idx[i] for i in rows[c.seq_id]],
-                   "stream": c.seq_id} for c in (inp.chunks if inp is not None else [])]
-        return writes, {}
-
-    def dump_values(self, layer: int, head: int, n: int | None, wanted: set[int] | None) -> list[dict[str, Any]]:
-        """For ``dump-kv``: per sequence, its rows (global cell rows) from its own stream."""
-        reqs = []
-        for s, st in enumerate(self.streams):
-            for r in st.dump_values(layer, head, n, wanted):
-                for row in r["rows"]:
-                    row["cell"] += s * self.size
-                reqs.append({**r, "stream": s})
-        return reqs
-
-    # --- views -------------------------------------------------------------------
+    # --- state read ----------------------------------------------------------------
     def cells_of(self, seq_id: int) -> list[tuple[int, int]]:
         """``[(global cell row, pos)]`` of ``seq_id``, ordered by pos."""
         return [(seq_id * self.size + c, p) for c, p in self.stream_of(seq_id).cells_of(seq_id)]

@@ -1,4 +1,4 @@
-"""Rich rendering of a ``dump-kv`` dict (:mod:`infertrace.kv.dump`): the cache right after one step.
+"""Rich rendering of a ``dump-kv`` dict (:mod:`infertrace.trace.kv_dump`): the cache right after one step.
 
 A pure function of the dict (live run or saved trace render the same way). ``cells``: header
 like llama.cpp's ``find_slot`` debug print (``n``/used/head/size), one line per stretch of

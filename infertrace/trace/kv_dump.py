@@ -115,7 +115,7 @@ def build_dump(*, step: int, backend: str, physical: dict[str, Any], physical_sh
         writes: where the step's K/V went, per request ``{seq_id, pos: [..], cells: [..]}``
             (cells) or ``{seq_id, pos, slots}`` (paged).
         finished: requests that finished at this step (freed right after it).
-        values: K/V values (see :func:`infertrace.kv.dump.read_values`) or None.
+        values: K/V values (see :func:`infertrace.capture.kv_views.read_values`) or None.
     """
     d: dict[str, Any] = {"step": step, "backend": backend, "source": source, "idle": not batch, "dtype": dtype,
                          "n_layer": n_layer, "physical_shape": list(physical_shape), "batch": batch, "writes": writes,

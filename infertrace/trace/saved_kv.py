@@ -21,7 +21,7 @@ from infertrace.trace.store import load_tensors, read_manifest, trace_from_manif
 def values_from_tensors(tt: Any, st: Any, layer: int, head: int, positions: Sequence[int] | None, full: bool,
                         n_first: int = 4) -> dict[str, Any]:
     """K/V rows of kv head ``head`` in ``layer`` for every request cached after step ``st``,
-    in the shape :func:`infertrace.kv.dump.read_values` returns (``source = "trace"``).
+    in the shape :func:`infertrace.capture.kv_views.read_values` returns (``source = "trace"``).
 
     Args:
         tt: the trace's :class:`~infertrace.trace.store.TraceTensors`; ``step{N}/layer{L}/seq{S}/k_cache``

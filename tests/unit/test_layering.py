@@ -22,7 +22,7 @@ LAYERS = {
     "infertrace.present": ("infertrace.present", "infertrace.trace"),
 }
 #: torch-free shared modules any layer may use
-SHARED = ("infertrace.errors", "infertrace.fmt", "infertrace.ranges", "infertrace.safe_io", "infertrace.safe_text",
+SHARED = ("infertrace.errors", "infertrace.fmt", "infertrace.limits", "infertrace.ranges", "infertrace.safe_io", "infertrace.safe_text",
           "infertrace.quant.choice")  # the kernel chooser's rule, by dtype name: check asks which kernels a trace may name
 #: third-party modules that load torch or a model runtime
 FORBIDDEN = ("torch", "triton", "transformers", "accelerate", "llama_cpp", "safetensors.torch")

@@ -45,9 +45,10 @@ from infertrace.engine.drive import drive_bounded, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SampleResult, sample
 from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
+from infertrace.runtimes.llamacpp.native import add_native
 from infertrace.runtimes.llamacpp.state_file import norm_to_neox  # torch-free; the slot-file reader uses it too
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import AttnInputs, CellsInputs, ChunkSpec
+from infertrace.kv.base import AttnInputs, CellsInputs, ChunkSpec, SwaPoolStep
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.iswa import IswaInputs, SwaCellsPool, swa_pool_size
 from infertrace.model.taps import EMBED, K, K_ROT, Q, Q_ROT, V
@@ -127,11 +128,11 @@ class LlamaCppKV(CellsKV):
         inp.cell_idx, inp.n_kv, inp.kq_mask, inp.n_tokens_pad = idx, self._n_kv, mask, int(ne[1])
         inp.head_before, inp.head_after = head_before, self.head
         inp.cell_pos, inp.cell_seq = self.pos[: self._n_kv].clone(), self.seq[: self._n_kv].clone()
-        inp.extra.update({  # what only a captured llama.cpp step has
-            "kq_mask_ne": list(ne), "kq_mask_dtype": cap.dtype["attn_inp_kq_mask"],
-            "out_ids": t["out_ids"].reshape(-1).astype(int).tolist() if "out_ids" in t else None,
-            "inp_tokens": t["inp_tokens"].reshape(-1).astype(int).tolist() if "inp_tokens" in t else None,
-        })
+        add_native(  # what only a captured llama.cpp step has
+            inp, kq_mask_ne=list(ne), kq_mask_dtype=cap.dtype["attn_inp_kq_mask"],
+            out_ids=t["out_ids"].reshape(-1).astype(int).tolist() if "out_ids" in t else None,
+            inp_tokens=t["inp_tokens"].reshape(-1).astype(int).tolist() if "inp_tokens" in t else None,
+        )
         sidx = self._after_decode_swa(inp, cap, step) if self.swa is not None else None
         self._recurrent(inp, cap)
         self._store_layer(cap, idx, sidx if sidx is not None and self.cfg.layer_window(self.layer) else None)
@@ -163,9 +164,9 @@ class LlamaCppKV(CellsKV):
         sinp = CellsInputs(list(inp.chunks), inp.positions, inp.seq_ids, self.kind, cell_idx=sidx, n_kv=n_kv, kq_mask=m,
                            n_tokens_pad=int(ne[1]), head_before=head_before, head_after=pool.head,
                            cell_pos=pool.pos[:n_kv].clone(), cell_seq=pool.seq[:n_kv].clone(), kq_mask_swa=m,
-                           n_swa=pool.n_swa, swa_layers=list(self.cfg.windowed_layers))
-        sinp.extra.update({"kq_mask_ne": list(ne), "kq_mask_dtype": cap.dtype["attn_inp_kq_mask_swa"], "reused": reused,
-                           "purged": purged, "pool_size": pool.size, "n_kv_read_back": pool.n_kv()})
+                           n_swa=pool.n_swa, swa_layers=list(self.cfg.windowed_layers),
+                           swa_pool=SwaPoolStep(reused, purged, pool.size))
+        add_native(sinp, kq_mask_ne=list(ne), kq_mask_dtype=cap.dtype["attn_inp_kq_mask_swa"], n_kv_read_back=pool.n_kv())
         inp.swa, inp.kq_mask_swa, inp.n_swa = sinp, m, pool.n_swa  # type: ignore[attr-defined]
         inp.swa_layers = list(self.cfg.windowed_layers)
         return sidx
@@ -173,10 +174,10 @@ class LlamaCppKV(CellsKV):
     def _recurrent(self, inp: AttnInputs, cap: Captured) -> None:
         """Hybrid models: llama.cpp's recurrent cells of each ubatch of the step
         (:attr:`~infertrace.runtimes.llamacpp.capture.Captured.rs`: ``head``, ``n_rs``, ``rs_z``, ``s_copy``)
-        into ``inp.extra["llama_rs"]`` and :attr:`rs_cells`."""
+        into ``inp.native.llama_rs`` and :attr:`rs_cells`."""
         if cap.rs:
             self.rs_cells = [dict(r) for r in cap.rs]
-            inp.extra["llama_rs"] = self.rs_cells
+            add_native(inp, llama_rs=self.rs_cells)
 
     def _store_layer(self, cap: Captured, idx: torch.Tensor, src_idx: torch.Tensor | None = None) -> None:
         """Layer ``layer``'s K/V rows of the current tokens, as written into the cache (``src_idx``: the
@@ -215,7 +216,7 @@ class LlamaCppKV(CellsKV):
             if ps and (min(ps), max(ps)) != (lo, hi):
                 self.notes.append(f"step {step}: seq {sid} cells read from k_idxs hold pos {min(ps)}..{max(ps)}, "
                                   f"llama_memory_seq_pos_min/max say {lo}..{hi}")
-        inp.extra["memory_seq_pos"] = ranges
+        add_native(inp, memory_seq_pos=ranges)
         self._memory_seq_pos = ranges
 
     def snapshot(self) -> dict[str, Any]:

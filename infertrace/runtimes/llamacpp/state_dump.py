@@ -3,7 +3,7 @@
 
 The cells use the ``cells`` vocabulary of :mod:`infertrace.trace.kv_dump` (stretches and character
 map from :func:`~infertrace.trace.kv_dump.cells_layout`), the K/V values the ``values`` dict of
-:func:`infertrace.kv.dump.read_values`, so :func:`infertrace.present.render_kv.render_state_dump` reuses
+:func:`infertrace.capture.kv_views.read_values`, so :func:`infertrace.present.render_kv.render_state_dump` reuses
 the dump-kv rendering. One difference is stated wherever cells are shown: the file holds no cell
 indices (``state_write_meta`` writes the used cells in cell order, empty cells skipped), so ``cell``
 here is the row of the file, not llama.cpp's cell index.
@@ -42,7 +42,7 @@ def _stream_dict(s: Any) -> dict[str, Any]:
 
 
 def _values(state: SlotState, cfg: Any, head: int, positions: Sequence[int] | None, full: bool) -> dict[str, Any]:
-    """The ``values`` dict of :func:`infertrace.kv.dump.read_values` from the chosen layer's K/V."""
+    """The ``values`` dict of :func:`infertrace.capture.kv_views.read_values` from the chosen layer's K/V."""
     if not 0 <= head < cfg.n_head_kv:
         raise InfertraceError(f"--head {head} out of range: the model has kv heads 0..{cfg.n_head_kv - 1}")
     n = cfg.head_dim if full else min(N_FIRST, cfg.head_dim)

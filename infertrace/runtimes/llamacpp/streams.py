@@ -24,6 +24,7 @@ from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.streams import CellsStreamsKV, StreamsInputs, split_equal_chunks
 from infertrace.runtimes.llamacpp.capture import Captured
+from infertrace.runtimes.llamacpp.native import add_native
 
 
 class LlamaCppStreamsKV(CellsStreamsKV):
@@ -106,9 +107,9 @@ class LlamaCppStreamsKV(CellsStreamsKV):
         inp.head_before, inp.head_after = heads_b, heads_a
         inp.cell_pos = torch.stack([self.streams[s].pos[:n_kv].clone() for s in inp.streams])  # [ns, n_kv]
         inp.cell_seq = torch.stack([self.streams[s].seq[:n_kv].clone() for s in inp.streams])  # [ns, n_kv, n_seq_max]
-        inp.extra.update({"kq_mask_ne": ne, "kq_mask_dtype": cap.dtype["attn_inp_kq_mask"],
-                          "out_ids": t["out_ids"].reshape(-1).astype(int).tolist() if "out_ids" in t else None,
-                          "inp_tokens": t["inp_tokens"].reshape(-1).astype(int).tolist() if "inp_tokens" in t else None})
+        add_native(inp, kq_mask_ne=ne, kq_mask_dtype=cap.dtype["attn_inp_kq_mask"],
+                   out_ids=t["out_ids"].reshape(-1).astype(int).tolist() if "out_ids" in t else None,
+                   inp_tokens=t["inp_tokens"].reshape(-1).astype(int).tolist() if "inp_tokens" in t else None)
         self._store_layer(cap, inp)
         self._check_memory(inp, step)
 
@@ -146,7 +147,7 @@ class LlamaCppStreamsKV(CellsStreamsKV):
             if (min(ps), max(ps)) != (lo, hi):
                 self.notes.append(f"step {step}: seq {sid} cells read from k_idxs hold pos {min(ps)}..{max(ps)}, "
                                   f"llama_memory_seq_pos_min/max say {lo}..{hi}")
-        inp.extra["memory_seq_pos"] = ranges
+        add_native(inp, memory_seq_pos=ranges)
         self._memory_seq_pos = ranges
 
     def snapshot(self) -> dict[str, Any]:

@@ -168,7 +168,7 @@ def test_swa_pool_purge_after_seq_rm_equals_llama_cpp(tiny_g3):
     inp = kv.prepare([ChunkSpec(0, 256, 2)])
     assert l_idx == inp.swa.cell_idx.tolist() == [100, 101]
     assert l_base == inp.cell_idx.tolist() == [100, 256]  # the base pool: the hole, then the next free cell
-    assert inp.swa.extra["reused"] == "101" and inp.swa.extra["purged"] == "seq 0: 0..99"
+    assert inp.swa.swa_pool.reused == "101" and inp.swa.swa_pool.purged == "seq 0: 0..99"
     assert l_range == (kv.seq_pos_min(0), kv.seq_pos_max(0)) == (102, 257)
     assert kv.swa.used == 156 and kv.swa.head == 102
 

@@ -11,7 +11,7 @@ from infertrace.kv.audit import recompute_kv
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.prefix_cache import SharedPagedKV
-from infertrace.kv.seq_ops import cells_defrag, cells_seq_add, cells_seq_cp, cells_seq_keep, seq_cp, seq_rm, shift_out
+from infertrace.kv.seq_ops import seq_cp, seq_rm, shift_out
 from infertrace.model.decoder import DecoderModel
 from infertrace.model.rope import layer_ropes
 from infertrace.loading.weights import load_checkpoint
@@ -42,7 +42,7 @@ def test_k_shift_equals_fresh_k_at_new_positions_all_layers(tiny):
     _, m = tiny
     kv = _prefill_cells(m, TOKS)
     before = [kv.k[i].clone() for i in range(m.cfg.n_layer)]
-    op = cells_seq_add(kv, 0, -1, -1, 5, layer_ropes(m.cfg))
+    op = kv.seq_add(0, -1, -1, 5, layer_ropes(m.cfg))
     assert op["from"] == "0..11" and op["to"] == "5..16"
     fresh = _prefill_cells(m, TOKS, start=5)
     n = len(TOKS)
@@ -125,7 +125,7 @@ def test_seq_rm_then_redecode_equals_never_having_it(tiny, backend):
 def test_cells_seq_cp_shares_cells_and_seq_keep_frees():
     kv = CellsKV(1, 1, 4, size=64, n_seq_max=4)
     kv.prepare([ChunkSpec(0, 0, 5)])
-    op = cells_seq_cp(kv, 0, 1, 0, 3)
+    op = kv.seq_cp(0, 1, 0, 3)
     assert op["cells"] == "0..2" and op["pos"] == "0..2"
     assert kv.seq_len(1) == 3 and kv.used == 5  # shared, no new cell
     inp = kv.prepare([ChunkSpec(1, 3, 1)])  # seq 1 continues at pos 3 in a new cell
@@ -134,7 +134,7 @@ def test_cells_seq_cp_shares_cells_and_seq_keep_frees():
     seq_rm(kv, 0)
     assert kv.used == 4 and kv.cells_of(1) == [(0, 0), (1, 1), (2, 2), (5, 3)]  # shared cells survive
     kv.prepare([ChunkSpec(2, 0, 2)])
-    cells_seq_keep(kv, 1)
+    kv.seq_keep(1)
     assert kv.used == 4 and kv.seq_len(2) == 0
 
 
@@ -147,7 +147,7 @@ def test_cells_defrag_moves_kv_and_keeps_attention():
         kv.write(0, torch.randn(N, 2, 8, generator=g), torch.randn(N, 2, 8, generator=g), inp)
     seq_rm(kv, 1)  # holes at cells 3..6
     k_before, v_before = kv.read(0, 0)
-    op = cells_defrag(kv)
+    op = kv.defrag()
     assert op["moves"] == [[7, 3], [8, 4]] and kv.head == 5
     k_after, v_after = kv.read(0, 0)
     assert torch.equal(k_before, k_after) and torch.equal(v_before, v_after)
@@ -183,7 +183,7 @@ def test_cells_shift_of_shared_cells_copies_first():
     kv = CellsKV(1, 1, 4, size=64, n_seq_max=4)
     inp = kv.prepare([ChunkSpec(0, 0, 8)])
     kv.write(0, torch.randn(8, 1, 4), torch.randn(8, 1, 4), inp)
-    cells_seq_cp(kv, 0, 1, 0, 8)
+    kv.seq_cp(0, 1, 0, 8)
     k0 = kv.read(0, 0)[0].clone()
     shift_out(kv, 1, 2, 4, inv)
     assert kv.cells_of(0) == [(c, c) for c in range(8)] and torch.equal(kv.read(0, 0)[0], k0)  # seq 0 untouched
@@ -243,4 +243,4 @@ def test_k_shift_refuses_one_table_for_every_layer(gemma):
     ck, m = gemma
     kv = _prefill_cells(m, TOKS[:6])
     with pytest.raises(InfertraceError, match="one RoPE per layer"):
-        cells_seq_add(kv, 0, 2, -1, -1, m.inv_freq)
+        kv.seq_add(0, 2, -1, -1, m.inv_freq)
