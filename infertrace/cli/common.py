@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from infertrace.engine.options import SamplingParams
 from infertrace.errors import InfertraceError
+from infertrace.runtimes.api import names
 from infertrace.safe_text import SafeConsole, visible
 from infertrace.trace.records import VARIABLES
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from infertrace.runner import Loaded, PromptSpec
 
 BACKENDS = ("cells", "paged")
-ENGINES = ("infertrace", "llama.cpp", "vllm")
+ENGINES = names()  # the runtimes of the registry (runtimes/api.py)
 ATTENTION = ("torch", "triton", "auto")
 DEVICES = ("cpu", "cuda")
 

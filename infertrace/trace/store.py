@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from infertrace.errors import InfertraceError
+from infertrace.runtimes.api import names
 from infertrace.safe_io import MAX_MANIFEST_BYTES, TORCH_TO_ST, parse_json, read_regular, safetensors_header
 from infertrace.safe_text import visible
 from infertrace.trace.records import (SCHEMA_VERSION, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep,
@@ -34,7 +35,7 @@ MANIFEST, TENSORS, TIMING = "trace.json", "tensors.safetensors", "timing.json"
 TRACE_FILES = frozenset({MANIFEST, TENSORS, TIMING, "report.html"})
 KEEP = ("summary", "tensors")
 #: who computed a trace (the manifest's ``engine``)
-ENGINES = ("infertrace", "llama.cpp", "vllm")
+ENGINES = names()  # the runtimes of the registry (runtimes/api.py)
 #: per-step fields that depend on the machine, not on the run; stored in timing.json
 TIMING_FIELDS = ("time_ms",)
 
