@@ -10,6 +10,7 @@ in :mod:`infertrace.cli.common`; module level stays torch-free so ``--help`` is 
 import os
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any, Iterator, Optional
 
 import typer
@@ -198,51 +199,70 @@ def run(
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
-    # -- validate everything that does not need the model, before loading it
+    run_command(SimpleNamespace(**locals()))
+
+
+def run_command(a: SimpleNamespace) -> None:
+    """The ``run`` command on its parsed options ``a`` (attribute per option): validate everything that does not
+    need the model, build the requests and the runtime's settings, run, save, print.
+
+    Raises:
+        InfertraceError: any bad option (one line; a runtime's refusal names its flag), any run error.
+    """
     from infertrace.threads import check_thread_settings
 
-    check_thread_settings(threads)  # --threads, OMP_NUM_THREADS, INFERTRACE_THREADS: bounded before any pool starts
-    panels = parse_panels(show, steps)  # display only
-    step_filter = parse_steps(steps)
-    keep_tensors, show_vars = save_options(save, keep, layers)  # show_vars: the variables recorded
-    note_unkept(panels, show_vars, keep)
-    if save is not None:
-        check_output_dir(save, force)
-    check_min("--layer", layer, 0)
-    ctx_given = ctx_size is not None
-    ctx_size = EngineOptions.ctx_size if ctx_size is None else ctx_size
+    check_thread_settings(a.threads)  # --threads, OMP_NUM_THREADS, INFERTRACE_THREADS: bounded before any pool starts
+    panels = parse_panels(a.show, a.steps)  # display only
+    step_filter = parse_steps(a.steps)
+    keep_tensors, show_vars = save_options(a.save, a.keep, a.layers)  # show_vars: the variables recorded
+    note_unkept(panels, show_vars, a.keep)
+    if a.save is not None:
+        check_output_dir(a.save, a.force)
+    check_min("--layer", a.layer, 0)
+    engine, specs, settings = run_settings(a, show_vars)
+    trace, tensors, tensor_layers = execute_run(engine, a.model, a.threads, specs, settings, a.layers, keep_tensors,
+                                                quiet=a.as_json, ctx_given=a.ctx_size is not None)
+    if a.replay is not None:
+        trace.notes.append(f"replayed the schedule, block ids, drafts and sampled tokens of the vLLM trace {visible(str(a.replay))}; "
+                           "positions, slot mapping, lengths, K/V and logits computed by this engine")
+    if a.save is not None:
+        save_run(trace, a.save, tensors, tensor_layers, a.force)
+    print_run(trace, tuple(v for v in panels if v in show_vars), step_filter, a.steps, a.as_json)
+
+
+def run_settings(a: SimpleNamespace, show_vars: tuple[str, ...]) -> tuple[str, list[Any], RunSettings]:
+    """The runtime's name, the requests and the :class:`~infertrace.runtimes.api.RunSettings` of ``run``'s options,
+    checked by the runtime before the model loads.
+
+    Raises:
+        InfertraceError: a bad option, a refused setting (naming its flag), an unreadable ``--teacher-force`` trace.
+    """
+    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
     from infertrace.runtimes.api import info, names
 
-    engine = check_choice("--engine", engine, names())
-    backend = info(engine).convention if backend is None else backend
-    forced = forced_tokens(teacher_force) if teacher_force is not None else None
-    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
-
+    engine = check_choice("--engine", a.engine, names())
+    backend = info(engine).convention if a.backend is None else a.backend
+    forced = forced_tokens(a.teacher_force) if a.teacher_force is not None else None
     specs, opts = build_run_inputs(
-        prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-        seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
-        tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
-        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
-        penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        kv_dtype=kv_dtype, kv_unified=kv_unified)
-    if teacher_force is not None:
-        check_teacher_force(teacher_force, specs, model)
-    opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
-    native = {k: v for k, v in (("flash_attn", llamacpp_flash_attn), ("replay", replay)) if v is not None}
+        prompt=a.prompt, prompts=a.prompts, arrival=a.arrival, max_new_tokens=a.max_new_tokens, chat=a.chat,
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+        seed=a.seed, ignore_eos=a.ignore_eos, backend=backend,
+        ctx_size=EngineOptions.ctx_size if a.ctx_size is None else a.ctx_size, num_blocks=a.num_blocks,
+        tokens_per_block=a.tokens_per_block, max_batch_tokens=a.max_batch_tokens, prefill_chunk=a.prefill_chunk,
+        attention=a.attention, dtype=a.dtype, device=a.device, sampler_order=a.sampler_order,
+        prefix_cache=a.prefix_cache, context_shift=a.context_shift, n_keep=a.n_keep, n_discard=a.n_discard,
+        audit_kv=a.audit_kv, penalty_last_n=a.penalty_last_n, frequency_penalty=a.frequency_penalty,
+        presence_penalty=a.presence_penalty, kv_dtype=a.kv_dtype, kv_unified=a.kv_unified)
+    if a.teacher_force is not None:
+        check_teacher_force(a.teacher_force, specs, a.model)
+    opts = o.apply_spec_options(opts, a.speculative, a.num_spec_tokens, a.spec_tree, a.draft_model, a.draft_layers,
+                                a.ngram_min, a.ngram_max)
+    native = {k: v for k, v in (("flash_attn", a.llamacpp_flash_attn), ("replay", a.replay)) if v is not None}
     settings = checked_run_settings(engine, RunSettings(
-        opts=opts, layer=layer, show=show_vars, dtype=dtype, device=device, tensor_parallel_size=tensor_parallel_size,
-        forced=forced, native=native, weights=weights),
-        values={"weights": weights, "opts.backend": backend, "opts.kv_dtype": kv_dtype, "opts.speculative": speculative})
-    trace, tensors, tensor_layers = execute_run(engine, model, threads, specs, settings, layers, keep_tensors,
-                                                quiet=as_json, ctx_given=ctx_given)
-    if replay is not None:
-        trace.notes.append(f"replayed the schedule, block ids, drafts and sampled tokens of the vLLM trace {visible(str(replay))}; "
-                           "positions, slot mapping, lengths, K/V and logits computed by this engine")
-    if save is not None:
-        save_run(trace, save, tensors, tensor_layers, force)
-    print_run(trace, tuple(v for v in panels if v in show_vars), step_filter, steps, as_json)
+        opts=opts, layer=a.layer, show=show_vars, dtype=a.dtype, device=a.device,
+        tensor_parallel_size=a.tensor_parallel_size, forced=forced, native=native, weights=a.weights),
+        values={"weights": a.weights, "opts.backend": backend, "opts.kv_dtype": a.kv_dtype, "opts.speculative": a.speculative})
+    return engine, specs, settings
 
 
 # ----------------------------------------------------------------------------- the command's parts
