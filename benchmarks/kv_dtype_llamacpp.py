@@ -16,7 +16,6 @@ from infertrace.engine.engine import EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.engine.drive import drive, encode_requests
 from infertrace.compare import llamacpp as C
-from infertrace.kv.cells import CellsKV
 from infertrace.runtimes.llamacpp.engine import run_llamacpp
 
 LAYER = 29
@@ -34,14 +33,9 @@ print("llama.cpp", st["flash_attn"], st["type_k"], st["type_v"], st["n_threads"]
 fa_on = st["flash_attn"] == "on"
 
 def emulated(f16_cache: bool, kv_dtype=None):
-    bases = (C.GgmlAttentionKV, C.F16CacheKV, CellsKV) if f16_cache else (C.GgmlAttentionKV, CellsKV)
-    KV = type("KV", bases, {})
-    KV.flash_attn, KV.n_threads = fa_on, st["n_threads"]
     tap = C.StepTap(LAYER)
-    e = C.ForcedEngine(loaded.model.with_ops(C.Q8ActivationOps()), loaded.tokenizer, o, tap, forced=forced)
-    cfg, m = loaded.model.cfg, loaded.model
-    e.kv = e.scheduler.kv = KV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, o.ctx_size, o.n_seq_max,
-                               kv_dtype or m.dtype, m.device)
+    e = C.forced_engine(loaded.model.with_ops(C.Q8ActivationOps()), loaded.tokenizer, o, tap, forced,
+                        memory=C.GgmlNumericsCache(fa_on, st["n_threads"], f16_cache, kv_dtype))
     drive(e, encode_requests(loaded.tokenizer, prompts))
     return tap
 

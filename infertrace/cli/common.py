@@ -18,14 +18,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from infertrace.engine.options import SamplingParams
 from infertrace.errors import InfertraceError
+from infertrace.runtimes.api import REGISTRY, names
 from infertrace.safe_text import SafeConsole, visible
 from infertrace.trace.records import VARIABLES
 
 if TYPE_CHECKING:
     from infertrace.runner import Loaded, PromptSpec
 
-BACKENDS = ("cells", "paged")
-ENGINES = ("infertrace", "llama.cpp", "vllm")
+#: the KV conventions of every registered runtime (each runtime refuses the ones it does not run)
+BACKENDS = tuple(dict.fromkeys(c for r in REGISTRY.values() for c in r.conventions))
+ENGINES = names()  # the runtimes of the registry (runtimes/api.py)
 ATTENTION = ("torch", "triton", "auto")
 DEVICES = ("cpu", "cuda")
 

@@ -7,6 +7,7 @@ Thin: validate options (as ``run``), load the model, call
 Exit codes: 0 logically identical, 1 a logical mismatch (CI can rely on it), 2 bad input.
 """
 
+from dataclasses import replace
 from typing import Annotated, Any, Optional
 
 import typer
@@ -15,6 +16,10 @@ from infertrace.safe_text import json_text
 from infertrace.cli import run_options as o
 from infertrace.cli.common import check_choice, load_with_progress, progress_display, stdout_console
 from infertrace.errors import InfertraceError
+from infertrace.runtimes.api import RunSettings
+
+#: the references recomputed outside the registry's runtimes (:data:`infertrace.compare.hf.AGAINST`; torch-free here)
+AGAINST = ("hf",)
 
 HELP = ("Run the same requests through both cache backends (cells and paged) step by step and compare the logical "
         "variables (positions, visible keys, K/V of all layers, tokens, logits) beside the physical layouts; exit 1 on "
@@ -72,9 +77,6 @@ def diff_backends(
     check_thread_settings(threads)  # --threads and OMP_NUM_THREADS/INFERTRACE_THREADS, before torch loads
     against, llamacpp_flash_attn = check_against(against, atol, threads, llamacpp_flash_attn)
     weights = o.check_weights(weights)
-    if against == "vllm" and weights == "quant":
-        raise InfertraceError("--weights quant does not apply to --against vllm (vLLM loads its own float weights and ours "
-                              "replays its schedule in float32); drop --weights")
     ctx_given = ctx_size is not None  # not given: the default, lowered to the model's trained context once loaded
     ctx_size = o.E.ctx_size if ctx_size is None else ctx_size
     specs, opts = o.build_run_inputs(
@@ -88,18 +90,19 @@ def diff_backends(
     if not opts.kv_unified and against is None:
         raise InfertraceError("--kv-unified off has no paged counterpart: compare the non-unified cells cache with "
                               "--against llama.cpp (or --against hf)")
-    check_reference_installed(against)  # fail before loading anything
-    if against == "vllm" and (dtype.lower() not in ("float32", "fp32") or device != "cpu"):
-        raise InfertraceError("--against vllm compares float32 runs on the CPU; drop --dtype/--device")
+    settings = check_reference(against, atol, RunSettings(
+        opts=opts, layer=layer, dtype=dtype, device=device, weights=weights,
+        native={"flash_attn": llamacpp_flash_attn} if llamacpp_flash_attn is not None else {}))  # before anything loads
     with progress_display(enabled=not as_json) as progress:
-        loaded = load_with_progress(model, dtype, device, progress, threads, "float" if against == "vllm" else weights)
+        loaded = load_with_progress(model, dtype, device, progress, threads, settings.weights)
         if not ctx_given:
-            opts, note = o.default_ctx_note(loaded, opts, "vllm" if against == "vllm" else "infertrace")
+            opts, note = o.default_ctx_note(loaded, opts, against if _runtime(against) else "infertrace")
+            settings = replace(settings, opts=opts)
             if note:
                 progress.console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         o.print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
         progress.add_task("comparing" + (f" with {against}" if against else " cells and paged in lockstep"), total=None)
-        rep = compare(loaded, specs, opts, against, atol, backend, dtype, layer, llamacpp_flash_attn)
+        rep = compare(loaded, specs, settings, against, atol)
         rep.update(o.weights_record(loaded))  # which weights path our side computed with (absent: the float path)
     print_report(rep, against, as_json)
     if not rep["identical"]:
@@ -109,99 +112,102 @@ def diff_backends(
 # ----------------------------------------------------------------------------- the command's parts
 
 
+def _runtime(against: Optional[str]) -> Any:
+    """The comparison module of the runtime ``--against`` names when the registry has one, else None
+    (``hf``: a reference recomputed by :mod:`infertrace.compare.hf`; None: cells against paged)."""
+    from infertrace.runtimes.api import REGISTRY, comparison
+
+    entry = REGISTRY.get(against) if against is not None else None
+    return comparison(against) if entry is not None and entry.comparison and against not in AGAINST else None
+
+
+def choices() -> tuple[str, ...]:
+    """``--against`` values: the references of :mod:`infertrace.compare.hf` and the comparable runtimes."""
+    from infertrace.runtimes.api import REGISTRY
+
+    return tuple(dict.fromkeys(AGAINST + tuple(n for n, e in REGISTRY.items() if e.comparison)))
+
+
 def check_against(against: Optional[str], atol: Optional[float], threads: Optional[int],
                   llamacpp_flash_attn: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     """Validate ``--against`` and the options that depend on it, before anything loads.
 
     Returns:
-        ``(against, llamacpp_flash_attn)`` normalised.
+        ``(against, llamacpp_flash_attn)`` normalised (lower case).
 
     Raises:
-        InfertraceError: unknown reference, ``--atol`` negative or given with llama.cpp (whose tolerance is a
-            measured floor), ``--threads`` outside 1..max_threads(), ``--llamacpp-flash-attn`` without ``--against llama.cpp``.
+        InfertraceError: unknown reference, ``--atol`` negative, ``--threads`` outside 1..max_threads(),
+            ``--llamacpp-flash-attn`` without ``--against`` the runtime that takes it.
     """
+    from infertrace.runtimes.api import owner_of
+
     if against is not None:
-        against = check_choice("--against", against, ("hf", "llama.cpp", "vllm"))
-    if atol is not None and against in ("llama.cpp", "vllm"):
-        raise InfertraceError(f"--atol does not apply to --against {against}: its tolerance is a measured noise floor; drop --atol")
+        against = check_choice("--against", against, choices())
     if atol is not None and not atol >= 0:
         raise InfertraceError(f"--atol must be >= 0 (got {atol})")
     from infertrace.threads import check_thread_settings
 
     check_thread_settings(threads)  # 1..max_threads(), and the thread environment variables
-    if llamacpp_flash_attn is not None:
-        if against != "llama.cpp":
-            raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --against llama.cpp")
-        from infertrace.runtimes.llamacpp.capture import check_flash_attn
-
-        llamacpp_flash_attn = check_flash_attn(llamacpp_flash_attn)
+    owner = owner_of("flash_attn")
+    if llamacpp_flash_attn is not None and against != owner:
+        raise InfertraceError(f"--llamacpp-flash-attn sets {owner}'s flash attention: it needs --against {owner}")
     return against, llamacpp_flash_attn
 
 
-def check_reference_installed(against: Optional[str]) -> None:
-    """The package the reference needs is importable (transformers for ``hf``, llama-cpp-python for ``llama.cpp``).
+def check_reference(against: Optional[str], atol: Optional[float], settings: RunSettings) -> RunSettings:
+    """The reference can run: its package is importable and it takes these settings (a runtime's own
+    ``check_comparison``; transformers for ``hf``). Returns the settings it runs with.
 
     Raises:
-        InfertraceError: the package is missing, naming the extra to install.
+        InfertraceError: the package is missing (naming the extra to install), or a refused setting as a flag.
     """
-    if against == "hf":
+    cls = _runtime(against)
+    if cls is not None:
+        from infertrace.runtimes.api import SettingRefused
+
+        try:
+            return cls.check_comparison(settings, atol)
+        except SettingRefused as e:
+            from infertrace.cli.run import FLAGS
+
+            flag = {"atol": "--atol"}.get(e.setting) or FLAGS.get(e.setting, e.setting)
+            raise InfertraceError(f"{flag} does not apply to --against {e.runtime} ({e}); drop {flag}") from None
+    if against in AGAINST:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            raise InfertraceError("--against hf needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)") from None
-    elif against == "llama.cpp":
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            raise InfertraceError("--against llama.cpp needs llama-cpp-python: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[llamacpp]'` there)") from None
-    elif against == "vllm":
-        from infertrace.runtimes.vllm import import_vllm
-
-        import_vllm()
+            raise InfertraceError(f"--against {against} needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)") from None
+    return settings
 
 
-def compare(loaded: Any, specs: list[Any], opts: Any, against: Optional[str], atol: Optional[float], backend: str,
-            dtype: str, layer: int, llamacpp_flash_attn: Optional[str]) -> dict[str, Any]:
-    """The comparison report: cells vs paged in lockstep (``against`` None), ours vs llama.cpp, or ours vs HF.
+def compare(loaded: Any, specs: list[Any], settings: RunSettings, against: Optional[str], atol: Optional[float]) -> dict[str, Any]:
+    """The comparison report: cells vs paged in lockstep (``against`` None), ours vs a runtime (its ``compare``),
+    or ours vs a reference (HF).
 
     Raises:
-        InfertraceError: ``--against llama.cpp`` with another backend or dtype than cells / float32, any run error.
+        InfertraceError: settings the comparison refuses, any run error.
     """
     if against is None:
         from infertrace.compare.backends import diff_backends as run_diff
 
-        return run_diff(loaded, specs, opts, atol=atol)
-    if against == "llama.cpp":
-        from infertrace.compare.llamacpp import compare_with_llamacpp
-
-        if backend != "cells" or dtype.lower() not in ("float32", "fp32"):
-            raise InfertraceError("--against llama.cpp compares the cells backend in float32 (the base side); drop --backend/--dtype")
-        return compare_with_llamacpp(loaded, specs, opts, layer=layer, flash_attn=llamacpp_flash_attn or "auto")
-    if against == "vllm":
-        from infertrace.runtimes.vllm.compare import compare_with_vllm
-
-        rep = compare_with_vllm(loaded, specs, opts, layer=layer)
-        rep.pop("traces", None)
-        return rep
+        return run_diff(loaded, specs, settings.opts, atol=atol)
+    cls = _runtime(against)
+    if cls is not None:
+        return cls.compare(loaded, specs, settings, atol)
     from infertrace.compare.hf import compare_with_reference
 
-    return compare_with_reference(loaded, specs, opts, against, atol=atol)
+    return compare_with_reference(loaded, specs, settings.opts, against, atol=atol)
 
 
 def print_report(rep: dict[str, Any], against: Optional[str], as_json: bool) -> None:
-    """Print ``rep`` as JSON or with the renderer of its kind (backends, llama.cpp, reference)."""
+    """Print ``rep`` as JSON or with the renderer of its kind (backends, a runtime's own, reference)."""
     if as_json:
         typer.echo(json_text(rep, default=_jsonable))
         return
     from infertrace.present.render_compare import render_backends_diff, render_reference_diff
 
-    if against == "llama.cpp":
-        from infertrace.present.render_llamacpp import render_llamacpp_diff
-
-        render_llamacpp_diff(stdout_console(), rep)
-    elif against == "vllm":
-        from infertrace.present.render_vllm import render_vllm_diff
-
-        render_vllm_diff(stdout_console(), rep)
+    cls = _runtime(against)
+    if cls is not None:
+        cls.render_comparison(stdout_console(), rep)
     else:
         (render_backends_diff if against is None else render_reference_diff)(stdout_console(), rep)

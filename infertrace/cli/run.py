@@ -8,8 +8,10 @@ in :mod:`infertrace.cli.common`; module level stays torch-free so ``--help`` is 
 """
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from types import SimpleNamespace
+from typing import Annotated, Any, Iterator, Optional
 
 import typer
 
@@ -19,9 +21,19 @@ from infertrace.cli.common import (ATTENTION, BACKENDS, DEVICES, ENGINES, MIN_WI
                                    progress_display, read_prompts_file, stdout_console)
 from infertrace.engine.options import EngineOptions, SamplingParams
 from infertrace.errors import InfertraceError
+from infertrace.runtimes.api import RunSettings
 from infertrace.safe_text import json_text, visible
 from infertrace.trace.records import VARIABLES
 from infertrace.trace.store import KEEP, parse_layers, save_trace
+
+def _engine_help() -> str:
+    """``--engine``'s help, from the runtime registry."""
+    from infertrace.runtimes.api import REGISTRY
+
+    return "Who computes: " + "; ".join(f"{n} ({e.summary})" for n, e in REGISTRY.items()) + "."
+
+
+ENGINE_HELP = _engine_help()
 
 HELP = ("Generate from prompts and show, step by step, the five inference variables: hidden, positions (RoPE), "
         "mask, kv, decode. Prints a table like the study's worked example and a summary; --show VAR adds that "
@@ -148,7 +160,7 @@ def run(
     show: Annotated[Optional[list[str]], typer.Option("--show", help="Panels printed per step after the table, comma-separated: hidden,positions,mask,kv,decode, or all (the full output). Default: none, only the worked-example table and the summary (with --steps: all five). Display only: --save records every variable unless --keep says otherwise.")] = None,
     layer: Annotated[int, typer.Option("--layer", help="Layer whose RoPE evidence and K/V values are shown.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole trace as JSON on stdout (nothing else).")] = False,
-    backend: Annotated[str, typer.Option("--backend", help="KV cache / attention convention: cells (llama.cpp) or paged (TensorRT-LLM/vLLM).")] = "cells",
+    backend: Annotated[Optional[str], typer.Option("--backend", help="KV cache / attention convention: cells (llama.cpp) or paged (TensorRT-LLM/vLLM). Default: the runtime's own (cells for infertrace).", show_default=False)] = None,
     ctx_size: o.CtxSize = None,
     num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="paged: blocks in the pool (default ctx-size / tokens-per-block).")] = None,
     tokens_per_block: Annotated[int, typer.Option("--tokens-per-block", help="paged: slots per block.")] = EngineOptions.tokens_per_block,
@@ -166,9 +178,10 @@ def run(
     layers: Annotated[Optional[str], typer.Option("--layers", help="With --save --keep tensors: layers whose tensors are kept, e.g. 0,5 or 0..3 or all (default: --layer).")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --save: replace the trace in a non-empty directory.")] = False,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)] = None,
-    engine: Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine), llama.cpp (llama.cpp itself via llama-cpp-python, GGUF only; its inp_pos, kq_mask, cells, K/V and logits are recorded) or vllm (vLLM itself, in-process, step by step; its scheduler output, block tables, slot mapping, K/V and logits are recorded).")] = "infertrace",
+    engine: Annotated[str, typer.Option("--engine", help=ENGINE_HELP)] = "infertrace",
     teacher_force: Annotated[Optional[Path], typer.Option("--teacher-force", help="With --engine llama.cpp: feed the tokens a saved trace (run --save DIR) generated instead of sampling, so the two traces compare step for step.")] = None,
     llamacpp_flash_attn: o.LlamacppFlashAttn = None,
+    padding: o.Padding = None,
     sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --engine llama.cpp: llama.cpp; paged: hf.")] = None,
     prefix_cache: Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")] = "off",
     context_shift: Annotated[bool, typer.Option("--context-shift", help="When a request fills --ctx-size, drop cached tokens after --n-keep and continue (llama.cpp server), instead of stopping with ctx_full.")] = False,
@@ -187,198 +200,167 @@ def run(
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
-    # -- validate everything that does not need the model, before loading it
+    run_command(SimpleNamespace(**locals()))
+
+
+def run_command(a: SimpleNamespace) -> None:
+    """The ``run`` command on its parsed options ``a`` (attribute per option): validate everything that does not
+    need the model, build the requests and the runtime's settings, run, save, print.
+
+    Raises:
+        InfertraceError: any bad option (one line; a runtime's refusal names its flag), any run error.
+    """
     from infertrace.threads import check_thread_settings
 
-    check_thread_settings(threads)  # --threads, OMP_NUM_THREADS, INFERTRACE_THREADS: bounded before any pool starts
-    panels = parse_panels(show, steps)  # display only
-    step_filter = parse_steps(steps)
-    keep_tensors, show_vars = save_options(save, keep, layers)  # show_vars: the variables recorded
-    note_unkept(panels, show_vars, keep)
-    if save is not None:
-        check_output_dir(save, force)
-    check_min("--layer", layer, 0)
-    ctx_given = ctx_size is not None
-    ctx_size = EngineOptions.ctx_size if ctx_size is None else ctx_size
-    engine, backend, llamacpp_flash_attn = check_engine_options(engine, backend, device, dtype, prefix_cache, context_shift,
-                                                                audit_kv, teacher_force, llamacpp_flash_attn,
-                                                                tensor_parallel_size, replay)
-    forced = forced_tokens(teacher_force) if teacher_force is not None else None
-    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
-
-    specs, opts = build_run_inputs(
-        prompt=prompt, prompts=prompts, arrival=arrival, max_new_tokens=max_new_tokens, chat=chat,
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-        seed=seed, ignore_eos=ignore_eos, backend=backend, ctx_size=ctx_size, num_blocks=num_blocks,
-        tokens_per_block=tokens_per_block, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-        attention=attention, dtype=dtype, device=device, sampler_order=sampler_order,
-        prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
-        penalty_last_n=penalty_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        kv_dtype=kv_dtype, kv_unified=kv_unified)
-    if teacher_force is not None:
-        check_teacher_force(teacher_force, specs, model)
-    if replay is not None and opts.kv_dtype is not None:
-        raise InfertraceError("--replay rebuilds vLLM's pool in the model dtype; drop --kv-dtype")
-    check_runtime_cache_and_weights(engine, opts.kv_dtype, weights)
-    opts = o.apply_spec_options(opts, speculative, num_spec_tokens, spec_tree, draft_model, draft_layers, ngram_min, ngram_max)
-    if engine == "llama.cpp" and opts.speculative:
-        raise InfertraceError("--engine llama.cpp runs llama_decode one token per step here; drop --speculative")
-    if engine == "vllm" and opts.speculative not in (None, "ngram"):
-        raise InfertraceError(f"--engine vllm runs --speculative ngram here; drop --speculative {opts.speculative}")
-    factory = None
-    if replay is not None:  # the vLLM trace is read and checked before the model loads
-        from infertrace.runtimes.vllm.replay import replay_factory
-
-        factory = replay_factory(replay)
-
-    trace, tensors, tensor_layers = execute_run(engine, model, dtype, device, threads, specs, opts, layer, layers,
-                                                keep_tensors, show_vars, forced, llamacpp_flash_attn, quiet=as_json,
-                                                tensor_parallel_size=tensor_parallel_size, factory=factory,
-                                                weights=weights, ctx_given=ctx_given)
-    if replay is not None:
-        trace.notes.append(f"replayed the schedule, block ids, drafts and sampled tokens of the vLLM trace {visible(str(replay))}; "
+    check_thread_settings(a.threads)  # --threads, OMP_NUM_THREADS, INFERTRACE_THREADS: bounded before any pool starts
+    panels = parse_panels(a.show, a.steps)  # display only
+    step_filter = parse_steps(a.steps)
+    keep_tensors, show_vars = save_options(a.save, a.keep, a.layers)  # show_vars: the variables recorded
+    note_unkept(panels, show_vars, a.keep)
+    if a.save is not None:
+        check_output_dir(a.save, a.force)
+    check_min("--layer", a.layer, 0)
+    engine, specs, settings = run_settings(a, show_vars)
+    trace, tensors, tensor_layers = execute_run(engine, a.model, a.threads, specs, settings, a.layers, keep_tensors,
+                                                quiet=a.as_json, ctx_given=a.ctx_size is not None)
+    if a.replay is not None:
+        trace.notes.append(f"replayed the schedule, block ids, drafts and sampled tokens of the vLLM trace {visible(str(a.replay))}; "
                            "positions, slot mapping, lengths, K/V and logits computed by this engine")
-    if save is not None:
-        save_run(trace, save, tensors, tensor_layers, force)
-    print_run(trace, tuple(v for v in panels if v in show_vars), step_filter, steps, as_json)
+    if a.save is not None:
+        save_run(trace, a.save, tensors, tensor_layers, a.force)
+    print_run(trace, tuple(v for v in panels if v in show_vars), step_filter, a.steps, a.as_json)
+
+
+def run_settings(a: SimpleNamespace, show_vars: tuple[str, ...]) -> tuple[str, list[Any], RunSettings]:
+    """The runtime's name, the requests and the :class:`~infertrace.runtimes.api.RunSettings` of ``run``'s options,
+    checked by the runtime before the model loads.
+
+    Raises:
+        InfertraceError: a bad option, a refused setting (naming its flag), an unreadable ``--teacher-force`` trace.
+    """
+    from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
+    from infertrace.runtimes.api import info, names
+
+    engine = check_choice("--engine", a.engine, names())
+    backend = info(engine).convention if a.backend is None else a.backend
+    forced = forced_tokens(a.teacher_force) if a.teacher_force is not None else None
+    specs, opts = build_run_inputs(
+        prompt=a.prompt, prompts=a.prompts, arrival=a.arrival, max_new_tokens=a.max_new_tokens, chat=a.chat,
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+        seed=a.seed, ignore_eos=a.ignore_eos, backend=backend,
+        ctx_size=EngineOptions.ctx_size if a.ctx_size is None else a.ctx_size, num_blocks=a.num_blocks,
+        tokens_per_block=a.tokens_per_block, max_batch_tokens=a.max_batch_tokens, prefill_chunk=a.prefill_chunk,
+        attention=a.attention, dtype=a.dtype, device=a.device, sampler_order=a.sampler_order,
+        prefix_cache=a.prefix_cache, context_shift=a.context_shift, n_keep=a.n_keep, n_discard=a.n_discard,
+        audit_kv=a.audit_kv, penalty_last_n=a.penalty_last_n, frequency_penalty=a.frequency_penalty,
+        presence_penalty=a.presence_penalty, kv_dtype=a.kv_dtype, kv_unified=a.kv_unified)
+    if a.teacher_force is not None:
+        check_teacher_force(a.teacher_force, specs, a.model)
+    opts = o.apply_spec_options(opts, a.speculative, a.num_spec_tokens, a.spec_tree, a.draft_model, a.draft_layers,
+                                a.ngram_min, a.ngram_max)
+    native = {k: v for k, v in (("flash_attn", a.llamacpp_flash_attn), ("replay", a.replay), ("padding", a.padding)) if v is not None}
+    settings = checked_run_settings(engine, RunSettings(
+        opts=opts, layer=a.layer, show=show_vars, dtype=a.dtype, device=a.device,
+        tensor_parallel_size=a.tensor_parallel_size, forced=forced, native=native, weights=a.weights),
+        values={"weights": a.weights, "opts.backend": backend, "opts.kv_dtype": a.kv_dtype, "opts.speculative": a.speculative})
+    return engine, specs, settings
 
 
 # ----------------------------------------------------------------------------- the command's parts
 
 
-def check_runtime_cache_and_weights(engine: str, kv_dtype: Optional[str], weights: str) -> None:
-    """Refuse ``--kv-dtype`` and an explicit ``--weights`` with a recorded runtime, which keeps its own
-    cache type and computes on its own copy of the weights (one line each, naming the runtime's setting).
+#: the flag of each setting a runtime may refuse (:class:`~infertrace.runtimes.api.SettingRefused` ``setting``)
+FLAGS = {"opts.backend": "--backend", "device": "--device/--dtype", "dtype": "--dtype", "weights": "--weights",
+         "serving": "--prefix-cache, --context-shift and --audit-kv", "opts.kv_dtype": "--kv-dtype",
+         "opts.speculative": "--speculative", "forced": "--teacher-force", "native.flash_attn": "--llamacpp-flash-attn",
+         "native.replay": "--replay", "native.padding": "--padding", "tensor_parallel_size": "--tensor-parallel-size", "tensor_layers": "--layers"}
+
+
+@contextmanager
+def refusals_as_flags(values: Optional[dict[str, Any]] = None) -> Iterator[None]:
+    """Re-raise a runtime's :class:`~infertrace.runtimes.api.SettingRefused` naming the flag: a setting only some
+    runtimes take says which (``--teacher-force needs --engine llama.cpp (...)``), any other what to drop
+    (``--engine vllm: vLLM keeps its kv_cache_dtype ...; drop --kv-dtype f16``; ``values``: what the user gave,
+    by setting).
 
     Raises:
-        InfertraceError: ``--kv-dtype`` or ``--weights quant|float`` with ``--engine llama.cpp`` (llama.cpp's
-            ``type_k/type_v``; its kernels on the GGUF's own tensor types), ``--kv-dtype`` or ``--weights quant``
-            with ``--engine vllm`` (vLLM's ``kv_cache_dtype``; its dequantised float copy).
+        InfertraceError: the refusal in one line.
     """
-    if engine == "llama.cpp":
-        if kv_dtype is not None:
-            raise InfertraceError("--kv-dtype sets this engine's cache; --engine llama.cpp keeps its own (llama.cpp's "
-                                  "type_k/type_v are in the trace header, options.llama_cpp): drop --kv-dtype")
-        if weights.strip().lower() != "auto":
-            raise InfertraceError(f"--weights {weights} chooses this engine's linear kernels; --engine llama.cpp computes on "
-                                  "the GGUF's own tensor types with its own kernels: drop --weights")
-    elif engine == "vllm":
-        if kv_dtype is not None:
-            raise InfertraceError("--kv-dtype sets this engine's cache; --engine vllm keeps vLLM's kv_cache_dtype 'auto' (the "
-                                  "model dtype; recorded as options.vllm.cache_dtype in the trace header): drop --kv-dtype")
-        if weights.strip().lower() == "quant":
-            raise InfertraceError("--weights quant chooses this engine's quantised kernels; --engine vllm computes on its own "
-                                  "dequantised float copy of the GGUF (options.vllm.dtype in the trace header): drop --weights")
+    from infertrace.runtimes.api import SettingRefused, takers
+
+    try:
+        yield
+    except SettingRefused as e:
+        flag = FLAGS.get(e.setting, e.setting)
+        who = takers(e.setting)
+        if who:
+            raise InfertraceError(f"{flag} needs --engine {' or '.join(who)} ({e})") from None
+        given = (values or {}).get(e.setting)
+        raise InfertraceError(f"--engine {e.runtime}: {e}; drop {flag}{f' {given}' if given is not None else ''}") from None
 
 
-def check_engine_options(engine: str, backend: str, device: str, dtype: str, prefix_cache: str, context_shift: bool,
-                         audit_kv: bool, teacher_force: Optional[Path], llamacpp_flash_attn: Optional[str],
-                         tensor_parallel_size: int = 1, replay: Optional[Path] = None) -> tuple[str, str, Optional[str]]:
-    """Validate ``--engine`` and the options that only go with one engine, before the model loads.
-
-    Returns:
-        ``(engine, backend, llamacpp_flash_attn)`` normalised (``--engine vllm`` runs the paged convention).
+def checked_run_settings(engine: str, settings: Any, values: Optional[dict[str, Any]] = None) -> Any:
+    """``settings`` checked by the runtime ``engine`` before the model loads (its own refusals, as flags).
 
     Raises:
-        InfertraceError: unknown engine, llama-cpp-python missing, an option the chosen engine
-            cannot honour (``--backend paged``, ``--device``/``--dtype``, serving mechanisms with
-            llama.cpp; ``--teacher-force``/``--llamacpp-flash-attn`` without it).
+        InfertraceError: the runtime's package missing, or a setting it refuses.
     """
-    engine = check_choice("--engine", engine, ENGINES)
-    if engine == "llama.cpp":
-        from infertrace.runtimes.llamacpp.capture import import_llama_cpp
+    from infertrace.runtimes.api import runtime_class
 
-        import_llama_cpp()  # fail before loading anything
-        if backend.strip().lower() != "cells":
-            raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
-        if device != "cpu" or dtype.lower() not in ("float32", "fp32"):
-            raise InfertraceError("--engine llama.cpp computes on llama.cpp's CPU backend; drop --device/--dtype")
-        if prefix_cache.strip().lower() != "off" or context_shift or audit_kv:
-            raise InfertraceError("--engine llama.cpp records llama.cpp's own cache as it is; drop --prefix-cache, "
-                                  "--context-shift and --audit-kv (they are this engine's serving mechanisms)")
-    elif engine == "vllm":
-        from infertrace.runtimes.vllm.cli import check_vllm_options
-
-        backend = check_vllm_options(backend, device, dtype, context_shift, audit_kv, teacher_force, tensor_parallel_size)
-    elif teacher_force is not None:
-        raise InfertraceError("--teacher-force needs --engine llama.cpp")
-    elif llamacpp_flash_attn is not None:
-        raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --engine llama.cpp")
-    if engine == "vllm" and llamacpp_flash_attn is not None:
-        raise InfertraceError("--llamacpp-flash-attn sets llama.cpp's flash attention: it needs --engine llama.cpp")
-    if replay is not None and engine != "infertrace":
-        raise InfertraceError("--replay runs this engine's paged backend on a vLLM trace's schedule; drop --engine")
-    if engine != "vllm" and tensor_parallel_size != 1:
-        raise InfertraceError("--tensor-parallel-size needs --engine vllm (vLLM's own distributed executor)")
-    if llamacpp_flash_attn is not None:
-        from infertrace.runtimes.llamacpp.capture import check_flash_attn
-
-        llamacpp_flash_attn = check_flash_attn(llamacpp_flash_attn)
-    return engine, backend, llamacpp_flash_attn
+    with refusals_as_flags(values):
+        return runtime_class(engine).check(settings)
 
 
-def execute_run(engine: str, model: Optional[Path], dtype: str, device: str, threads: Optional[int], specs: list[Any],
-                opts: EngineOptions, layer: int, layers: Optional[str], keep_tensors: bool, show_vars: tuple[str, ...],
-                forced: Optional[dict[int, list[int]]], llamacpp_flash_attn: Optional[str],
-                quiet: bool, tensor_parallel_size: int = 1, factory: Any = None,
-                weights: str = "float", ctx_given: bool = True) -> tuple[Any, Optional[dict], Optional[list[int]]]:
-    """Load the model and run the requests on ``engine``, progress on stderr (none when ``quiet``).
+def execute_run(engine: str, model: Optional[Path], threads: Optional[int], specs: list[Any], settings: Any,
+                layers: Optional[str], keep_tensors: bool, quiet: bool,
+                ctx_given: bool = True) -> tuple[Any, Optional[dict], Optional[list[int]]]:
+    """Load the model and run the requests on the runtime ``engine`` (:func:`~infertrace.runtimes.loop.record_run`),
+    progress on stderr (none when ``quiet``).
 
     Returns:
         ``(trace, tensors, tensor_layers)``: the :class:`~infertrace.trace.records.RunTrace`, the kept
         tensors by name (None unless ``keep_tensors``) and the layers they belong to.
 
     Raises:
-        InfertraceError: load failures, ``--layers`` out of range, any run error.
+        InfertraceError: load failures, ``--layers`` out of range, a refused setting, any run error.
     """
-    from infertrace.cli.run_options import print_run_cost
-    from infertrace.runner import run_requests  # the engine (torch) loads only when a run starts
+    from dataclasses import replace
 
+    from infertrace.cli.run_options import print_run_cost
+    from infertrace.runtimes.api import info, runtime_class
+    from infertrace.runtimes.loop import record_run  # the engine (torch) loads only when a run starts
+
+    cls, ours = runtime_class(engine), not info(engine).own_weights  # own weights: header, config, tokenizer only
     with progress_display(enabled=not quiet) as progress:
-        ours = engine == "infertrace"  # llama.cpp and vLLM compute from their own copy: header, config, tokenizer only
-        loaded = load_with_progress(model, dtype, device, progress, threads, weights if ours else "float", tensors=ours)
-        ctx_note = None
+        loaded = load_with_progress(model, settings.dtype, settings.device, progress, threads,
+                                    settings.weights if ours else "float", tensors=ours)
+        opts, ctx_note = settings.opts, None
         if not ctx_given:  # the default --ctx-size, no larger than the model's trained context
             opts, ctx_note = o.default_ctx_note(loaded, opts, engine)
-        # options.weights: the quant kernels, or {"weights": "float"} when --weights float was given explicitly (a
-        # default/auto float run records nothing, so traces of the reference path are unchanged)
-        explicit_float = ours and weights == "float" and loaded.weights.get("weights") == "float"
-        record = {"dtype": dtype, "device": device,
-                  **({"weights": loaded.weights} if ours and (loaded.weights.get("weights") != "float" or explicit_float) else {})}
-        print_run_cost(progress, loaded, specs, opts, dtype)  # past n_ctx_train: warn with the cost
+        print_run_cost(progress, loaded, specs, opts, settings.dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
 
         def on_step(st: Any) -> None:
             progress.update(task, description=f"step {st.step}: N={st.N} tokens")
 
-        tensor_layers = (parse_layers(layers, loaded.config.n_layer) or [layer]) if keep_tensors else None
+        tensor_layers = (parse_layers(layers, loaded.config.n_layer) or [settings.layer]) if keep_tensors else None
         tensors: Optional[dict] = {} if keep_tensors else None
-        if engine == "llama.cpp":
-            from infertrace.runtimes.llamacpp.engine import run_requests_llamacpp
-
-            if tensor_layers is not None and tensor_layers != [layer]:
-                raise InfertraceError(f"--engine llama.cpp captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
-            trace = run_requests_llamacpp(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                                          options_for_record=record, tensors=tensors,
-                                          forced=forced, flash_attn=llamacpp_flash_attn or "auto")
-        elif engine == "vllm":
-            from infertrace.runtimes.vllm.engine import run_requests_vllm
-
-            if tensor_layers is not None and tensor_layers != [layer]:
-                raise InfertraceError(f"--engine vllm captures one layer's tensors: use --layer {tensor_layers[0]} instead of --layers")
-            from infertrace.runtimes.vllm.logfile import vllm_log
-
-            with vllm_log(progress.console):  # vLLM's logger, warnings and bars: to a file named in one line
-                trace = run_requests_vllm(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                                          options_for_record={"dtype": dtype, "device": device}, tensors=tensors,
-                                          dtype=dtype, tp=tensor_parallel_size)
-        else:
-            trace = run_requests(loaded, specs, opts, layer=layer, show=show_vars, on_step=on_step,
-                                 options_for_record=record, tensors=tensors,
-                                 tensor_layers=tensor_layers, engine_factory=factory)
+        settings = replace(settings, opts=opts, record=run_record(settings, loaded, ours),
+                           tensor_layers=tuple(tensor_layers) if tensor_layers is not None else None)
+        with refusals_as_flags({"tensor_layers": layers}), cls.run_output(progress.console):
+            trace = record_run(cls, loaded, specs, settings, on_step, tensors)
     if ctx_note:
         trace.notes.append(ctx_note)
     return trace, tensors, tensor_layers
+
+
+def run_record(settings: Any, loaded: Any, ours: bool) -> dict[str, Any]:
+    """``trace.options``' record of what was asked: dtype, device, and (infertrace's engine) the weights —
+    the quant kernels, or ``{"weights": "float"}`` when ``--weights float`` was given explicitly (a default/auto
+    float run records nothing, so traces of the reference path are unchanged)."""
+    explicit_float = ours and settings.weights == "float" and loaded.weights.get("weights") == "float"
+    return {"dtype": settings.dtype, "device": settings.device,
+            **({"weights": loaded.weights} if ours and (loaded.weights.get("weights") != "float" or explicit_float) else {})}
 
 
 def save_run(trace: Any, save: Path, tensors: Optional[dict], tensor_layers: Optional[list[int]], force: bool) -> None:

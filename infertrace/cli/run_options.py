@@ -48,6 +48,7 @@ Weights = Annotated[str, typer.Option("--weights", help="GGUF weights: float (de
 Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)]
 SamplerOrder = Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature, then top-k/top-p/min-p: HF, vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last: common_sampler). Default: the convention of the runtime mirrored (cells and --engine llama.cpp: llama.cpp; paged: hf).")]
 EngineName = Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine, --backend cells or paged) or llama.cpp (llama.cpp itself through llama-cpp-python; its graph inputs and cache are captured).")]
+Padding = Annotated[Optional[str], typer.Option("--padding", help="With --engine hf: pad the batch on the left (default, as generate() wants for decoder-only models) or on the right; the trace shows the padded [B, T] layout.", show_default=False)]
 LlamacppFlashAttn = Annotated[Optional[str], typer.Option("--llamacpp-flash-attn", help="With llama.cpp computing: its flash attention, auto (llama.cpp's default: on where supported), on or off. It changes llama.cpp's numbers; the trace header records what ran.", show_default=False)]
 TensorParallelSize = Annotated[int, typer.Option("--tensor-parallel-size", help="With --engine vllm: tensor-parallel ranks, through vLLM's own distributed executor (each rank holds n_kv_heads / N).")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
@@ -91,7 +92,7 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     Raises:
         InfertraceError: any invalid option, with the option's name in the one-line message.
     """
-    from infertrace.runner import PromptSpec, parse_dtype  # the engine side (torch): only when a run is coming
+    from infertrace.runner import parse_dtype  # the engine side (torch): only when a run is coming
 
     backend = check_choice("--backend", backend, BACKENDS)
     if sampler_order is not None:
@@ -112,6 +113,38 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
     if not unified and prefix_on:
         raise InfertraceError("--prefix-cache on needs --kv-unified on: across streams llama.cpp's seq_cp copies whole "
                               "streams, which the cells prefix reuse does not do; drop one of them")
+    check_context_shift(ctx_size, context_shift, n_keep, n_discard)
+    check_device(attention, backend, device)
+    for opt, val, lo in (("--ctx-size", ctx_size, 1), ("--num-blocks", num_blocks, 1),
+                         ("--tokens-per-block", tokens_per_block, 1), ("--max-batch-tokens", max_batch_tokens, 1),
+                         ("--prefill-chunk", prefill_chunk, 1), ("--seed", seed, 0)):
+        check_min(opt, val, lo)
+    check_ctx_bounds(ctx_size, num_blocks, tokens_per_block)
+    check_option_limits(max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, n_keep=n_keep,
+                        n_discard=n_discard)
+    defaults = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "ignore_eos": ignore_eos,
+                "penalty_last_n": penalty_last_n, "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty}
+    specs = build_specs(prompt, prompts, arrival, defaults, chat, sampler_order, backend)
+    check_request_limits(specs, ctx_size, context_shift)
+    opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
+                         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention,
+                         sampler_order=sampler_order,
+                         prefix_cache=prefix_on, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard,
+                         audit_kv=audit_kv, kv_dtype=kv_dtype)
+    if not unified:
+        opts = kv_streams_options(opts, len(specs))
+    return specs, opts
+
+
+def check_context_shift(ctx_size: int, context_shift: bool, n_keep: int, n_discard: int) -> None:
+    """``--n-keep`` / ``--n-discard`` only with ``--context-shift``, and within what a shift of ``--ctx-size`` can do
+    (llama.cpp's server: a shift at ``n_past = ctx_size - 1`` keeps ``n_keep`` tokens and at least one more;
+    ``n_keep`` + BOS clamped to ``n_ctx - 4``).
+
+    Raises:
+        InfertraceError: naming the option and the bound.
+    """
     check_min("--n-keep", n_keep, -1)  # -1: the whole prompt (llama.cpp --keep -1)
     check_min("--n-discard", n_discard, 0)
     if (n_keep or n_discard) and not context_shift:
@@ -125,6 +158,15 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
         raise InfertraceError(f"--n-keep {n_keep} leaves nothing to shift in --ctx-size {ctx_size} (a context shift keeps at "
                               f"most n_ctx - 4 = {max(ctx_size - 4, 0)} tokens, BOS included, as llama.cpp's server); "
                               "lower --n-keep or raise --ctx-size")
+
+
+def check_device(attention: str, backend: str, device: str) -> None:
+    """``--attention triton`` (paged only, a Triton build for the device) and ``--device cuda`` (CUDA present),
+    before the model loads, with the engine's own messages.
+
+    Raises:
+        InfertraceError: the attention or device cannot run here.
+    """
     if attention == "triton":  # fail before the model loads, with the engine's own messages
         import torch
 
@@ -138,16 +180,21 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
 
         if not torch.cuda.is_available():
             raise InfertraceError("--device cuda requested but CUDA is not available; use --device cpu")
-    for opt, val, lo in (("--ctx-size", ctx_size, 1), ("--num-blocks", num_blocks, 1),
-                         ("--tokens-per-block", tokens_per_block, 1), ("--max-batch-tokens", max_batch_tokens, 1),
-                         ("--prefill-chunk", prefill_chunk, 1), ("--seed", seed, 0)):
-        check_min(opt, val, lo)
-    check_ctx_bounds(ctx_size, num_blocks, tokens_per_block)
-    check_option_limits(max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, n_keep=n_keep,
-                        n_discard=n_discard)
-    defaults = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "ignore_eos": ignore_eos,
-                "penalty_last_n": penalty_last_n, "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty}
+
+
+def build_specs(prompt: Optional[list[str]], prompts: Optional[Path], arrival: Optional[list[int]],
+                defaults: dict[str, Any], chat: bool, sampler_order: Optional[str], backend: str) -> list[PromptSpec]:
+    """One :class:`PromptSpec` per ``--prompt`` (with its ``--arrival``), then per ``--prompts`` line, sampling
+    settings from ``defaults``; each request's penalties checked against the sampler order.
+
+    Raises:
+        InfertraceError: ``--arrival`` not one per ``--prompt`` or negative, no prompt, a bad ``--prompts`` line,
+            a penalty the order lacks.
+    """
+    from infertrace.engine.options import check_penalties
+    from infertrace.engine.sampler import default_order
+    from infertrace.runner import PromptSpec
+
     params = SamplingParams(**defaults).validate()
     texts = list(prompt or [])
     arrivals = list(arrival or [])
@@ -160,20 +207,9 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
         specs += read_prompts_file(prompts, defaults, chat)
     if not specs:
         raise InfertraceError("no prompt given; pass --prompt TEXT (repeatable) or --prompts FILE.jsonl")
-    from infertrace.engine.options import check_penalties
-    from infertrace.engine.sampler import default_order
-
     for spec in specs:  # the order's penalties, before a model loads (the engine checks again)
-        check_penalties(spec.params, sampler_order or default_order("infertrace", backend))
-    check_request_limits(specs, ctx_size, context_shift)
-    opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
-                         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention,
-                         sampler_order=sampler_order,
-                         prefix_cache=prefix_on, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard,
-                         audit_kv=audit_kv, kv_dtype=kv_dtype)
-    if not unified:
-        opts = kv_streams_options(opts, len(specs))
-    return specs, opts
+        check_penalties(spec.params, sampler_order or default_order(backend))
+    return specs
 
 
 def kv_streams_options(opts: EngineOptions, n_requests: int) -> EngineOptions:
@@ -357,5 +393,12 @@ def default_ctx_note(loaded: Any, opts: EngineOptions, engine: str) -> tuple[Eng
         return opts, None
     note = (f"--ctx-size not given: {n_train} tokens, the model's trained context (max_position_embeddings / "
             f"context_length), instead of the default {opts.ctx_size}"
-            + (" (vLLM refuses a max_model_len above the one it derives from the model)" if engine == "vllm" else ""))
+            + _runtime_ctx_note(engine))
     return dataclasses.replace(opts, ctx_size=n_train), note
+
+
+def _runtime_ctx_note(engine: str) -> str:
+    """The runtime's reason for the lowered default context (its registry entry's ``ctx_note``)."""
+    from infertrace.runtimes.api import info
+
+    return info(engine).ctx_note

@@ -31,6 +31,8 @@ from infertrace.errors import InfertraceError
 #: default tolerance on logits per reference (ours is float32 on dequantised weights)
 ATOL = {"hf": 1e-3}
 AGAINST = ("hf",)
+#: what each reference runs, as the report names it
+REFERENCE = {"hf": "HF transformers, float32, one request at a time with its own cache"}
 
 Reference = Callable[[list[int], int], torch.Tensor]  # (token ids [L], prompt length) -> logits [L, V] float32
 
@@ -203,6 +205,7 @@ def compare_with_reference(loaded: Any, prompts: list[Any], opts: EngineOptions,
         pr["prompt"] = eng.requests[sid].prompt_text
         pr["text"] = loaded.tokenizer.decode(eng.requests[sid].output_ids)
         reqs.append(pr)
-    return {"against": against, "backend": opts.backend, "atol": atol, "rows": rows, "requests": reqs,
+    return {"against": against, "reference": REFERENCE[against], "backend": opts.backend, "atol": atol, "rows": rows,
+            "requests": reqs,
             "mismatches": mismatches, "identical": not mismatches, "padded_vocab": eng.padded_vocab,
             "max_abs": max((r["max_abs"] for r in rows), default=0.0)}

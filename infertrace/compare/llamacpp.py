@@ -23,15 +23,17 @@ layer ``layer``'s K and V as written and the logits; the next-token metrics of
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from infertrace.engine.drive import drive, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
+from infertrace.kv.cells import CellsKV
+from infertrace.kv.iswa import IswaCellsKV
+from infertrace.kv.streams import CellsStreamsKV
 from infertrace.compare.metrics import NEAR_TIE_GAP, NEAR_TIE_TOPK, compare_rows
-from infertrace.engine.sampler import SampleResult
 from infertrace.errors import InfertraceError
 from infertrace.model.ops import Ops
 from infertrace.model.taps import EMBED, K_ROT, V
@@ -208,6 +210,27 @@ def _native(inp: Any, name: str) -> Any:
     return getattr(inp.native, name, None)
 
 
+class GgmlCellsKV(GgmlAttentionKV, F16CacheKV, CellsKV):
+    """The unified cells cache, F16 K/V, ggml-cpu attention."""
+
+
+class GgmlCellsF32KV(GgmlAttentionKV, CellsKV):
+    """The unified cells cache in the model dtype, ggml-cpu attention (benchmarks/kv_dtype_llamacpp.py)."""
+
+
+class GgmlIswaKV(GgmlAttentionKV, F16CacheKV, IswaCellsKV):
+    """llama.cpp's iSWA cache, F16 K/V, ggml-cpu attention."""
+
+
+class GgmlStreamsKV(GgmlAttentionStreamsKV, F16CacheKV, CellsStreamsKV):
+    """The non-unified cache, F16 K/V, ggml-cpu attention per stream."""
+
+
+#: the emulating memories by (layout, K/V rounded to F16)
+GGML_KINDS: dict[tuple[str, bool], type] = {("cells", True): GgmlCellsKV, ("cells", False): GgmlCellsF32KV,
+                                            ("iswa", True): GgmlIswaKV, ("streams", True): GgmlStreamsKV}
+
+
 def _stream_tap(inp: Any) -> dict[str, Any]:
     """A non-unified step's mask for :class:`StepTap`: the stream blocks stacked in packed order
     (``[N, n_kv]``), ``ne`` with the ubatch's streams, and per stream block its cells' pos / seq_ids
@@ -331,24 +354,19 @@ def swa_diff(x: dict[str, Any], y: dict[str, Any], bad: Any, name_b: str = "llam
     return n
 
 
-class ForcedEngine(Engine):
-    """Our engine with teacher forcing: the i-th token of request ``s`` is ``forced[s][i]``."""
+def forced_engine(model: Any, tok: Any, opts: EngineOptions, tracer: Any, forced: dict[int, list[int]],
+                  memory: Any = None) -> Engine:
+    """Our engine emitting ``forced`` tokens (:class:`~infertrace.engine.parts.ForcedSampler`; its own choice
+    stays in ``top``), its memory from ``memory`` (a cache config; None: the options' own)."""
+    from infertrace.engine.parts import ForcedSampler
 
-    def __init__(self, *a: Any, forced: dict[int, list[int]], **k: Any):
-        super().__init__(*a, **k)
-        self.forced = forced
-
-    def sample_row(self, logits: torch.Tensor, req: Any) -> SampleResult:
-        res = super().sample_row(logits, req)
-        f = self.forced.get(req.seq_id, [])
-        i = len(req.output_ids)
-        return SampleResult(int(f[i]), res.top) if i < len(f) else res
+    return Engine(model, tok, opts, tracer, sampler=ForcedSampler(forced), memory=memory)
 
 
 def _run_ours(model: Any, tok: Any, prompts: list[Any], opts: EngineOptions, layer: int,
               forced: dict[int, list[int]] | None) -> tuple[Engine, StepTap]:
     tap = StepTap(layer)
-    eng = ForcedEngine(model, tok, opts, tap, forced=forced or {})
+    eng = forced_engine(model, tok, opts, tap, forced or {})
     drive(eng, encode_requests(tok, prompts))
     return eng, tap
 
@@ -358,45 +376,54 @@ def _run_emulated(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: i
     """Our engine, float32, with llama.cpp's CPU numerics emulated (see :func:`quantize_q8_blocks`,
     :class:`F16CacheKV`, and :func:`ggml_cpu_attention` with the flash-attention setting llama.cpp
     ran with; matmul inputs through :class:`Q8ActivationOps`), forced to ``forced``."""
-    from infertrace.kv.cells import CellsKV
-    from infertrace.kv.iswa import IswaCellsKV
-
-    class _KV(GgmlAttentionKV, F16CacheKV, CellsKV):
-        pass
-
-    class _IswaKV(GgmlAttentionKV, F16CacheKV, IswaCellsKV):
-        pass
-
-    _KV.flash_attn, _KV.n_threads = flash_attn, n_threads
-    _IswaKV.flash_attn, _IswaKV.n_threads = flash_attn, n_threads
-
     tap = StepTap(layer)
-    eng = ForcedEngine(loaded.model.with_ops(Q8ActivationOps()), loaded.tokenizer, opts, tap, forced=forced)
-    cfg, m = loaded.model.cfg, loaded.model
-    windows = [cfg.layer_window(i) for i in range(cfg.n_layer)]
-    if not opts.kv_unified:  # non-unified KV: the same numerics per stream
-        eng.kv = eng.scheduler.kv = _streams_emulated_kv(cfg, opts, m, flash_attn, n_threads)
-    elif any(windows):  # llama.cpp's iSWA cache, as the cells backend builds it (engine.make_kv)
-        eng.kv = eng.scheduler.kv = _IswaKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, m.dtype,
-                                            m.device, windows=windows,
-                                            n_ubatch=max(1, min(opts.max_batch_tokens, opts.ctx_size)))
-    else:
-        eng.kv = eng.scheduler.kv = _KV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, m.dtype,
-                                        m.device)
+    eng = forced_engine(loaded.model.with_ops(Q8ActivationOps()), loaded.tokenizer, opts, tap, forced,
+                        memory=GgmlNumericsCache(flash_attn, n_threads))
     drive(eng, encode_requests(loaded.tokenizer, prompts))
     return tap
 
 
-def _streams_emulated_kv(cfg: Any, opts: EngineOptions, m: Any, flash_attn: bool, n_threads: int) -> Any:
-    """The non-unified cache with llama.cpp's CPU numerics (F16 K/V, :class:`GgmlAttentionStreamsKV`)."""
-    from infertrace.kv.streams import CellsStreamsKV, n_ctx_seq
+@dataclass(frozen=True)
+class GgmlNumericsCache:
+    """The cache config of the emulated run (:class:`~infertrace.engine.parts.MemoryConfig`): the cells cache as
+    the cells backend builds it (unified, iSWA for windowed layers, or one stream per sequence), with llama.cpp's
+    CPU numerics: K/V rounded to F16 (:class:`F16CacheKV`), attention through :func:`ggml_cpu_attention`.
 
-    class _SKV(GgmlAttentionStreamsKV, F16CacheKV, CellsStreamsKV):
-        pass
+    Attributes:
+        flash_attn: llama.cpp ran flash attention; f16_cache: round K/V to F16 as llama.cpp's cache;
+        n_threads: its threads (the accumulation order of the attention rows); kv_dtype: the storage dtype
+            (None: the model's).
+    """
 
-    _SKV.flash_attn, _SKV.n_threads = flash_attn, n_threads
-    return _SKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx_seq(opts.ctx_size, opts.n_seq_max), opts.n_seq_max, m.dtype,
-                m.device)
+    flash_attn: bool = True
+    n_threads: int = 1
+    f16_cache: bool = True
+    kv_dtype: Any = None
+
+    def build(self, model: Any, opts: EngineOptions, attn_impl: str) -> Any:
+        """The emulating memory for ``model`` under ``opts``.
+
+        Raises:
+            InfertraceError: ``f16_cache`` off with a layout other than the unified cells cache.
+        """
+        from infertrace.kv.streams import n_ctx_seq
+
+        cfg, dt = model.cfg, self.kv_dtype or model.dtype
+        windows = [cfg.layer_window(i) for i in range(cfg.n_layer)]
+        layout = "streams" if not opts.kv_unified else "iswa" if any(windows) else "cells"
+        kind = GGML_KINDS.get((layout, self.f16_cache))
+        if kind is None:
+            raise InfertraceError(f"the llama.cpp numerics emulation keeps K/V in F16 with the {layout} cache")
+        if layout == "streams":  # non-unified KV: the same numerics per stream
+            kv = kind(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx_seq(opts.ctx_size, opts.n_seq_max), opts.n_seq_max,
+                      dt, model.device)
+        elif layout == "iswa":  # llama.cpp's iSWA cache, as the cells backend builds it (engine.make_kv)
+            kv = kind(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, dt, model.device,
+                      windows=windows, n_ubatch=max(1, min(opts.max_batch_tokens, opts.ctx_size)))
+        else:
+            kv = kind(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, dt, model.device)
+        kv.flash_attn, kv.n_threads = self.flash_attn, self.n_threads  # this run's setting, on this memory only
+        return kv
 
 
 def _visible(st: dict[str, Any], row: int) -> set[tuple[int, frozenset]]:

@@ -1,5 +1,6 @@
-"""Drive an engine over a list of requests: the one loop ``run``, ``dump-kv``, ``diff-backends``
-and the comparisons share ("add each request, step until done, collect").
+"""Drive a bare engine over a list of requests ("add each request, step until done, collect"): the loop
+``dump-kv``, ``diff-backends`` and the comparisons use. A traced run of any runtime goes through
+:func:`infertrace.runtimes.loop.record_run` instead, which builds the trace.
 
 The request side lives here too: :class:`PromptSpec` (text or ids, sampling settings, arrival
 step) and :func:`encode_prompt`, so the drivers below the runner (``compare/``,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from infertrace.engine.options import EngineOptions  # noqa: F401 - torch-free home; re-exported
+from infertrace.engine.parts import sample_request
 from infertrace.engine.request import Request
 from infertrace.engine.sampler import (SampleResult, SamplingParams, check_penalties, default_order,  # noqa: F401
                                        mask_padded_rows, penalty_window, sample)
@@ -146,14 +147,28 @@ def _make_streams_kv(cfg: Any, opts: EngineOptions, windows: list[int], kv_dtype
 class Engine:
     """Runs requests to completion over one model and one KV backend.
 
+    Variation is injected, never subclassed: the memory comes from a cache config, tokens from a
+    sampler, the attention label from whoever computes the forward.
+
     Args:
-        model: :class:`DecoderModel`.
+        model: :class:`DecoderModel` (or anything with its ``forward``, ``cfg``, ``dtype``, ``device``:
+            llama.cpp's decode, ``runtimes/llamacpp/engine.py``).
         tokenizer: for EOG ids.
         opts: :class:`EngineOptions`.
         tracer: a :class:`~infertrace.capture.recorder.Recorder` or the null tracer.
+        memory: a cache config (:class:`~infertrace.engine.parts.MemoryConfig`: ``build(model, opts,
+            attn_impl)`` -> the memory); None: :func:`make_kv` from ``opts``.
+        sampler: ``(logits [V], request, order) -> SampleResult`` (e.g.
+            :class:`~infertrace.engine.parts.ForcedSampler`); None: :func:`~infertrace.engine.sampler.sample`.
+        attention: the attention implementation that runs when it is not this engine's (``"llama.cpp"``).
+        sampler_order: the default sampler order when ``opts.sampler_order`` is unset (None: the backend's).
+        scheduler: a scheduler config (``build(memory, opts) -> Scheduler``, e.g. a replayed schedule);
+            None: :class:`~infertrace.engine.scheduler.Scheduler`.
     """
 
-    def __init__(self, model: DecoderModel, tokenizer: Any, opts: EngineOptions | None = None, tracer: Any = NULL_TRACER):
+    def __init__(self, model: DecoderModel, tokenizer: Any, opts: EngineOptions | None = None, tracer: Any = NULL_TRACER,
+                 *, memory: Any = None, sampler: Any = None, attention: str | None = None,
+                 sampler_order: str | None = None, scheduler: Any = None):
         self.model = model
         self.tok = tokenizer
         self.opts = opts or EngineOptions()
@@ -165,15 +180,17 @@ class Engine:
             self.disabled["prefix_cache"] = NO_REUSE_REASON
             if self.opts.prefix_cache:
                 self.opts = replace(self.opts, prefix_cache=False)
-        self.attn_impl = self._resolve_attention(self.opts.attention)
-        self.kv = self.make_memory()
-        self.scheduler = Scheduler(self.kv, self.opts.max_batch_tokens, self.opts.prefill_chunk)
+        self.attn_impl = attention or self._resolve_attention(self.opts.attention)
+        self.kv = memory.build(model, self.opts, self.attn_impl) if memory is not None else make_kv(model, self.opts, self.attn_impl)
+        self.sampler = sampler or sample_request
+        self.scheduler = (scheduler.build(self.kv, self.opts) if scheduler is not None
+                          else Scheduler(self.kv, self.opts.max_batch_tokens, self.opts.prefill_chunk))
         self.scheduler.split_equal = not self.opts.kv_unified  # non-unified KV: one split_equal ubatch per step
         self.tracer = tracer
         self.requests: dict[int, Request] = {}
         self.step_no = 0
         self.eog = set(getattr(tokenizer, "eog_ids", ()) or ())
-        self.sampler_order = self.opts.sampler_order or default_order("infertrace", self.opts.backend)
+        self.sampler_order = self.opts.sampler_order or sampler_order or default_order(self.opts.backend)
         #: the lm head has rows past the tokenizer (padded vocabulary): they are masked out of sampling
         self.padded_vocab = padded_vocab(model, tokenizer)
         self.n_sample_rows = self.padded_vocab["tokens"] if self.padded_vocab else None
@@ -187,13 +204,8 @@ class Engine:
             self.spec = Speculator(self)
 
     def sample_row(self, logits: torch.Tensor, req: Request) -> SampleResult:
-        """The next token of ``req`` from its logits row ``[V]`` (subclasses force tokens here)."""
-        return sample(logits, req.params, req.all_ids, req.generator, order=self.sampler_order)
-
-    def make_memory(self) -> Any:
-        """The KV backend of this engine (:func:`make_kv`); an engine whose cache lives elsewhere
-        (``--engine llama.cpp``) overrides it so no unused cache is allocated."""
-        return make_kv(self.model, self.opts, self.attn_impl)
+        """The next token of ``req`` from its logits row ``[V]`` (the injected sampler: sampled or forced)."""
+        return self.sampler(logits, req, self.sampler_order)
 
     def _resolve_attention(self, req: str) -> str:
         if self.opts.backend == "cells":

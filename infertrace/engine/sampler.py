@@ -101,10 +101,10 @@ def apply_penalties(logits: torch.Tensor, seen: Sequence[int], params: SamplingP
 ORDERS = ("hf", "llama.cpp")
 
 
-def default_order(engine: str, backend: str) -> str:
-    """The sampler order of the runtime being mirrored: llama.cpp's for ``--engine llama.cpp`` and
-    the ``cells`` backend, HF/vLLM's for ``paged``."""
-    return "llama.cpp" if engine == "llama.cpp" or backend == "cells" else "hf"
+def default_order(backend: str) -> str:
+    """The sampler order of the convention being mirrored: llama.cpp's for the ``cells`` backend, HF/vLLM's
+    for ``paged`` (a runtime with its own order passes it to the engine: llama.cpp's is always ``llama.cpp``)."""
+    return "llama.cpp" if backend == "cells" else "hf"
 
 
 def kept_set(logits: torch.Tensor, params: SamplingParams, order: str = "hf") -> tuple[torch.Tensor, torch.Tensor]:

@@ -122,7 +122,7 @@ def render_header(console: Console, trace: RunTrace) -> None:
     detail = f"ctx {eng.get('ctx_size')}"
     if be == "paged":
         nb = eng.get('num_blocks') or -(-int(eng.get('ctx_size') or 0) // int(eng.get('tokens_per_block') or 1))
-        usable = (f"block 0 vLLM's null block: {nb - 1} usable" if getattr(trace, "engine", "infertrace") == "vllm"
+        usable = (f"block 0 vLLM's null block: {nb - 1} usable" if isinstance(o.get("vllm"), dict)  # vLLM's own header
                   and isinstance(nb, int) else "every block usable")
         detail += f" · tokens_per_block {eng.get('tokens_per_block')} · num_blocks {nb} ({usable})"
     if eng.get("prefill_chunk"):
@@ -136,14 +136,13 @@ def render_header(console: Console, trace: RunTrace) -> None:
         extra += " · weights quant (" + ", ".join(f"{t} {k}" for t, k in list(ks.items())[:16]) + ")"
     elif isinstance(wq, dict) and wq.get("weights") == "float":  # --weights float given: every tensor dequantised at load
         extra += " · weights float (every tensor dequantised at load, one float matmul per matrix)"
-    if getattr(trace, "engine", "infertrace") == "llama.cpp":
-        lc = o.get("llama_cpp", {}) if isinstance(o.get("llama_cpp"), dict) else {}
+    lc, vl = o.get("llama_cpp"), o.get("vllm")  # the runtime's own section of the header, when one computed
+    if isinstance(lc, dict):
         conv = (f"computed by llama.cpp itself (llama-cpp-python {lc.get('version', '?')}, n_ctx {lc.get('n_ctx', '?')}"
                 f"{', teacher-forced' if lc.get('teacher_forced') else ''}, flash attention "
                 f"{lc.get('flash_attn') or 'not recorded'}, K/V cache {lc.get('type_k', '?')}/{lc.get('type_v', '?')}, "
                 f"n_ubatch {lc.get('n_ubatch', '?')}, threads {lc.get('n_threads', '?')}): every variable read from its graph")
-    elif getattr(trace, "engine", "infertrace") == "vllm":
-        vl = o.get("vllm", {}) if isinstance(o.get("vllm"), dict) else {}
+    elif isinstance(vl, dict):
         conv = (f"computed and scheduled by vLLM itself ({vl.get('version', '?')}, {str(vl.get('backend', '?')).rsplit('.', 1)[-1]} "
                 f"ISA {vl.get('isa', '?')}, block {vl.get('block_size', '?')}, {vl.get('num_blocks', '?')} blocks, null block 0, "
                 f"dtype {vl.get('dtype', '?')}, TP {vl.get('tensor_parallel_size', 1)}): scheduler output, block tables, "

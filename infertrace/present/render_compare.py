@@ -135,8 +135,7 @@ def _verdict_backends(console: Console, rep: dict[str, Any]) -> None:
 def render_reference_diff(console: Console, rep: dict[str, Any]) -> None:
     """Print a :func:`infertrace.compare.hf.compare_with_reference` report."""
     ref = rep["against"]
-    who = "HF transformers, float32, one request at a time with its own cache" if ref == "hf" else \
-        "llama.cpp (llama-cpp-python), quantised compute, one request at a time"
+    who = rep.get("reference") or str(ref)  # the report says what the reference ran (compare/hf.py)
     head = [("ours", f"infertrace engine, backend {rep['backend']}, continuous batching"), ("reference", who),
             ("tolerance", f"atol {rep['atol']:g} on logits; greedy tokens (argmax) must be equal")]
     console.print(Panel(_facts(head + _requests_facts(rep["requests"])), title=Text(f"diff-backends --against {ref}", style="bold"),

@@ -112,7 +112,8 @@ FACTOR = 4.0
 def _quantised_activations(m: dict[str, Any]) -> bool:
     opts = m.get("options") if isinstance(m.get("options"), dict) else {}
     w = opts.get("weights")
-    return m.get("engine") == "llama.cpp" or (isinstance(w, dict) and w.get("weights") == "quant")
+    # llama.cpp's header section: its CPU kernels quantise activations (q8) as the quant path does
+    return isinstance(opts.get("llama_cpp"), dict) or (isinstance(w, dict) and w.get("weights") == "quant")
 
 
 def kv_floor(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from infertrace.errors import InfertraceError
+from infertrace.runtimes.api import names
 from infertrace.safe_io import MAX_MANIFEST_BYTES, TORCH_TO_ST, parse_json, read_regular, safetensors_header
 from infertrace.safe_text import visible
 from infertrace.trace.records import (SCHEMA_VERSION, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep,
@@ -33,9 +34,8 @@ MANIFEST, TENSORS, TIMING = "trace.json", "tensors.safetensors", "timing.json"
 #: what a saved trace directory may hold (``--force`` replaces only such a directory)
 TRACE_FILES = frozenset({MANIFEST, TENSORS, TIMING, "report.html"})
 KEEP = ("summary", "tensors")
-#: who computed a trace (the manifest's ``engine``): the names of :data:`infertrace.runtimes.api.REGISTRY` (kept
-#: equal to it by tests/unit/trace/test_engine_names.py; trace/ stays torch-free, so it does not import the registry)
-ENGINES = ("infertrace", "llama.cpp", "vllm", "hf")
+#: who computed a trace (the manifest's ``engine``)
+ENGINES = names()  # the runtimes of the registry (runtimes/api.py)
 #: per-step fields that depend on the machine, not on the run; stored in timing.json
 TIMING_FIELDS = ("time_ms",)
 

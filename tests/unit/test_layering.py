@@ -23,7 +23,8 @@ LAYERS = {
 }
 #: torch-free shared modules any layer may use
 SHARED = ("infertrace.errors", "infertrace.fmt", "infertrace.limits", "infertrace.ranges", "infertrace.safe_io", "infertrace.safe_text",
-          "infertrace.quant.choice")  # the kernel chooser's rule, by dtype name: check asks which kernels a trace may name
+          "infertrace.quant.choice",  # the kernel chooser's rule, by dtype name: check asks which kernels a trace may name
+          "infertrace.runtimes.api")  # the runtime registry (torch-free data): the store accepts the engines it names
 #: third-party modules that load torch or a model runtime
 FORBIDDEN = ("torch", "triton", "transformers", "accelerate", "llama_cpp", "safetensors.torch")
 
@@ -258,3 +259,178 @@ def test_lower_rooms_do_not_import_upward(package, must_not):
            for f in sorted((ROOT / Path(*package.split("."))).rglob("*.py"))
            for line, mod in imports_of(f, ROOT) if _under(mod, must_not)]
     assert bad == []
+
+
+# ----------------------------------------------------------------------------- the Runtime seam (issue 27)
+# 1. No runtime name ("infertrace", "llama.cpp", "vllm", "hf") is compared or branched on outside
+#    infertrace/runtimes/: a comparison (==, !=, in, not in, match) of such a string with any expression but a
+#    sampler order or a file format (DATA: order == "llama.cpp", fmt in ("hf", "gguf") are data); reading a trace
+#    section (opts.get("vllm")) is not a comparison. Instead of branching on a name, code asks the registry
+#    (runtimes/api.py) or the trace's native section instead.
+# 2. No class subclasses Engine (variation is injected: a cache config, a sampler, a scheduler).
+# 3. No assignment to .kv / .scheduler.kv / .memory of an engine or scheduler after construction (outside the
+#    owning class's own __init__).
+# (Zero import cycles: test_no_import_cycles above, lazy imports included.)
+# Each allow-list entry says why it stays; an entry that matches nothing any more fails the test.
+
+NAMES = {"infertrace", "llama.cpp", "vllm", "hf"}
+#: what a runtime name's string may also be compared with as data: a sampler order (``hf`` / ``llama.cpp``),
+#: a checkpoint format or source (``hf`` / ``gguf``)
+DATA = ("order", "fmt", "format", "source")
+
+#: (file relative to the repo, rule) -> why it stays
+ALLOW: dict[tuple[str, str], str] = {
+    ("infertrace/runtimes/vllm/replay.py", "subclass"):
+        "ReplayEngine still overrides Engine.step with the replayed schedule, samples and verify outcomes "
+        "(its memory now comes from a cache config); turning it into a replay scheduler + forced sampler is not done",
+}
+
+
+def _files() -> list[Path]:
+    """Every module of the package."""
+    return sorted(p for p in (ROOT / "infertrace").rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _rel(p: Path) -> str:
+    return p.relative_to(ROOT).as_posix()
+
+
+def _tree(p: Path) -> ast.Module:
+    return ast.parse(p.read_text(encoding="utf-8"), filename=str(p))
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    """The runtime-name string constants of ``node`` (a constant, or a tuple / list / set of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in NAMES:
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_names_in(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def _who(src: str) -> bool:
+    """True unless the expression is one of the :data:`DATA` kinds (a sampler order, a file format)."""
+    return not any(w in src.lower() for w in DATA)
+
+
+def name_branches(p: Path) -> list[str]:
+    """``file:line`` of every comparison of a runtime name with an expression naming who computed."""
+    text = p.read_text(encoding="utf-8")
+    out = []
+    for node in ast.walk(_tree(p)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            lits = [s for s in sides if _names_in(s)]
+            others = [s for s in sides if not _names_in(s)]
+            if lits and any(_who(ast.get_source_segment(text, s) or "") for s in others):
+                out.append(f"{_rel(p)}:{node.lineno}")
+        elif isinstance(node, ast.Match):
+            subject = ast.get_source_segment(text, node.subject) or ""
+            pats = [c.pattern for c in node.cases]
+            if _who(subject) and any(isinstance(x, ast.MatchValue) and _names_in(x.value) for x in pats):
+                out.append(f"{_rel(p)}:{node.lineno}")
+    return out
+
+
+def engine_subclasses(p: Path) -> list[str]:
+    out = []
+    for node in ast.walk(_tree(p)):
+        if isinstance(node, ast.ClassDef):
+            for b in node.bases:
+                name = b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                if name == "Engine":
+                    out.append(f"{_rel(p)}:{node.lineno} class {node.name}(Engine)")
+    return out
+
+
+def _memory_target(t: ast.AST) -> bool:
+    """``X.kv`` / ``X.memory`` where X is an engine or scheduler (``eng``, ``self.engine``, ``x.scheduler``)."""
+    if not isinstance(t, ast.Attribute) or t.attr not in ("kv", "memory"):
+        return False
+    base = ast.unparse(t.value).lower()
+    return any(w in base for w in ("eng", "scheduler", "sched"))
+
+
+def memory_swaps(p: Path) -> list[str]:
+    """Assignments to an engine's or scheduler's memory outside an ``__init__`` of the class that owns it
+    (``self.kv = ...`` in ``Engine.__init__`` builds it; ``eng.kv = ...`` anywhere swaps it)."""
+    out = []
+    tree = _tree(p)
+
+    def visit(node: ast.AST, in_init: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            init = in_init or (isinstance(child, ast.FunctionDef) and child.name == "__init__")
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and child.name != "__init__":
+                init = False
+            if isinstance(child, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                for t in targets:
+                    if _memory_target(t) and not (in_init and ast.unparse(t).startswith("self.")
+                                                  and ast.unparse(t).count(".") == 1):
+                        out.append(f"{_rel(p)}:{child.lineno} {ast.unparse(t)} = ...")
+            visit(child, init)
+
+    visit(tree, False)
+    return out
+
+
+def _allowed(found: list[str], rule: str) -> list[str]:
+    return [f for f in found if (f.split(":", 1)[0], rule) not in ALLOW]
+
+
+def test_no_runtime_name_branches_outside_runtimes() -> None:
+    found = [x for p in _files() if not _rel(p).startswith("infertrace/runtimes/") for x in name_branches(p)]
+    assert _allowed(found, "name") == [], "ask the registry (runtimes/api.py) or the trace's native section"
+
+
+def test_no_engine_subclass() -> None:
+    found = [x for p in _files() for x in engine_subclasses(p)]
+    assert _allowed(found, "subclass") == [], "inject a scheduler, sampler or cache config into Engine instead"
+
+
+def test_no_memory_swapped_after_construction() -> None:
+    found = [x for p in _files() for x in memory_swaps(p)]
+    assert _allowed(found, "memory") == [], "pass a cache config (engine/parts.py MemoryConfig) to Engine"
+
+
+def test_allow_list_entries_still_needed() -> None:
+    """An entry whose exception is gone must be removed (the list only shrinks)."""
+    rules = {"name": name_branches, "subclass": engine_subclasses, "memory": memory_swaps}
+    stale = [k for k in ALLOW if not rules[k[1]](ROOT / k[0])]
+    assert stale == []
+
+
+# ----------------------------------------------------------------------------- the detectors detect
+
+
+def _write(tmp: Path, text: str) -> Path:
+    p = tmp / "m.py"
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+@pytest.fixture
+def at_root(tmp_path):
+    """ROOT pointed at ``tmp_path`` while the detectors read a file written there."""
+    old = globals()["ROOT"]
+    globals()["ROOT"] = tmp_path
+    yield tmp_path
+    globals()["ROOT"] = old
+
+
+def test_detectors_catch_each_violation(at_root: Path) -> None:
+    bad = _write(at_root, "class E(Engine):\n    pass\n"
+                          "def f(trace, eng, opts):\n"
+                          "    if trace.engine == 'vllm':\n        pass\n"
+                          "    if m.get('engine', 'infertrace') in ('llama.cpp', 'x'):\n        pass\n"
+                          "    eng.kv = eng.scheduler.kv = 1\n"
+                          "    if opts.sampler_order == 'llama.cpp':\n        pass\n"
+                          "    x = opts.get('vllm')\n")
+    assert name_branches(bad) == ["m.py:4", "m.py:6"]  # the sampler order and the section read are data
+    assert engine_subclasses(bad) == ["m.py:1 class E(Engine)"]
+    assert [x.split(" ", 1)[1] for x in memory_swaps(bad)] == ["eng.kv = ...", "eng.scheduler.kv = ..."]
+
+
+def test_memory_built_in_own_init_is_not_a_swap(at_root: Path) -> None:
+    ok = _write(at_root, "class Engine:\n    def __init__(self):\n        self.kv = make()\n")
+    assert memory_swaps(ok) == []

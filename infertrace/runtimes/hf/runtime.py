@@ -80,6 +80,13 @@ class HfRuntime:
             raise InfertraceError(f"--layer {settings.layer} out of range: the model has layers 0..{model_config.n_layer - 1}")
         return replace(settings, native=native)
 
+    @classmethod
+    def run_output(cls, console: Any) -> Any:
+        """Nothing of its own is printed while it runs (transformers' warnings go through Python's own)."""
+        from contextlib import nullcontext
+
+        return nullcontext()
+
     def __init__(self, loaded: Any, settings: RunSettings, tensors: dict[str, Any] | None = None, model: Any = None):
         if tensors is not None:
             raise InfertraceError("--engine hf does not keep tensors (--keep tensors): it records K/V at --layer")

@@ -35,7 +35,7 @@ engine's un-permuted weights) so the two traces compare element for element.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -43,7 +43,6 @@ import torch
 
 from infertrace.engine.drive import drive_bounded, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.engine.sampler import SampleResult, sample
 from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
 from infertrace.runtimes.llamacpp.native import add_native
 from infertrace.runtimes.llamacpp.state_file import norm_to_neox  # torch-free; the slot-file reader uses it too
@@ -310,8 +309,31 @@ class LlamaCppModel:
                     tracer.tap(name, layer=il, value=value)
 
 
-class LlamaCppEngine(Engine):
-    """:class:`Engine` whose forward pass and cache are llama.cpp's.
+@dataclass(frozen=True)
+class LlamaCppCacheConfig:
+    """The cache config of a llama.cpp run (:class:`~infertrace.engine.parts.MemoryConfig`): llama.cpp's own
+    cache as read back, :class:`LlamaCppKV` (or one stream per sequence with ``kv_unified`` off); no
+    infertrace cache is allocated beside it."""
+
+    lctx: Any
+    cfg: Any
+    n_seq_max: int
+    layer: int
+
+    def build(self, model: Any, opts: EngineOptions, attn_impl: str) -> Any:
+        """The read-back memory for ``opts`` (``model``/``attn_impl`` unused: llama.cpp computes)."""
+        if not opts.kv_unified:  # one stream per sequence (runtimes/llamacpp/streams.py)
+            from infertrace.runtimes.llamacpp.streams import LlamaCppStreamsKV
+
+            return LlamaCppStreamsKV(self.cfg, self.lctx, int(self.lctx.L.llama_n_seq_max(self.lctx.ctx)), self.layer,
+                                     norm_to_neox)
+        return LlamaCppKV(self.cfg, self.lctx, self.n_seq_max, self.layer)
+
+
+class LlamaCppEngine:
+    """infertrace's :class:`Engine` (its scheduler and step loop) with llama.cpp's forward pass and cache
+    injected: the model is :class:`LlamaCppModel`, the memory :class:`LlamaCppCacheConfig`'s, the
+    sampler llama.cpp's order (forced tokens through :class:`~infertrace.engine.parts.ForcedSampler`).
 
     Args:
         loaded: :class:`~infertrace.loading.model.Loaded` (tokenizer, config; the GGUF path).
@@ -332,6 +354,8 @@ class LlamaCppEngine(Engine):
     def __init__(self, loaded: Any, opts: EngineOptions, tracer: Any, layer: int = 0,
                  forced: dict[int, list[int]] | None = None, n_seq_max: int = 1, n_threads: int = 2,
                  flash_attn: str = "auto"):
+        from infertrace.engine.parts import ForcedSampler
+
         if opts.backend != "cells":
             raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
         if loaded.config.windowed_layers and not opts.kv_unified:  # an iSWA pool per stream: not captured
@@ -342,30 +366,56 @@ class LlamaCppEngine(Engine):
                                     kv_unified=opts.kv_unified,
                                     swa_layers=getattr(loaded.config, "windowed_layers", None) or ())
         self.lmodel = LlamaCppModel(loaded.model, self.lctx)
-        self._kv_args = (loaded.config, opts.n_seq_max, layer)
-        super().__init__(self.lmodel, loaded.tokenizer, opts, tracer)  # its cache: make_memory (llama.cpp's, read back)
+        try:
+            self.engine = Engine(self.lmodel, loaded.tokenizer, opts, tracer,
+                                 memory=LlamaCppCacheConfig(self.lctx, loaded.config, opts.n_seq_max, layer),
+                                 sampler=ForcedSampler(forced or {}), attention="llama.cpp", sampler_order="llama.cpp")
+        except BaseException:
+            self.lctx.close()
+            raise
         self.forced = forced or {}
-        self.attn_impl = "llama.cpp"
-        self.sampler_order = opts.sampler_order or "llama.cpp"
 
-    def make_memory(self) -> LlamaCppKV:
-        """llama.cpp's cache as read back (no infertrace cache is allocated beside it)."""
-        cfg, n_seq_max, layer = self._kv_args
-        if not self.opts.kv_unified:  # one stream per sequence (runtimes/llamacpp/streams.py)
-            from infertrace.runtimes.llamacpp.streams import LlamaCppStreamsKV
+    # the engine's loop, as drive() and the runtime use it
+    def add_request(self, *a: Any, **k: Any) -> Any:
+        """:meth:`Engine.add_request`."""
+        return self.engine.add_request(*a, **k)
 
-            return LlamaCppStreamsKV(cfg, self.lctx, int(self.lctx.L.llama_n_seq_max(self.lctx.ctx)), layer, norm_to_neox)
-        return LlamaCppKV(cfg, self.lctx, n_seq_max, layer)
+    def step(self) -> Any:
+        """:meth:`Engine.step` (one ``llama_decode``)."""
+        return self.engine.step()
 
-    def sample_row(self, logits: torch.Tensor, req: Any) -> SampleResult:
-        res = sample(logits, req.params, req.all_ids, req.generator, order=self.sampler_order)
-        f = self.forced.get(req.seq_id)
-        i = len(req.output_ids)
-        if f is not None and i < len(f):
-            return SampleResult(int(f[i]), res.top)
-        return res
+    @property
+    def step_no(self) -> int:
+        """The next step's number."""
+        return self.engine.step_no
+
+    @property
+    def requests(self) -> dict[int, Any]:
+        """The engine's requests by seq_id."""
+        return self.engine.requests
+
+    @property
+    def kv(self) -> Any:
+        """llama.cpp's cache as read back (:class:`LlamaCppKV`)."""
+        return self.engine.kv
+
+    @property
+    def opts(self) -> EngineOptions:
+        """The engine options."""
+        return self.engine.opts
+
+    @property
+    def sampler_order(self) -> str:
+        """The sampler order that ran (llama.cpp's unless ``--sampler-order``)."""
+        return self.engine.sampler_order
+
+    @property
+    def attn_impl(self) -> str:
+        """``llama.cpp``."""
+        return self.engine.attn_impl
 
     def close(self) -> None:
+        """Free llama.cpp's context."""
         self.lctx.close()
 
 
@@ -391,6 +441,12 @@ def run_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, recorder:
             emitted = len(steps)
 
     drive_bounded(eng, encode_requests(loaded.tokenizer, prompts), emit if on_step is not None else None)
+    return eng, run_notes(eng, opts)
+
+
+def run_notes(eng: LlamaCppEngine, opts: EngineOptions) -> list[str]:
+    """The trace notes of a llama.cpp run: its context and batch sizes, the settings that change its numbers
+    (flash attention, cache types, threads), llama.cpp's padding of ``n_ctx``, and what reading its cache noted."""
     st = eng.lctx.settings()
     notes = [f"engine llama.cpp (llama-cpp-python {_version()}): n_ctx {eng.lctx.n_ctx}, n_ubatch = n_batch "
              f"{min(opts.max_batch_tokens, opts.ctx_size)}, "
@@ -404,7 +460,7 @@ def run_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, recorder:
     if eng.lctx.n_ctx != opts.ctx_size:
         notes.append(f"llama.cpp pads n_ctx to a multiple of 256: {opts.ctx_size} -> {eng.lctx.n_ctx} cells")
     notes += eng.kv.notes
-    return eng, notes
+    return notes
 
 
 def _version() -> str:
@@ -422,7 +478,8 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
                           tensors: dict[str, torch.Tensor] | None = None,
                           forced: dict[int, list[int]] | None = None, flash_attn: str = "auto") -> Any:
     """:func:`infertrace.runner.run_requests` with llama.cpp computing: the same records, with
-    ``engine = "llama.cpp"`` in the header.
+    ``engine = "llama.cpp"`` in the header (:func:`~infertrace.runtimes.loop.record_run` on
+    :class:`~infertrace.runtimes.llamacpp.runtime.LlamaCppRuntime`).
 
     Args:
         loaded: the GGUF model (our tokenizer and config; llama.cpp loads the same file).
@@ -433,33 +490,10 @@ def run_requests_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
     Raises:
         InfertraceError: bad layer, llama-cpp-python missing, non-GGUF model, decode failure.
     """
-    from infertrace.loading.model import model_identity
-    from infertrace.capture.recorder import VARIABLES, Recorder
-    from infertrace.trace.records import RunTrace
+    from infertrace.capture.recorder import VARIABLES
+    from infertrace.runtimes.api import RunSettings
+    from infertrace.runtimes.loop import record_run
 
-    cfg = loaded.config
-    if not 0 <= layer < cfg.n_layer:
-        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
-    if not prompts:
-        raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
-    if getattr(cfg, "is_hybrid", False) and cfg.is_linear(layer):
-        attn = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
-        raise InfertraceError(f"--layer {layer} is a Gated DeltaNet layer (no K/V for llama.cpp to show); pass --layer "
-                              f"{attn[0] if attn else 0} (attention layers: {attn})")
-    show = tuple(show or VARIABLES)
-    rec = Recorder(loaded.tokenizer, cfg, layer=layer, show=show, layers=[layer], tensors=tensors)
-    eng, notes = run_llamacpp(loaded, prompts, opts, rec, layer, forced, on_step, flash_attn=flash_attn)
-    try:
-        tok = loaded.tokenizer
-        reqs = [{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
-                 "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
-                 "num_preemptions": r.num_preemptions, "params": r.params.to_dict()} for r in eng.requests.values()]
-        options = {"backend": "cells", "attention": "llama.cpp", **(options_for_record or {}),
-                   "engine": {k: v for k, v in asdict(opts).items()  # llama.cpp's cache type: llama_cpp.type_k
-                              if k != "kv_dtype" and (k != "kv_unified" or not v)},  # kv_unified recorded only when off
-                   "layer": layer, "show": list(show), "sampler_order": eng.sampler_order,
-                   "llama_cpp": {"version": _version(), **eng.lctx.settings(), "teacher_forced": bool(forced)}}
-        return RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
-                        notes=list(loaded.ckpt.notes) + notes, steps=list(rec.steps), requests=reqs, engine=ENGINE)
-    finally:
-        eng.close()
+    settings = RunSettings(opts=opts, layer=layer, show=tuple(show or VARIABLES), tensor_layers=(layer,), forced=forced,
+                           native={"flash_attn": flash_attn}, record=dict(options_for_record or {}))
+    return record_run(ENGINE, loaded, prompts, settings, on_step, tensors)

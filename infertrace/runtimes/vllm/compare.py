@@ -149,7 +149,7 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
     Raises:
         InfertraceError: vLLM missing, refused settings, a replay that does not line up.
     """
-    from infertrace.runtimes.vllm.engine import run_requests_vllm
+    from infertrace.runtimes.vllm.runtime import run_requests_vllm
     from infertrace.runtimes.vllm.replay import plan_from_manifest
     from infertrace.trace.engine_diff import cross_engine_diff
     from infertrace.trace.records import RunTrace
@@ -180,15 +180,7 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
     floor_spread = _spread(ours.full, floor_rec.full) if floor_rec is not None else []
     fmax = {v: max((d.get(v, 0.0) for d in floor_spread), default=0.0) for v in FLOAT_VARS}
     vmax = {v: max((d.get(v, 0.0) for d in spread), default=0.0) for v in FLOAT_VARS}
-    first = None
-    for d in spread:
-        for v in FLOAT_VARS if floor_rec is not None else ():
-            if d.get(v, 0.0) > FLOOR_FACTOR * fmax[v]:
-                first = {"step": d["step"], "variable": v, "value": d[v], "floor": fmax[v], "tolerance": FLOOR_FACTOR * fmax[v],
-                         "layer": layer if v in ("k", "v") else (-1 if v == "hidden" else "output")}
-                break
-        if first:
-            break
+    first = _first_exceeding(spread, fmax, layer) if floor_rec is not None else None
     base, labels = _rows(B, ours.full)
     vrows, _ = _rows(A, vfull)
     nt = compare_rows(base, vrows, labels)
@@ -196,26 +188,9 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
     if floor_rec is not None:
         nt_floor = compare_rows(base, _rows(B, floor_rec.full)[0], labels)
         nt_floor.pop("disagreements")
-    mism = list(struct_mism)
-    if first is not None:
-        mism.append({"step": first["step"], "variable": first["variable"],
-                     "detail": f"max |Δ| {first['value']:.4g} exceeds the tolerance {first['tolerance']:.4g} = "
-                               f"{FLOOR_FACTOR:g} x noise floor"})
-    for d in nt["disagreements"]:
-        if not d["near_tie"]:
-            mism.append({"step": d["step"], "variable": "decode",
-                         "detail": f"seq {d['seq_id']} pos {d['pos']}: top token ours {d['base_top']} vs vLLM {d['new_top']} is not a near tie"})
+    mism = _mismatches(struct_mism, first, nt)
     checked = sum(len(st.batch) for st in A.steps)
-    per_rank = []
-    nkv = loaded.config.n_head_kv
-    for r in range(tp if tp > 1 else 0):  # our K/V cut into vLLM's per-rank head shards
-        h = slice(r * nkv // tp, (r + 1) * nkv // tp)
-        d = {"tp_rank": r, "kv_heads": [h.start, h.stop - 1], "k": 0.0, "v": 0.0}
-        for x, y in zip(ours.full, vfull):
-            if x is not None and y is not None and "k" in x and "k" in y:
-                d["k"] = max(d["k"], float((x["k"][:, h] - y["k"][:, h]).abs().max()))
-                d["v"] = max(d["v"], float((x["v"][:, h] - y["v"][:, h]).abs().max()))
-        per_rank.append(d)
+    per_rank = _per_rank(ours.full, vfull, loaded.config.n_head_kv, tp)
     return {"against": "vllm", "backend": "paged", "layer": layer,
             "structural": {"checked_requests_steps": checked, "differences": res.count, "mismatches": struct_mism,
                            "identical": res.equal,
@@ -230,3 +205,78 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
             "first_exceeding": first, "vllm": A.options.get("vllm"), "per_rank": per_rank,
             "requests": [{"seq_id": r["seq_id"], "tokens": r["output_ids"], "text": r["text"]} for r in A.requests],
             "traces": (A, B), "mismatches": mism, "identical": not mism}
+
+
+def _first_exceeding(spread: list[dict[str, Any]], fmax: dict[str, float], layer: int) -> dict[str, Any] | None:
+    """The first step and variable whose max |Δ| from vLLM exceeds :data:`FLOOR_FACTOR` x the floor, or None."""
+    for d in spread:
+        for v in FLOAT_VARS:
+            if d.get(v, 0.0) > FLOOR_FACTOR * fmax[v]:
+                return {"step": d["step"], "variable": v, "value": d[v], "floor": fmax[v], "tolerance": FLOOR_FACTOR * fmax[v],
+                        "layer": layer if v in ("k", "v") else (-1 if v == "hidden" else "output")}
+    return None
+
+
+def _mismatches(struct_mism: list[dict[str, Any]], first: dict[str, Any] | None, nt: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's mismatches: structural, the first float past the tolerance, top tokens that are not near ties."""
+    mism = list(struct_mism)
+    if first is not None:
+        mism.append({"step": first["step"], "variable": first["variable"],
+                     "detail": f"max |Δ| {first['value']:.4g} exceeds the tolerance {first['tolerance']:.4g} = "
+                               f"{FLOOR_FACTOR:g} x noise floor"})
+    for d in nt["disagreements"]:
+        if not d["near_tie"]:
+            mism.append({"step": d["step"], "variable": "decode",
+                         "detail": f"seq {d['seq_id']} pos {d['pos']}: top token ours {d['base_top']} vs vLLM {d['new_top']} is not a near tie"})
+    return mism
+
+
+def _per_rank(ours: list[Any], theirs: list[Any], nkv: int, tp: int) -> list[dict[str, Any]]:
+    """Max |Δ| of K/V per tensor-parallel rank: our K/V cut into vLLM's per-rank head shards (none when ``tp`` is 1)."""
+    per_rank = []
+    for r in range(tp if tp > 1 else 0):
+        h = slice(r * nkv // tp, (r + 1) * nkv // tp)
+        d = {"tp_rank": r, "kv_heads": [h.start, h.stop - 1], "k": 0.0, "v": 0.0}
+        for x, y in zip(ours, theirs):
+            if x is not None and y is not None and "k" in x and "k" in y:
+                d["k"] = max(d["k"], float((x["k"][:, h] - y["k"][:, h]).abs().max()))
+                d["v"] = max(d["v"], float((x["v"][:, h] - y["v"][:, h]).abs().max()))
+        per_rank.append(d)
+    return per_rank
+
+
+# ----------------------------------------------------------------------------- diff-backends --against vllm (registry hooks)
+# infertrace's paged backend replaying vLLM's schedule, compared step for step
+def check_comparison(settings: Any, atol: float | None) -> Any:
+    """Before anything loads: no tolerance (measured), no quantised kernels, vLLM importable, float32 on the CPU.
+    Returns the settings with ``weights`` float (vLLM loads its own float copy; ours replays it in float32).
+
+    Raises:
+        SettingRefused: ``atol``, ``weights`` quant, another dtype or device. InfertraceError: vLLM missing.
+    """
+    from infertrace.runtimes.api import SettingRefused
+    from infertrace.runtimes.vllm import import_vllm
+
+    name = "vllm"  # the refusing runtime (its registry name, runtimes/api.py)
+    if atol is not None:
+        raise SettingRefused(name, "atol", "its tolerance is a measured noise floor")
+    if settings.weights == "quant":
+        raise SettingRefused(name, "weights", "vLLM loads its own float weights and ours replays its schedule in float32")
+    import_vllm()
+    if settings.dtype.lower() not in ("float32", "fp32") or settings.device != "cpu":
+        raise SettingRefused(name, "device", "the comparison runs float32 on the CPU")
+    return replace(settings, weights="float")
+
+
+def compare(loaded: Any, specs: list[Any], settings: Any, atol: float | None) -> dict[str, Any]:
+    """:func:`~infertrace.runtimes.vllm.compare.compare_with_vllm` (its two traces left out of the report)."""
+    rep = compare_with_vllm(loaded, specs, settings.opts, layer=settings.layer)
+    rep.pop("traces", None)
+    return rep
+
+
+def render_comparison(console: Any, rep: dict[str, Any]) -> None:
+    """:func:`~infertrace.present.render_vllm.render_vllm_diff`."""
+    from infertrace.present.render_vllm import render_vllm_diff
+
+    render_vllm_diff(console, rep)

@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -49,7 +48,7 @@ from infertrace.kv.paged import PagedKV
 from infertrace.runtimes.vllm import ENGINE, import_vllm, vllm_version
 from infertrace.runtimes.vllm.steprec import ours as _ours  # noqa: F401 - re-exported (tests)
 from infertrace.runtimes.vllm.steprec import pool_data, record_step, scheduler_data
-from infertrace.runtimes.vllm.tp import check_tensor_parallel, kv_heads_of_rank, merge_ranks
+from infertrace.runtimes.vllm.tp import kv_heads_of_rank, merge_ranks
 
 #: vLLM's CPU attention backend needs block sizes that are multiples of this (``CPU_ATTN``)
 CPU_BLOCK_MULTIPLE = 32
@@ -275,7 +274,8 @@ def _vllm_params(p: Any) -> Any:
 
 def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[[Any], None] | None = None,
           max_steps: int = 100_000) -> list[dict[str, Any]]:
-    """Run ``requests`` through vLLM step by step; the recorder gets one ``end_step`` per step.
+    """Run ``requests`` through vLLM step by step (:func:`drive_steps` to the end); the recorder gets one
+    ``end_step`` per step, ``on_step`` each recorded step's StepTrace.
 
     Returns:
         per step the raw vLLM record (scheduler output summary + rank 0's capture), for
@@ -283,6 +283,23 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
 
     Raises:
         InfertraceError: a capture that does not line up with the scheduler output.
+    """
+    raw_steps = []
+    for raw in drive_steps(run, requests, tracer, max_steps):
+        raw_steps.append(raw)
+        if on_step is not None and not raw.get("idle") and getattr(tracer, "steps", None):
+            on_step(tracer.steps[-1])
+    return raw_steps
+
+
+def drive_steps(run: VllmRun, requests: list[Request], tracer: Any, max_steps: int = 100_000) -> Iterator[dict[str, Any]]:
+    """One vLLM step per ``next()``: requests arriving at the step are added (``LLMEngine.add_request`` with
+    our token ids), one ``LLMEngine.step()`` runs, the recorder gets its ``end_step``; yields the step's raw
+    record (``{"step", "idle": True}`` for a step with nothing to run). At the end each request holds
+    ``vllm_num_cached_tokens`` (vLLM's own count of prompt tokens served from its prefix cache).
+
+    Raises:
+        InfertraceError: a capture that does not line up with the scheduler output, or more than ``max_steps`` steps.
     """
     from vllm.inputs import TokensPrompt
 
@@ -292,7 +309,6 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
     kv = VllmKV(tracer.cfg, run.num_blocks, run.block_size, run.layer, tracer.cfg.n_head_kv)
     kv.prefix_cache = bool(run.kw["enable_prefix_caching"])
     future = sorted(requests, key=lambda r: (r.arrival_step, r.seq_id))
-    raw_steps: list[dict[str, Any]] = []
     cached_tokens: dict[int, int] = {}
     live: set[int] = set()
     step = 0
@@ -301,16 +317,14 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
     while future or live:
         if step >= max_steps:
             raise InfertraceError(f"vLLM run did not finish in {max_steps} steps")
-        admitted_now = []
         while future and future[0].arrival_step <= step:
             r = future.pop(0)
             run.eng.add_request(f"{tag}s{r.seq_id}", TokensPrompt(prompt_token_ids=list(r.prompt_ids)),
                                 _vllm_params(r.params))
             live.add(r.seq_id)
-            admitted_now.append(r.seq_id)
         if not live:  # idle: waiting for a later arrival
             _idle(tracer, step, kv, requests, 0.0)
-            raw_steps.append({"step": step, "idle": True})
+            yield {"step": step, "idle": True}
             step += 1
             continue
         n_out = len(run.outs)
@@ -320,32 +334,36 @@ def drive(run: VllmRun, requests: list[Request], tracer: Any, on_step: Callable[
         recs = run.llm.collective_rpc(run.capture.take)
         _, free, refs, head, sd = run.outs[-1] if len(run.outs) > n_out else (None, None, None, [], None)
         rec = merge_ranks([r[-1] for r in recs if r], tracer.cfg.n_head_kv) if recs and recs[0] else None
-        finished = {}
-        for o in outputs:
-            r = by_id.get(o.request_id)
-            if r is not None and o.finished:
-                finished[r.seq_id] = FINISH.get(str(o.outputs[0].finish_reason), str(o.outputs[0].finish_reason))
-        for o in outputs:  # vLLM's own count of prompt tokens served from its prefix cache, per request
-            r = by_id.get(o.request_id)
-            if r is not None and getattr(o, "num_cached_tokens", None) is not None:
-                cached_tokens[r.seq_id] = int(o.num_cached_tokens)
+        finished = _finished(outputs, by_id, cached_tokens)
         if rec is None:  # nothing ran (vLLM bookkeeping step)
-            raw_steps.append({"step": step, "idle": True})
             _idle(tracer, step, kv, requests, time_ms)
+            yield {"step": step, "idle": True}
             step += 1
             continue
         kv.ref_cnt, kv.free_head = refs or {}, head
         raw = record_step(run, tracer, step, sd, free, rec, by_id, kv, finished, time_ms)
-        raw_steps.append(raw)
         for sid in finished:
             live.discard(sid)
             kv.release(sid)
-        if on_step is not None and getattr(tracer, "steps", None):
-            on_step(tracer.steps[-1])
+        yield raw
         step += 1
     for r in requests:
         r.vllm_num_cached_tokens = cached_tokens.get(r.seq_id)  # type: ignore[attr-defined]
-    return raw_steps
+
+
+def _finished(outputs: list[Any], by_id: dict[str, Request], cached_tokens: dict[int, int]) -> dict[int, str]:
+    """The requests vLLM finished in this step's outputs, with our stop reasons; notes each request's
+    ``num_cached_tokens`` (prompt tokens served from vLLM's prefix cache) into ``cached_tokens``."""
+    finished = {}
+    for o in outputs:
+        r = by_id.get(o.request_id)
+        if r is None:
+            continue
+        if o.finished:
+            finished[r.seq_id] = FINISH.get(str(o.outputs[0].finish_reason), str(o.outputs[0].finish_reason))
+        if getattr(o, "num_cached_tokens", None) is not None:
+            cached_tokens[r.seq_id] = int(o.num_cached_tokens)
+    return finished
 
 
 def _vllm_step(run: VllmRun, step: int) -> list[Any]:
@@ -391,85 +409,39 @@ def _idle(tracer: Any, step: int, kv: VllmKV, requests: list[Request], time_ms: 
                                     requests={r.seq_id: r for r in requests}, time_ms=time_ms))
 
 
-def run_requests_vllm(loaded: Any, prompts: list[Any], opts: EngineOptions, layer: int = 0,
-                      show: tuple[str, ...] | None = None, on_step: Callable[[Any], None] | None = None,
-                      options_for_record: dict[str, Any] | None = None, tensors: dict[str, torch.Tensor] | None = None,
-                      dtype: str = "float32", tp: int = 1, run: VllmRun | None = None) -> Any:
-    """:func:`infertrace.runner.run_requests` with vLLM computing and scheduling: the same records,
-    ``engine = "vllm"`` in the header, vLLM's own values per step in ``step.vllm``.
+def run_notes(run: VllmRun, opts: EngineOptions, cfg: Any, raw: list[dict[str, Any]]) -> list[str]:
+    """The trace notes of a vLLM run: the engine core and its pool, the logits rows vLLM computes, tensor
+    parallelism (which KV heads each rank holds), and placeholder drafts vLLM padded a request with."""
+    notes = [f"engine vLLM ({vllm_version()}): in-process engine core, one EngineCore.step per step, "
+             f"{run.header()['backend'].rsplit('.', 1)[-1]} ISA {run.header()['isa']}, block {run.block_size}, "
+             f"{run.num_blocks} blocks (block 0 is vLLM's null block: {run.num_blocks - 1} usable; --num-blocks counts "
+             "block 0 under every engine, and the paged backend uses every block)"
+             + ("" if opts.num_blocks is not None else
+                f"; --num-blocks not given: vLLM sized the pool from VLLM_CPU_KVCACHE_SPACE "
+                f"({os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB)"),
+             "vLLM computes a logits row for every scheduled request (also a partial prefill, whose sample it drops); "
+             "the trace's logits rows are the rows whose sample is kept, vLLM's rows are in step.vllm.logits_indices"]
+    if run.tp > 1:
+        notes.append(_tp_note(run, cfg))
+    placeholders = [(x["step"], sc["seq_id"], len(sc["spec_tokens"])) for x in raw if not x.get("idle")
+                    for sc in x["vllm"]["scheduler"]["scheduled"] if sc["spec_tokens"] and min(sc["spec_tokens"]) < 0]
+    if placeholders:
+        notes.append("vLLM padded a request with one token left to compute to 1 + K rows of placeholder drafts (-1 in "
+                     "step.vllm.scheduler.scheduled spec_tokens, embedded as token id 0, never accepted): "
+                     + ", ".join(f"step {s} seq {q} ({k} placeholders)" for s, q, k in placeholders))
+    return notes
 
-    Args:
-        loaded: the model (our tokenizer and config; vLLM loads the same weights, a GGUF through
-            :func:`infertrace.runtimes.vllm.convert.hf_dir_for`).
-        run: an already loaded :class:`VllmRun` with the same options (tests share one).
 
-    Raises:
-        InfertraceError: bad layer, vLLM missing, refused settings, capture mismatch.
-    """
-    from infertrace.capture.recorder import VARIABLES, Recorder
-    from infertrace.runner import encode_prompt, model_identity
-    from infertrace.trace.records import RunTrace
+def _tp_note(run: VllmRun, cfg: Any) -> str:
+    """The note of a tensor-parallel run: per rank its KV heads, query heads and cache shape."""
+    def held(r: int) -> str:
+        hs = kv_heads_of_rank(r, run.tp, cfg.n_head_kv)
+        return f"{hs[0]}..{hs[-1]}" if len(hs) > 1 else str(hs[0])
 
-    cfg = loaded.config
-    if not 0 <= layer < cfg.n_layer:
-        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
-    if not prompts:
-        raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
-    if getattr(cfg, "is_hybrid", False) or cfg.windowed_layers:
-        raise InfertraceError("--engine vllm records full-attention decoder models here (no hybrid / sliding-window layers)")
-    check_tensor_parallel(cfg.n_head, cfg.n_head_kv, tp)
-    owned = run is None
-    if run is None:
-        from infertrace.runtimes.vllm.convert import hf_dir_for
-
-        run = VllmRun(hf_dir_for(loaded.ckpt.path), opts, dtype, layer, tp, n_requests=len(prompts))
-    show = tuple(show or VARIABLES)
-    rec = Recorder(loaded.tokenizer, cfg, layer=layer, show=show, layers=[layer], tensors=tensors)
-    reqs = [Request(i, encode_prompt(loaded.tokenizer, s), s.params.validate(), s.arrival_step, s.text)
-            for i, s in enumerate(prompts)]
-    try:
-        raw = drive(run, reqs, rec, on_step)
-        tok = loaded.tokenizer
-        out_reqs = [{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
-                     "text": tok.decode(r.output_ids), "stop_reason": r.stop_reason, "arrival_step": r.arrival_step,
-                     "num_preemptions": r.num_preemptions, "params": r.params.to_dict(),
-                     "vllm_num_cached_tokens": getattr(r, "vllm_num_cached_tokens", None)} for r in reqs]
-        eng_opts = asdict(opts)
-        if eng_opts["num_blocks"] is None:  # vLLM sized its pool itself (VLLM_CPU_KVCACHE_SPACE): record that pool
-            eng_opts["num_blocks"] = run.num_blocks
-        options = {"backend": "paged", "attention": "vllm", **(options_for_record or {}), "engine": eng_opts,
-                   "layer": layer, "show": list(show), "sampler_order": "hf", "vllm": run.header()}
-        notes = [f"engine vLLM ({vllm_version()}): in-process engine core, one EngineCore.step per step, "
-                 f"{run.header()['backend'].rsplit('.', 1)[-1]} ISA {run.header()['isa']}, block {run.block_size}, "
-                 f"{run.num_blocks} blocks (block 0 is vLLM's null block: {run.num_blocks - 1} usable; --num-blocks counts "
-                 "block 0 under every engine, and the paged backend uses every block)"
-                 + ("" if opts.num_blocks is not None else
-                    f"; --num-blocks not given: vLLM sized the pool from VLLM_CPU_KVCACHE_SPACE "
-                    f"({os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB)"),
-                 "vLLM computes a logits row for every scheduled request (also a partial prefill, whose sample it drops); "
-                 "the trace's logits rows are the rows whose sample is kept, vLLM's rows are in step.vllm.logits_indices"]
-        if run.tp > 1:
-            def held(r: int) -> str:
-                hs = kv_heads_of_rank(r, run.tp, cfg.n_head_kv)
-                return f"{hs[0]}..{hs[-1]}" if len(hs) > 1 else str(hs[0])
-
-            rep = run.tp // cfg.n_head_kv if run.tp > cfg.n_head_kv else 1
-            notes.append(f"tensor parallel {run.tp} through vLLM's executor: " + "; ".join(
-                f"rank {r['tp_rank']} holds KV heads {held(r['tp_rank'])} "
-                f"({r['num_kv_heads']} of {cfg.n_head_kv}), {r['num_heads']} query heads, cache {r['cache_shape']}"
-                for r in run.ranks) + "; every rank builds the same metadata (step.vllm.tp_ranks), K/V are its heads' shard"
-                + (f"; {cfg.n_head_kv} KV head(s) on {run.tp} ranks: vLLM replicates each on {rep} ranks "
-                   "(QKVParallelLinear num_kv_head_replicas), the trace's K/V are each head's first holder's" if rep > 1 else ""))
-        placeholders = [(x["step"], sc["seq_id"], len(sc["spec_tokens"])) for x in raw if not x.get("idle")
-                        for sc in x["vllm"]["scheduler"]["scheduled"] if sc["spec_tokens"] and min(sc["spec_tokens"]) < 0]
-        if placeholders:
-            notes.append("vLLM padded a request with one token left to compute to 1 + K rows of placeholder drafts (-1 in "
-                         "step.vllm.scheduler.scheduled spec_tokens, embedded as token id 0, never accepted): "
-                         + ", ".join(f"step {s} seq {q} ({k} placeholders)" for s, q, k in placeholders))
-        trace = RunTrace(model=model_identity(loaded.ckpt), config=cfg.to_dict(), options=options,
-                         notes=list(loaded.ckpt.notes) + notes, steps=list(rec.steps), requests=out_reqs, engine=ENGINE)
-        trace._vllm_raw = raw  # type: ignore[attr-defined]  # for the comparison, never serialised
-        return trace
-    finally:
-        if owned:
-            run.close()
+    rep = run.tp // cfg.n_head_kv if run.tp > cfg.n_head_kv else 1
+    return (f"tensor parallel {run.tp} through vLLM's executor: " + "; ".join(
+        f"rank {r['tp_rank']} holds KV heads {held(r['tp_rank'])} "
+        f"({r['num_kv_heads']} of {cfg.n_head_kv}), {r['num_heads']} query heads, cache {r['cache_shape']}"
+        for r in run.ranks) + "; every rank builds the same metadata (step.vllm.tp_ranks), K/V are its heads' shard"
+        + (f"; {cfg.n_head_kv} KV head(s) on {run.tp} ranks: vLLM replicates each on {rep} ranks "
+           "(QKVParallelLinear num_kv_head_replicas), the trace's K/V are each head's first holder's" if rep > 1 else ""))

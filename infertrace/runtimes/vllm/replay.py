@@ -24,6 +24,7 @@ everything else in the step record.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,22 @@ class ReplayPagedKV(PagedKV):
         return snap
 
 
+@dataclass(frozen=True)
+class ReplayPool:
+    """The cache config of a replay (:class:`~infertrace.engine.parts.MemoryConfig`): our paged pool of the vLLM
+    trace's size and block size, its block tables set from the plan (:class:`ReplayPagedKV`)."""
+
+    plan: dict[str, Any]
+
+    def build(self, model: Any, opts: Any, attn_impl: str) -> ReplayPagedKV:
+        """The replayed pool (every layer; the model's dtype: vLLM's ``kv_cache_dtype`` auto)."""
+        cfg = model.cfg
+        kv = ReplayPagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.plan["num_blocks"], self.plan["block_size"],
+                           model.dtype, model.device, attn_impl)
+        kv.prefix_cache = bool(self.plan.get("prefix_cache"))
+        return kv
+
+
 class ReplayEngine(Engine):
     """Our engine stepping through a vLLM trace's plan (see the module docstring).
 
@@ -177,13 +194,8 @@ class ReplayEngine(Engine):
                                   f"pass --num-blocks {plan['num_blocks']} or leave it out")
         if opts.prefix_cache or opts.speculative or opts.context_shift:
             raise InfertraceError("--replay takes prefix hits and drafts from the vLLM trace; drop --prefix-cache / --speculative / --context-shift")
-        super().__init__(model, tokenizer, opts, tracer)
-        cfg = model.cfg
-        self.kv = self.scheduler.kv = ReplayPagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, plan["num_blocks"],
-                                                    plan["block_size"], model.dtype, model.device, self.attn_impl)
-        self.kv.prefix_cache = bool(plan.get("prefix_cache"))
+        super().__init__(model, tokenizer, opts, tracer, memory=ReplayPool(plan), sampler_order="hf")
         self.plan = plan
-        self.sampler_order = "hf"
 
     def add_request(self, prompt_ids: list[int], params: Any = None, arrival_step: int = 0, prompt_text: str = "") -> Any:
         r = super().add_request(prompt_ids, params, arrival_step, prompt_text)
@@ -301,17 +313,3 @@ class ReplayEngine(Engine):
                 sch.running.remove(req)
         self.step_no += 1
         return batch
-
-
-def replay_factory(directory: Path) -> Any:
-    """An ``engine_factory`` for :func:`infertrace.runner.run_requests` replaying ``directory``'s plan.
-
-    Raises:
-        InfertraceError: as :func:`load_plan`.
-    """
-    plan = load_plan(Path(directory))
-
-    def make(model: Any, tok: Any, opts: Any, tracer: Any) -> ReplayEngine:
-        return ReplayEngine(model, tok, opts, tracer, plan)
-
-    return make

@@ -86,10 +86,13 @@ def kv_dtype_rules(c: Any, s: int, st: dict) -> None:
     """``kv.dtype`` against the options (module docstring)."""
     kv = _d(st.get("kv"))
     opts = _d(c.m.get("options"))
-    if c.m.get("engine") == "llama.cpp":  # llama.cpp's cache type (type_k), as the context reports it
+    from infertrace.runtimes.api import REGISTRY
+
+    runtime = REGISTRY.get(str(c.m.get("engine") or "infertrace"))
+    if isinstance(opts.get("llama_cpp"), dict):  # llama.cpp's cache type (type_k), as the context reports it
         kd = _d(opts.get("llama_cpp")).get("type_k")
         want = KV_DTYPE_NAMES.get(kd)
-    elif c.m.get("engine") in (None, "infertrace"):
+    elif runtime is not None and runtime.kv_dtype:  # a runtime whose cache dtype is ours to set (--kv-dtype)
         kd = _d(opts.get("engine")).get("kv_dtype")
         want = KV_DTYPE_NAMES.get(kd) if kd is not None else opts.get("dtype")
     else:

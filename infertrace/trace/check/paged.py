@@ -99,5 +99,6 @@ def _held_blocks(c: Any, r: dict, B: int) -> range:
     slots: config/vllm.py ``num_lookahead_tokens``)."""
     lo = -(-kept_len(r) // B)
     verify = isinstance(_d(r.get("spec")).get("accepted_nodes"), list)
-    hi = -(-(r["C"] + r["T"]) // B) if c.m.get("engine") == "vllm" and verify else lo
+    vllm_header = isinstance(_d(c.m.get("options")).get("vllm"), dict)  # vLLM's own allocation (its header section)
+    hi = -(-(r["C"] + r["T"]) // B) if vllm_header and verify else lo
     return range(lo, max(lo, hi) + 1)

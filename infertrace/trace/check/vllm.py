@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from infertrace.runtimes.api import native_of
 from infertrace.trace.check.base import _d, _int, _l
+
+#: the native section these rules read (``RuntimeInfo.native`` of the runtime that writes it)
+SECTION = "vllm"
 
 
 # ----------------------------------------------------------------------------- run --engine vllm
@@ -16,11 +20,11 @@ def vllm_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
     vo = opts.get("vllm")
     c.n_checks += 1
     if v is None:
-        if c.m.get("engine") == "vllm" and reqs:
+        if native_of(c.m.get("engine")) == SECTION and reqs:
             c.fail(s, None, "vllm", "the engine named in the header", "the header names the engine vllm but this computed "
                    "step has no vllm section (run --engine vllm records vLLM's own metadata every step)")
         return
-    if c.m.get("engine") != "vllm" or not isinstance(vo, dict):
+    if native_of(c.m.get("engine")) != SECTION or not isinstance(vo, dict):
         c.fail(s, None, "vllm", "the engine named in the header", f"the step has a vllm section but the header names the engine "
                f"{c.m.get('engine')!r}" + ("" if isinstance(vo, dict) else " and options.vllm is missing"))
     _vllm_scheduler(c, s, st, reqs, _d(v.get("scheduler")))

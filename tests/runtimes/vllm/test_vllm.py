@@ -304,7 +304,7 @@ def test_diff_vllm_against_llamacpp_per_request_and_position(tmp_path: Path, smo
     from infertrace.cli.app import app
     from infertrace.engine.options import EngineOptions
     from infertrace.runner import run_requests
-    from infertrace.runtimes.vllm.engine import run_requests_vllm
+    from infertrace.runtimes.vllm.runtime import run_requests_vllm
     from infertrace.trace.runtime_diff import logical_diff
     from infertrace.trace.store import read_manifest, save_trace
 

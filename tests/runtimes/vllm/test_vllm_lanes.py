@@ -35,7 +35,7 @@ P20 = "One, two, three, four, five, six, seven, eight, nine, ten"
 
 @pytest.fixture(scope="module")
 def served(smol, vllm_run, tmp_path_factory):
-    from infertrace.runtimes.vllm.engine import run_requests_vllm
+    from infertrace.runtimes.vllm.runtime import run_requests_vllm
     from infertrace.trace.store import save_trace
 
     p = SamplingParams(max_new_tokens=3, ignore_eos=True)

@@ -66,7 +66,7 @@ def placeholder_run(smol, vllm_run, tmp_path_factory):
     """Two identical 33-token prompts, arrivals 0 and 1, prefix caching and n-gram speculation (K = 3) on:
     seq 1 hits seq 0's full block (32 tokens) and has one token left, which vLLM pads with K placeholder
     drafts. Returns the trace, its saved directory and vLLM's own SchedulerOutput of every step."""
-    from infertrace.runtimes.vllm.engine import run_requests_vllm
+    from infertrace.runtimes.vllm.runtime import run_requests_vllm
     from infertrace.trace.store import save_trace
 
     specs = [PromptSpec(P33, _p(3), 0), PromptSpec(P33, _p(3), 1)]
@@ -204,7 +204,7 @@ def test_partial_prefill_panel_shows_vllms_row_and_discarded_sample(smol, vllm_r
     from rich.console import Console
 
     from infertrace.present.render import render_run
-    from infertrace.runtimes.vllm.engine import run_requests_vllm
+    from infertrace.runtimes.vllm.runtime import run_requests_vllm
 
     long = "The quick brown fox jumps over the lazy dog. " * 2
     trace = run_requests_vllm(smol, [PromptSpec("Hi", _p(4), 0), PromptSpec(long, _p(1), 1)], OPTS, layer=LAYER,
@@ -450,7 +450,8 @@ def test_resumed_request_prefix_lookup_is_labelled_and_counts_its_output(smol, v
     from rich.console import Console
 
     from infertrace.present.render import render_run
-    from infertrace.runtimes.vllm.engine import _ours, run_requests_vllm
+    from infertrace.runtimes.vllm.engine import _ours
+    from infertrace.runtimes.vllm.runtime import run_requests_vllm
     from infertrace.trace.store import save_trace
 
     three = ["The capital of France is", "def add(a, b):", "Once upon a time, in a small village,"]

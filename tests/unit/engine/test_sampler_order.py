@@ -36,9 +36,8 @@ def test_draws_follow_the_order() -> None:
 
 
 def test_default_order_follows_the_runtime() -> None:
-    assert default_order("llama.cpp", "cells") == "llama.cpp"
-    assert default_order("infertrace", "cells") == "llama.cpp"
-    assert default_order("infertrace", "paged") == "hf"
+    assert default_order("cells") == "llama.cpp"
+    assert default_order("paged") == "hf"
 
 
 def _llamacpp_kept(llama_cpp, logits: list[float], p: SamplingParams) -> list[int]:
