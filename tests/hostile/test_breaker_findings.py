@@ -74,3 +74,18 @@ def test_dense_check_does_not_skip_a_small_mask_marked_truncated(right_padded):
     m["rows"][0][2] = "11111"  # query 2 keeps keys 3 and 4: not causal
     v, _ = check_trace(d)
     assert v is not None and v.variable == "mask"
+
+
+# ----------------------------------------------------------------------------- lanes / check: phantom preemption
+
+
+def test_check_refuses_a_preemption_of_a_sequence_the_trace_never_ran():
+    """check passes a step that preempts seq 77, which no request and no batch row ever names; show/export then draw a phantom 'preempted' lane (trace/check/checker.py step())."""
+    d = copy.deepcopy(H.load("batching-paged"))
+    known = {r["seq_id"] for r in d["requests"]} | {r["seq_id"] for st in d["steps"] for r in st["batch"]}
+    assert 77 not in known
+    v0, _ = check_trace(copy.deepcopy(d))
+    assert v0 is None, v0.line()
+    d["steps"][1]["preempted"] = [77]
+    v, _ = check_trace(d)
+    assert v is not None
