@@ -89,3 +89,12 @@ def test_check_refuses_a_preemption_of_a_sequence_the_trace_never_ran():
     d["steps"][1]["preempted"] = [77]
     v, _ = check_trace(d)
     assert v is not None
+
+
+def test_dense_layout_violation_names_the_ragged_attention_mask(right_padded):
+    """A ragged attention_mask row is reported as "input_ids are [2, 5] but ... gives [B, T] = [2, 5]": a self-contradicting line that never names the mask (check/dense.py _layout)."""
+    d = copy.deepcopy(right_padded)
+    d["steps"][0]["hf"]["attention_mask"][1] = [1, 0]  # row 1 is 2 wide, T = 5
+    v, _ = check_trace(d)
+    assert v is not None and v.rule == "dense layout [B, T]"
+    assert "attention_mask" in v.detail, v.detail
