@@ -23,7 +23,7 @@ def test_engine_choices_come_from_the_registry() -> None:
     from infertrace.cli.common import ENGINES
     from infertrace.trace.store import ENGINES as STORED
 
-    assert ENGINES == STORED == ("infertrace", "llama.cpp", "vllm") == api.names()
+    assert ENGINES == STORED == ("infertrace", "llama.cpp", "vllm", "hf") == api.names()
     assert api.info("vllm").convention == "paged" and api.info("infertrace").conventions == ("cells", "paged")
     with pytest.raises(InfertraceError, match="unknown runtime 'x'; choose from infertrace, llama.cpp, vllm"):
         api.info("x")
