@@ -135,6 +135,12 @@ def main() -> None:
     sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
 
+def _command_in_argv() -> str | None:
+    """The subcommand named on the command line (click leaves a missing option value without a context)."""
+    names = {c.name for c in app.registered_commands}
+    return next((a for a in sys.argv[1:] if a in names), None)
+
+
 def _cli_control_exit(e: BaseException) -> int:
     """Print click's / Typer's own control exceptions the way every other error is printed and return the
     exit code: a usage error (unknown option, bad value, missing argument) as one ``error:`` line naming
@@ -145,8 +151,9 @@ def _cli_control_exit(e: BaseException) -> int:
         return 2
     if hasattr(e, "format_message") and hasattr(e, "exit_code") and name != "Exit":  # UsageError and its kinds
         ctx = getattr(e, "ctx", None)
-        where = f"infertrace {ctx.info_name} -h" if ctx is not None and ctx.parent is not None else "infertrace -h"
-        typer.echo(f"error: {_one_line(visible(e.format_message()))}; see '{where}'", err=True)
+        cmd = ctx.info_name if ctx is not None and ctx.parent is not None else _command_in_argv()
+        where = f"infertrace {cmd} -h" if cmd else "infertrace -h"
+        typer.echo(f"error: {_one_line(visible(e.format_message())).rstrip('.')}; see '{where}'", err=True)
         return int(e.exit_code)
     if name == "Abort":
         typer.echo("Aborted.", err=True)

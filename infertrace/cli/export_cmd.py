@@ -70,6 +70,7 @@ def _inside_trace(out: Path, trace_dir: Path) -> bool:
     """True when ``out`` would land in the trace's own directory (it may be a read-only fixture, and
     ``--force`` must never replace one of the trace's files)."""
     try:
-        return os.path.realpath(os.path.dirname(os.path.abspath(out))) == os.path.realpath(trace_dir)
+        d = trace_dir if os.path.isdir(trace_dir) else os.path.dirname(os.path.abspath(trace_dir))  # DIR or DIR/trace.json
+        return os.path.realpath(os.path.dirname(os.path.abspath(out))) == os.path.realpath(d)
     except OSError:
         return False

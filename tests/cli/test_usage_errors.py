@@ -17,6 +17,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     (("run", "--bogus"), "No such option: --bogus", "infertrace run -h"),
     (("run", "--prompt", "x", "--max-new-tokens", "abc"), "Invalid value for '--max-new-tokens'", "infertrace run -h"),
     (("nosuch",), "No such command 'nosuch'", "infertrace -h"),
+    (("run", "-n"), "Option '-n' requires an argument", "infertrace run -h"),  # click gives no context: argv names it
     (("show", "a", "b"), "Got unexpected extra argument", "infertrace show -h"),
 ])
 def test_usage_error_is_one_line(args: tuple[str, ...], says: str, where: str) -> None:

@@ -56,7 +56,12 @@ class _Checker(PositionRules, MaskRules, SwaRules, CellRules, PagedRules, SpecRu
         self.need(isinstance(batch, list), s, None, "schema", "batch is not a list")
         preempted = st.get("preempted") or []
         self.need(isinstance(preempted, list) and all(_int(x) for x in preempted), s, None, "schema", "preempted is not a list of ints")
-        for sid in preempted:
+        for sid in preempted:  # only a sequence that has run and not finished can be preempted
+            self.n_checks += 1
+            if _int(sid) and (sid not in self.next_pos or sid in self.finished):
+                self.fail(s, sid, "serving", "a preempted sequence was running",
+                          f"seq {sid} is preempted but " + ("finished earlier" if sid in self.finished
+                                                           else "no earlier step computed it"))
             self.next_pos[sid] = 0
         self.preempted = set(preempted)
         reqs = []
