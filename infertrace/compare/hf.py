@@ -65,6 +65,16 @@ class LogitsCapture:
                 j += 1
 
 
+def _transformers(who: str) -> Any:
+    """The ``transformers`` module, or one line saying how to install it (``who``: the option that needs it)."""
+    try:
+        import transformers
+    except ImportError:
+        raise InfertraceError(f"{who} needs transformers: run `make setup-dev` in the infertrace checkout (or "
+                              "`.venv/bin/pip install -e '.[dev]'` there)") from None
+    return transformers
+
+
 def hf_model(path: Path) -> Any:
     """HF transformers' ``AutoModelForCausalLM`` on ``path`` (GGUF file or HF directory), float32, eval mode; one
     loaded model is kept (the same cache :func:`hf_reference` uses).
@@ -72,10 +82,7 @@ def hf_model(path: Path) -> Any:
     Raises:
         InfertraceError: transformers missing (``make setup-dev``) or load failure.
     """
-    try:
-        import transformers
-    except ImportError:
-        raise InfertraceError("--engine hf needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)") from None
+    transformers = _transformers("--engine hf")
     key = str(Path(path).resolve())
     model = _HF_CACHE.get(key)
     if model is None:
@@ -92,10 +99,7 @@ def hf_reference(path: Path) -> Reference:
     Raises:
         InfertraceError: transformers missing (``make setup-dev``) or load failure.
     """
-    try:
-        import transformers
-    except ImportError:
-        raise InfertraceError("--against hf needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)") from None
+    transformers = _transformers("--against hf")
     key = str(Path(path).resolve())
     model = _HF_CACHE.get(key)
     with _quiet_transformers(transformers):

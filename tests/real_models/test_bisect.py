@@ -97,21 +97,9 @@ def hf_truth(hf_copies, traces):
     _, _, clean, bad = hf_copies
     ids = torch.tensor([traces["prompt_ids"]])  # [1, T]
 
-    def run(model):
-        got = {}
-        hooks = []
-        for i, layer in enumerate(model.model.layers):
-            hooks.append(layer.self_attn.register_forward_hook(lambda m, a, o, i=i: got.__setitem__((i, "attn_out"), o[0].detach())))
-            hooks.append(layer.mlp.register_forward_hook(lambda m, a, o, i=i: got.__setitem__((i, "mlp_out"), o.detach())))
-            hooks.append(layer.register_forward_hook(
-                lambda m, a, o, i=i: got.__setitem__((i, "resid_post"), (o[0] if isinstance(o, tuple) else o).detach())))
-        with torch.no_grad():
-            model(ids)
-        for h in hooks:
-            h.remove()
-        return got
+    from tests.helpers.hf_taps import hf_taps
 
-    a, b = run(clean), run(bad)
+    a, b = hf_taps(clean, ids), hf_taps(bad, ids)
     whole = {k: float((a[k] - b[k]).norm() / a[k].norm()) for k in a}
     last = {k: float((a[k][0, -1] - b[k][0, -1]).norm() / a[k][0, -1].norm()) for k in a}  # the last prompt token's row
     return {"whole": whole, "last": last}

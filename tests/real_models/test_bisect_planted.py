@@ -49,20 +49,10 @@ def hf_truth(files, hf_smol):
                                                             dtype=torch.float32).eval()
     ids = torch.tensor([tok(PROMPT)["input_ids"]])  # [1, T]
 
-    def run(model):
-        got, hooks = {}, []
-        for i, layer in enumerate(model.model.layers):
-            for tap, mod in (("q_pre_rope", layer.self_attn.q_proj), ("k_pre_rope", layer.self_attn.k_proj),
-                             ("v", layer.self_attn.v_proj), ("mlp_out", layer.mlp)):
-                hooks.append(mod.register_forward_hook(lambda m, a, o, k=(i, tap): got.__setitem__(k, o[0, -1].detach())))
-            hooks.append(layer.self_attn.register_forward_hook(lambda m, a, o, i=i: got.__setitem__((i, "attn_out"), o[0][0, -1].detach())))
-        with torch.no_grad():
-            model(ids)
-        for h in hooks:
-            h.remove()
-        return got
+    from tests.helpers.hf_taps import hf_taps
 
-    a, b = run(clean), run(bad)
+    a, b = hf_taps(clean, ids), hf_taps(bad, ids)
+    a, b = ({k: t[0, -1] for k, t in x.items()} for x in (a, b))  # the last prompt row
     return {k: float((a[k] - b[k]).norm() / a[k].norm()) for k in a}
 
 

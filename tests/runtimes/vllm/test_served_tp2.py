@@ -2,7 +2,8 @@
 executor) recorded by the plugin in each worker: per-rank KV heads and cache shards, the same metadata on
 both ranks, vLLM's cached-token count and tokens, ``check`` and the paged replay. The model is a tiny
 random Llama whose heads divide by 2 (4 heads, 2 KV heads; SmolLM2's 9 heads do not, vLLM refuses TP=2
-for it). Ray is not installed here (``--distributed-executor-backend ray`` not run)."""
+for it). ``--distributed-executor-backend ray`` is refused by vLLM's CPU build itself (``current platform cpu does not
+support ray``, vllm/v1/executor/ray_utils.py; docs/runtimes/vllm-serve.md)."""
 
 from __future__ import annotations
 
