@@ -127,7 +127,7 @@ def _ragged(c: Any, s: int, am: list[list], width: int, which: str) -> None:
     for b, row in enumerate(am):
         if len(row) != width:
             c.fail(s, None, "hf", "dense layout [B, T]", f"{which} attention_mask row {b} is {len(row)} columns wide, but "
-                   f"the [B, L] mask is L = {width} wide in every row (row 0: {len(am[0])})")
+                   f"the [B, L] mask is L = {width} wide in every row")
 
 
 def _span(text: Any) -> list[int] | None:
