@@ -16,9 +16,9 @@ from infertrace.trace.records import RunTrace
 from infertrace.trace.store import load_saved, read_manifest
 
 #: the variables ``show`` draws from facts ``check`` recomputes (positions, the mask and its window, the cache's
-#: cells / blocks / streams, vLLM's own metadata): a trace whose copy of them contradicts the facts would be
-#: displayed as if it held
-MISLEADING = ("positions", "mask", "kv", "vllm")
+#: cells / blocks / streams, vLLM's own metadata, HF's dense batch: input_ids / attention_mask / position_ids /
+#: cache lengths): a trace whose copy of them contradicts the facts would be displayed as if it held
+MISLEADING = ("positions", "mask", "kv", "vllm", "hf")
 
 HELP = ("Print a trace saved with 'run --save DIR' as run prints it: header, worked-example table, outputs and a "
         "summary; --var VAR (or --show VAR) adds that variable's panel per step, --var all every panel.")

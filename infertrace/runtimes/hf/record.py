@@ -15,11 +15,13 @@ from typing import Any
 import torch
 
 from infertrace.ranges import ranges_text
+from infertrace.trace.check.dense import MASK_MAX_KV, MASK_MAX_Q
 from infertrace.runtimes.hf.capture import ForwardCapture, cache_layers, keep_matrix
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
 
-#: the mask rows recorded per batch row: at most this many queries and key columns (longer runs are cut, said so)
-MAX_Q, MAX_KV = 256, 4096
+#: the mask rows recorded per batch row: at most this many queries and key columns (longer runs are cut, said so);
+#: one bound shared with the dense check, which holds a record to it
+MAX_Q, MAX_KV = MASK_MAX_Q, MASK_MAX_KV
 
 
 def _r(x: float, nd: int = 6) -> float:

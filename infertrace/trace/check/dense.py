@@ -32,6 +32,10 @@ from typing import Any
 
 from infertrace.trace.check.base import _d, _int, _l, intervals
 
+#: the mask lines recorded per batch row (runtimes/hf/record.py): at most this many queries and key columns; a
+#: longer mask is cut to them and marked ``truncated``
+MASK_MAX_Q, MASK_MAX_KV = 256, 4096
+
 
 def dense_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
     """Every dense rule of one step (module docstring); raises through ``c.fail``."""
@@ -71,9 +75,10 @@ def _layout(c: Any, s: int, st: dict, hf: dict, state: dict) -> None:
         B, T = len(prompts), max((len(p) for p in prompts), default=0)
         state["T"] = T
         c.n_checks += 1
-        if len(ids) != B or any(len(r) != T for r in ids) or any(len(r) != T for r in am):
-            c.fail(s, None, "hf", "dense layout [B, T]", f"the first forward's input_ids are [{len(ids)}, {q}] but the "
-                   f"{B} requests' longest prompt gives [B, T] = [{B}, {T}]")
+        if len(ids) != B or any(len(r) != T for r in ids):
+            c.fail(s, None, "hf", "dense layout [B, T]", f"the first forward's input_ids are [{len(ids)}, "
+                   f"{_widths(ids)}] but the {B} requests' longest prompt gives [B, T] = [{B}, {T}]")
+        _ragged(c, s, am, T, "the first forward's")
         left = hf.get("padding") == "left"
         for b, p in enumerate(prompts):
             cols = list(range(T - len(p), T)) if left else list(range(len(p)))
@@ -84,8 +89,9 @@ def _layout(c: Any, s: int, st: dict, hf: dict, state: dict) -> None:
                        f"in T = {T}): attention_mask {str(am[b])[:60]}, expected {str(want)[:60]} with the prompt at those columns")
     T = state.get("T", 0)
     want_L = T + state["k"]
+    _ragged(c, s, am, L, f"forward {state['k']}'s")
     c.n_checks += 1
-    if (state["k"] > 0 and q != 1) or L != want_L or any(len(r) != L for r in am) or hf.get("past_seen_tokens") != L - q \
+    if (state["k"] > 0 and q != 1) or L != want_L or hf.get("past_seen_tokens") != L - q \
             or hf.get("cache_position") != list(range(L - q, L)):
         c.fail(s, None, "hf", "dense layout [B, T]", f"forward {state['k']}: input_ids [B, {q}], attention_mask width {L}, "
                f"past_seen_tokens {hf.get('past_seen_tokens')!r}; expected [B, {1 if state['k'] else T}], L = T + {state['k']} = "
@@ -106,6 +112,22 @@ def _layout(c: Any, s: int, st: dict, hf: dict, state: dict) -> None:
                 if _span(r.get("real_cols")) != real or _span(r.get("pad_cols")) != [j for j in range(L) if not am[b][j]]:
                     c.fail(s, None, "kv", "dense layout [B, T]", f"kv.physical row {b}: real_cols {r.get('real_cols')!r} / "
                            f"pad_cols {r.get('pad_cols')!r} are not the attention_mask's 1 / 0 columns")
+
+
+def _widths(rows: list[list]) -> str:
+    """The row widths of a [B, *] list: ``5`` when all agree, else ``5 / 2`` (ragged)."""
+    w = sorted({len(r) for r in rows})
+    return " / ".join(map(str, w)) if w else "0"
+
+
+def _ragged(c: Any, s: int, am: list[list], width: int, which: str) -> None:
+    """Every ``attention_mask`` row is ``width`` wide (HF's 2-D mask is one [B, L] tensor); else the first row
+    that is not, named with its width."""
+    c.n_checks += 1
+    for b, row in enumerate(am):
+        if len(row) != width:
+            c.fail(s, None, "hf", "dense layout [B, T]", f"{which} attention_mask row {b} is {len(row)} columns wide, but "
+                   f"the [B, L] mask is L = {width} wide in every row")
 
 
 def _span(text: Any) -> list[int] | None:
@@ -167,25 +189,58 @@ def _masks(c: Any, s: int, hf: dict, reqs: list[dict]) -> None:
                        "columns: nothing would drop them")
             continue
         rows, off = _l(m.get("rows")), m.get("kv_offset", 0)
-        if m.get("truncated"):
-            continue
+        c.need(_int(off) and 0 <= off < L, s, None, "mask", f"hf.masks.{lt}.kv_offset {off!r} is not a column 0..{L - 1}")
+        nq, nk = _mask_shape(c, s, lt, m, rows, q, L - off)
         W = _window(c, lt)
         for r in reqs:
             b = _row_of(hf, r["seq_id"])
             c.need(b is not None and b < len(rows) and isinstance(rows[b], list), s, r["seq_id"], "mask",
                    f"hf.masks.{lt} has no row for seq {r['seq_id']}")
-            for i in _cols_of(hf, b, 0):
-                line = rows[b][i] if i < len(rows[b]) else ""
-                qi = L - q + i  # the query's cache column
-                for j, x in enumerate(str(line)):
-                    col = off + j
-                    keep = col < L and am[b][col] == 1 and col <= qi and (W is None or qi - col < W)
-                    c.n_checks += 1
-                    if (x == "1") != keep:
-                        what = ("a pad column" if col < L and am[b][col] == 0 else "a later column" if col > qi
-                                else "a column outside the window" if W is not None and qi - col >= W else "a real earlier column")
-                        c.fail(s, r["seq_id"], "mask", "pad columns masked", f"HF's {lt} mask, row {b} query column {qi}: key column "
-                               f"{col} ({what}) is {'kept' if x == '1' else 'dropped'}")
+            for i in (i for i in _cols_of(hf, b, 0) if i < nq):  # a truncated record lists the first MASK_MAX_Q queries
+                _mask_line(c, s, r["seq_id"], lt, am[b], b, rows[b][i], L - q + i, off, W)
+
+
+def _mask_shape(c: Any, s: int, lt: str, m: dict, rows: list, q: int, kv: int) -> tuple[int, int]:
+    """Every batch row of the recorded mask is ``q`` query lines of ``kv`` key characters (``0``/``1``), cut to
+    :data:`MASK_MAX_Q` x :data:`MASK_MAX_KV` exactly when ``truncated`` (runtimes/hf/record.py sets it only then);
+    returns the (queries, keys) listed. Raises through ``c.fail`` (variable ``mask``)."""
+    cut = q > MASK_MAX_Q or kv > MASK_MAX_KV
+    c.n_checks += 1
+    if bool(m.get("truncated")) != cut:
+        c.fail(s, None, "mask", "pad columns masked", f"HF's {lt} mask is {q} queries x {kv} keys, "
+               f"{'over' if cut else 'within'} the recorded bound {MASK_MAX_Q} x {MASK_MAX_KV}, but is marked truncated: "
+               f"{bool(m.get('truncated'))} (the recorder cuts it exactly when it is over)")
+    shape = m.get("shape")
+    c.n_checks += 1
+    if isinstance(shape, list) and shape[-2:] != [q, kv]:
+        c.fail(s, None, "mask", "pad columns masked", f"HF's {lt} mask has shape {str(shape)[:40]} but the forward has "
+               f"q = {q} queries over kv = {kv} key columns (L - kv_offset)")
+    nq, nk = min(q, MASK_MAX_Q), min(kv, MASK_MAX_KV)
+    for b, row in enumerate(rows):
+        c.n_checks += 1
+        if not isinstance(row, list) or len(row) != nq:
+            c.fail(s, None, "mask", "pad columns masked", f"HF's {lt} mask, row {b}: "
+                   f"{len(row) if isinstance(row, list) else type(row).__name__} query lines, expected {nq} (q = {q})")
+        for i, line in enumerate(row):
+            if not isinstance(line, str) or len(line) != nk or line.strip("01"):
+                c.fail(s, None, "mask", "pad columns masked", f"HF's {lt} mask, row {b} query line {i}: "
+                       f"{str(line)[:40]!r} is not {nk} key columns of 0/1 (kv = {kv} keys)")
+    return nq, nk
+
+
+def _mask_line(c: Any, s: int, sid: int, lt: str, am_row: list, b: int, line: str, qi: int, off: int, W: int | None) -> None:
+    """One real query's recorded mask line (key columns ``off ..``; ``qi`` the query's cache column): it keeps exactly
+    the real key columns ``j <= qi`` (and ``qi - j < W`` on a sliding layer)."""
+    L = len(am_row)
+    for j, x in enumerate(line):
+        col = off + j
+        keep = col < L and am_row[col] == 1 and col <= qi and (W is None or qi - col < W)
+        c.n_checks += 1
+        if (x == "1") != keep:
+            what = ("a pad column" if col < L and am_row[col] == 0 else "a later column" if col > qi
+                    else "a column outside the window" if W is not None and qi - col >= W else "a real earlier column")
+            c.fail(s, sid, "mask", "pad columns masked", f"HF's {lt} mask, row {b} query column {qi}: key column "
+                   f"{col} ({what}) is {'kept' if x == '1' else 'dropped'}")
 
 
 def _cache(c: Any, s: int, st: dict, hf: dict) -> None:

@@ -138,3 +138,23 @@ def test_no_pad_column_means_sdpa_runs_is_causal(smol, hf_smol):
     m["steps"][0]["hf"]["attention_mask"][1][0] = 0
     v, _ = check_trace(m)
     assert v is not None and v.rule in ("dense layout [B, T]", "pad columns masked")
+
+
+@pytest.mark.parametrize("mutate, phrase", [
+    (_pad_position, "row 1: position_ids [1, 0, 0, 0, 1]"),  # left-padded "Hello there": pads 0..2, real 3..4
+    (_right_layout, "row 1 (left padding, prompt of 2 tokens in T = 5)"),
+], ids=lambda x: getattr(x, "__name__", "phrase"))
+def test_show_refuses_a_dense_trace_that_breaks_a_dense_rule(ragged, tmp_path, mutate, phrase):
+    """show draws HF's dense batch (input_ids / attention_mask / position_ids) as fact; a saved trace whose hf
+    section breaks a dense rule (variable hf) is refused in one line, as a broken mask or kv is."""
+    out = tmp_path / "t"
+    save_trace(RunTrace.from_dict(copy.deepcopy(ragged)), out)
+    m = json.loads((out / "trace.json").read_text())
+    mutate(m)
+    v, _ = check_trace(copy.deepcopy(m))
+    assert v is not None and v.variable == "hf", v and v.line()
+    (out / "trace.json").write_text(json.dumps(m))
+    res = CliRunner().invoke(app, ["show", str(out)], env={"COLUMNS": "160"})
+    text = res.output.strip()
+    assert res.exit_code == 2 and len(text.splitlines()) == 1, text
+    assert "inconsistent trace, not shown" in text and phrase in text, text
