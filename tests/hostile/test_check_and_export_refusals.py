@@ -1,6 +1,6 @@
-"""Refusals found by attacking the new commands: export must not overwrite the trace it reads, the dense check holds HF masks and layouts to their shape, check refuses a preemption of a sequence that never ran."""
+"""Refusals found by attacking the new commands: export must not overwrite the trace it reads, the dense check holds HF masks and layouts to their shape, check refuses a preemption of a sequence that never ran.
 
-Each test demonstrates one real bug and fails until it is fixed; the reference behaviour is the contract
+Each test once demonstrated one real bug (all fixed); the reference behaviour is the contract
 in the module docstrings / docs pages named in each test (never infertrace's own output).
 """
 
