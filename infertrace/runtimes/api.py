@@ -71,6 +71,8 @@ class RuntimeInfo:
     tensor_parallel: bool = False
     ctx_note: str = ""
     comparison: str = ""
+    #: False: the runtime keeps no tensors file (``run --save`` then saves the trace alone, and says so)
+    keeps_tensors: bool = True
 
     @property
     def convention(self) -> str:
@@ -240,7 +242,7 @@ REGISTRY: dict[str, RuntimeInfo] = {
         "hf", "HF transformers, one padded [B, T] batch with its DynamicCache: its input_ids, attention_mask, position_ids, "
         "masks per layer type, cache lengths, K/V and logits",
         "infertrace.runtimes.hf.runtime:HfRuntime", ("dense",), own_weights=True, install="dev", native="hf",
-        native_settings=("padding",)),
+        native_settings=("padding",), keeps_tensors=False),
 }
 
 

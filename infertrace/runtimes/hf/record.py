@@ -155,9 +155,13 @@ def build_step(step: int, inp: StepInputs, rows: list[RowStep], tok: Any, cfg: A
             seq_id=r.seq_id, phase="prefill" if r.C == 0 else "decode", C=r.C, T=r.T, token_ids=list(r.token_ids),
             pieces=[tok.piece(t) for t in r.token_ids], positions=[int(inp.position_ids[r.b, c]) for c in r.q_cols],
             visible=vis, cache_before=ranges_text(range(r.C)), cache_after=ranges_text(range(r.C + r.T)),
-            rows=rows_packed, logits_row=rows_packed[r.q_cols.index(r.logit_col)] if r.logit_col is not None else None,
+            rows=rows_packed, logits_row=None,
             sampled=s.token if s else None, sampled_piece=tok.piece(s.token) if s else None, finished=r.finished,
             visible_swa=vis_swa))
+    j = 0  # logits_row: the index into the step's logits rows (DecodeRec.logits_rows), as every convention has it
+    for r, rq in zip(rows, reqs):
+        if r.logit_col is not None:
+            rq.logits_row, j = j, j + 1
     st = StepTrace(step=step, backend="dense", attention=attn, N=start, batch=reqs)
     if "hidden" in show and inp.cap.embed is not None:
         st.hidden = _hidden(inp, packed, tok)
@@ -274,7 +278,7 @@ def _decode(inp: StepInputs, rows: list[RowStep], reqs: list[ReqStep], tok: Any,
         if s is None:
             per.append({"seq_id": r.seq_id, "row": None, "note": "no logits needed"})
             continue
-        lrows.append(rq.logits_row)
+        lrows.append(rq.rows[r.q_cols.index(r.logit_col)])  # the packed row whose logits were sampled
         per.append({"seq_id": r.seq_id, "row": rq.logits_row, "sampler": params[r.seq_id].to_dict(),
                     "top": [{"id": i, "piece": tok.piece(i), "logit": _r(lg, 5), "prob": _r(p, 5)} for i, lg, p in s.top[:top_k]],
                     "chosen": s.token, "chosen_piece": tok.piece(s.token),

@@ -63,7 +63,7 @@ class HfRuntime:
         refusals = (
             (settings.dtype != "float32", f"--engine hf computes in float32 (the dequantised checkpoint, as --against hf); got --dtype {settings.dtype}"),
             (settings.tensor_parallel_size != 1, "--engine hf runs one process (tensor_parallel_size 1)"),
-            (settings.tensor_layers is not None, "--engine hf does not keep tensors (--keep tensors): it records K/V at --layer"),
+            (settings.tensor_layers is not None, "--engine hf keeps no tensors file (HF's K/V at --layer are in the trace itself); pass --keep summary"),
             (o.speculative is not None, "--engine hf runs no speculative decoding (generate()'s assisted decoding is not traced)"),
             (o.prefix_cache, "--engine hf has no prefix cache (each run builds one DynamicCache)"),
             (o.context_shift, "--engine hf has no context shift"),
@@ -89,7 +89,7 @@ class HfRuntime:
 
     def __init__(self, loaded: Any, settings: RunSettings, tensors: dict[str, Any] | None = None, model: Any = None):
         if tensors is not None:
-            raise InfertraceError("--engine hf does not keep tensors (--keep tensors): it records K/V at --layer")
+            raise InfertraceError("--engine hf keeps no tensors file (HF's K/V at --layer are in the trace itself); pass --keep summary")
         self.settings = self.check(settings, loaded.config)
         self.padding = self.settings.native["padding"]
         self.tok, self.cfg, self.layer = loaded.tokenizer, loaded.config, self.settings.layer
