@@ -178,7 +178,9 @@ def doc_samples() -> list[list[str]]:
     serving sample (``$ infertrace run ...`` with its continuation lines), as argument lists after
     ``infertrace run``; a command printed on two pages is run once. A command on a model the page builds
     itself (an absolute ``--model`` path, e.g. the planted-defect copies of docs/bisect.md) is left to that
-    page's own test (tests/real_models/test_bisect.py runs the same flow)."""
+    page's own test (tests/real_models/test_bisect.py runs the same flow), and so is a command reading a
+    ``--prompts FILE`` the page shows beside it (docs/bisect.md's batch-invariance run:
+    tests/runtimes/vllm/test_batch_invariance.py)."""
     lines = [ln for page in sorted(DOCS.rglob("*.md")) for ln in page.read_text(encoding="utf-8").splitlines()]
     out, i = [], 0
     while i < len(lines):
@@ -195,7 +197,7 @@ def doc_samples() -> list[list[str]]:
             cmd = re.split(r"\s+#\s", cmd)[0]  # drop the comment
             args = shlex.split(cmd)[2:]
             model = next((args[j + 1] for j, a in enumerate(args[:-1]) if a in ("--model", "-m")), "")
-            if args not in out and not model.startswith("/"):
+            if args not in out and not model.startswith("/") and "--prompts" not in args:
                 out.append(args)
         i += 1
     return out

@@ -235,7 +235,7 @@ def test_unknown_model_name_lists_the_registered_names(tmp_path, monkeypatch, co
     (["--prompt", "hi", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
     (["--prompt", "hi", "--ctx-size", "0"], "--ctx-size must be >= 1"),
     (["--prompt", "hi", "--temperature", "-0.5"], "--temperature must be 0 (greedy) or >= 0.001"),
-    (["--prompt", "hi", "--backend", "dense"], "--backend must be one of cells, paged"),
+    (["--prompt", "hi", "--backend", "dense"], "infertrace runs the cells or paged convention, not dense; drop --backend dense"),
     (["--prompt", "a", "--prompt", "b", "--arrival", "1"], "one per --prompt"),
     (["--prompt", "hi", "--steps", "3..1"], "is empty"),
     (["--max-new-tokens", "2"], "no prompt given"),
