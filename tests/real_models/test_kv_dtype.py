@@ -143,7 +143,7 @@ def test_cli_kv_dtype_trace_and_refusals(tmp_path) -> None:
     del d["options"]["engine"]["kv_dtype"]  # a trace from before the option
     validate_trace(d, "trace.json")
     for args, msg in ((["--kv-dtype", "f8"], "--kv-dtype must be one of f32, f16, bf16 (got 'f8')"),
-                      (["--kv-dtype", "f16", "--engine", "llama.cpp"], "--kv-dtype sets this engine's cache"),
+                      (["--kv-dtype", "f16", "--engine", "llama.cpp"], "llama.cpp keeps its own cache type"),
                       (["--kv-dtype", "bf16", "--backend", "paged", "--replay", str(tmp_path / "none")], "drop --kv-dtype")):
         res = r.invoke(app, ["run", "-p", "Hi", "-n", "1", *args])
         assert res.exit_code == 2, res.output
