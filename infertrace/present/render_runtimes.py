@@ -102,8 +102,11 @@ def logical_lines(res: Any, info: dict[str, Any], name_a: str = "A", name_b: str
                      + (f" ({d.note})" if d.note else ""))
     if res.count > 5:
         lines.append(f"  ... {res.count - 5} more")
+    kv = info.get("kv")
+    kv_said = ("K/V within the noise floor" if kv and kv.get("layer") is not None and kv.get("positions")
+               else "K/V not compared")
     lines.append(f"no logical difference between {name_a} and {name_b} (tokens, positions and visible keys exact, per "
-                 "request and position; K/V within the noise floor; logits summarised above; convention fields listed, "
+                 f"request and position; {kv_said}; logits summarised above; convention fields listed, "
                  "not compared)" if res.equal else
                  f"{name_a} and {name_b} differ in the logical variables (first: seq {res.first.seq_id} {res.first.variable})")
     return [visible(x) for x in lines]
