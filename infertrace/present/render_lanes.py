@@ -74,13 +74,15 @@ def composition_table(lanes: Lanes) -> Table:
     t.add_column("N", justify="right", no_wrap=True)
     for sid in shown:
         t.add_column(f"seq {sid}", overflow="fold")
+    if lanes.unmarked:  # a collected served trace: what the server ran beside the marked requests
+        t.add_column("unmarked", no_wrap=True)
     rows = folded_rows(lanes)
     index = {st: i for i, st in enumerate(lanes.steps)}
     for a, b in rows[:MAX_ROWS]:
         n, span = lanes.n_tokens.get(a, 0), index[b] - index[a] + 1
         cells: list[Text | str] = [str(a) if a == b else f"{a}..{b}", str(n) if a == b else f"{n}/step"]
         if not lanes.at(a):
-            cells[1] = Text("0 idle", style="dim")
+            cells[1] = Text("0 idle" if a not in lanes.unmarked else "0 marked", style="dim")
         for sid in shown:
             s = lanes.by_seq.get(sid, {}).get(a)
             if s is None:
@@ -89,6 +91,9 @@ def composition_table(lanes: Lanes) -> Table:
                 cells.append(slot_text(s, span=span, last_pos=lanes.by_seq[sid][b].C))
             else:
                 cells.append(slot_text(s))
+        if lanes.unmarked:
+            u = [lanes.unmarked[st] for st in lanes.steps[index[a]:index[b] + 1] if st in lanes.unmarked]
+            cells.append(f"{max(n for n, _ in u)} req, {sum(k for _, k in u)} tok" if u else "")
         t.add_row(*cells)
     return t
 

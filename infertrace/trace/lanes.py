@@ -106,6 +106,9 @@ class Lanes:
     by_seq: dict[int, dict[int, Slot]] = field(default_factory=dict)
     n_tokens: dict[int, int] = field(default_factory=dict)
     time_ms: dict[int, float] = field(default_factory=dict)
+    #: a collected served trace (``step.vllm.served.batch``): per step, the requests the server ran beside the
+    #: marked ones (``(count, tokens)``); empty for every other trace
+    unmarked: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def at(self, step: int) -> list[Slot]:
         """The slots of one step, in lane order (the batch composition of that step)."""
@@ -177,6 +180,19 @@ def _name_chunks(prefills: list[Slot]) -> None:
             s.kind, s.chunk, s.chunks = "chunk", k, len(rows)
 
 
+def _unmarked(st: Any, marked: set[Any]) -> tuple[int, int] | None:
+    """``(requests, tokens)`` the served step ran beside the trace's marked requests (``step.vllm.served.batch``,
+    validated by the schema), or None when the step has no served record or nothing else ran."""
+    served = (st.vllm or {}).get("served") if isinstance(getattr(st, "vllm", None), dict) else None
+    batch = served.get("batch") if isinstance(served, dict) else None
+    if not isinstance(batch, list):
+        return None
+    rest = [b for b in batch if isinstance(b, dict) and b.get("request_id") not in marked]
+    if not rest:
+        return None
+    return len(rest), sum(int(b.get("num_scheduled_tokens") or 0) for b in rest)
+
+
 def build_lanes(trace: RunTrace) -> Lanes:
     """The lanes of ``trace``: one :class:`Slot` per request per step it was scheduled or preempted in.
 
@@ -191,9 +207,13 @@ def build_lanes(trace: RunTrace) -> Lanes:
             seen.add(sid)
             seqs.append(sid)
     lanes = Lanes(seqs=seqs, steps=[st.step for st in trace.steps])
+    marked = {r.get("vllm_request_id") for r in trace.requests if isinstance(r, dict)}
     order: dict[int, list[Slot]] = {}
     for st in trace.steps:
         lanes.n_tokens[st.step] = int(st.N or 0)
+        others = _unmarked(st, marked)
+        if others is not None:
+            lanes.unmarked[st.step] = others
         t = float(st.time_ms or 0.0)
         lanes.time_ms[st.step] = t if math.isfinite(t) and 0.0 <= t <= MAX_STEP_MS else 0.0  # timing.json is untrusted
         for r in st.batch:

@@ -292,3 +292,29 @@ def test_the_trace_event_check_rejects_what_the_format_forbids():
                 [{**x(0, 1), "ts": "0"}]):
         with pytest.raises(AssertionError):
             check_trace_events({"traceEvents": meta + bad})
+
+
+def test_served_steps_show_the_unmarked_requests_beside_the_marked():
+    """A collected served step (step.vllm.served.batch, vLLM's own request ids and token counts) that ran two
+    unmarked requests (3 + 4 tokens) beside the marked one: the table gets an 'unmarked' column '2 req, 7 tok'."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from infertrace.present.render_lanes import composition_table
+    from infertrace.trace.lanes import _unmarked
+
+    st = SimpleNamespace(vllm={"served": {"batch": [{"request_id": "cmpl-a", "num_scheduled_tokens": 1},
+                                                    {"request_id": "cmpl-b", "num_scheduled_tokens": 3},
+                                                    {"request_id": "cmpl-c", "num_scheduled_tokens": 4}]}})
+    assert _unmarked(st, {"cmpl-a"}) == (2, 7)
+    assert _unmarked(st, {"cmpl-a", "cmpl-b", "cmpl-c"}) is None
+    assert _unmarked(SimpleNamespace(vllm=None), {"cmpl-a"}) is None
+    from infertrace.trace.lanes import Lanes, Slot
+
+    lanes = Lanes(seqs=[0, 1], steps=[0], by_seq={0: {0: Slot(seq_id=0, step=0, kind="decode", C=5, T=1)}},
+                  n_tokens={0: 1}, unmarked={0: (2, 7)})
+    c = Console(width=120, record=True)
+    c.print(composition_table(lanes))
+    out = c.export_text()
+    assert "unmarked" in out and "2 req, 7 tok" in out
