@@ -147,8 +147,8 @@ def render_header(console: Console, trace: RunTrace) -> None:
                 f"ISA {vl.get('isa', '?')}, block {vl.get('block_size', '?')}, {vl.get('num_blocks', '?')} blocks, null block 0, "
                 f"dtype {vl.get('dtype', '?')}, TP {vl.get('tensor_parallel_size', 1)}): scheduler output, block tables, "
                 "slot mapping, K/V and logits read from its objects")
-    elif getattr(trace, "engine", "infertrace") == "hf":
-        hf = o.get("hf", {}) if isinstance(o.get("hf"), dict) else {}
+    elif isinstance(o.get("hf"), dict):  # HF transformers' own section of the header
+        hf = o["hf"]
         conv = (f"computed by HF transformers itself ({hf.get('version', '?')}, {hf.get('model_class', '?')}, "
                 f"{hf.get('padding', '?')} padding, pad id {hf.get('pad_token_id', '?')}, batch {hf.get('batch_size', '?')} x "
                 f"{hf.get('padded_len', '?')}): input_ids, attention_mask, position_ids, masks and DynamicCache read from its objects")

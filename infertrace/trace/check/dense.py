@@ -37,16 +37,25 @@ from infertrace.trace.check.base import _d, _int, _l, intervals
 MASK_MAX_Q, MASK_MAX_KV = 256, 4096
 
 
+def _runs_dense(engine: Any) -> bool:
+    """True when the registry's runtime ``engine`` runs the dense convention (HF transformers)."""
+    from infertrace.runtimes.api import REGISTRY
+
+    r = REGISTRY.get(engine) if isinstance(engine, str) else None
+    return r is not None and "dense" in r.conventions
+
+
 def dense_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
     """Every dense rule of one step (module docstring); raises through ``c.fail``."""
     hf = st.get("hf")
     c.n_checks += 1
+    dense_engine = _runs_dense(c.m.get("engine"))
     if hf is None:
-        if c.m.get("engine") == "hf" and reqs:
+        if dense_engine and reqs:
             c.fail(s, None, "hf", "the engine named in the header", "the header names the engine hf but this computed step "
                    "has no hf section (--engine hf records HF's own inputs every step)")
         return
-    if c.m.get("engine") != "hf" or st.get("backend") != "dense":
+    if not dense_engine or st.get("backend") != "dense":
         c.fail(s, None, "hf", "the engine named in the header", f"the step has an hf section but the header names the engine "
                f"{c.m.get('engine')!r} and the step's backend is {st.get('backend')!r}")
     c.need(isinstance(hf, dict), s, None, "hf", "hf section is not an object")
