@@ -11,6 +11,8 @@ A pure function of the records, like :func:`infertrace.present.render.render_run
 
 from __future__ import annotations
 
+from infertrace.safe_text import visible
+
 from typing import Any
 
 from markupsafe import Markup
@@ -405,7 +407,8 @@ def build_report(trace: RunTrace, source: str = "") -> str:
     table_rows = [row for st in trace.steps for row in _rows_of(st)]
     outputs = [[r["seq_id"], piece_text(r.get("prompt", "")), piece_text(r.get("text", "")), r.get("stop_reason"),
                 len(r.get("output_ids", []))] for r in trace.requests]
-    title = f"infertrace report · {mo.get('file', '?')} · {o.get('backend', '?')}"
+    # control and bidi characters made visible (a model file name is untrusted: an RLO would reorder the title)
+    title = visible(f"infertrace report · {mo.get('file', '?')} · {o.get('backend', '?')}")
     shown = trace.steps[:MAX_STEP_SECTIONS]
     return str(J([
         M('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'),

@@ -98,3 +98,20 @@ def test_dense_layout_violation_names_the_ragged_attention_mask(right_padded):
     v, _ = check_trace(d)
     assert v is not None and v.rule == "dense layout [B, T]"
     assert "attention_mask" in v.detail, v.detail
+
+
+def test_report_title_shows_control_and_bidi_characters_of_the_model_file(tmp_path):
+    """A model file name with ESC, BEL and U+202E (right-to-left override) reached the report's <title> and <h1> raw."""
+    import json
+
+    d = _copy_golden(tmp_path)
+    m = json.loads((d / "trace.json").read_text())
+    m["model"]["file"] = "evil\u202egguf.\x1b[31m\x07.gguf"
+    (d / "trace.json").write_text(json.dumps(m))
+    out = tmp_path / "r.html"
+    res = invoke("report", d, "-o", out)
+    assert res.exit_code == 0, res.output
+    html = out.read_text(encoding="utf-8")
+    head = html[html.index("<title>"):html.index("</h1>")]
+    assert "\u202e" not in head and "\x1b" not in head and "\x07" not in head
+    assert "\\u202e" in head
