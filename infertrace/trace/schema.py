@@ -511,11 +511,16 @@ VLLM_HEADER = Obj({}, {"version": Str(max_len=200), "backend": Str(max_len=400),
                                               "layer_name": Str(max_len=400)}, extra=True), 4096),
                        "kv_cache_layout": Str(max_len=4096)}, extra=True)
 PADDED_VOCAB = Obj({"rows": U, "tokens": U}, {"policy": Str(max_len=64), "masked": Range()}, extra=True)
+#: where each saved per-layer tap came from in the runtime that computed it (``options.tap_sources``):
+#: saved tap name (``attn_out``, ``mlp_out``, ``resid_post``, ``q_pre_rope`` ...) -> one line naming the runtime's own
+#: tensor (a llama.cpp graph node, a vLLM / HF module's forward hook, our decoder's tap point)
+TAP_SOURCES = Map(Str(max_len=400), key_int=False, max_len=64)
 OPTIONS = Obj({}, {"backend": Str(choices=BACKENDS), "attention": Str(max_len=64), "device": Str(max_len=64),
                    "dtype": Str(choices=("float32", "bfloat16", "float16")), "layer": DIM,
                    "show": List(Str(choices=("hidden", "positions", "mask", "kv", "decode")), 64), "engine": ENGINE,
                    "llama_cpp": LLAMA_CPP, "weights": WEIGHTS, "sampler_order": Str(null=True, choices=("hf", "llama.cpp")),
-                   "vllm": VLLM_HEADER, "hf": HF_HEADER, "padded_vocab": PADDED_VOCAB}, extra=True)
+                   "vllm": VLLM_HEADER, "hf": HF_HEADER, "padded_vocab": PADDED_VOCAB,
+                   "tap_sources": TAP_SOURCES}, extra=True)
 MODEL = Obj({}, {"file": S, "name": Str(null=True), "size": Int(0, 1 << 62), "source": S, "metadata_sha256": Str(null=True)},
             extra=True)
 ROPE_SCALING = Obj({}, {"type": Str(max_len=64), "factor": FIN, "low_freq_factor": FIN, "high_freq_factor": FIN,
