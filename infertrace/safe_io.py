@@ -61,7 +61,10 @@ TORCH_TO_ST = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16":
 
 
 def _name(path: Any) -> str:
-    return visible(str(path))
+    """A path for a one-line message: terminal-safe, and named in at most 200 characters (a path of
+    thousands of characters is clipped, not echoed whole)."""
+    t = visible(str(path))
+    return t if len(t) <= 200 else t[:199] + "…"
 
 
 def read_regular(path: str | Path, limit: int, what: str = "file") -> bytes:

@@ -96,10 +96,13 @@ def bisect(
         fl = bs.Floor(logits=floor, default=floor, source="--floor (given)")
     elif floor_from is not None:
         c, d = floor_from
-        sc, mc = _side(c, None)
-        sd, md = _side(d, sc.seq_id, sc.tokens[:sc.n_prompt])
-        bs.same_model(ma, mc, sa.name, sc.name)
-        bs.same_model(mc, md, sc.name, sd.name)
+        try:  # an error in C or D names the option it came from
+            sc, mc = _side(c, None)
+            sd, md = _side(d, sc.seq_id, sc.tokens[:sc.n_prompt])
+            bs.same_model(ma, mc, sa.name, sc.name)
+            bs.same_model(mc, md, sc.name, sd.name)
+        except InfertraceError as e:
+            raise InfertraceError(f"--floor-from C D: {e}") from None
         fp32 = _dtype(ma) == _dtype(mb) == "float32"
         fl = bs.measure_floor(sc, sd, cfg, f"measured from --floor-from {sc.name} {sd.name}",
                               bs.MIN_FLOOR_FP32 if fp32 else bs.MIN_FLOOR_LOW)

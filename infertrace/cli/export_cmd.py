@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from infertrace.errors import InfertraceError
+from infertrace.fmt import clip
 from infertrace.safe_io import check_destination, write_output
 from infertrace.safe_text import visible
 from infertrace.trace.store import load_saved
@@ -34,20 +35,21 @@ def export(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing regular output file.")] = False,
 ) -> None:
     """Errors (missing/broken trace, unknown format, existing output without --force) are one ``error:`` line, exit 2."""
-    from infertrace.present.perfetto import perfetto_json
+    from infertrace.present.perfetto import encode, trace_events
 
     if fmt not in FORMATS:
-        raise InfertraceError(f"--format {visible(fmt)[:40]!r} is not supported; use --format perfetto")
+        raise InfertraceError(f"--format '{clip(visible(fmt), 40)}' is not supported; use --format perfetto")
     trace, _ = load_saved(trace_dir)
     out = output if output is not None else default_output(Path(trace_dir))
-    shown = visible(str(out))
+    shown = clip(visible(str(out)), 200)  # a path of thousands of characters is named, not echoed whole
     if _inside_trace(out, Path(trace_dir)):
         raise InfertraceError(f"-o {shown} is inside the trace directory; write the export somewhere else")
     if os.path.isdir(out):
         raise InfertraceError(f"-o {shown} is a directory; give a file name such as {visible(str(out / 'trace-perfetto.json'))}")
     check_destination(out, force, "-o")
     try:
-        data = perfetto_json(trace, source=str(trace_dir))
+        doc = trace_events(trace, source=str(trace_dir))
+        data = encode(doc)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
         raise InfertraceError(f"{visible(str(trace_dir))}: malformed record, cannot export it "
                               f"({type(e).__name__}: {visible(str(e))[:200]})") from None
@@ -55,9 +57,11 @@ def export(
         how = write_output(out, data, force, "-o")
     except OSError as e:
         raise InfertraceError(f"cannot write {shown}: {e.strerror or e}") from None
-    where = f" in the working directory {visible(os.getcwd())} (-o chooses)" if output is None else ""
-    typer.echo(f"wrote {shown} ({len(data) / 1e3:.1f} kB, {len(trace.steps)} steps; open it in ui.perfetto.dev){where}",
-               err=how == "written through")
+    where = f" in the working directory {clip(visible(os.getcwd()), 200)} (-o chooses)" if output is None else ""
+    axis = ("" if doc["otherData"].get("time_axis") == "wall"
+            else "; the trace has no step times: 1 ms per step on the time axis")
+    typer.echo(f"wrote {shown} ({len(data) / 1e3:.1f} kB, {len(trace.steps)} steps{axis}; open it in ui.perfetto.dev)"
+               f"{where}", err=how == "written through")
 
 
 def default_output(trace_dir: Path) -> Path:

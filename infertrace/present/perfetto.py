@@ -128,6 +128,11 @@ def trace_events(trace: RunTrace, source: str = "") -> dict[str, Any]:
     return {"traceEvents": events + slices, "displayTimeUnit": "ms", "otherData": other}
 
 
+def encode(doc: dict[str, Any]) -> bytes:
+    """A trace-event document as compact ASCII JSON bytes (one trailing newline)."""
+    return (json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":")) + "\n").encode("ascii")
+
+
 def perfetto_json(trace: RunTrace, source: str = "") -> bytes:
     """:func:`trace_events` as compact ASCII JSON bytes (one trailing newline)."""
-    return (json.dumps(trace_events(trace, source), ensure_ascii=True, allow_nan=False, separators=(",", ":")) + "\n").encode("ascii")
+    return encode(trace_events(trace, source))

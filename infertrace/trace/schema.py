@@ -614,6 +614,12 @@ def _consistent(d: dict[str, Any]) -> None:
         h = st.get("hidden")
         if h is not None and len(h["rows"]) > max(n, 0):
             raise Bad(f"{p}.hidden.rows", f"{len(h['rows'])} rows for N = {n} tokens")
+    seen: set[int] = set()
+    for j, r in enumerate(d.get("requests") or []):
+        sid = r.get("seq_id") if isinstance(r, dict) else None
+        if sid in seen:
+            raise Bad(f"requests[{j}].seq_id", f"seq_id {sid} appears twice; each request has its own seq_id")
+        seen.add(sid)
     store = d.get("store") or {}
     if (store.get("keep", "summary") == "summary") and store.get("tensors"):
         raise Bad("store.tensors", "a keep summary trace lists tensors")

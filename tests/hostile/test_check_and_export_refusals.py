@@ -115,3 +115,56 @@ def test_report_title_shows_control_and_bidi_characters_of_the_model_file(tmp_pa
     head = html[html.index("<title>"):html.index("</h1>")]
     assert "\u202e" not in head and "\x1b" not in head and "\x07" not in head
     assert "\\u202e" in head
+
+
+# ----------------------------------------------------------------------------- second breaker round: message hygiene
+
+import json  # noqa: E402
+
+
+def test_export_unknown_format_is_named_without_doubled_backslashes(tmp_path):
+    """``--format 'a\\b'`` was echoed through repr(): the user saw ``'a\\\\b'``, a name they never typed."""
+    res = invoke("export", _copy_golden(tmp_path), "--format", "a\\b")
+    assert res.exit_code == 2
+    assert "'a\\b'" in res.output and "\\\\" not in res.output, res.output
+
+
+def test_export_clips_a_huge_output_path_in_its_messages(tmp_path):
+    """A 5,000-character ``-o`` was echoed whole in the error line: messages name a path in at most 200 characters."""
+    long = tmp_path / ("x" * 200) / ("y" * 200) / ("z" * 4600)
+    res = invoke("export", _copy_golden(tmp_path), "-o", long)
+    assert res.exit_code == 2
+    line = res.output.strip().splitlines()
+    assert len(line) == 1 and len(line[0]) < 400 and "…" in line[0], res.output
+
+
+def test_export_says_when_the_time_axis_is_one_ms_per_step(tmp_path):
+    """A trace saved without step times gets 1 ms per step (perfetto.py's rule); the user is told, not only otherData."""
+    d = _copy_golden(tmp_path)
+    (d / "timing.json").unlink(missing_ok=True)
+    out = tmp_path / "out.json"
+    res = invoke("export", d, "-o", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["otherData"]["time_axis"] == "step"
+    assert "1 ms per step" in res.output
+
+
+def test_duplicate_seq_ids_in_requests_are_refused(tmp_path):
+    """Two requests with one seq_id made every per-request view pick one of them silently."""
+    d = _copy_golden(tmp_path)
+    m = json.loads((d / "trace.json").read_text())
+    assert len(m["requests"]) >= 2
+    m["requests"][1]["seq_id"] = m["requests"][0]["seq_id"]
+    (d / "trace.json").write_text(json.dumps(m))
+    res = invoke("show", d)
+    assert res.exit_code == 2 and "appears twice" in res.output, res.output
+    assert invoke("check", d).exit_code != 0
+
+
+def test_floor_from_errors_name_the_option(tmp_path):
+    """A broken C or D of ``--floor-from`` was reported as if A or B were broken."""
+    d = _copy_golden(tmp_path, "worked-example-cells")
+    res = invoke("bisect", d, d, "--floor-from", tmp_path / "missing", d)
+    assert res.exit_code == 2
+    assert res.output.startswith("error: --floor-from C D:"), res.output
