@@ -132,6 +132,8 @@ class OurRuntime:
                          "the first full-attention layer")
         if not opts.kv_unified:
             notes.append(kv_streams_note(opts))
+        if s.trace and getattr(self.rec, "tensors", None) is not None:  # --keep tensors: where each saved tap came from
+            options["tap_sources"] = tap_sources()
         if opts.prefix_cache and "prefix_cache" in eng.disabled:
             notes.append(f"--prefix-cache on ignored: {eng.disabled['prefix_cache']}")
             engine_opts.pop("prefix_cache", None)  # record what ran: no prefix cache (off is recorded by omission)
@@ -160,6 +162,15 @@ def engine_options(opts: Any) -> dict[str, Any]:
     elif opts.spec_tree is not None:
         engine_opts["spec_tree"] = list(opts.spec_tree)
     return engine_opts
+
+
+def tap_sources() -> dict[str, str]:
+    """``options.tap_sources`` of this engine: saved tap name -> the decoder's tap point it is read at
+    (:mod:`infertrace.model.taps`, ``step{s}/layer{l}/NAME`` as :data:`~infertrace.capture.recorder.TENSOR_NAMES` saves it)."""
+    from infertrace.capture.recorder import TENSOR_NAMES
+    from infertrace.model.taps import BLOCK_TAPS
+
+    return {name: f"infertrace decoder tap {tap}: {BLOCK_TAPS[tap]}"[:400] for tap, name in TENSOR_NAMES.items()}
 
 
 def kv_streams_note(opts: Any) -> str:
