@@ -221,7 +221,7 @@ class Recorder:
             for name, t in got.items():
                 out[f"{p}layer{il}/{name}"] = keep(t)
             for sid in sorted(ctx.requests):  # every request holding cache, computed this step or not
-                if ctx.kv.seq_len(sid) == 0 or il not in ctx.kv.kv_layers:  # GDN layer: no K/V
+                if ctx.kv.seq_len(sid) == 0 or not ctx.kv.holds_values(il):  # GDN layer: no K/V; llama.cpp: one layer
                     continue
                 k, v = ctx.kv.read(il, sid)  # [len, n_kv, hd] each
                 out[f"{p}layer{il}/seq{sid}/k_cache"] = keep(k)

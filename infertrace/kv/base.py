@@ -266,6 +266,9 @@ class Memory(Protocol):
     def phys_layer(self, il: int) -> int:
         """Physical K/V layer of model layer ``il`` (raises for a layer without K/V)."""
 
+    def holds_values(self, il: int) -> bool:
+        """True when :meth:`read` returns model layer ``il``'s K/V (a read-back memory may hold one layer's)."""
+
     def recurrent_state(self) -> Any:
         """The recurrent part (:class:`~infertrace.kv.recurrent.RecurrentState`), None without one."""
 
@@ -283,6 +286,10 @@ class MemoryDefaults:
     events, no ``seq_div``."""
 
     kind: str
+
+    def holds_values(self, il: int) -> bool:
+        """Every K/V layer's values are held (``read`` answers for each layer in ``kv_layers``)."""
+        return il in self.kv_layers  # type: ignore[attr-defined]
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int, ropes: Sequence[Any]) -> MemOp:
         return MemOp.refused("seq_div", f"seq_div is not supported by the {self.kind} memory")

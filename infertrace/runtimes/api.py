@@ -229,7 +229,7 @@ REGISTRY: dict[str, RuntimeInfo] = {
         native_settings=("replay",), speculative=("ngram", "draft", "mtp"), kv_dtype=True),
     "llama.cpp": RuntimeInfo(
         "llama.cpp", "llama.cpp itself via llama-cpp-python (GGUF only): its inp_pos, kq_mask, cells, K/V and logits",
-        "infertrace.runtimes.llamacpp.runtime:LlamaCppRuntime", ("cells",), own_weights=True,
+        "infertrace.runtimes.llamacpp.runtime:LlamaCppRuntime", ("cells",), own_weights=True, all_layers=True,
         install="llamacpp", native="llama_cpp", native_settings=("flash_attn",), forces_tokens=True,
         comparison="infertrace.runtimes.llamacpp.runtime"),
     "vllm": RuntimeInfo(

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-#: wanted names, input names and Python-decided prefixes the filter holds at most
+#: input names and Python-decided prefixes the filter holds at most (the wanted node names are unbounded)
 MAX_NAMES = 24
 
 SOURCE = r"""
@@ -46,7 +46,7 @@ struct filt {
     int64_t active;         /* 0: every question goes to Python (first ubatch, iSWA models) */
     int64_t off_name, off_src, off_flags, max_src, input_flag;
     int64_t n_want, n_inp, n_pre;
-    const char *want[24];   /* node names the trace keeps */
+    const char **want;      /* node names the trace keeps (n_want of them: every --keep tensors layer's) */
     const char *inp[24];    /* graph-input names */
     const char *pre[24];    /* name prefixes Python decides (recurrent-state views) */
     int64_t pre_len[24];
@@ -78,7 +78,7 @@ class Filt(ctypes.Structure):
     _fields_ = [("py", ctypes.c_void_p), ("active", ctypes.c_int64), ("off_name", ctypes.c_int64),
                 ("off_src", ctypes.c_int64), ("off_flags", ctypes.c_int64), ("max_src", ctypes.c_int64),
                 ("input_flag", ctypes.c_int64), ("n_want", ctypes.c_int64), ("n_inp", ctypes.c_int64),
-                ("n_pre", ctypes.c_int64), ("want", ctypes.c_char_p * MAX_NAMES), ("inp", ctypes.c_char_p * MAX_NAMES),
+                ("n_pre", ctypes.c_int64), ("want", ctypes.POINTER(ctypes.c_char_p)), ("inp", ctypes.c_char_p * MAX_NAMES),
                 ("pre", ctypes.c_char_p * MAX_NAMES), ("pre_len", ctypes.c_int64 * MAX_NAMES),
                 ("done", ctypes.c_uint8 * MAX_NAMES)]
 
@@ -178,7 +178,9 @@ def make_filter(py_cb: Any, want: frozenset[bytes], inputs: tuple[bytes, ...], p
     f.off_name, f.off_src, f.off_flags = offsets
     f.max_src, f.input_flag = max_src, input_flag
     f._keep = (sorted(want), list(inputs), list(prefixes))  # type: ignore[attr-defined]  # the bytes c_char_p points to
-    f.n_want = _names(f.want, f._keep[0])  # type: ignore[attr-defined]
+    want_arr = (ctypes.c_char_p * max(1, len(f._keep[0])))(*f._keep[0])  # type: ignore[attr-defined]
+    f._want_arr = want_arr  # type: ignore[attr-defined]  # kept alive with the struct
+    f.want, f.n_want = ctypes.cast(want_arr, ctypes.POINTER(ctypes.c_char_p)), len(f._keep[0])  # type: ignore[attr-defined]
     f.n_inp = _names(f.inp, f._keep[1])  # type: ignore[attr-defined]
     f.n_pre = _names(f.pre, f._keep[2])  # type: ignore[attr-defined]
     for i, p in enumerate(prefixes):

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from infertrace.errors import InfertraceError
+from infertrace.model.taps import ATTN_OUT, MLP_OUT, RESID_POST
 
 GGML_MAX_DIMS, GGML_MAX_OP_PARAMS, GGML_MAX_SRC, GGML_MAX_NAME = 4, 64, 10, 64
 #: ggml_type -> numpy dtype for the types the inputs and caches use
@@ -54,6 +55,23 @@ PER_POOL = ("attn_inp_kq_mask", "attn_inp_k_idxs", "attn_inp_v_idxs")
 _LAYER_RE = re.compile(r"(?:cache_[kv]_l|-)(\d+)(?:\D|$)")
 #: ``enum ggml_tensor_flag`` (``ggml/include/ggml.h``): set by ``ggml_set_input`` on every graph input
 GGML_TENSOR_FLAG_INPUT = 1
+
+
+#: infertrace tap -> the llama.cpp graph nodes that hold it, first present wins (``cb(cur, NAME, il)`` in
+#: ``src/models/*.cpp``): ``attn_out`` = the attention block after ``wo`` (``attn_out-N``; Gemma 3: after its
+#: post-attention norm, ``attn_post_norm-N``), ``mlp_out`` = the FFN after ``ffn_down`` (``ffn_out-N``; Gemma 3:
+#: ``ffn_post_norm-N``), ``resid_post`` = the layer output ``l_out-N``. llama.cpp computes the last layer only
+#: for the output rows once ``inp_out_ids`` is applied (``ggml_get_rows`` before ``ffn_inp`` / the post norm):
+#: a node with fewer rows than the ubatch's tokens is not a tap of that step.
+TAP_NODES = {ATTN_OUT: ("attn_post_norm", "attn_out"), MLP_OUT: ("ffn_post_norm", "ffn_out"), RESID_POST: ("l_out",)}
+#: the per-layer Q/K/V nodes read with the block outputs (first node of a name = the projection, last = after RoPE)
+QKV_NODES = ("Qcur", "Kcur", "Vcur")
+TAP_NODE_NAMES = tuple(n for names in TAP_NODES.values() for n in names) + QKV_NODES
+
+
+def tap_node(name: str, il: int) -> str:
+    """The graph node name of ``name`` (a :data:`TAP_NODE_NAMES` entry) in layer ``il``: ``"l_out-5"``."""
+    return f"{name}-{il}"
 
 
 def consumer_layer(name: str, src_names: list[str]) -> int | None:
@@ -183,6 +201,8 @@ class LlamaCppContext:
             ``attn_inp_k_idxs_swa``, ``attn_inp_v_idxs_swa`` (:data:`PER_POOL`).
         swa_full: ``llama_context_params.swa_full`` (False: the small SWA pool, as llama-cli /
             llama-server's default ``common_params.swa_full``; llama.cpp's C default is true).
+        tap_layers: layers whose Q/K/V and block outputs are read as well (:data:`TAP_NODES`); none by
+            default, so the default trace asks for no more nodes than ``layer``'s.
 
     Raises:
         InfertraceError: package missing, the file is not GGUF, llama.cpp refuses the file, an
@@ -190,7 +210,8 @@ class LlamaCppContext:
     """
 
     def __init__(self, path: Path, n_ctx: int, n_batch: int, n_seq_max: int, layer: int = 0, n_threads: int = 2,
-                 flash_attn: str = "auto", kv_unified: bool = True, swa_layers: Any = (), swa_full: bool = False):
+                 flash_attn: str = "auto", kv_unified: bool = True, swa_layers: Any = (), swa_full: bool = False,
+                 tap_layers: Any = ()):
         flash_attn = check_flash_attn(flash_attn)
         llama_cpp = import_llama_cpp()
         self.L = llama_cpp
@@ -226,6 +247,9 @@ class LlamaCppContext:
                             f"cache_v_l{layer} (view)", "embd", "inp_scaled",  # inp_scaled: embd x sqrt(H) (Gemma)
                             # non-unified: ggml_set_rows into the streams merged to [n_embd_gqa, kv_size * n_stream] (cpy_k)
                             f"cache_k_l{layer} (reshaped) (view)", f"cache_v_l{layer} (reshaped) (view)"}
+        #: layers whose block outputs are read (``--keep tensors --layers``): :data:`TAP_NODES` of each
+        self.tap_layers = tuple(sorted({int(i) for i in tap_layers}))
+        self._want_layer |= {tap_node(n, il) for il in self.tap_layers for n in TAP_NODE_NAMES}
         self._want_b = frozenset(n.encode() for n in self._want_layer)
         self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval)  # kept alive for the context's life
         cp = llama_cpp.llama_context_default_params()

@@ -43,7 +43,7 @@ import torch
 
 from infertrace.engine.drive import drive_bounded, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.runtimes.llamacpp.capture import Captured, LlamaCppContext
+from infertrace.runtimes.llamacpp.capture import TAP_NODES, Captured, LlamaCppContext, tap_node
 from infertrace.runtimes.llamacpp.native import add_native
 from infertrace.runtimes.llamacpp.state_file import norm_to_neox  # torch-free; the slot-file reader uses it too
 from infertrace.errors import InfertraceError
@@ -241,6 +241,10 @@ class LlamaCppKV(CellsKV):
         """``n_kv`` of the last ubatch as llama.cpp built it (``attn_inp_kq_mask`` ``ne[0]``)."""
         return self._n_kv
 
+    def holds_values(self, il: int) -> bool:
+        """Only the captured layer's K/V are read back (llama.cpp caches every layer)."""
+        return il == self.layer
+
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer != self.layer:
             raise InfertraceError(f"--engine llama.cpp captured layer {self.layer} only; pass --layer {layer}")
@@ -290,23 +294,43 @@ class LlamaCppModel:
         return torch.from_numpy(cap.tensors["logits"].astype(np.float32))  # [M, V]
 
     def _taps(self, cap: Captured, N: int, tracer: Any) -> None:
-        cfg, t, il = self.cfg, cap.tensors, self.lctx.layer
+        """Hand llama.cpp's captured nodes to the recorder under the tap vocabulary (:mod:`infertrace.model.taps`):
+        the embedding, then for the captured layer and every ``tap_layers`` layer Q/K/V and the block outputs."""
+        t = cap.tensors
         emb = t.get("inp_scaled", t.get("embd"))  # Gemma: the scaled embedding (build_inp_embd output), as our EMBED tap
         if emb is not None:
             tracer.tap(EMBED, value=torch.from_numpy(emb.reshape(N, -1).astype(np.float32)))  # [N, H]
-        names = (f"Qcur-{il}", f"Kcur-{il}", f"Vcur-{il}")
-        if all(n in t for n in names):
-            nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-
-            def qk(a: np.ndarray, heads: int) -> torch.Tensor:
-                a = a.reshape(N, heads, hd).astype(np.float32)  # [N, heads, hd]
-                return torch.from_numpy(norm_to_neox(a) if getattr(cfg, "rope_pairing_in_file", "norm") == "norm" else a)
-
-            got = {Q: qk(cap.first[names[0]], nh), Q_ROT: qk(t[names[0]], nh), K: qk(cap.first[names[1]], nkv),
-                   K_ROT: qk(t[names[1]], nkv), V: torch.from_numpy(t[names[2]].reshape(N, nkv, hd).astype(np.float32))}
-            for name, value in got.items():  # the block taps llama.cpp's graph lets us read (Qcur/Kcur/Vcur)
-                if il in tracer.layers and name in tracer.taps:
+        for il in sorted({self.lctx.layer, *self.lctx.tap_layers} & set(tracer.layers)):
+            for name, value in {**self._qkv(cap, N, il), **self._block_outputs(cap, N, il)}.items():
+                if name in tracer.taps:
                     tracer.tap(name, layer=il, value=value)
+
+    def _qkv(self, cap: Captured, N: int, il: int) -> dict[str, torch.Tensor]:
+        """Layer ``il``'s ``Qcur``/``Kcur``/``Vcur``: the projections (first node of a name) and Q/K after RoPE
+        (last), back in half-split (NeoX) pairing when the file stores llama's interleaved rows."""
+        cfg, t = self.cfg, cap.tensors
+        names = (f"Qcur-{il}", f"Kcur-{il}", f"Vcur-{il}")
+        if not all(n in t for n in names):
+            return {}
+        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+
+        def qk(a: np.ndarray, heads: int) -> torch.Tensor:
+            a = a.reshape(N, heads, hd).astype(np.float32)  # [N, heads, hd]
+            return torch.from_numpy(norm_to_neox(a) if getattr(cfg, "rope_pairing_in_file", "norm") == "norm" else a)
+
+        return {Q: qk(cap.first[names[0]], nh), Q_ROT: qk(t[names[0]], nh), K: qk(cap.first[names[1]], nkv),
+                K_ROT: qk(t[names[1]], nkv), V: torch.from_numpy(t[names[2]].reshape(N, nkv, hd).astype(np.float32))}
+
+    def _block_outputs(self, cap: Captured, N: int, il: int) -> dict[str, torch.Tensor]:
+        """Layer ``il``'s ``attn_out`` / ``mlp_out`` / ``resid_post`` ``[N, H]`` float32 from the nodes of
+        :data:`~.capture.TAP_NODES`; a node llama.cpp computed for the output rows only (the last layer after
+        ``inp_out_ids``) has fewer than N rows and is left out (never padded)."""
+        out: dict[str, torch.Tensor] = {}
+        for tap, nodes in TAP_NODES.items():
+            a = next((cap.tensors[n] for n in (tap_node(x, il) for x in nodes) if n in cap.tensors), None)
+            if a is not None and a.size == N * self.cfg.n_embd:
+                out[tap] = torch.from_numpy(a.reshape(N, -1).astype(np.float32))  # [N, H]
+        return out
 
 
 @dataclass(frozen=True)
@@ -344,6 +368,8 @@ class LlamaCppEngine:
             is replaced by ``forced[seq_id][i]`` (llama.cpp's own choice is kept in ``top``).
         n_seq_max: sequences llama.cpp must hold (the number of requests).
         flash_attn: ``auto`` | ``on`` | ``off`` (``--llamacpp-flash-attn``; see :class:`LlamaCppContext`).
+        tap_layers: layers whose Q/K/V and block outputs (``attn_out``, ``mlp_out``, ``resid_post``) are read
+            from llama.cpp's graph for ``--keep tensors --layers`` (:data:`~.capture.TAP_NODES`).
 
     Raises:
         InfertraceError: llama-cpp-python missing, non-GGUF model, ``--backend paged``, or a model with
@@ -353,7 +379,7 @@ class LlamaCppEngine:
 
     def __init__(self, loaded: Any, opts: EngineOptions, tracer: Any, layer: int = 0,
                  forced: dict[int, list[int]] | None = None, n_seq_max: int = 1, n_threads: int = 2,
-                 flash_attn: str = "auto"):
+                 flash_attn: str = "auto", tap_layers: Any = ()):
         from infertrace.engine.parts import ForcedSampler
 
         if opts.backend != "cells":
@@ -364,7 +390,8 @@ class LlamaCppEngine:
         n_batch = max(1, min(opts.max_batch_tokens, opts.ctx_size))
         self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads, flash_attn,
                                     kv_unified=opts.kv_unified,
-                                    swa_layers=getattr(loaded.config, "windowed_layers", None) or ())
+                                    swa_layers=getattr(loaded.config, "windowed_layers", None) or (),
+                                    tap_layers=tap_layers)
         self.lmodel = LlamaCppModel(loaded.model, self.lctx)
         try:
             self.engine = Engine(self.lmodel, loaded.tokenizer, opts, tracer,

@@ -89,9 +89,13 @@ class LlamaCppRuntime:
 
         s = self.settings = settings
         self.tok = loaded.tokenizer
-        self.rec = Recorder(self.tok, loaded.config, layer=s.layer, show=tuple(s.show), layers=[s.layer], tensors=tensors)
+        #: layers whose tensors are kept (``--keep tensors --layers``); their nodes are asked for only then
+        self.tap_layers = tuple(s.tensor_layers or (s.layer,)) if tensors is not None else ()
+        self.rec = Recorder(self.tok, loaded.config, layer=s.layer, show=tuple(s.show), layers=self.tap_layers or [s.layer],
+                            tensors=tensors)
         self.eng = LlamaCppEngine(loaded, s.opts, self.rec, s.layer, dict(s.forced) if s.forced else None,
-                                  n_seq_max=max(1, s.n_requests), flash_attn=s.native.get("flash_attn", "auto"))
+                                  n_seq_max=max(1, s.n_requests), flash_attn=s.native.get("flash_attn", "auto"),
+                                  tap_layers=self.tap_layers)
         self._closed = False
 
     def add_request(self, request: Any) -> int:
@@ -120,15 +124,38 @@ class LlamaCppRuntime:
         engine_opts = {k: v for k, v in asdict(s.opts).items()  # llama.cpp's cache type: llama_cpp.type_k
                        if k != "kv_dtype" and (k != "kv_unified" or not v)}  # kv_unified recorded only when off
         native = {"version": _version(), **eng.lctx.settings(), "teacher_forced": bool(s.forced)}
-        return RuntimeHeader(backend="cells", attention="llama.cpp", engine_options=engine_opts,
-                             options={"sampler_order": eng.sampler_order, self.info.native: native},
-                             notes=tuple(run_notes(eng, s.opts)), layer=s.layer)
+        options: dict[str, Any] = {"sampler_order": eng.sampler_order, self.info.native: native}
+        notes = list(run_notes(eng, s.opts))
+        if self.tap_layers:  # --keep tensors: where each saved tap came from, and what the last layer lacks
+            options["tap_sources"] = tap_sources()
+            last = self.rec.cfg.n_layer - 1
+            if last in self.tap_layers:
+                notes.append(f"layer {last} (the last): llama.cpp computes its FFN (and Gemma 3 its post-attention norm) for "
+                             "the output rows only (inp_out_ids, ggml_get_rows): its mlp_out / resid_post are saved only on "
+                             "steps where every token has a logits row")
+        return RuntimeHeader(backend="cells", attention="llama.cpp", engine_options=engine_opts, options=options,
+                             notes=tuple(notes), layer=s.layer)
 
     def close(self) -> None:
         """Free llama.cpp's context (idempotent)."""
         if not self._closed:
             self._closed = True
             self.eng.close()
+
+
+def tap_sources() -> dict[str, str]:
+    """``options.tap_sources`` of a llama.cpp run: saved tap name -> the graph node(s) of llama.cpp's eval callback
+    it is read from (:data:`~infertrace.runtimes.llamacpp.capture.TAP_NODES`, ``N`` = the layer)."""
+    from infertrace.capture.recorder import TENSOR_NAMES
+    from infertrace.model.taps import K, K_ROT, Q, Q_ROT, V
+    from infertrace.runtimes.llamacpp.capture import TAP_NODES
+
+    qkv = {Q: "Qcur-N, first node (the projection)", Q_ROT: "Qcur-N, last node (after RoPE)",
+           K: "Kcur-N, first node (the projection)", K_ROT: "Kcur-N, last node (after RoPE)", V: "Vcur-N"}
+    out = {TENSOR_NAMES[t]: f"llama.cpp graph node {src} (eval callback)" for t, src in qkv.items()}
+    for tap, nodes in TAP_NODES.items():
+        out[TENSOR_NAMES[tap]] = f"llama.cpp graph node {' or '.join(f'{n}-N' for n in nodes)} (eval callback; first present)"
+    return out
 
 
 # ----------------------------------------------------------------------------- diff-backends --against llama.cpp (registry hooks)

@@ -161,6 +161,10 @@ class LlamaCppStreamsKV(CellsStreamsKV):
         first, as :meth:`CellsStreamsKV.n_kv`."""
         return self._n_kv if self._n_kv is not None else max(s.n_kv() for s in self.streams)
 
+    def holds_values(self, il: int) -> bool:
+        """Only the captured layer's K/V are read back (llama.cpp caches every layer)."""
+        return il == self.layer
+
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer != self.layer:
             raise InfertraceError(f"--engine llama.cpp captured layer {self.layer} only; pass --layer {layer}")

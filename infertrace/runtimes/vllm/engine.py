@@ -100,6 +100,10 @@ class VllmKV(PagedKV):
         self.tables.pop(seq_id, None)
         self.lens.pop(seq_id, None)
 
+    def holds_values(self, il: int) -> bool:
+        """Only the captured layer's K/V are read back (vLLM's pool holds every layer)."""
+        return il == self.layer
+
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer != self.layer:
             raise InfertraceError(f"--engine vllm captured layer {self.layer} only; pass --layer {layer}")

@@ -1,0 +1,99 @@
+"""``bisect`` names the MLP on a planted truth: the default SmolLM2 GGUF with layer 5's ``ffn_down.weight``
+perturbed (tests/helpers/planted.py), run by our engine and by llama.cpp (each loads the file itself), every
+layer's taps saved. The truth comes from HF transformers loading both GGUFs: its forward hooks say layers 0..4
+and layer 5's attention are untouched, layer 5's MLP output changes. ``bisect`` must name layer 5 ``mlp_out`` for
+ours<->ours, ours<->llama.cpp and llama.cpp<->llama.cpp (floors measured on the clean file).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from infertrace.cli.app import app
+
+PROMPT = "The capital of France is"
+LAYER = 5
+
+
+def _cli(*args: str) -> CliRunner:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _bisect(*args: str) -> tuple[int, dict]:
+    r = _cli("bisect", *args, "--json")
+    assert r.exit_code in (0, 1), r.output
+    return r.exit_code, json.loads(r.output)
+
+
+@pytest.fixture(scope="module")
+def files(smol_path, tmp_path_factory):
+    from tests.helpers.planted import perturbed_gguf
+
+    root = tmp_path_factory.mktemp("planted_mlp")
+    return {"clean": smol_path, "bad": perturbed_gguf(smol_path, root / "bad_down5.gguf", f"blk.{LAYER}.ffn_down.weight"),
+            "root": root}
+
+
+@pytest.fixture(scope="module")
+def hf_truth(files, hf_smol):
+    """Per (layer, tap): HF's relative L2 between the clean and the planted file, on the last prompt row."""
+    import torch
+    import transformers
+
+    from tests.helpers.hf_taps import hf_taps
+
+    tok, clean = hf_smol
+    bad = transformers.AutoModelForCausalLM.from_pretrained(str(files["bad"].parent), gguf_file=files["bad"].name,
+                                                            dtype=torch.float32).eval()
+    ids = torch.tensor([tok(PROMPT)["input_ids"]])  # [1, T]
+    a, b = hf_taps(clean, ids), hf_taps(bad, ids)
+    a, b = ({k: t[0, -1] for k, t in x.items()} for x in (a, b))
+    return {k: float((a[k] - b[k]).norm() / a[k].norm()) for k in a}
+
+
+def _run(files, engine: str, which: str) -> str:
+    d = files["root"] / f"{engine}_{which}"
+    if not d.exists():
+        r = _cli("run", "--engine", engine, "-m", files[which], "-p", PROMPT, "-n", "2", "--save", d,
+                 "--keep", "tensors", "--layers", "all")
+        assert r.exit_code == 0, r.output
+    return str(d)
+
+
+def test_hf_says_layer_5_mlp_changes_first(hf_truth):
+    assert all(v == 0.0 for (i, _), v in hf_truth.items() if i < LAYER)
+    assert hf_truth[(LAYER, "attn_out")] == 0.0 and hf_truth[(LAYER, "q_pre_rope")] == 0.0
+    assert hf_truth[(LAYER, "mlp_out")] > 0.2
+
+
+def _assert_names_mlp5(rep: dict, hf_truth: dict) -> None:
+    assert rep["diverged"]
+    assert (rep["first_tap"]["layer"], rep["first_tap"]["tap"]) == (LAYER, "mlp_out"), rep["first_tap"]
+    assert rep["first_tap"]["branch"] == "MLP"
+    assert rep["first_tap"]["layers_not_compared_before"] == []
+    at = {(e["layer"], e["tap"]): e for e in rep["taps"]}
+    assert not at[(LAYER, "attn_out")]["above"]
+    assert all(not e["above"] for e in rep["taps"] if e["layer"] < LAYER)
+    assert rep["first_tap"]["rel_l2"] == pytest.approx(hf_truth[(LAYER, "mlp_out")], rel=0.25)  # HF's own error
+
+
+def test_ours_against_ours(files, hf_truth):
+    rc, rep = _bisect(_run(files, "infertrace", "clean"), _run(files, "infertrace", "bad"))
+    assert rc == 1
+    _assert_names_mlp5(rep, hf_truth)
+    assert rep["first_tap"]["rel_l2"] == pytest.approx(hf_truth[(LAYER, "mlp_out")], rel=2e-2)
+
+
+@pytest.mark.needs_llamacpp
+def test_ours_against_llamacpp_and_llamacpp_against_itself(files, hf_truth, llama_cpp):
+    oc, lc, lb = _run(files, "infertrace", "clean"), _run(files, "llama.cpp", "clean"), _run(files, "llama.cpp", "bad")
+    rc, rep = _bisect(oc, lb, "--floor-from", oc, lc)
+    assert rc == 1 and rep["floor"]["source"].startswith("measured from --floor-from")
+    _assert_names_mlp5(rep, hf_truth)
+    rc, rep = _bisect(lc, lb)  # one runtime, one kernel set: the layers before 5 agree bit for bit
+    assert rc == 1
+    _assert_names_mlp5(rep, hf_truth)
+    assert all(e["rel_l2"] == 0.0 for e in rep["taps"] if e["layer"] < LAYER)
