@@ -242,7 +242,7 @@ REGISTRY: dict[str, RuntimeInfo] = {
         "hf", "HF transformers, one padded [B, T] batch with its DynamicCache: its input_ids, attention_mask, position_ids, "
         "masks per layer type, cache lengths, K/V and logits",
         "infertrace.runtimes.hf.runtime:HfRuntime", ("dense",), own_weights=True, install="dev", native="hf",
-        native_settings=("padding",), keeps_tensors=False),
+        native_settings=("padding",), all_layers=True),
 }
 
 

@@ -41,7 +41,8 @@ class HfRuntime:
         loaded: the model as infertrace loads it (its tokenizer, config and checkpoint path; HF loads the weights
             itself: a GGUF dequantised to float32 as ``diff-backends --against hf`` does, or an HF directory).
         settings: the run settings (``native["padding"]``: ``left`` / ``right``).
-        tensors: not supported (``--keep tensors``): must be None.
+        tensors: when a dict is given (``--keep tensors``), each step's HF tensors of ``settings.tensor_layers``
+            (default ``--layer``) are copied into it (:mod:`infertrace.runtimes.hf.tensors`).
         model: an already loaded HF ``*ForCausalLM`` on the same checkpoint (tests share one), or None.
     """
 
@@ -63,7 +64,6 @@ class HfRuntime:
         refusals = (
             (settings.dtype != "float32", f"--engine hf computes in float32 (the dequantised checkpoint, as --against hf); got --dtype {settings.dtype}"),
             (settings.tensor_parallel_size != 1, "--engine hf runs one process (tensor_parallel_size 1)"),
-            (settings.tensor_layers is not None, "--engine hf keeps no tensors file (HF's K/V at --layer are in the trace itself); pass --keep summary"),
             (o.speculative is not None, "--engine hf runs no speculative decoding (generate()'s assisted decoding is not traced)"),
             (o.prefix_cache, "--engine hf has no prefix cache (each run builds one DynamicCache)"),
             (o.context_shift, "--engine hf has no context shift"),
@@ -88,9 +88,9 @@ class HfRuntime:
         return nullcontext()
 
     def __init__(self, loaded: Any, settings: RunSettings, tensors: dict[str, Any] | None = None, model: Any = None):
-        if tensors is not None:
-            raise InfertraceError("--engine hf keeps no tensors file (HF's K/V at --layer are in the trace itself); pass --keep summary")
         self.settings = self.check(settings, loaded.config)
+        self.tensors = tensors
+        self.tensor_layers = tuple(self.settings.tensor_layers or (self.settings.layer,)) if tensors is not None else ()
         self.padding = self.settings.native["padding"]
         self.tok, self.cfg, self.layer = loaded.tokenizer, loaded.config, self.settings.layer
         if model is None:
@@ -175,8 +175,13 @@ class HfRuntime:
                  f"{self.pad_id}); prefill then one [B, 1] forward per token with its DynamicCache",
                  "dense convention: the ordinary records hold real tokens only (N = real tokens computed); pad columns, "
                  "the 2-D attention_mask, HF's masks per layer type and the cache lengths are in kv.physical and step.hf")
-        return RuntimeHeader(backend="dense", attention=self.attn, engine_options=eng,
-                             options={"sampler_order": "hf", "hf": hf}, notes=notes, layer=self.layer)
+        options: dict[str, Any] = {"sampler_order": "hf", "hf": hf}
+        if self.tensors is not None:  # --keep tensors: which HF module each saved tap is the output of
+            from infertrace.runtimes.hf.tensors import SOURCES
+
+            options["tap_sources"] = dict(SOURCES)
+        return RuntimeHeader(backend="dense", attention=self.attn, engine_options=eng, options=options, notes=notes,
+                             layer=self.layer)
 
     def close(self) -> None:
         """Drop the cache (the model stays loaded for the next run)."""
@@ -191,10 +196,18 @@ class HfRuntime:
             self._cache = DynamicCache(config=self.model.config)
         past = int(self._cache.get_seq_length())
         dev = self.settings.device
+        from infertrace.runtimes.hf.tensors import layer_hooks
+
+        self._taps: dict[tuple[int, str], torch.Tensor] = {}
+        hooks = layer_hooks(self.model, self.tensor_layers, self._taps) if self.tensor_layers else []
         t0 = time.perf_counter()
-        with capture_forward(self.model) as cap:
-            out = self.model(input_ids=ids.to(dev), attention_mask=am.to(dev), position_ids=pos.to(dev),
-                             past_key_values=self._cache, use_cache=True)
+        try:
+            with capture_forward(self.model) as cap:
+                out = self.model(input_ids=ids.to(dev), attention_mask=am.to(dev), position_ids=pos.to(dev),
+                                 past_key_values=self._cache, use_cache=True)
+        finally:
+            for h in hooks:
+                h.remove()
         ms = (time.perf_counter() - t0) * 1e3
         self._cache = out.past_key_values
         logits = out.logits.detach().float().cpu()  # [B, q, V]
@@ -249,5 +262,10 @@ class HfRuntime:
         sec = hf_section(inp, rows, self.padding, self.layer, 4, self.pad_id, list(self._next), gen_pos,
                          dict(self._finished), row_seq, self.attn)
         st.hf = sec
+        if self.tensors is not None:
+            from infertrace.runtimes.hf.tensors import keep_step
+
+            keep_step(self.tensors, st.step, self._taps, inp.cap.embed, rows, inp.logits, inp.cache, inp.attention_mask,
+                      self.layer)
         self._step += 1
         return StepRecord(st.step, st, sec)

@@ -19,7 +19,7 @@ def test_run_engine_hf_right_padding_through_the_cli(tmp_path, hf_smol):
     r = CliRunner().invoke(app, ["run", "--engine", "hf", "-p", "The capital of France is", "-p", "Hi", "-n", "3",
                                  "--padding", "right", "--save", str(d)])
     assert r.exit_code == 0, r.output
-    assert "keeps no tensors file" in r.output and not (d / "tensors.safetensors").exists()  # --keep's default: summary
+    assert (d / "tensors.safetensors").exists()  # --keep's default: tensors of --layer, from HF's own hooks
     t = json.loads((d / "trace.json").read_text())
     assert t["engine"] == "hf" and t["options"]["hf"]["padding"] == "right"
     s0 = t["steps"][0]
@@ -34,9 +34,11 @@ def test_run_engine_hf_right_padding_through_the_cli(tmp_path, hf_smol):
     assert c.exit_code == 0, c.output
 
 
-def test_keep_tensors_is_refused_naming_the_fix(tmp_path):
-    r = CliRunner().invoke(app, ["run", "--engine", "hf", "-p", "x", "-n", "1", "--save", str(tmp_path / "t"), "--keep", "tensors"])
-    assert r.exit_code == 2 and "pass --keep summary" in r.output
+def test_keep_summary_writes_no_tensors_file(tmp_path, hf_smol):
+    d = tmp_path / "t"
+    r = CliRunner().invoke(app, ["run", "--engine", "hf", "-p", "x", "-n", "1", "--save", str(d), "--keep", "summary"])
+    assert r.exit_code == 0, r.output
+    assert not (d / "tensors.safetensors").exists() and "tap_sources" not in json.loads((d / "trace.json").read_text())["options"]
 
 
 def test_padding_needs_engine_hf():
