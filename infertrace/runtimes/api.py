@@ -234,7 +234,8 @@ REGISTRY: dict[str, RuntimeInfo] = {
         comparison="infertrace.runtimes.llamacpp.runtime"),
     "vllm": RuntimeInfo(
         "vllm", "vLLM itself, in-process, step by step: its scheduler output, block tables, slot mapping, K/V and logits",
-        "infertrace.runtimes.vllm.runtime:VllmRuntime", ("paged",), own_weights=True, install="vllm", native="vllm",
+        "infertrace.runtimes.vllm.runtime:VllmRuntime", ("paged",), own_weights=True, all_layers=True, install="vllm",
+        native="vllm",
         speculative=("ngram",), tensor_parallel=True,
         ctx_note=" (vLLM refuses a max_model_len above the one it derives from the model)",
         comparison="infertrace.runtimes.vllm.compare"),

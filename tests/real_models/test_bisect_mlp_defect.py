@@ -97,3 +97,30 @@ def test_ours_against_llamacpp_and_llamacpp_against_itself(files, hf_truth, llam
     assert rc == 1
     _assert_names_mlp5(rep, hf_truth)
     assert all(e["rel_l2"] == 0.0 for e in rep["taps"] if e["layer"] < LAYER)
+
+
+def _run_vllm(files, which: str) -> str:
+    """vLLM in its own process (a second in-process vLLM engine beside the shared one is not reliable)."""
+    import subprocess
+    import sys
+
+    d = files["root"] / f"vllm_{which}"
+    if not d.exists():
+        r = subprocess.run([sys.executable, "-m", "infertrace", "run", "--engine", "vllm", "-m", str(files[which]), "-p",
+                            PROMPT, "-n", "2", "--save", str(d), "--keep", "tensors", "--layers", "all"],
+                           capture_output=True, text=True, timeout=1200)
+        assert r.returncode == 0, r.stderr[-2000:]
+    return str(d)
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.slow
+def test_ours_against_vllm_and_vllm_against_llamacpp(files, hf_truth, vllm_mod, llama_cpp):
+    oc, vc, vb = _run(files, "infertrace", "clean"), _run_vllm(files, "clean"), _run_vllm(files, "bad")
+    rc, rep = _bisect(oc, vb, "--floor-from", oc, vc)
+    assert rc == 1
+    _assert_names_mlp5(rep, hf_truth)
+    lc = _run(files, "llama.cpp", "clean")
+    rc, rep = _bisect(lc, vb, "--floor-from", lc, vc)
+    assert rc == 1
+    _assert_names_mlp5(rep, hf_truth)

@@ -18,6 +18,15 @@ Q/K before/after RoPE     the ``layer``-th call of the rotary embedding (in plac
 K/V as written            ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`` of
                           layer ``layer`` (its inputs), and the cache read back at the slots through
                           :mod:`.layout` after the write
+layer taps                for ``--keep tensors --layers`` (:meth:`WorkerCapture.set_tap_layers`): forward hooks on
+                          ``model.model.layers[i]``: ``hidden_in`` = the layer's input ``hidden_states +
+                          residual`` (layer 0: ``hidden_states``), ``attn_out`` = ``self_attn``'s output
+                          (sandwich-norm layers, Gemma 3: ``post_attention_layernorm``'s), ``mlp_out`` =
+                          ``mlp``'s (Gemma 3: ``post_feedforward_layernorm``'s), ``resid_post`` = the layer's
+                          returned ``hidden_states + residual`` (vLLM fuses the residual add into the next
+                          layer's RMSNorm and returns the two apart: their sum is the stream the model means);
+                          Q/K before / after RoPE from the i-th rotary call; copied inside each hook, before
+                          the next fused norm rewrites its inputs in place
 logits / sampled ids      ``model_runner.sampler`` (``logits`` ``[R, V]`` float32 in, sampled
                           ``[R, 1]`` out) or ``model_runner.rejection_sampler`` with drafts
                           (logits ``[R + drafts, V]``, sampled ``[R, 1 + k]`` padded with -1)
@@ -85,6 +94,8 @@ class WorkerCapture:
         if rope is not None:
             self.handles.append(rope.register_forward_pre_hook(self._rope_pre))
             self.handles.append(rope.register_forward_hook(self._rope_post))
+        self.tap_layers: frozenset[int] = frozenset()
+        self._tap_handles: list[Any] = []
         self.handles.append(model_runner.sampler.register_forward_pre_hook(self._sampler_pre, with_kwargs=True))
         self.handles.append(model_runner.sampler.register_forward_hook(self._sampler_post))
         rs = getattr(model_runner, "rejection_sampler", None)
@@ -134,19 +145,58 @@ class WorkerCapture:
             self.cur["hidden"] = _np(out[: self.cur["num_actual_tokens"]]).astype(np.float32)  # [T, H]
 
     def _rope_pre(self, module: Any, args: tuple) -> None:
-        if self.cur is None:
+        if self.cur is None or len(args) < 3:
             return
-        if self._rope_calls == self.layer and len(args) >= 3:
-            T = self.cur["num_actual_tokens"]
+        T, i = self.cur["num_actual_tokens"], self._rope_calls
+        if i == self.layer:
             self.cur["q_pre"], self.cur["k_pre"] = _np(args[1][:T]).astype(np.float32), _np(args[2][:T]).astype(np.float32)
+        if i in self.tap_layers:
+            self._tap(i, "q_pre_rope", args[1]), self._tap(i, "k_pre_rope", args[2])
 
     def _rope_post(self, module: Any, args: tuple, out: Any) -> None:
         if self.cur is None:
             return
-        if self._rope_calls == self.layer and isinstance(out, tuple):
-            T = self.cur["num_actual_tokens"]
-            self.cur["q_rot"], self.cur["k_rot"] = _np(out[0][:T]).astype(np.float32), _np(out[1][:T]).astype(np.float32)
+        if isinstance(out, tuple):
+            T, i = self.cur["num_actual_tokens"], self._rope_calls
+            if i == self.layer:
+                self.cur["q_rot"], self.cur["k_rot"] = _np(out[0][:T]).astype(np.float32), _np(out[1][:T]).astype(np.float32)
+            if i in self.tap_layers:
+                self._tap(i, "q_post_rope", out[0]), self._tap(i, "k_post_rope", out[1])
         self._rope_calls += 1
+
+    # ------------------------------------------------------------------ layer taps (--keep tensors --layers)
+    def set_tap_layers(self, layers: Any) -> None:
+        """Hook the decoder layers ``layers`` for the per-layer taps of the module table (none: unhook)."""
+        for h in self._tap_handles:
+            h.remove()
+        self._tap_handles, self.tap_layers = [], frozenset(int(i) for i in layers)
+        dec = getattr(self.mr.model, "model", None)
+        for il in sorted(self.tap_layers):
+            layer = dec.layers[il]
+            sandwich = hasattr(layer, "pre_feedforward_layernorm")
+            att_src = layer.post_attention_layernorm if sandwich else getattr(layer, "self_attn", None)
+            mlp_src = getattr(layer, "post_feedforward_layernorm", None) if sandwich else getattr(layer, "mlp", None)
+            self._tap_handles.append(layer.register_forward_pre_hook(
+                lambda m, a, kw, _i=il: self._tap_stream(_i, "hidden_in", *_layer_args(a, kw)), with_kwargs=True))
+            self._tap_handles.append(layer.register_forward_hook(
+                lambda m, a, o, _i=il: self._tap_stream(_i, "resid_post", o[0], o[1]) if isinstance(o, tuple) else None))
+            for name, src in (("attn_out", att_src), ("mlp_out", mlp_src)):
+                if src is not None:
+                    self._tap_handles.append(src.register_forward_hook(
+                        lambda m, a, o, _i=il, _n=name: self._tap(_i, _n, o[0] if isinstance(o, tuple) else o)))
+
+    def _tap(self, il: int, name: str, t: Any) -> None:
+        """Keep ``t[:T]`` (copied now, float32) as tap ``name`` of layer ``il`` in this step's record."""
+        if self.cur is not None and isinstance(t, torch.Tensor):
+            self.cur.setdefault("taps", {})[f"{il}/{name}"] = _np(t[: self.cur["num_actual_tokens"]]).astype(np.float32)
+
+    def _tap_stream(self, il: int, name: str, hidden: Any, residual: Any) -> None:
+        """The residual stream vLLM carries as two tensors: ``hidden + residual`` (``residual`` None: ``hidden``)."""
+        if self.cur is None or not isinstance(hidden, torch.Tensor):
+            return
+        T = self.cur["num_actual_tokens"]
+        x = hidden[:T].float() + (residual[:T].float() if isinstance(residual, torch.Tensor) else 0.0)  # [T, H]
+        self.cur.setdefault("taps", {})[f"{il}/{name}"] = _np(x).astype(np.float32)
 
     def _kv_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
@@ -206,6 +256,13 @@ class WorkerCapture:
         return out
 
 
+def _layer_args(a: tuple, kw: dict) -> tuple[Any, Any]:
+    """``(hidden_states, residual)`` of a decoder layer's call ``forward(positions, hidden_states, residual)``."""
+    hidden = a[1] if len(a) > 1 else kw.get("hidden_states")
+    residual = a[2] if len(a) > 2 else kw.get("residual")
+    return hidden, residual
+
+
 def _runner(worker: Any) -> Any:
     w = getattr(worker, "worker", worker)
     return getattr(w, "model_runner", None) or w
@@ -225,6 +282,13 @@ def install(worker: Any, layer: int) -> dict[str, Any]:
     except Exception:  # pragma: no cover - no distributed state
         pass
     return {**cap.header, "tp_rank": rank}
+
+
+def set_taps(worker: Any, layers: list[int]) -> None:
+    """``collective_rpc`` target: hook ``layers`` for the per-layer taps of the next runs (``[]``: none)."""
+    cap = getattr(worker, ATTR, None)
+    if cap is not None:
+        cap.set_tap_layers(layers)
 
 
 def take(worker: Any) -> list[dict[str, Any]]:

@@ -101,7 +101,11 @@ class VllmRuntime:
             run = VllmRun(hf_dir_for(loaded.ckpt.path), s.opts, s.dtype, s.layer, s.tensor_parallel_size,
                           n_requests=s.n_requests)
         self.run = run
-        self.rec = Recorder(self.tok, loaded.config, layer=s.layer, show=tuple(s.show), layers=[s.layer], tensors=tensors)
+        #: layers whose block outputs are kept (``--keep tensors --layers``); hooked only for this run
+        self.tap_layers = tuple(s.tensor_layers or (s.layer,)) if tensors is not None else ()
+        run.llm.collective_rpc(run.capture.set_taps, args=(list(self.tap_layers),))
+        self.rec = Recorder(self.tok, loaded.config, layer=s.layer, show=tuple(s.show), layers=self.tap_layers or [s.layer],
+                            tensors=tensors)
         self.reqs: list[Any] = []
         self.raw: list[dict[str, Any]] = []
         self._steps: Any = None
@@ -142,8 +146,10 @@ class VllmRuntime:
         eng_opts = asdict(self.settings.opts)
         if eng_opts["num_blocks"] is None:  # vLLM sized its pool itself (VLLM_CPU_KVCACHE_SPACE): record that pool
             eng_opts["num_blocks"] = self.run.num_blocks
-        return RuntimeHeader(backend="paged", attention="vllm", engine_options=eng_opts,
-                             options={"sampler_order": "hf", self.info.native: self.run.header()},
+        options: dict[str, Any] = {"sampler_order": "hf", self.info.native: self.run.header()}
+        if self.tap_layers:  # --keep tensors: which vLLM module each saved tap is read from
+            options["tap_sources"] = dict(TAP_SOURCES)
+        return RuntimeHeader(backend="paged", attention="vllm", engine_options=eng_opts, options=options,
                              notes=tuple(run_notes(self.run, self.settings.opts, self.loaded.config, self.raw)),
                              layer=self.settings.layer)
 
@@ -155,6 +161,20 @@ class VllmRuntime:
         if self.owned and self.run is not None:
             self.run.close()
             self.run = None
+
+
+#: saved tap name -> the vLLM tensor it is (``options.tap_sources``; infertrace/runtimes/vllm/capture.py)
+TAP_SOURCES = {
+    "hidden_in": "vLLM decoder layer input: hidden_states + residual (forward pre-hook; layer 0: hidden_states)",
+    "q_pre_rope": "vLLM rotary_emb input query of this layer's call (forward pre-hook)",
+    "k_pre_rope": "vLLM rotary_emb input key of this layer's call (forward pre-hook)",
+    "q_post_rope": "vLLM rotary_emb output query of this layer's call (forward hook)",
+    "k_post_rope": "vLLM rotary_emb output key of this layer's call (forward hook)",
+    "v": "vLLM attention impl do_kv_cache_update value input (--layer only)",
+    "attn_out": "vLLM self_attn output after o_proj (Gemma 3: post_attention_layernorm output)",
+    "mlp_out": "vLLM mlp output (Gemma 3: post_feedforward_layernorm output)",
+    "resid_post": "vLLM decoder layer output hidden_states + residual (the fused add-RMSNorm returns them apart)",
+}
 
 
 def run_requests_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0,

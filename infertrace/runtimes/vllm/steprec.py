@@ -352,3 +352,21 @@ def taps(tracer: Any, rec: dict[str, Any], layer: int) -> None:
         for name, value in got.items():
             if layer in tracer.layers and name in tracer.taps:
                 tracer.tap(name, layer=layer, value=value)
+    layer_taps(tracer, rec.get("taps") or {}, cfg.head_dim)
+
+
+#: saved tap name (capture.py's record keys) -> the tap point of :mod:`infertrace.model.taps` it is recorded as
+LAYER_TAPS = {"hidden_in": "resid_pre", "q_pre_rope": "q", "k_pre_rope": "k", "q_post_rope": "q_rot",
+              "k_post_rope": "k_rot", "attn_out": "attn_out", "mlp_out": "mlp_out", "resid_post": "resid_post"}
+
+
+def layer_taps(tracer: Any, taps: dict[str, np.ndarray], hd: int) -> None:
+    """The per-layer taps of ``--keep tensors --layers`` (``"{layer}/{name}"`` -> ``[T, ...]`` float32, vLLM's
+    packed row order) handed to the recorder; Q/K as heads ``[T, heads, hd]``."""
+    for key, a in taps.items():
+        il, _, name = key.partition("/")
+        tap = LAYER_TAPS.get(name)
+        if tap is None or not il.isdigit() or int(il) not in tracer.layers or tap not in tracer.taps:
+            continue
+        t = torch.from_numpy(a)  # [T, H]
+        tracer.tap(tap, layer=int(il), value=t.reshape(t.shape[0], -1, hd) if name.endswith("rope") else t)

@@ -59,6 +59,8 @@ def merge_ranks(per_rank: list[dict[str, Any]], n_kv: int | None = None) -> dict
     rec = dict(per_rank[0])
     if len(per_rank) == 1:
         return rec
+    if rec.get("taps"):  # layer taps: the block outputs are all-reduced (rank 0's = every rank's); Q/K are head shards
+        rec["taps"] = {k: v for k, v in rec["taps"].items() if not k.endswith(("_pre_rope", "_post_rope"))}
     tp = len(per_rank)
     n_kv = n_kv or tp
     heads = [kv_heads_of_rank(r, tp, n_kv) for r in range(tp)]

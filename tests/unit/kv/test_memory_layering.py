@@ -48,7 +48,8 @@ MEMORY_METHODS = [
     "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min", "seq_pos_max", "shift_out",
     "checkpoint", "restore", "rewind",
     "lookup", "note_tokens", "note_rewind", "take_events",
-    "seq_len", "read", "logical_mask", "snapshot", "describe", "phys_layer", "recurrent_state", "written_blocks",
+    "seq_len", "read", "logical_mask", "snapshot", "describe", "phys_layer", "holds_values", "recurrent_state",
+    "written_blocks",  # holds_values: a read-back memory (llama.cpp, vLLM) holds one layer's K/V
 ]
 VIEWS = ("placement", "heads", "step_summary", "dump_writes", "dump_values")
 MEMORIES = (CellsKV, IswaCellsKV, SwaCellsPool, CachingCellsKV, CellsStreamsKV, PagedKV, SharedPagedKV, HybridKV)
