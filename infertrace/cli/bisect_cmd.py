@@ -63,6 +63,26 @@ def _default_floor(ma: dict[str, Any], mb: dict[str, Any]) -> bs.Floor:
     return bs.Floor(logits=f, default=f, source=f"{why} (no --floor or --floor-from given; measure one with --floor-from C D)")
 
 
+def _forced_notes(a: Path, b: Path, ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
+    """A note when one trace was teacher-forced on the other (``options.teacher_force.trace_sha256`` is the
+    SHA-256 of the other's ``trace.json``): the two emitted the same tokens by construction."""
+    import hashlib
+
+    from infertrace.safe_io import MAX_MANIFEST_BYTES, read_regular
+
+    out = []
+    for (x, mx), (y, my), nx, ny in (((a, ma), (b, mb), "A", "B"), ((b, mb), (a, ma), "B", "A")):
+        tf = (my.get("options") or {}).get("teacher_force")
+        if not isinstance(tf, dict):
+            continue
+        p = x / "trace.json" if x.is_dir() else x
+        same = hashlib.sha256(read_regular(p, MAX_MANIFEST_BYTES, "trace.json")).hexdigest() == tf.get("trace_sha256")
+        out.append(f"{ny} was teacher-forced on {nx} (run --teacher-force): it emitted {nx}'s tokens, so every position "
+                   "compares" if same else f"{ny} was teacher-forced on another trace than {nx} "
+                   f"({visible(str(tf.get('trace')))[:80]}): its tokens are that trace's")
+    return out
+
+
 def _finite(x: Any) -> Any:
     """``x`` with non-finite floats written as the strings "inf" / "-inf" / "nan" (JSON has none)."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -109,6 +129,7 @@ def bisect(
     else:
         fl = _default_floor(ma, mb)
     res = bs.bisect(sa, sb, cfg, fl)
+    res["notes"] = res.get("notes", []) + _forced_notes(a, b, ma, mb)
     if as_json:
         typer.echo(json_text(_finite(res), default=str))
     else:

@@ -120,6 +120,18 @@ def check_teacher_force(directory: Path, specs: list[Any], model: Optional[Path]
                    f"{visible(Path(model).name)!r}: the forced tokens are that model's choices", err=True)
 
 
+def teacher_force_record(directory: Path) -> dict[str, Any]:
+    """``options.teacher_force`` of a teacher-forced run: the followed trace's directory (as given, at most 400
+    characters) and the SHA-256 of its ``trace.json`` (what ``bisect`` compares to name the pair)."""
+    import hashlib
+
+    from infertrace.safe_io import MAX_MANIFEST_BYTES, read_regular
+
+    d = Path(directory)
+    data = read_regular(d / "trace.json" if d.is_dir() else d, MAX_MANIFEST_BYTES, "trace.json")
+    return {"trace": visible(str(directory))[:400], "trace_sha256": hashlib.sha256(data).hexdigest()}
+
+
 def forced_tokens(directory: Path) -> dict[int, list[int]]:
     """``{seq_id: output_ids}`` of a saved trace, for ``--teacher-force`` (validated: ints only).
 
@@ -180,7 +192,7 @@ def run(
     force: Annotated[bool, typer.Option("--force", help="With --save: replace the trace in a non-empty directory.")] = False,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)] = None,
     engine: Annotated[str, typer.Option("--engine", help=ENGINE_HELP)] = "infertrace",
-    teacher_force: Annotated[Optional[Path], typer.Option("--teacher-force", help="With --engine llama.cpp: feed the tokens a saved trace (run --save DIR) generated instead of sampling, so the two traces compare step for step.")] = None,
+    teacher_force: Annotated[Optional[Path], typer.Option("--teacher-force", help="Emit the tokens a saved trace (run --save DIR) generated instead of sampling (infertrace, llama.cpp, hf), so the two traces compare position by position (bisect).")] = None,
     llamacpp_flash_attn: o.LlamacppFlashAttn = None,
     padding: o.Padding = None,
     sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --engine llama.cpp: llama.cpp; paged: hf.")] = None,
@@ -227,6 +239,10 @@ def run_command(a: SimpleNamespace) -> None:
         typer.echo(f"note: --engine {engine} keeps no tensors file: --save writes the trace alone (--keep summary)", err=True)
     trace, tensors, tensor_layers = execute_run(engine, a.model, a.threads, specs, settings, a.layers, keep_tensors,
                                                 quiet=a.as_json, ctx_given=a.ctx_size is not None)
+    if a.teacher_force is not None:  # which trace's tokens this run emitted (bisect names it)
+        trace.options["teacher_force"] = teacher_force_record(a.teacher_force)
+        trace.notes.append(f"teacher-forced: every request emitted the tokens of the trace {visible(str(a.teacher_force))} "
+                           "(its own top choice kept in each decode record's top list)")
     if a.replay is not None:
         trace.notes.append(f"replayed the schedule, block ids, drafts and sampled tokens of the vLLM trace {visible(str(a.replay))}; "
                            "positions, slot mapping, lengths, K/V and logits computed by this engine")

@@ -74,6 +74,8 @@ def bisect_lines(res: dict[str, Any]) -> list[str]:
            f"tokens: prompt {tok['prompt']}, comparable positions {tok['compared_positions']}"
            + (f" (generated tokens differ from position {tok['first_token_differs_at']})" if tok["first_token_differs_at"] is not None else "")
            + f", {tok['positions_with_logits']} with logits in both"]
+    for note in res.get("notes", []):
+        out.append(f"note: {visible(note)}")
     t1, lg = res["first_top1"], res["first_logits"]
     out.append("first top-1 difference: " + ("none" if t1 is None else
                f"position {t1['pos']}: A {t1['top1_a']} vs B {t1['top1_b']} (logits rel L2 {_g(t1['rel_l2'])}, cosine {_g(t1['cosine'])})"))

@@ -226,7 +226,7 @@ REGISTRY: dict[str, RuntimeInfo] = {
     "infertrace": RuntimeInfo(
         "infertrace", "this engine (PyTorch on CPU, Triton on GPU): every variable computed and recorded here",
         "infertrace.runtimes.ours:OurRuntime", ("cells", "paged"), own_weights=False, all_layers=True,
-        native_settings=("replay",), speculative=("ngram", "draft", "mtp"), kv_dtype=True),
+        native_settings=("replay",), speculative=("ngram", "draft", "mtp"), kv_dtype=True, forces_tokens=True),
     "llama.cpp": RuntimeInfo(
         "llama.cpp", "llama.cpp itself via llama-cpp-python (GGUF only): its inp_pos, kq_mask, cells, K/V and logits",
         "infertrace.runtimes.llamacpp.runtime:LlamaCppRuntime", ("cells",), own_weights=True, all_layers=True,
@@ -243,7 +243,7 @@ REGISTRY: dict[str, RuntimeInfo] = {
         "hf", "HF transformers, one padded [B, T] batch with its DynamicCache: its input_ids, attention_mask, position_ids, "
         "masks per layer type, cache lengths, K/V and logits",
         "infertrace.runtimes.hf.runtime:HfRuntime", ("dense",), own_weights=True, install="dev", native="hf",
-        native_settings=("padding",), all_layers=True),
+        native_settings=("padding",), all_layers=True, forces_tokens=True),
 }
 
 

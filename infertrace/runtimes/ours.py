@@ -46,6 +46,11 @@ class OurRuntime:
 
         check_declared(cls.info, settings)
         opts = settings.opts
+        if settings.forced is not None and opts.speculative:  # a verify step accepts drafts by its own rule
+            raise SettingRefused(cls.info.name, "forced", "teacher forcing feeds one token per step; it does not "
+                                 "combine with speculative decoding (drop --speculative)")
+        if settings.forced is not None and settings.native.get("replay") is not None:
+            raise SettingRefused(cls.info.name, "forced", "a replay already emits the vLLM trace's tokens (drop --teacher-force)")
         replay = settings.native.get("replay")
         if replay is not None:
             if opts.kv_dtype is not None:
@@ -84,7 +89,10 @@ class OurRuntime:
             self.eng = ReplayEngine(loaded.model, self.tok, s.opts, self.rec,
                                     load_plan(replay) if not isinstance(replay, dict) else replay)
         else:
-            self.eng = Engine(loaded.model, self.tok, s.opts, self.rec)
+            from infertrace.engine.parts import ForcedSampler
+
+            self.eng = Engine(loaded.model, self.tok, s.opts, self.rec,
+                              sampler=ForcedSampler(dict(s.forced)) if s.forced else None)
         self.budget = None
         if s.trace and s.opts.context_shift:  # bounded by -n alone: stop once the trace passes what a saved trace may hold
             from infertrace.engine.trace_budget import TraceBudget

@@ -84,6 +84,8 @@ class Side:
     row_at: dict[int, tuple[int, int]]
     #: the arrays read for one step (walking a prefill reads each of its tensors once, not once per position)
     cache: tuple[int, dict[str, np.ndarray]] = field(default_factory=lambda: (-1, {}))
+    #: rows of this request computed in speculative verify chunks (not compared: a verify row's logits are a draft's)
+    verify_rows: int = 0
 
 
 def err(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -149,8 +151,11 @@ def load_side(name: str, trace: RunTrace, tensors: TraceTensors | None, req: dic
     out = _ids(req.get("output_ids", []), f"{name}: request {sid} output_ids")
     logit_at: dict[int, tuple[int, int]] = {}
     row_at: dict[int, tuple[int, int]] = {}
+    verify = 0
     for si, st in enumerate(trace.steps):
         for b in st.batch:
+            if b.seq_id == sid and b.spec is not None:
+                verify += b.T
             if b.seq_id != sid or b.spec is not None:
                 continue
             if len(b.rows) != len(b.positions) or any(not 0 <= r < st.N for r in b.rows):
@@ -159,7 +164,7 @@ def load_side(name: str, trace: RunTrace, tensors: TraceTensors | None, req: dic
                 row_at.setdefault(int(p), (si, int(r)))
             if b.logits_row is not None and b.positions:
                 logit_at.setdefault(int(b.positions[-1]), (si, int(b.logits_row)))
-    return Side(name, trace, tensors, int(sid), prompt + out, len(prompt), logit_at, row_at)
+    return Side(name, trace, tensors, int(sid), prompt + out, len(prompt), logit_at, row_at, verify_rows=verify)
 
 
 # ----------------------------------------------------------------------------- reading rows, checked
@@ -364,4 +369,7 @@ def bisect(a: Side, b: Side, cfg: dict[str, Any], floor: Floor) -> dict[str, Any
         "batch": None if pos is None else {"a": batch_at(a, pos), "b": batch_at(b, pos)},
         # a top-1 flip with logits inside the floor is a near tie at noise level: reported, not a divergence
         "diverged": over is not None or first_tap is not None,
+        "notes": [f"{s.name} ran {s.verify_rows} row(s) of this request in speculative verify steps: those positions are "
+                  "not compared (only ordinary prefill / decode rows are); run both without --speculative to compare "
+                  "every position" for s in (a, b) if s.verify_rows],
     }

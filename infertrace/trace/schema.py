@@ -520,7 +520,9 @@ OPTIONS = Obj({}, {"backend": Str(choices=BACKENDS), "attention": Str(max_len=64
                    "show": List(Str(choices=("hidden", "positions", "mask", "kv", "decode")), 64), "engine": ENGINE,
                    "llama_cpp": LLAMA_CPP, "weights": WEIGHTS, "sampler_order": Str(null=True, choices=("hf", "llama.cpp")),
                    "vllm": VLLM_HEADER, "hf": HF_HEADER, "padded_vocab": PADDED_VOCAB,
-                   "tap_sources": TAP_SOURCES}, extra=True)
+                   "tap_sources": TAP_SOURCES,
+                   # run --teacher-force DIR: the followed trace (as given) and the SHA-256 of its trace.json
+                   "teacher_force": Obj({"trace": Str(max_len=400), "trace_sha256": Str(max_len=64)})}, extra=True)
 MODEL = Obj({}, {"file": S, "name": Str(null=True), "size": Int(0, 1 << 62), "source": S, "metadata_sha256": Str(null=True)},
             extra=True)
 ROPE_SCALING = Obj({}, {"type": Str(max_len=64), "factor": FIN, "low_freq_factor": FIN, "high_freq_factor": FIN,

@@ -23,7 +23,7 @@ def decode_loop_problem(m: dict[str, Any]) -> tuple[Any, Any, str, str] | None:
     V = cfg.get("vocab_size") if _int(cfg.get("vocab_size")) and cfg.get("vocab_size") > 0 else None
     opts = m.get("options") if isinstance(m.get("options"), dict) else {}
     lc = opts.get("llama_cpp") if isinstance(opts.get("llama_cpp"), dict) else {}
-    forced = bool(lc.get("teacher_forced"))
+    forced = bool(lc.get("teacher_forced")) or isinstance(opts.get("teacher_force"), dict)  # run --teacher-force DIR
     reqs = {r.get("seq_id"): r for r in (m.get("requests") or []) if isinstance(r, dict) and _int(r.get("seq_id"))}
     full, bad = _request_ids(reqs, V)
     if bad:

@@ -34,7 +34,7 @@ def test_native_sections_and_who_takes_a_setting() -> None:
         ("vllm", "llama_cpp", "", "")
     assert api.takers("native.flash_attn") == ("llama.cpp",)
     assert api.takers("native.replay") == ("infertrace",)
-    assert api.takers("forced") == ("llama.cpp",)
+    assert api.takers("forced") == ("infertrace", "llama.cpp", "hf")
     assert api.takers("tensor_parallel_size") == ("vllm",)
     assert api.takers("opts.backend") == ()
 
@@ -45,12 +45,23 @@ def test_native_sections_and_who_takes_a_setting() -> None:
     (RunSettings(EngineOptions(), tensor_parallel_size=2), "tensor_parallel_size"),
     (RunSettings(EngineOptions(speculative="draft")), "opts.speculative"),
     (RunSettings(EngineOptions(kv_dtype="f16")), "opts.kv_dtype"),
-    (RunSettings(EngineOptions(), layer=1, tensor_layers=(1, 2)), "tensor_layers"),
 ])
 def test_declared_checks_refuse_what_an_entry_does_not_declare(settings: RunSettings, setting: str) -> None:
     with pytest.raises(SettingRefused) as e:
         api.check_declared(api.info("llama.cpp"), settings)
     assert (e.value.runtime, e.value.setting) == ("llama.cpp", setting)
+
+
+def test_an_entry_that_taps_one_layer_refuses_several() -> None:
+    """Every registered runtime taps any layers now (llama.cpp's graph nodes, vLLM's and HF's module hooks); an
+    entry declaring one layer only is still held to it."""
+    from dataclasses import replace
+
+    assert all(api.info(n).all_layers for n in api.names())
+    one = replace(api.info("llama.cpp"), all_layers=False)
+    with pytest.raises(SettingRefused) as e:
+        api.check_declared(one, RunSettings(EngineOptions(), layer=1, tensor_layers=(1, 2)))
+    assert e.value.setting == "tensor_layers"
 
 
 def test_a_refusal_names_the_flag() -> None:
@@ -60,8 +71,8 @@ def test_a_refusal_names_the_flag() -> None:
         raise SettingRefused("vllm", "opts.kv_dtype", "vLLM keeps its own cache dtype")
     assert str(e.value) == "--engine vllm: vLLM keeps its own cache dtype; drop --kv-dtype f16"
     with pytest.raises(InfertraceError) as e, refusals_as_flags():
-        raise SettingRefused("infertrace", "forced", "infertrace samples its own tokens")
-    assert str(e.value) == "--teacher-force needs --engine llama.cpp (infertrace samples its own tokens)"
+        raise SettingRefused("vllm", "forced", "vllm samples its own tokens")
+    assert str(e.value) == "--teacher-force needs --engine infertrace or llama.cpp or hf (vllm samples its own tokens)"
 
 
 # ----------------------------------------------------------------------------- the loop on a fake runtime
