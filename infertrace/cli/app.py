@@ -25,8 +25,7 @@ from infertrace.cli import inspect_cmd, run
 from infertrace.cli import diff_backends, dump_kv
 from infertrace.cli import bisect_cmd, check_cmd, diff_cmd, report_cmd, show
 from infertrace.cli import collect_cmd, export_cmd, make_qwen35
-from infertrace.engine.config import ConfigError
-from infertrace.errors import InfertraceError, quiet_broken_pipe
+from infertrace.errors import ConfigError, InfertraceError, quiet_broken_pipe
 from infertrace.safe_text import visible
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -276,6 +276,9 @@ def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec
     from infertrace.engine.speculative import parse_tree
 
     tree = parse_tree(spec_tree) if spec_tree is not None else None  # "" is a tree of 0 nodes: refused
+    if tree is not None and num_spec_tokens != EngineOptions.num_spec_tokens:
+        raise InfertraceError(f"--num-spec-tokens sets a chain's length; --spec-tree gives the tree itself ({len(tree)} "
+                              "nodes): drop one of them")
     return dataclasses.replace(opts, speculative=method, num_spec_tokens=num_spec_tokens, spec_tree=tree,
                                draft_model=draft_model, draft_layers=draft_layers, ngram_min=ngram_min,
                                ngram_max=ngram_max).validate()  # ConfigError: the flag's value

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError  # noqa: F401 - re-exported: the configs' error
 from infertrace.limits import LIMITS
 
 #: the largest context, pool or token budget in tokens (the trace format's ``MAX_CTX``)
@@ -35,28 +35,14 @@ MAX_DRAFT = 64
 MAX_NGRAM = 16
 
 
-class ConfigError(InfertraceError):
-    """One config field has a value the engine cannot run, said in the library's words.
-
-    Attributes:
-        field: ``<config>.<field>`` (``cache.tokens_per_block``, ``speculative.spec_tree``, ...).
-        reason: what is wrong, without the field's name (``must be >= 1 (got 0)``).
-    The message (``str(e)``) is ``"<field>: <reason>"``.
-    """
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
-
-
-def _at_least(field: str, value: int | None, lo: int, hi: int | None = None) -> None:
+def _at_least(field: str, value: int | None, lo: int, hi: int | None = None, unit: str = "tokens") -> None:
     """ConfigError unless ``value`` is None or in ``lo..hi``."""
     if value is None:
         return
     if value < lo:
         raise ConfigError(field, f"must be >= {lo} (got {value})")
     if hi is not None and value > hi:
-        raise ConfigError(field, f"is over the limit of {hi} (got {value})")
+        raise ConfigError(field, f"{value} is over the limit of {hi} {unit}")
 
 
 @dataclass(frozen=True)
@@ -89,7 +75,7 @@ class CacheConfig:
         if self.backend not in BACKENDS:
             raise ConfigError("cache.backend", f"must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
         _at_least("cache.ctx_size", self.ctx_size, 1, MAX_CTX)
-        _at_least("cache.tokens_per_block", self.tokens_per_block, 1, MAX_TOKENS_PER_BLOCK)
+        _at_least("cache.tokens_per_block", self.tokens_per_block, 1, MAX_TOKENS_PER_BLOCK, "slots per block")
         _at_least("cache.num_blocks", self.num_blocks, 1)
         if self.num_blocks is not None and self.num_blocks * self.tokens_per_block > MAX_CTX:
             raise ConfigError("cache.num_blocks", f"{self.num_blocks} blocks of {self.tokens_per_block} tokens are over "
@@ -135,7 +121,7 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM ``SpeculativeConfig``; llama.cpp ``common_params_speculative``).
 
     method: None (off), ``ngram`` (prompt lookup), ``draft`` (a draft model) or ``mtp`` (the model's MTP head).
-    num_spec_tokens: K drafts per step as a chain, 1..MAX_DRAFT (vLLM ``num_speculative_tokens``).
+    num_spec_tokens: K drafts per step as a chain, 1..MAX_DRAFT (vLLM ``num_speculative_tokens``); unused with a tree.
     spec_tree: parent index of each draft node (-1 = the last accepted token; each parent an earlier node),
         1..MAX_DRAFT nodes, instead of a chain (vLLM ``speculative_token_tree``).
     draft_model / draft_layers: with ``draft``, exactly one: a model path, or the target's first k >= 1 layers.
@@ -162,7 +148,7 @@ class SpeculativeConfig:
             return self
         if self.method not in SPEC_METHODS:
             raise ConfigError("speculative.method", f"must be one of {', '.join(SPEC_METHODS)} (got {self.method!r})")
-        _at_least("speculative.num_spec_tokens", self.num_spec_tokens, 1, MAX_DRAFT)
+        _at_least("speculative.num_spec_tokens", self.num_spec_tokens, 1, MAX_DRAFT, "drafts")
         if self.spec_tree is not None:
             self._check_tree()
         if not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
@@ -175,9 +161,6 @@ class SpeculativeConfig:
 
     def _check_tree(self) -> None:
         tree = tuple(self.spec_tree or ())
-        if self.num_spec_tokens != SpeculativeConfig.num_spec_tokens:
-            raise ConfigError("speculative.num_spec_tokens", f"sets a chain's length; spec_tree gives the tree itself "
-                                                             f"({len(tree)} nodes): set one of them")
         if not 1 <= len(tree) <= MAX_DRAFT:
             raise ConfigError("speculative.spec_tree", f"must have 1..{MAX_DRAFT} nodes (got {len(tree)})")
         for i, p in enumerate(tree):

@@ -58,8 +58,7 @@ def make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
         InfertraceError: unknown backend or invalid sizes.
     """
     cfg = model.cfg
-    if opts.ctx_size < 1:
-        raise InfertraceError("--ctx-size must be >= 1")
+    opts.cache.validate()  # ConfigError: cache.<field>
     from infertrace.kv.budget import check_kv_budget
 
     check_kv_budget(cfg, opts, model.dtype, model.device)  # refuse before allocating, with the size and the limit

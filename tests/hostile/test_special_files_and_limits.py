@@ -422,14 +422,14 @@ def test_tokens_per_block_over_the_schema_limit_is_refused_before_the_run(tmp_pa
 
     d = tmp_path / "D"
     refused(invoke("run", "-p", "hi", "--backend", "paged", "--tokens-per-block", LIMITS["MAX_TOKENS_PER_BLOCK"] + 1,
-                   "--save", d), f"--tokens-per-block {LIMITS['MAX_TOKENS_PER_BLOCK'] + 1} is over the limit of "
+                   "--save", d), f"--tokens-per-block: {LIMITS['MAX_TOKENS_PER_BLOCK'] + 1} is over the limit of "
                                  f"{LIMITS['MAX_TOKENS_PER_BLOCK']}")
     assert not d.exists()
 
 
 @pytest.mark.parametrize("opt, value, needle", [
-    ("--max-batch-tokens", (1 << 24) + 1, "--max-batch-tokens 16777217 is over the limit of 16777216 tokens"),
-    ("--prefill-chunk", (1 << 24) + 1, "--prefill-chunk 16777217 is over the limit of 16777216 tokens"),
+    ("--max-batch-tokens", (1 << 24) + 1, "--max-batch-tokens: 16777217 is over the limit of 16777216 tokens"),
+    ("--prefill-chunk", (1 << 24) + 1, "--prefill-chunk: 16777217 is over the limit of 16777216 tokens"),
     ("--max-new-tokens", 10**9, "--max-new-tokens 1000000000 is over the limit of 16777216 tokens per request"),
 ])
 def test_recorded_options_over_the_schema_limits_are_refused(opt, value, needle):
