@@ -21,7 +21,7 @@ from infertrace.engine.sampler import (SampleResult, SamplingParams, check_penal
 from infertrace.engine.step import StepContext  # noqa: F401 - re-exported (engine/step.py)
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.engine.serving import Serving
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
@@ -209,14 +209,14 @@ class Engine:
     def _resolve_attention(self, req: str) -> str:
         if self.opts.backend == "cells":
             if req == "triton":
-                raise InfertraceError("--attention triton needs --backend paged (the Triton kernel reads the paged pool)")
+                raise ConfigError("attention", "triton reads the paged pool; it needs backend paged")
             return "torch"
         tree = self.opts.spec_tree if self.opts.speculative else None
         if tree is not None and list(tree) != list(range(-1, len(tree) - 1)):  # a branching draft tree
             # the Triton kernel reads causal lengths only; the tree mask needs the torch attention
             if req == "triton":
-                raise InfertraceError("--spec-tree with branches needs --attention torch on --backend paged "
-                                      "(the Triton kernel reads causal lengths only); drop --attention triton")
+                raise ConfigError("speculative.spec_tree", "with branches needs the torch attention (the Triton "
+                                                           "kernel reads causal lengths only)")
             if req == "auto":
                 return "torch"
         try:

@@ -565,9 +565,9 @@ def test_teacher_force_of_another_model_file_warns(capsys):
 
 def test_n_discard_beyond_the_context_is_refused_not_clamped():
     refused(invoke("run", "-p", "hi", "--context-shift", "--n-discard", 1000, "--ctx-size", 16),
-            "--n-discard 1000 is more than a context shift in --ctx-size 16 can drop (at most ctx-size - 2 - n-keep = 14)")
+            "error: --n-discard: 1000 is more than a context shift of 16 tokens can drop (at most ctx_size - 2 - n_keep = 14)")
     refused(invoke("run", "-p", "hi", "--context-shift", "--n-keep", 4, "--n-discard", 11, "--ctx-size", 16),
-            "(at most ctx-size - 2 - n-keep = 10)")
+            "(at most ctx_size - 2 - n_keep = 10)")
 
 
 def test_n_discard_over_n_left_at_the_shift_is_refused(tmp_path):
@@ -582,7 +582,7 @@ def test_n_discard_over_n_left_at_the_shift_is_refused(tmp_path):
 
 @pytest.mark.parametrize("tree", ["-1,,0", "-1,0,", ",-1", "-1, ,0"])
 def test_spec_tree_with_an_empty_item_is_refused(tree):
-    refused(invoke("run", "-p", "hi", "--speculative", "ngram", f"--spec-tree={tree}"), "--spec-tree has an empty item")
+    refused(invoke("run", "-p", "hi", "--speculative", "ngram", f"--spec-tree={tree}"), "error: --spec-tree: has an empty item")
 
 
 def test_num_spec_tokens_beside_spec_tree_is_refused():
