@@ -22,6 +22,22 @@ class InfertraceError(Exception):
         self.exit_code = exit_code
 
 
+class ConfigError(InfertraceError):
+    """One engine config field has a value the engine cannot run, said in the library's words
+    (the configs of :mod:`infertrace.engine.config` raise it; the CLI names the field's flag).
+
+    Attributes:
+        field: ``<config>.<field>`` (``cache.tokens_per_block``, ``speculative.spec_tree``, ...).
+        reason: what is wrong, without the field's name (``must be >= 1 (got 0)``).
+
+    The message (``str(e)``) is ``"<field>: <reason>"``.
+    """
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
 #: exit code when the reader of stdout went away (a shell reports SIGPIPE deaths as 128 + 13)
 BROKEN_PIPE_EXIT = 141
 

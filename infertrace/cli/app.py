@@ -25,7 +25,7 @@ from infertrace.cli import inspect_cmd, run
 from infertrace.cli import diff_backends, dump_kv
 from infertrace.cli import bisect_cmd, check_cmd, diff_cmd, report_cmd, show
 from infertrace.cli import collect_cmd, export_cmd, make_qwen35
-from infertrace.errors import InfertraceError, quiet_broken_pipe
+from infertrace.errors import ConfigError, InfertraceError, quiet_broken_pipe
 from infertrace.safe_text import visible
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,6 +64,11 @@ def report_error(exc: BaseException, debug: bool) -> int:
     if debug:
         exc.__suppress_context__ = False  # show the low-level cause a user error was raised from
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    if isinstance(exc, ConfigError):  # a config field, named by its flag
+        from infertrace.cli.run_options import config_error_line
+
+        typer.echo(f"error: {_one_line(visible(config_error_line(exc)))}", err=True)
+        return exc.exit_code
     if isinstance(exc, InfertraceError):
         typer.echo(f"error: {_one_line(visible(exc.message))}", err=True)
         return exc.exit_code

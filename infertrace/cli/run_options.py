@@ -72,6 +72,27 @@ NgramMax = Annotated[int, typer.Option("--ngram-max", help="Speculative ngram: l
 D = SamplingParams  # defaults
 E = EngineOptions
 
+#: the ``run`` flag of each engine config field a :class:`~infertrace.engine.config.ConfigError` names
+#: (``infertrace.cli.app.report_error`` prints ``error: <flag>: <reason>``; a test checks both directions)
+CONFIG_FLAGS = {
+    "cache.backend": "--backend", "cache.ctx_size": "--ctx-size", "cache.num_blocks": "--num-blocks",
+    "cache.tokens_per_block": "--tokens-per-block", "cache.n_seq_max": "--prompt", "cache.kv_unified": "--kv-unified",
+    "cache.kv_dtype": "--kv-dtype",
+    "scheduler.max_batch_tokens": "--max-batch-tokens", "scheduler.prefill_chunk": "--prefill-chunk",
+    "speculative.method": "--speculative", "speculative.num_spec_tokens": "--num-spec-tokens",
+    "speculative.spec_tree": "--spec-tree", "speculative.draft_model": "--draft-model",
+    "speculative.draft_layers": "--draft-layers", "speculative.ngram_min": "--ngram-min",
+    "speculative.ngram_max": "--ngram-max",
+    "serving.prefix_cache": "--prefix-cache", "serving.context_shift": "--context-shift", "serving.n_keep": "--n-keep",
+    "serving.n_discard": "--n-discard", "serving.audit_kv": "--audit-kv",
+    "attention": "--attention", "sampler_order": "--sampler-order",
+}
+
+
+def config_error_line(e: Any) -> str:
+    """``<flag>: <reason>`` for a :class:`~infertrace.engine.config.ConfigError` (its field when no flag is known)."""
+    return f"{CONFIG_FLAGS.get(e.field, e.field)}: {e.reason}"
+
 
 def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], arrival: Optional[list[int]],
                      max_new_tokens: int, chat: bool, temperature: float, top_k: int, top_p: float, min_p: float,
@@ -108,56 +129,22 @@ def build_run_inputs(*, prompt: Optional[list[str]], prompts: Optional[Path], ar
         kv_dtype = check_choice("--kv-dtype", kv_dtype, KV_DTYPES)
     prefix_on = check_choice("--prefix-cache", prefix_cache, ("on", "off")) == "on"
     unified = check_choice("--kv-unified", kv_unified, ("on", "off")) == "on"
-    if not unified and backend != "cells":
-        raise InfertraceError("--kv-unified off is llama.cpp's cells convention: use it with --backend cells")
-    if not unified and prefix_on:
-        raise InfertraceError("--prefix-cache on needs --kv-unified on: across streams llama.cpp's seq_cp copies whole "
-                              "streams, which the cells prefix reuse does not do; drop one of them")
-    check_context_shift(ctx_size, context_shift, n_keep, n_discard)
+    check_min("--seed", seed, 0)
+    opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
+                         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention,
+                         sampler_order=sampler_order,
+                         prefix_cache=prefix_on, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard,
+                         audit_kv=audit_kv, kv_dtype=kv_dtype, kv_unified=unified,
+                         n_seq_max=EngineOptions.n_seq_max if unified else 1).validate()  # ConfigError: a flag's value
     check_device(attention, backend, device)
-    for opt, val, lo in (("--ctx-size", ctx_size, 1), ("--num-blocks", num_blocks, 1),
-                         ("--tokens-per-block", tokens_per_block, 1), ("--max-batch-tokens", max_batch_tokens, 1),
-                         ("--prefill-chunk", prefill_chunk, 1), ("--seed", seed, 0)):
-        check_min(opt, val, lo)
-    check_ctx_bounds(ctx_size, num_blocks, tokens_per_block)
-    check_option_limits(max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, n_keep=n_keep,
-                        n_discard=n_discard)
     defaults = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                 "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "ignore_eos": ignore_eos,
                 "penalty_last_n": penalty_last_n, "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty}
     specs = build_specs(prompt, prompts, arrival, defaults, chat, sampler_order, backend)
     check_request_limits(specs, ctx_size, context_shift)
-    opts = EngineOptions(backend=backend, ctx_size=ctx_size, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
-                         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, attention=attention,
-                         sampler_order=sampler_order,
-                         prefix_cache=prefix_on, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard,
-                         audit_kv=audit_kv, kv_dtype=kv_dtype)
     if not unified:
         opts = kv_streams_options(opts, len(specs))
     return specs, opts
-
-
-def check_context_shift(ctx_size: int, context_shift: bool, n_keep: int, n_discard: int) -> None:
-    """``--n-keep`` / ``--n-discard`` only with ``--context-shift``, and within what a shift of ``--ctx-size`` can do
-    (llama.cpp's server: a shift at ``n_past = ctx_size - 1`` keeps ``n_keep`` tokens and at least one more;
-    ``n_keep`` + BOS clamped to ``n_ctx - 4``).
-
-    Raises:
-        InfertraceError: naming the option and the bound.
-    """
-    check_min("--n-keep", n_keep, -1)  # -1: the whole prompt (llama.cpp --keep -1)
-    check_min("--n-discard", n_discard, 0)
-    if (n_keep or n_discard) and not context_shift:
-        raise InfertraceError("--n-keep / --n-discard set how a context shift works: add --context-shift")
-    if context_shift and n_discard > max(ctx_size - 2 - max(n_keep, 0), 0):
-        # a shift happens at n_past = ctx_size - 1 and must keep n_keep tokens and at least one more
-        raise InfertraceError(f"--n-discard {n_discard} is more than a context shift in --ctx-size {ctx_size} can drop "
-                              f"(at most ctx-size - 2 - n-keep = {max(ctx_size - 2 - max(n_keep, 0), 0)}); lower --n-discard "
-                              "or raise --ctx-size")
-    if context_shift and n_keep > ctx_size - 4:  # llama.cpp's server clamps n_keep (+ BOS) to n_ctx - 4
-        raise InfertraceError(f"--n-keep {n_keep} leaves nothing to shift in --ctx-size {ctx_size} (a context shift keeps at "
-                              f"most n_ctx - 4 = {max(ctx_size - 4, 0)} tokens, BOS included, as llama.cpp's server); "
-                              "lower --n-keep or raise --ctx-size")
 
 
 def check_device(attention: str, backend: str, device: str) -> None:
@@ -172,8 +159,6 @@ def check_device(attention: str, backend: str, device: str) -> None:
 
         from infertrace.attention.select import resolve_attention
 
-        if backend == "cells":
-            raise InfertraceError("--attention triton needs --backend paged (the Triton kernel reads the paged pool)")
         resolve_attention("triton", torch.device(device if device == "cpu" else "cuda"))
     if device == "cuda":
         import torch
@@ -217,50 +202,11 @@ def kv_streams_options(opts: EngineOptions, n_requests: int) -> EngineOptions:
     llama.cpp's ``n_stream = n_seq_max``), ``n_ctx_seq`` cells each (``pad256(pad256(ctx_size) // n_seq_max)``).
 
     Raises:
-        InfertraceError: ``--ctx-size`` smaller than the number of requests.
+        ConfigError: ``ctx_size`` smaller than the number of requests (``cache.ctx_size``).
     """
     import dataclasses
 
-    n = max(1, n_requests)
-    if opts.ctx_size < n:
-        raise InfertraceError(f"--kv-unified off splits --ctx-size {opts.ctx_size} into {n} streams (one per request): "
-                              "raise --ctx-size")
-    return dataclasses.replace(opts, kv_unified=False, n_seq_max=n)
-
-
-def check_ctx_bounds(ctx_size: int, num_blocks: Optional[int], tokens_per_block: int) -> None:
-    """Refuse a context / pool over :data:`infertrace.kv.budget.MAX_CTX_TOKENS` tokens (the trace schema's
-    ``MAX_CTX``) or a block over ``MAX_TOKENS_PER_BLOCK`` before a model loads.
-
-    Raises:
-        InfertraceError: naming the option and the limit.
-    """
-    from infertrace.kv.budget import MAX_CTX_TOKENS
-    from infertrace.trace.schema import LIMITS
-
-    if ctx_size > MAX_CTX_TOKENS:
-        raise InfertraceError(f"--ctx-size {ctx_size} is over the limit of {MAX_CTX_TOKENS} tokens")
-    if tokens_per_block > LIMITS["MAX_TOKENS_PER_BLOCK"]:  # what `show` accepts in a saved trace
-        raise InfertraceError(f"--tokens-per-block {tokens_per_block} is over the limit of {LIMITS['MAX_TOKENS_PER_BLOCK']} "
-                              "slots per block (MAX_TOKENS_PER_BLOCK of the trace format)")
-    if num_blocks is not None and num_blocks * tokens_per_block > MAX_CTX_TOKENS:
-        raise InfertraceError(f"--num-blocks x --tokens-per-block is over the limit of {MAX_CTX_TOKENS} tokens")
-
-
-def check_option_limits(*, max_batch_tokens: int, prefill_chunk: Optional[int], n_keep: int, n_discard: int) -> None:
-    """The engine options a trace records, against the trace schema's limits (:data:`infertrace.trace.schema.LIMITS`),
-    so ``run --save`` never writes what ``show`` refuses.
-
-    Raises:
-        InfertraceError: an option over its limit, naming both.
-    """
-    from infertrace.trace.schema import LIMITS
-
-    ctx = LIMITS["MAX_CTX"]
-    for opt, val, hi in (("--max-batch-tokens", max_batch_tokens, ctx), ("--prefill-chunk", prefill_chunk, ctx),
-                         ("--n-keep", n_keep, ctx - 1), ("--n-discard", n_discard, ctx - 1)):
-        if val is not None and val > hi:
-            raise InfertraceError(f"{opt} {val} is over the limit of {hi} tokens (MAX_CTX of the trace format)")
+    return dataclasses.replace(opts, kv_unified=False, n_seq_max=max(1, n_requests)).validate()
 
 
 def run_step_bound(specs: list[PromptSpec], ctx_size: int, context_shift: bool) -> int:
@@ -321,42 +267,21 @@ def apply_spec_options(opts: EngineOptions, speculative: Optional[str], num_spec
     """Check the speculative-decoding options (before a model loads) and return ``opts`` with them set.
 
     Raises:
-        InfertraceError: an unknown method, a bad tree, or a draft option without ``--speculative``.
+        InfertraceError: an unknown method, a malformed ``--spec-tree``; ConfigError: what
+            :meth:`~infertrace.engine.config.SpeculativeConfig.validate` refuses (a draft option without a method ...).
     """
     import dataclasses
 
-    if speculative is None:
-        if (spec_tree is not None or draft_model is not None or draft_layers is not None
-                or num_spec_tokens != EngineOptions.num_spec_tokens
-                or (ngram_min, ngram_max) != (EngineOptions.ngram_min, EngineOptions.ngram_max)):
-            raise InfertraceError("--num-spec-tokens, --spec-tree, --draft-model, --draft-layers and --ngram-min/--ngram-max "
-                                  "need --speculative ngram|draft")
-        return opts
-    method = check_choice("--speculative", speculative, ("ngram", "draft", "mtp"))
-    from infertrace.engine.speculative import MAX_DRAFT, parse_tree
+    method = check_choice("--speculative", speculative, ("ngram", "draft", "mtp")) if speculative is not None else None
+    from infertrace.engine.speculative import parse_tree
 
     tree = parse_tree(spec_tree) if spec_tree is not None else None  # "" is a tree of 0 nodes: refused
     if tree is not None and num_spec_tokens != EngineOptions.num_spec_tokens:
         raise InfertraceError(f"--num-spec-tokens sets a chain's length; --spec-tree gives the tree itself ({len(tree)} "
                               "nodes): drop one of them")
-    if tree is not None and list(tree) != list(range(-1, len(tree) - 1)) and opts.attention == "triton":
-        raise InfertraceError("--spec-tree with branches needs --attention torch on --backend paged "
-                              "(the Triton kernel reads causal lengths only); drop --attention triton")
-    if method != "ngram" and (ngram_min, ngram_max) != (EngineOptions.ngram_min, EngineOptions.ngram_max):
-        raise InfertraceError("--ngram-min/--ngram-max set the n-gram drafter: use them with --speculative ngram")
-    from infertrace.engine.drafters import NgramDrafter
-
-    NgramDrafter(ngram_min, ngram_max)  # checks the bounds before a model loads
-    if not 1 <= num_spec_tokens <= MAX_DRAFT:
-        raise InfertraceError(f"--num-spec-tokens must be in 1..{MAX_DRAFT} (got {num_spec_tokens})")
-    if method == "draft" and (draft_model is None) == (draft_layers is None):
-        raise InfertraceError("--speculative draft needs exactly one of --draft-model PATH or --draft-layers k")
-    if method != "draft" and (draft_model is not None or draft_layers is not None):
-        raise InfertraceError("--draft-model/--draft-layers need --speculative draft")
-    if draft_layers is not None:
-        check_min("--draft-layers", draft_layers, 1)
     return dataclasses.replace(opts, speculative=method, num_spec_tokens=num_spec_tokens, spec_tree=tree,
-                               draft_model=draft_model, draft_layers=draft_layers, ngram_min=ngram_min, ngram_max=ngram_max)
+                               draft_model=draft_model, draft_layers=draft_layers, ngram_min=ngram_min,
+                               ngram_max=ngram_max).validate()  # ConfigError: the flag's value
 
 
 def check_weights(weights: str) -> str:

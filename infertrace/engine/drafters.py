@@ -23,7 +23,8 @@ from typing import Any, Sequence
 import torch
 
 from infertrace.engine.sampler import apply_penalties, kept_set, mask_padded_rows
-from infertrace.errors import InfertraceError
+from infertrace.engine.config import SpeculativeConfig
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
 
@@ -60,8 +61,7 @@ class NgramDrafter:
     name = "ngram"
 
     def __init__(self, nmin: int = 1, nmax: int = 3):
-        if not 1 <= nmin <= nmax <= 16:
-            raise InfertraceError(f"--ngram-min/--ngram-max must satisfy 1 <= min <= max <= 16 (got {nmin}, {nmax})")
+        SpeculativeConfig("ngram", ngram_min=nmin, ngram_max=nmax).validate()  # ConfigError: speculative.ngram_min
         self.nmin, self.nmax = nmin, nmax
 
     def followers(self, ctx: Sequence[int], want: int) -> list[int]:
@@ -116,11 +116,11 @@ def layer_skip(model: Any, k: int) -> Any:
     """The target's first ``k`` layers with its embeddings and head, as a draft model (weights shared).
 
     Raises:
-        InfertraceError: ``k`` not in ``1..n_layer-1``.
+        ConfigError: ``k`` not in ``1..n_layer-1`` (``speculative.draft_layers``).
     """
     n = len(model.layers)
     if not 1 <= k < n:
-        raise InfertraceError(f"--draft-layers must be in 1..{n - 1} for this {n}-layer model (got {k})")
+        raise ConfigError("speculative.draft_layers", f"must be in 1..{n - 1} for this {n}-layer model (got {k})")
     d = copy.copy(model)
     d.layers = model.layers[:k]
     return d

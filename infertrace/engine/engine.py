@@ -21,7 +21,7 @@ from infertrace.engine.sampler import (SampleResult, SamplingParams, check_penal
 from infertrace.engine.step import StepContext  # noqa: F401 - re-exported (engine/step.py)
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.engine.serving import Serving
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
 from infertrace.kv.prefix_cache import CachingCellsKV, SharedPagedKV
@@ -55,11 +55,11 @@ def make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
     """Build the KV backend named by ``opts.backend``.
 
     Raises:
-        InfertraceError: unknown backend or invalid sizes.
+        ConfigError: what :meth:`EngineOptions.validate` refuses, or a setting this model cannot run.
+        InfertraceError: the cache does not fit in memory.
     """
     cfg = model.cfg
-    if opts.ctx_size < 1:
-        raise InfertraceError("--ctx-size must be >= 1")
+    opts.validate()  # ConfigError: the field (engine/config.py)
     from infertrace.kv.budget import check_kv_budget
 
     check_kv_budget(cfg, opts, model.dtype, model.device)  # refuse before allocating, with the size and the limit
@@ -80,11 +80,11 @@ def _make_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str):
         from infertrace.kv.recurrent import HybridKV, RecurrentState
 
         if opts.context_shift:
-            raise InfertraceError("--context-shift cannot be used with a hybrid model: a recurrent (GDN) state cannot drop "
-                                  "its oldest tokens (llama.cpp refuses partial seq_rm on recurrent memory); drop the flag")
+            raise ConfigError("serving.context_shift", "cannot be used with a hybrid model: a recurrent (GDN) state cannot "
+                                                       "drop its oldest tokens (llama.cpp refuses partial seq_rm on recurrent memory)")
         if not opts.kv_unified:
-            raise InfertraceError("--kv-unified off is not implemented for hybrid models (their recurrent cells are per "
-                                  "sequence already); drop --kv-unified off")
+            raise ConfigError("cache.kv_unified", "off is not implemented for hybrid models (their recurrent cells are "
+                                                  "per sequence already)")
         attn_layers = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
         attn_kv = _make_attn_kv(model, replace(opts, prefix_cache=False), attn_impl, n_layer=len(attn_layers))
         state = RecurrentState([i for i in range(cfg.n_layer) if cfg.is_linear(i)], cfg.conv_dim, cfg.ssm_conv_kernel,
@@ -113,8 +113,6 @@ def _make_attn_kv(model: DecoderModel, opts: EngineOptions, attn_impl: str, n_la
         cls = CachingCellsKV if opts.prefix_cache else CellsKV
         return cls(len(windows), cfg.n_head_kv, cfg.head_dim, opts.ctx_size, opts.n_seq_max, kv_dtype, model.device,
                    windows=windows)
-    if opts.backend == "paged" and not opts.kv_unified:
-        raise InfertraceError("--kv-unified off is llama.cpp's cells convention: use it with --backend cells")
     if opts.backend == "paged":
         nb = opts.num_blocks if opts.num_blocks is not None else -(-opts.ctx_size // opts.tokens_per_block)
         return SharedPagedKV(len(windows), cfg.n_head_kv, cfg.head_dim, nb, opts.tokens_per_block, kv_dtype, model.device,
@@ -127,19 +125,14 @@ def _make_streams_kv(cfg: Any, opts: EngineOptions, windows: list[int], kv_dtype
     (llama.cpp pads ``n_ctx`` and then ``n_ctx / n_seq_max`` to multiples of 256: :func:`~infertrace.kv.streams.n_ctx_seq`).
 
     Raises:
-        InfertraceError: with ``--prefix-cache on`` or ``--speculative`` (not implemented across streams), or
-            a model with sliding-window layers (llama.cpp's iSWA pool per stream is not modelled).
+        ConfigError: a model with sliding-window layers (llama.cpp's iSWA pool per stream is not modelled); prefix
+            reuse and speculation across streams are refused by :meth:`EngineOptions.validate`.
     """
     from infertrace.kv.streams import CellsStreamsKV, n_ctx_seq
 
-    if opts.prefix_cache:
-        raise InfertraceError("--prefix-cache on needs --kv-unified on: across streams llama.cpp's seq_cp copies whole "
-                              "streams, which the cells prefix reuse does not do; drop one of them")
-    if opts.speculative:
-        raise InfertraceError("--speculative is not implemented with --kv-unified off; drop one of them")
     if any(w > 0 for w in windows):  # llama.cpp: llama_kv_cache_iswa, a base and a SWA pool per stream
-        raise InfertraceError("--kv-unified off on a model with sliding-window layers is not modelled (llama.cpp keeps "
-                              "an iSWA pool per stream); drop --kv-unified off")
+        raise ConfigError("cache.kv_unified", "off on a model with sliding-window layers is not modelled (llama.cpp "
+                                              "keeps an iSWA pool per stream)")
     return CellsStreamsKV(len(windows), cfg.n_head_kv, cfg.head_dim, n_ctx_seq(opts.ctx_size, opts.n_seq_max),
                           opts.n_seq_max, kv_dtype, device, windows=windows)
 
@@ -210,14 +203,14 @@ class Engine:
     def _resolve_attention(self, req: str) -> str:
         if self.opts.backend == "cells":
             if req == "triton":
-                raise InfertraceError("--attention triton needs --backend paged (the Triton kernel reads the paged pool)")
+                raise ConfigError("attention", "triton reads the paged pool; it needs backend paged")
             return "torch"
         tree = self.opts.spec_tree if self.opts.speculative else None
         if tree is not None and list(tree) != list(range(-1, len(tree) - 1)):  # a branching draft tree
             # the Triton kernel reads causal lengths only; the tree mask needs the torch attention
             if req == "triton":
-                raise InfertraceError("--spec-tree with branches needs --attention torch on --backend paged "
-                                      "(the Triton kernel reads causal lengths only); drop --attention triton")
+                raise ConfigError("speculative.spec_tree", "with branches needs the torch attention (the Triton "
+                                                           "kernel reads causal lengths only)")
             if req == "auto":
                 return "torch"
         try:

@@ -8,14 +8,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from infertrace.engine.config import (KV_DTYPES, CacheConfig, ConfigError, SchedulerConfig, ServingConfig,  # noqa: F401
+                                      SpeculativeConfig, tree_is_chain)
 from infertrace.errors import InfertraceError
 
 #: slots per block of the paged pool (vLLM ``block_size``, TensorRT-LLM ``tokens_per_block``);
 #: :data:`infertrace.kv.paged.DEFAULT_TOKENS_PER_BLOCK` is the same value (a test checks)
 DEFAULT_TOKENS_PER_BLOCK = 32
-#: ``--kv-dtype`` values: the K/V cache storage type, llama.cpp's cache type names (``--cache-type-k/v``;
-#: llama.cpp's default is ``f16``). None = the model's compute dtype (infertrace's behaviour before the option)
-KV_DTYPES = ("f32", "f16", "bf16")
+#: :data:`KV_DTYPES` (engine/config.py): the K/V cache storage type, llama.cpp's cache type names
+#: (``--cache-type-k/v``; llama.cpp's default is ``f16``). None = the model's compute dtype
 
 
 @dataclass(frozen=True)
@@ -175,3 +176,56 @@ class EngineOptions:
     ngram_max: int = 3
     kv_dtype: str | None = None
     kv_unified: bool = True
+
+    # typed views (engine/config.py); the trace records the flat fields above (asdict), unchanged
+
+    @property
+    def cache(self) -> CacheConfig:
+        """The K/V memory settings as a :class:`~infertrace.engine.config.CacheConfig`."""
+        return CacheConfig(self.backend, self.ctx_size, self.num_blocks, self.tokens_per_block, self.n_seq_max,
+                           self.kv_unified, self.kv_dtype)
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        """The batch budget as a :class:`~infertrace.engine.config.SchedulerConfig`."""
+        return SchedulerConfig(self.max_batch_tokens, self.prefill_chunk)
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig:
+        """Speculative decoding as a :class:`~infertrace.engine.config.SpeculativeConfig`."""
+        tree = tuple(self.spec_tree) if self.spec_tree is not None else None
+        return SpeculativeConfig(self.speculative, self.num_spec_tokens, tree, self.draft_model, self.draft_layers,
+                                 self.ngram_min, self.ngram_max)
+
+    @property
+    def serving(self) -> ServingConfig:
+        """The serving mechanisms as a :class:`~infertrace.engine.config.ServingConfig`."""
+        return ServingConfig(self.prefix_cache, self.context_shift, self.n_keep, self.n_discard, self.audit_kv)
+
+    def validate(self) -> "EngineOptions":
+        """Check each config, then the rules that span two of them; return self.
+
+        Raises:
+            ConfigError: the first bad field (``field`` names it, e.g. ``cache.tokens_per_block``).
+        """
+        cache, spec, serving = self.cache.validate(), self.speculative_config.validate(), self.serving.validate()
+        self.scheduler.validate()
+        serving.check_shift(cache.ctx_size)
+        if self.attention not in ("torch", "triton", "auto"):
+            raise ConfigError("attention", f"must be one of torch, triton, auto (got {self.attention!r})")
+        if self.sampler_order not in (None, "hf", "llama.cpp"):
+            raise ConfigError("sampler_order", f"must be one of hf, llama.cpp (got {self.sampler_order!r})")
+        if self.attention == "triton" and cache.backend == "cells":
+            raise ConfigError("attention", "triton reads the paged pool; it needs backend paged")
+        if not cache.kv_unified and serving.prefix_cache:
+            raise ConfigError("serving.prefix_cache", "needs kv_unified on: across streams llama.cpp's seq_cp copies "
+                                                      "whole streams, which the cells prefix reuse does not do")
+        if spec.method is not None:
+            if not cache.kv_unified:
+                raise ConfigError("speculative.method", "is not implemented with kv_unified off")
+            if serving.prefix_cache or serving.context_shift or serving.audit_kv:
+                raise ConfigError("speculative.method", "cannot be combined with prefix_cache, context_shift or audit_kv yet")
+            if spec.spec_tree is not None and not tree_is_chain(spec.spec_tree) and self.attention == "triton":
+                raise ConfigError("speculative.spec_tree", "with branches needs the torch attention (the Triton kernel "
+                                                           "reads causal lengths only)")
+        return self

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from infertrace.engine.request import FINISHED, RUNNING, WAITING, Request
+from infertrace.engine.config import SchedulerConfig
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec, KVBackend
 
@@ -59,10 +60,7 @@ class Scheduler:
     ``prefill_chunk`` (max prompt tokens per request per step; None = budget)."""
 
     def __init__(self, kv: KVBackend, max_batch_tokens: int = 2048, prefill_chunk: int | None = None):
-        if max_batch_tokens < 1:
-            raise InfertraceError("--max-batch-tokens must be >= 1")
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise InfertraceError("--prefill-chunk must be >= 1")
+        SchedulerConfig(max_batch_tokens, prefill_chunk).validate()  # ConfigError: scheduler.<field>
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk = prefill_chunk

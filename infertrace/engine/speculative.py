@@ -33,10 +33,11 @@ import torch
 from infertrace.engine.drafters import DraftModelDrafter, NgramDrafter, layer_skip, target_probs
 from infertrace.engine.mtp_drafter import MTPDrafter
 from infertrace.engine.sampler import SampleResult, sample
-from infertrace.errors import InfertraceError
+from infertrace.engine.config import MAX_DRAFT as _MAX_DRAFT, SpeculativeConfig
+from infertrace.errors import ConfigError, InfertraceError
 
 #: largest draft (tree nodes) per request and step
-MAX_DRAFT = 64
+MAX_DRAFT = _MAX_DRAFT
 
 
 def parse_tree(text: str) -> tuple[int, ...]:
@@ -51,24 +52,20 @@ def parse_tree(text: str) -> tuple[int, ...]:
     compact = text.replace(" ", "")
     fields = compact.split(",") if compact else []
     if "" in fields:  # "-1,,0" or a trailing comma: an item left out, not a smaller tree
-        raise InfertraceError(f"--spec-tree has an empty item (got {shown}); give one parent index per node, like -1,0,0,1")
+        raise ConfigError("speculative.spec_tree", f"has an empty item (got {shown}); give one parent index per node, like -1,0,0,1")
     if len(fields) > MAX_DRAFT:
-        raise InfertraceError(f"--spec-tree must have 1..{MAX_DRAFT} nodes (got {len(fields)})")
+        raise ConfigError("speculative.spec_tree", f"must have 1..{MAX_DRAFT} nodes (got {len(fields)})")
     if not all(re.fullmatch(r"-?[0-9]{1,6}", x) for x in fields):
-        raise InfertraceError(f"--spec-tree must be comma-separated parent indices like -1,0,0,1 (got {shown})")
+        raise ConfigError("speculative.spec_tree", f"must be comma-separated parent indices like -1,0,0,1 (got {shown})")
     parents = tuple(int(x) for x in fields)
     check_tree(parents)
     return parents
 
 
 def check_tree(parents: tuple[int, ...]) -> None:
-    """Raise :class:`InfertraceError` unless each parent is -1 or an earlier node and 1 <= nodes <= MAX_DRAFT."""
-    if not 1 <= len(parents) <= MAX_DRAFT:
-        raise InfertraceError(f"--spec-tree must have 1..{MAX_DRAFT} nodes (got {len(parents)})")
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise InfertraceError(f"--spec-tree node {i} has parent {p}: a parent must be -1 (the last token) or an "
-                                  "earlier node")
+    """Raise :class:`ConfigError` (``speculative.spec_tree``) unless each parent is -1 or an earlier node and
+    1 <= nodes <= MAX_DRAFT (:meth:`SpeculativeConfig.validate`'s rule)."""
+    SpeculativeConfig("ngram", spec_tree=tuple(parents)).validate()
 
 
 def prune(tokens: list[int | None], parents: list[int], max_depth: int) -> tuple[list[int], list[int], list[int]]:
@@ -94,22 +91,16 @@ class Speculator:
 
     def __init__(self, engine: Any):
         o = engine.opts
-        if o.speculative not in ("ngram", "draft", "mtp"):
-            raise InfertraceError(f"--speculative must be ngram, draft or mtp (got {o.speculative!r})")
+        o.speculative_config.validate()  # ConfigError: speculative.<field>
         if o.prefix_cache or o.context_shift or o.audit_kv:
-            raise InfertraceError("--speculative cannot be combined with --prefix-cache, --context-shift or --audit-kv yet; drop one")
+            raise ConfigError("speculative.method", "cannot be combined with prefix_cache, context_shift or audit_kv yet")
         if o.spec_tree is not None:
-            check_tree(tuple(o.spec_tree))
             self.parents = [p for p in o.spec_tree]
         else:
-            if not 1 <= o.num_spec_tokens <= MAX_DRAFT:
-                raise InfertraceError(f"--num-spec-tokens must be in 1..{MAX_DRAFT} (got {o.num_spec_tokens})")
             self.parents = list(range(-1, o.num_spec_tokens - 1))
         self.chain = self.parents == list(range(-1, len(self.parents) - 1))
         #: the drafter reads the target's final-normed hidden states (the engine hands them over: keep_hidden)
         self.wants_hidden = o.speculative == "mtp"
-        if o.speculative in ("ngram", "mtp") and (o.draft_model or o.draft_layers):
-            raise InfertraceError("--draft-model/--draft-layers need --speculative draft")
         if o.speculative == "ngram":
             self.drafter: Any = NgramDrafter(o.ngram_min, o.ngram_max)
         elif o.speculative == "mtp":
@@ -119,8 +110,6 @@ class Speculator:
             self.drafter = MTPDrafter(engine.model, size, o.n_seq_max, getattr(engine, "n_sample_rows", None),
                                       kv_cache_dtype(o, engine.model.dtype))
         else:
-            if bool(o.draft_model) == bool(o.draft_layers):
-                raise InfertraceError("--speculative draft needs exactly one of --draft-model PATH or --draft-layers k")
             if o.draft_layers:
                 dm = layer_skip(engine.model, o.draft_layers)
             else:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.fmt import human_bytes as _human_bytes
 from infertrace.limits import LIMITS
 
@@ -50,7 +50,7 @@ def kv_cache_dtype(opts: Any, model_dtype: torch.dtype) -> torch.dtype:
     try:
         return KV_TORCH_DTYPES[name]
     except KeyError:
-        raise InfertraceError(f"--kv-dtype must be one of {', '.join(KV_TORCH_DTYPES)} (got {name!r})") from None
+        raise ConfigError("cache.kv_dtype", f"must be one of {', '.join(KV_TORCH_DTYPES)} (got {name!r})") from None
 
 
 def kv_tokens(opts: Any) -> int:

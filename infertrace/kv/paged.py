@@ -15,7 +15,7 @@ import torch
 
 from infertrace.attention.reference import paged_attention_torch
 from infertrace.attention.select import paged_attention, write_kv_paged
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.kv.base import ChunkSpec, MemOp, MemoryDefaults, PagedInputs, ranges_text
 from infertrace.kv import seq_ops
 
@@ -45,7 +45,8 @@ class PagedKV(MemoryDefaults):
                  tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", attn_impl: str = "torch", windows: Sequence[int] | None = None):
         if num_blocks < 1 or tokens_per_block < 1:
-            raise InfertraceError("--num-blocks and --tokens-per-block must be >= 1")
+            raise ConfigError("cache.num_blocks" if num_blocks < 1 else "cache.tokens_per_block",
+                              f"must be >= 1 (got {num_blocks if num_blocks < 1 else tokens_per_block})")
         self.n_layer = n_layer
         self.kv_layers = list(range(n_layer))  # model layers with K/V: all of them
         self.B = tokens_per_block

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from infertrace.attention.reference import attention_with_kq_mask
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.kv.base import CellsInputs, ChunkSpec, MemOp, MemoryDefaults, ranges_text
 from infertrace.kv.cells import CellsKV
 
@@ -132,9 +132,9 @@ class CellsStreamsKV(MemoryDefaults):
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, size: int, n_seq_max: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", windows: Sequence[int] | None = None):
         if n_seq_max < 1:
-            raise InfertraceError("--kv-unified off needs at least one sequence")
+            raise ConfigError("cache.n_seq_max", f"must be >= 1 (got {n_seq_max})")
         if size < 1:
-            raise InfertraceError(f"--kv-unified off: --ctx-size leaves no cell per stream ({n_seq_max} streams); raise --ctx-size")
+            raise ConfigError("cache.ctx_size", f"leaves no cell per stream for {n_seq_max} streams (kv_unified off); raise it")
         self.n_stream = self.n_seq_max = n_seq_max
         self.size = size
         self.capacity_tokens = size  # what one sequence can hold: its stream

@@ -367,7 +367,7 @@ def test_ctx_size_beyond_trained_context_warns_with_cost(gguf_path):
 
 
 def test_absurd_ctx_size_refused_up_front(gguf_path, monkeypatch):
-    assert "--ctx-size 16777217 is over the limit of 16777216 tokens" in _err(
+    assert "error: --ctx-size: 16777217 is over the limit of 16777216 tokens" in _err(
         "run", "-m", str(gguf_path), "-p", "hi", "--ctx-size", str((1 << 24) + 1))
     assert "over the limit of 16777216 tokens" in _err(
         "run", "-m", str(gguf_path), "-p", "hi", "--backend", "paged", "--num-blocks", str(1 << 20), "--tokens-per-block", "32")

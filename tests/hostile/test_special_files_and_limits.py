@@ -422,14 +422,14 @@ def test_tokens_per_block_over_the_schema_limit_is_refused_before_the_run(tmp_pa
 
     d = tmp_path / "D"
     refused(invoke("run", "-p", "hi", "--backend", "paged", "--tokens-per-block", LIMITS["MAX_TOKENS_PER_BLOCK"] + 1,
-                   "--save", d), f"--tokens-per-block {LIMITS['MAX_TOKENS_PER_BLOCK'] + 1} is over the limit of "
+                   "--save", d), f"--tokens-per-block: {LIMITS['MAX_TOKENS_PER_BLOCK'] + 1} is over the limit of "
                                  f"{LIMITS['MAX_TOKENS_PER_BLOCK']}")
     assert not d.exists()
 
 
 @pytest.mark.parametrize("opt, value, needle", [
-    ("--max-batch-tokens", (1 << 24) + 1, "--max-batch-tokens 16777217 is over the limit of 16777216 tokens"),
-    ("--prefill-chunk", (1 << 24) + 1, "--prefill-chunk 16777217 is over the limit of 16777216 tokens"),
+    ("--max-batch-tokens", (1 << 24) + 1, "--max-batch-tokens: 16777217 is over the limit of 16777216 tokens"),
+    ("--prefill-chunk", (1 << 24) + 1, "--prefill-chunk: 16777217 is over the limit of 16777216 tokens"),
     ("--max-new-tokens", 10**9, "--max-new-tokens 1000000000 is over the limit of 16777216 tokens per request"),
 ])
 def test_recorded_options_over_the_schema_limits_are_refused(opt, value, needle):
@@ -565,9 +565,9 @@ def test_teacher_force_of_another_model_file_warns(capsys):
 
 def test_n_discard_beyond_the_context_is_refused_not_clamped():
     refused(invoke("run", "-p", "hi", "--context-shift", "--n-discard", 1000, "--ctx-size", 16),
-            "--n-discard 1000 is more than a context shift in --ctx-size 16 can drop (at most ctx-size - 2 - n-keep = 14)")
+            "error: --n-discard: 1000 is more than a context shift of 16 tokens can drop (at most ctx_size - 2 - n_keep = 14)")
     refused(invoke("run", "-p", "hi", "--context-shift", "--n-keep", 4, "--n-discard", 11, "--ctx-size", 16),
-            "(at most ctx-size - 2 - n-keep = 10)")
+            "(at most ctx_size - 2 - n_keep = 10)")
 
 
 def test_n_discard_over_n_left_at_the_shift_is_refused(tmp_path):
@@ -582,7 +582,7 @@ def test_n_discard_over_n_left_at_the_shift_is_refused(tmp_path):
 
 @pytest.mark.parametrize("tree", ["-1,,0", "-1,0,", ",-1", "-1, ,0"])
 def test_spec_tree_with_an_empty_item_is_refused(tree):
-    refused(invoke("run", "-p", "hi", "--speculative", "ngram", f"--spec-tree={tree}"), "--spec-tree has an empty item")
+    refused(invoke("run", "-p", "hi", "--speculative", "ngram", f"--spec-tree={tree}"), "error: --spec-tree: has an empty item")
 
 
 def test_num_spec_tokens_beside_spec_tree_is_refused():

@@ -10,7 +10,7 @@ import torch
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.engine.speculative import parse_tree
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.spec_meta import pack_mask, spec_metadata, unpack_mask
 from infertrace.model.decoder import DecoderModel
@@ -189,19 +189,22 @@ def test_packed_mask_words_past_32_candidates():
 
 def test_bad_speculative_options_are_one_line_errors(tiny):
     ck, m = tiny
-    for kw, msg in [(dict(speculative="medusa"), "--speculative must be"),
-                    (dict(speculative="draft"), "exactly one of --draft-model"),
-                    (dict(speculative="draft", draft_layers=3), "--draft-layers must be in 1..2"),
-                    (dict(speculative="ngram", num_spec_tokens=0), "--num-spec-tokens"),
-                    (dict(speculative="ngram", prefix_cache=True), "cannot be combined")]:
-        with pytest.raises(InfertraceError, match=msg):
+    for kw, field, msg in [
+            (dict(speculative="medusa"), "speculative.method", "must be one of ngram, draft, mtp (got 'medusa')"),
+            (dict(speculative="draft"), "speculative.method", "draft needs exactly one of draft_model (a path) or draft_layers (k)"),
+            (dict(speculative="draft", draft_layers=3), "speculative.draft_layers", "must be in 1..2 for this 3-layer model (got 3)"),
+            (dict(speculative="ngram", num_spec_tokens=0), "speculative.num_spec_tokens", "must be >= 1 (got 0)"),
+            (dict(speculative="ngram", prefix_cache=True), "speculative.method",
+             "cannot be combined with prefix_cache, context_shift or audit_kv yet")]:
+        with pytest.raises(ConfigError) as e:
             Engine(m, ck.tokenizer, EngineOptions(**kw))
+        assert (e.value.field, e.value.reason) == (field, msg)
     for bad in ("0,-1", "-1,x", "-1,5"):
-        with pytest.raises(InfertraceError, match="--spec-tree"):
+        with pytest.raises(InfertraceError, match="^speculative.spec_tree: "):
             parse_tree(bad)
     assert parse_tree("-1, 0,0") == (-1, 0, 0)
     for huge in ("-1," + "9" * 5000, "-1,x" * 20000, "-1," * 30000):  # the error line stays short (no 5000-digit int)
-        with pytest.raises(InfertraceError, match="--spec-tree") as ei:
+        with pytest.raises(InfertraceError, match="^speculative.spec_tree: ") as ei:
             parse_tree(huge)
         assert len(str(ei.value)) < 200
     e = Engine(m, ck.tokenizer, EngineOptions(speculative="ngram", spec_tree=(-1, 0, 0)))
@@ -273,7 +276,7 @@ def test_branching_tree_never_runs_on_the_triton_kernel(tiny, monkeypatch):
     a chain (causal) keeps auto's choice."""
     ck, m = tiny
     monkeypatch.setattr("infertrace.attention.select.resolve_attention", lambda req, dev: "triton")  # as on a CUDA device
-    with pytest.raises(InfertraceError, match="needs --attention torch"):
+    with pytest.raises(InfertraceError, match="^speculative.spec_tree: with branches needs the torch attention"):
         Engine(m, ck.tokenizer, EngineOptions(backend="paged", attention="triton", speculative="ngram", spec_tree=TREE))
     e = Engine(m, ck.tokenizer, EngineOptions(backend="paged", attention="auto", speculative="ngram", spec_tree=TREE))
     assert e.attn_impl == "torch"

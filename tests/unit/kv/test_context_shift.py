@@ -74,10 +74,10 @@ def test_n_keep_must_leave_room():
               top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0, ignore_eos=False, backend="cells", ctx_size=16,
               num_blocks=None, tokens_per_block=4, max_batch_tokens=64, prefill_chunk=None, attention="auto",
               dtype="float32", device="cpu")
-    with pytest.raises(InfertraceError, match="--n-keep 13 leaves nothing"):  # llama.cpp keeps at most n_ctx - 4 = 12
+    with pytest.raises(InfertraceError, match="^serving.n_keep: 13 leaves nothing to shift in a context of 16 tokens"):  # llama.cpp keeps at most n_ctx - 4 = 12
         build_run_inputs(**kw, context_shift=True, n_keep=13)
     build_run_inputs(**kw, context_shift=True, n_keep=12)
-    with pytest.raises(InfertraceError, match="add --context-shift"):
+    with pytest.raises(InfertraceError, match="^serving.n_keep: sets how a context shift works; it needs context_shift on$"):
         build_run_inputs(**kw, n_keep=2)
     with pytest.raises(InfertraceError, match="--prefix-cache must be one of"):
         build_run_inputs(**kw, prefix_cache="yes")

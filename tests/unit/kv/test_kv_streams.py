@@ -117,8 +117,8 @@ def test_non_unified_generates_the_unified_tokens_with_one_ubatch_per_step(tmp_p
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["run", "-p", "x", "--kv-unified", "off", "--backend", "paged"], "use it with --backend cells"),
-    (["run", "-p", "x", "--kv-unified", "off", "--prefix-cache", "on"], "--prefix-cache on needs --kv-unified on"),
+    (["run", "-p", "x", "--kv-unified", "off", "--backend", "paged"], "error: --kv-unified: off (one stream per sequence) is llama.cpp's cells convention; it needs backend cells"),
+    (["run", "-p", "x", "--kv-unified", "off", "--prefix-cache", "on"], "error: --prefix-cache: needs kv_unified on: across streams"),
     (["run", "-p", "x", "--kv-unified", "maybe"], "--kv-unified"),
     (["diff-backends", "-p", "x", "--kv-unified", "off"], "--against llama.cpp"),
 ])

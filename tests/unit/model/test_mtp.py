@@ -433,7 +433,8 @@ def test_gguf_bad_nextn_predict_layers(tmp_path, nextn, msg):
 
 
 def test_speculative_mtp_option_errors(tiny):
-    for extra, msg in ((["--draft-layers", "1"], "need --speculative draft"), (["--ngram-max", "5"], "--speculative ngram")):
+    for extra, msg in ((["--draft-layers", "1"], "error: --draft-layers: names a draft model; it needs method draft"),
+                       (["--ngram-max", "5"], "error: --ngram-min: ngram_min / ngram_max set the n-gram drafter; they need method ngram")):
         r = CliRunner().invoke(app, ["run", "--model", str(tiny["dir"]), "--prompt", "hi", "-n", "2", "--speculative", "mtp",
                                      *extra])
         assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output

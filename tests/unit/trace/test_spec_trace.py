@@ -117,16 +117,16 @@ def test_tampered_verify_row_is_caught(saved, tmp_path):
     assert res.exit_code == 2 and "accepted_nodes" in res.output and "Traceback" not in res.output
 
 
-@pytest.mark.parametrize("args,msg", [(["--spec-tree=-1,0"], "need --speculative"),
+@pytest.mark.parametrize("args,msg", [(["--spec-tree=-1,0"], "error: --spec-tree: sets speculative decoding, which is off"),
                                       (["--speculative", "eagle"], "--speculative"),
-                                      (["--speculative", "draft"], "exactly one of --draft-model"),
+                                      (["--speculative", "draft"], "error: --speculative: draft needs exactly one of draft_model (a path) or draft_layers (k)"),
                                       (["--speculative", "ngram", "--spec-tree=0"], "--spec-tree"),
                                       (["--speculative", "ngram", "--num-spec-tokens", "0"], "--num-spec-tokens"),
                                       # options that were silently ignored
-                                      (["--speculative", "ngram", "--spec-tree", ""], "--spec-tree must have 1..64"),
-                                      (["--ngram-min", "2"], "need --speculative"),
+                                      (["--speculative", "ngram", "--spec-tree", ""], "error: --spec-tree: must have 1..64 nodes (got 0)"),
+                                      (["--ngram-min", "2"], "error: --ngram-min: sets speculative decoding, which is off"),
                                       (["--speculative", "draft", "--draft-layers", "1", "--ngram-max", "5"],
-                                       "use them with --speculative ngram"),
+                                       "error: --ngram-min: ngram_min / ngram_max set the n-gram drafter; they need method ngram"),
                                       (["--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "1 <= min <= max")])
 def test_bad_options_are_one_line_errors(model_path, args, msg):
     res = invoke("run", "--model", model_path, "--prompt", "ab", *args)
