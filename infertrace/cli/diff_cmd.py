@@ -14,7 +14,8 @@ import typer
 
 from infertrace.safe_text import json_text, visible
 from infertrace.errors import InfertraceError
-from infertrace.trace.diff import DEFAULT_ATOL, DEFAULT_RTOL, diff_traces, format_diff, unrecorded_lines, without_variables
+from infertrace.trace.diff import (DEFAULT_ATOL, DEFAULT_RTOL, diff_traces, format_diff, unrecorded_lines, without_tap_sources,
+                                   without_variables)
 from infertrace.trace.store import load_tensors, read_manifest
 
 HELP = ("Compare two saved traces and report the first divergence (step, seq, variable, field, A vs B). "
@@ -38,6 +39,7 @@ def diff(
     ma, mb = read_manifest(a), read_manifest(b)
     ta = load_tensors(a, ma) if tensors else None
     tb = load_tensors(b, mb) if tensors else None
+    ma, mb = without_tap_sources(ma, mb)
     unrecorded, dropped = unrecorded_lines(ma, mb, visible(str(a)), visible(str(b)))
     if dropped:  # saved with different --keep: compare what both hold, say so once per trace
         ma, mb = without_variables(ma, dropped), without_variables(mb, dropped)

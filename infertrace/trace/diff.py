@@ -77,6 +77,23 @@ def recorded_variables(m: dict[str, Any]) -> tuple[str, ...]:
     return tuple(v for v in VARIABLE_NAMES if v in rec)
 
 
+def without_tap_sources(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``options.tap_sources`` describes a trace's tensors file: compared only when both traces kept tensors
+    (a run saved with ``--keep summary`` beside the same run with tensors has none, and is the same run)."""
+    def kept(m: dict[str, Any]) -> bool:
+        return bool((m.get("store") or {}).get("tensors"))
+
+    if kept(a) and kept(b):
+        return a, b
+
+    def drop(m: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(m.get("options"), dict) or "tap_sources" not in m["options"]:
+            return m
+        return {**m, "options": {k: v for k, v in m["options"].items() if k != "tap_sources"}}
+
+    return drop(a), drop(b)
+
+
 def without_variables(m: dict[str, Any], drop: Sequence[str]) -> dict[str, Any]:
     """A shallow copy of manifest ``m`` whose steps lack the variables ``drop`` (and whose
     ``options.show`` is gone): what two traces saved with different ``--keep`` can be compared on."""
