@@ -94,3 +94,67 @@ def test_default_trace_asks_for_no_layer_tap_node(smol_path, llama_cpp):
         assert not any(n.startswith(("l_out", "ffn_out", "attn_out")) for n in ctx._want_layer)
     finally:
         ctx.close()
+
+
+def _hf_sandwich(model, ids):
+    """Gemma 3's post-normed branch outputs from HF's own modules: post_attention_layernorm / post_feedforward_layernorm
+    (our attn_out / mlp_out are after the post-norm) and the decoder layer, ``{(layer, tap): [T, H]}``."""
+    import torch
+
+    got, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        for tap, mod in (("attn_out", layer.post_attention_layernorm), ("mlp_out", layer.post_feedforward_layernorm),
+                         ("resid_post", layer)):
+            hooks.append(mod.register_forward_hook(
+                lambda m, a, o, k=(i, tap): got.__setitem__(k, (o[0] if isinstance(o, tuple) else o).detach()[0].numpy())))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def test_gemma3_taps_are_after_its_post_norms(gemma_path, hf_gemma, llama_cpp, tmp_path):
+    """Gemma 3: llama.cpp's attn_post_norm-N / ffn_post_norm-N nodes hold the post-normed branch outputs, as HF's
+    post-norm modules (measured worst 0.056 / 0.071 / 0.013 on layers 0, 8, 16); its last layer gathers the output
+    rows before the attention post-norm, so at the prefill that layer keeps only the nodes computed for every row."""
+    import torch
+    from safetensors.numpy import load_file
+
+    d = tmp_path / "g"
+    r = CliRunner().invoke(app, ["run", "--engine", "llama.cpp", "-m", str(gemma_path), "-p", PROMPT, "-n", "1",
+                                 "--save", str(d), "--layers", "0,8,16,17"])
+    assert r.exit_code == 0, r.output
+    m, t = json.loads((d / "trace.json").read_text()), load_file(str(d / "tensors.safetensors"))
+    last = m["config"]["n_layer"] - 1
+    assert last == 17
+    hf = _hf_sandwich(hf_gemma[1], torch.tensor([m["requests"][0]["prompt_ids"]]))
+    for il in (0, 8, 16):
+        for tap in TAPS:
+            rel = _rel(hf[(il, tap)], t[f"step0/layer{il}/{tap}"])
+            assert rel < LIMIT[tap], (il, tap, rel)
+    assert not any(k.startswith(f"step0/layer{last}/{tap}") for tap in TAPS for k in t)
+    src = m["options"]["tap_sources"]
+    assert "attn_post_norm-N" in src["attn_out"] and "ffn_post_norm-N" in src["mlp_out"]
+
+
+def test_c_filter_and_python_path_keep_the_same_tensors(smol_path, llama_cpp, tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    from infertrace.runtimes.llamacpp import ask_filter
+
+    assert ask_filter.load() is not None, "no C compiler here: the filter cannot be tested"
+    got = {}
+    for name in ("c", "py"):
+        if name == "py":
+            monkeypatch.setenv("INFERTRACE_NO_CEXT", "1")
+        d = tmp_path / name
+        r = CliRunner().invoke(app, ["run", "--engine", "llama.cpp", "-m", str(smol_path), "-p", PROMPT, "-n", "2",
+                                     "--save", str(d), "--layers", "0,3,29"])
+        assert r.exit_code == 0, r.output
+        got[name] = load_file(str(d / "tensors.safetensors"))
+    assert sorted(got["c"]) == sorted(got["py"]) and "step0/layer3/mlp_out" in got["c"]
+    for k, v in got["c"].items():
+        assert (v == got["py"][k]).all(), k
