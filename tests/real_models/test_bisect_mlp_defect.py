@@ -124,3 +124,12 @@ def test_ours_against_vllm_and_vllm_against_llamacpp(files, hf_truth, vllm_mod, 
     rc, rep = _bisect(lc, vb, "--floor-from", lc, vc)
     assert rc == 1
     _assert_names_mlp5(rep, hf_truth)
+
+
+def test_ours_against_hf(files, hf_truth, hf_smol):
+    """HF transformers as a runtime (``run --engine hf``, its own module outputs saved): ours(clean) vs HF(planted)."""
+    oc, hc, hb = _run(files, "infertrace", "clean"), _run(files, "hf", "clean"), _run(files, "hf", "bad")
+    rc, rep = _bisect(oc, hb, "--floor-from", oc, hc)
+    assert rc == 1
+    _assert_names_mlp5(rep, hf_truth)
+    assert rep["first_tap"]["rel_l2"] == pytest.approx(hf_truth[(LAYER, "mlp_out")], rel=2e-2)
