@@ -29,3 +29,18 @@ def hf_taps(model: Any, ids: Any) -> dict[tuple[int, str], Any]:
         for h in hooks:
             h.remove()
     return got
+
+
+def planted_truth(hf_smol: Any, bad_gguf: Any, prompt: str) -> dict[tuple[int, str], float]:
+    """Per (layer, tap): HF's own relative L2 between the clean model (``hf_smol`` = (tokenizer, model)) and HF loading
+    the planted GGUF ``bad_gguf`` with its own reader, on the last prompt row of ``prompt``."""
+    import torch
+    import transformers
+
+    tok, clean = hf_smol
+    bad = transformers.AutoModelForCausalLM.from_pretrained(str(bad_gguf.parent), gguf_file=bad_gguf.name,
+                                                            dtype=torch.float32).eval()
+    ids = torch.tensor([tok(prompt)["input_ids"]])  # [1, T]
+    a, b = hf_taps(clean, ids), hf_taps(bad, ids)
+    a, b = ({k: t[0, -1] for k, t in x.items()} for x in (a, b))  # the last prompt row
+    return {k: float((a[k] - b[k]).norm() / a[k].norm()) for k in a}

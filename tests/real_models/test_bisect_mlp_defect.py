@@ -40,18 +40,9 @@ def files(smol_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_truth(files, hf_smol):
     """Per (layer, tap): HF's relative L2 between the clean and the planted file, on the last prompt row."""
-    import torch
-    import transformers
+    from tests.helpers.hf_taps import planted_truth
 
-    from tests.helpers.hf_taps import hf_taps
-
-    tok, clean = hf_smol
-    bad = transformers.AutoModelForCausalLM.from_pretrained(str(files["bad"].parent), gguf_file=files["bad"].name,
-                                                            dtype=torch.float32).eval()
-    ids = torch.tensor([tok(PROMPT)["input_ids"]])  # [1, T]
-    a, b = hf_taps(clean, ids), hf_taps(bad, ids)
-    a, b = ({k: t[0, -1] for k, t in x.items()} for x in (a, b))
-    return {k: float((a[k] - b[k]).norm() / a[k].norm()) for k in a}
+    return planted_truth(hf_smol, files["bad"], PROMPT)
 
 
 def _run(files, engine: str, which: str) -> str:
