@@ -333,6 +333,25 @@ def batch_at(side: Side, pos: int) -> dict[str, Any] | None:
     return {"step": st.step, "N": st.N, "requests": reqs}
 
 
+def one_sided(a: Side, b: Side, pos: int | None, cfg: dict[str, Any]) -> list[str]:
+    """A note per trace holding taps at ``pos`` the other lacks (not compared): e.g. llama.cpp computes its last
+    layer's FFN for the logits rows only, an HF trace has no post-RoPE tap."""
+    if pos is None:
+        return []
+    ka, kb = set(tap_rows(a, pos, cfg)), set(tap_rows(b, pos, cfg))
+    out = []
+    for x, y, only in ((a, b, sorted(ka - kb)), (b, a, sorted(kb - ka))):
+        if only:
+            by: dict[str, list[int]] = {}
+            for layer, tap in only:
+                by.setdefault(tap, []).append(layer)
+            shown = ", ".join(f"{t} ({len(ls)} layers)" if len(ls) > 2 else f"{t} (layer {', '.join(map(str, ls))})"
+                              for t, ls in sorted(by.items()))
+            out.append(f"{len(only)} tap(s) at position {pos} saved by {x.name} only, not compared ({shown}): {y.name} did "
+                       "not save them there (see its trace notes and options.tap_sources)")
+    return out
+
+
 def bisect(a: Side, b: Side, cfg: dict[str, Any], floor: Floor) -> dict[str, Any]:
     """The whole report (module docstring): ``first_top1``, ``first_logits`` (each ``{pos, ...}`` or
     None), ``position`` (the earliest of the two), ``taps`` and ``first_tap`` there, ``batch`` per
@@ -371,5 +390,5 @@ def bisect(a: Side, b: Side, cfg: dict[str, Any], floor: Floor) -> dict[str, Any
         "diverged": over is not None or first_tap is not None,
         "notes": [f"{s.name} ran {s.verify_rows} row(s) of this request in speculative verify steps: those positions are "
                   "not compared (only ordinary prefill / decode rows are); run both without --speculative to compare "
-                  "every position" for s in (a, b) if s.verify_rows],
+                  "every position" for s in (a, b) if s.verify_rows] + one_sided(a, b, pos, cfg),
     }

@@ -84,6 +84,9 @@ def test_ours_against_llamacpp_and_llamacpp_against_itself(files, hf_truth, llam
     rc, rep = _bisect(oc, lb, "--floor-from", oc, lc)
     assert rc == 1 and rep["floor"]["source"].startswith("measured from --floor-from")
     _assert_names_mlp5(rep, hf_truth)
+    # what only one side saved is said, not silently skipped: llama.cpp names no layer-input node, and its last
+    # layer's FFN ran for the logits row only at the prefill
+    assert any("saved by" in n and "hidden_in (30 layers)" in n and "mlp_out (layer 29)" in n for n in rep["notes"]), rep["notes"]
     rc, rep = _bisect(lc, lb)  # one runtime, one kernel set: the layers before 5 agree bit for bit
     assert rc == 1
     _assert_names_mlp5(rep, hf_truth)

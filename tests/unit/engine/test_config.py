@@ -64,8 +64,6 @@ CASES = [  # (options, field, reason)
      "does not do"),
     (dict(kv_unified=False, n_seq_max=2, speculative="ngram"), "speculative.method",
      "is not implemented with kv_unified off"),
-    (dict(speculative="ngram", audit_kv=True), "speculative.method",
-     "cannot be combined with prefix_cache, context_shift or audit_kv yet"),
     (dict(backend="paged", attention="triton", speculative="ngram", spec_tree=(-1, -1)), "speculative.spec_tree",
      "with branches needs the torch attention (the Triton kernel reads causal lengths only)"),
 ]
@@ -171,3 +169,21 @@ def test_python_m_infertrace_prints_the_flag_and_exits_2(tmp_path):
                         "--tokens-per-block", "70000"], capture_output=True, text=True, env=env, timeout=120)
     assert (r.returncode, r.stdout, r.stderr) == (2, "", "error: --tokens-per-block: 70000 is over the limit of 65536 "
                                                         "slots per block\n")
+
+
+def test_speculation_beside_a_serving_mechanism_is_our_engines_limit_not_the_options():
+    """vLLM runs n-gram drafts with its prefix cache: the options stay valid, infertrace's own engine refuses."""
+    from infertrace.engine.config import ConfigError
+    from infertrace.engine.options import EngineOptions
+
+    opts = EngineOptions(speculative="ngram", prefix_cache=True).validate()
+    from infertrace.engine.speculative import Speculator
+
+    class _E:  # the attributes Speculator reads before refusing
+        pass
+
+    e = _E()
+    e.opts = opts
+    with pytest.raises(ConfigError) as err:
+        Speculator(e)
+    assert err.value.field == "speculative.method" and "cannot be combined with prefix_cache" in str(err.value)
