@@ -477,7 +477,8 @@ def test_chunked_prefill_late_arrivals_keep_mtp_greedy(tiny):
     m, tok = tiny["m"], tiny["ck"].tokenizer
     outs = {}
     for spec in (None, "mtp"):
-        e = Engine(m, tok, EngineOptions(ctx_size=96, prefill_chunk=4, max_batch_tokens=8, speculative=spec, num_spec_tokens=2))
+        e = Engine(m, tok, EngineOptions(ctx_size=96, prefill_chunk=4, max_batch_tokens=8, speculative=spec,
+                                          num_spec_tokens=2 if spec else EngineOptions.num_spec_tokens))  # no method: no draft count
         rs = [e.add_request(list(p), SamplingParams(max_new_tokens=10, ignore_eos=True), arrival_step=a)
               for p, a in ((IDS, 0), (IDS[2:10], 2), ([40, 41, 42, 43, 44, 45], 5))]
         e.run()

@@ -182,7 +182,7 @@ def test_prefix_cache_off_with_reason_and_context_shift_refused(tiny):
     ck, m = tiny["ck"], tiny["m"]
     e = Engine(m, ck.tokenizer, EngineOptions(backend="paged", prefix_cache=True))
     assert not e.opts.prefix_cache and "GDN" in e.disabled["prefix_cache"]
-    with pytest.raises(InfertraceError, match="context-shift"):
+    with pytest.raises(InfertraceError, match="context_shift: cannot be used with a hybrid model"):
         Engine(m, ck.tokenizer, EngineOptions(backend="cells", context_shift=True))
     # speculative decoding runs on hybrid models (tests/unit/engine/test_hybrid_spec.py)
 
