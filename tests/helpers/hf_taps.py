@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 
-def hf_taps(model: Any, ids: Any) -> dict[tuple[int, str], Any]:
+def hf_taps(model: Any, ids: Any, sandwich: bool = False) -> dict[tuple[int, str], Any]:
     """Run ``model`` (a Llama-style ``*ForCausalLM``) on ``ids`` ``[1, T]`` and return per ``(layer, tap)`` its
     output ``[1, T, ...]``: ``q_pre_rope`` / ``k_pre_rope`` / ``v`` (the projections), ``attn_out`` (the attention
-    block), ``mlp_out`` and ``resid_post`` (the decoder layer's output)."""
+    block), ``mlp_out`` and ``resid_post`` (the decoder layer's output). ``sandwich`` (Gemma 3): ``attn_out`` /
+    ``mlp_out`` are the post-norms' outputs (``post_attention_layernorm`` / ``post_feedforward_layernorm``)."""
     import torch
 
     got: dict[tuple[int, str], Any] = {}
@@ -19,7 +20,9 @@ def hf_taps(model: Any, ids: Any) -> dict[tuple[int, str], Any]:
 
     for i, layer in enumerate(model.model.layers):
         for tap, mod in (("q_pre_rope", layer.self_attn.q_proj), ("k_pre_rope", layer.self_attn.k_proj),
-                         ("v", layer.self_attn.v_proj), ("attn_out", layer.self_attn), ("mlp_out", layer.mlp),
+                         ("v", layer.self_attn.v_proj),
+                         ("attn_out", layer.post_attention_layernorm if sandwich else layer.self_attn),
+                         ("mlp_out", layer.post_feedforward_layernorm if sandwich else layer.mlp),
                          ("resid_post", layer)):
             hooks.append(mod.register_forward_hook(keep((i, tap))))
     try:

@@ -96,26 +96,6 @@ def test_default_trace_asks_for_no_layer_tap_node(smol_path, llama_cpp):
         ctx.close()
 
 
-def _hf_sandwich(model, ids):
-    """Gemma 3's post-normed branch outputs from HF's own modules: post_attention_layernorm / post_feedforward_layernorm
-    (our attn_out / mlp_out are after the post-norm) and the decoder layer, ``{(layer, tap): [T, H]}``."""
-    import torch
-
-    got, hooks = {}, []
-    for i, layer in enumerate(model.model.layers):
-        for tap, mod in (("attn_out", layer.post_attention_layernorm), ("mlp_out", layer.post_feedforward_layernorm),
-                         ("resid_post", layer)):
-            hooks.append(mod.register_forward_hook(
-                lambda m, a, o, k=(i, tap): got.__setitem__(k, (o[0] if isinstance(o, tuple) else o).detach()[0].numpy())))
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return got
-
-
 def test_gemma3_taps_are_after_its_post_norms(gemma_path, hf_gemma, llama_cpp, tmp_path):
     """Gemma 3: llama.cpp's attn_post_norm-N / ffn_post_norm-N nodes hold the post-normed branch outputs, as HF's
     post-norm modules (measured worst 0.056 / 0.071 / 0.013 on layers 0, 8, 16); its last layer gathers the output
@@ -130,7 +110,9 @@ def test_gemma3_taps_are_after_its_post_norms(gemma_path, hf_gemma, llama_cpp, t
     m, t = json.loads((d / "trace.json").read_text()), load_file(str(d / "tensors.safetensors"))
     last = m["config"]["n_layer"] - 1
     assert last == 17
-    hf = _hf_sandwich(hf_gemma[1], torch.tensor([m["requests"][0]["prompt_ids"]]))
+    from tests.helpers.hf_taps import hf_taps
+
+    hf = {k: v[0].numpy() for k, v in hf_taps(hf_gemma[1], torch.tensor([m["requests"][0]["prompt_ids"]]), sandwich=True).items()}
     for il in (0, 8, 16):
         for tap in TAPS:
             rel = _rel(hf[(il, tap)], t[f"step0/layer{il}/{tap}"])
