@@ -22,7 +22,6 @@ from infertrace.cli.common import (ATTENTION, BACKENDS, DEVICES, ENGINES, MIN_WI
 from infertrace.engine.options import EngineOptions, SamplingParams
 from infertrace.errors import InfertraceError
 from infertrace.runtimes.api import RunSettings
-from infertrace.runtimes.api import info as runtime_info
 from infertrace.safe_text import json_text, visible
 from infertrace.trace.records import VARIABLES
 from infertrace.trace.store import KEEP, parse_layers, save_trace
@@ -234,9 +233,6 @@ def run_command(a: SimpleNamespace) -> None:
         check_output_dir(a.save, a.force)
     check_min("--layer", a.layer, 0)
     engine, specs, settings = run_settings(a, show_vars)
-    if keep_tensors and a.keep is None and not runtime_info(engine).keeps_tensors:  # the default --keep: what it can
-        keep_tensors = False
-        typer.echo(f"note: --engine {engine} keeps no tensors file: --save writes the trace alone (--keep summary)", err=True)
     trace, tensors, tensor_layers = execute_run(engine, a.model, a.threads, specs, settings, a.layers, keep_tensors,
                                                 quiet=a.as_json, ctx_given=a.ctx_size is not None)
     if a.teacher_force is not None:  # which trace's tokens this run emitted (bisect names it)

@@ -71,8 +71,6 @@ class RuntimeInfo:
     tensor_parallel: bool = False
     ctx_note: str = ""
     comparison: str = ""
-    #: False: the runtime keeps no tensors file (``run --save`` then saves the trace alone, and says so)
-    keeps_tensors: bool = True
 
     @property
     def convention(self) -> str:

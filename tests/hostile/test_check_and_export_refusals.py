@@ -168,3 +168,35 @@ def test_floor_from_errors_name_the_option(tmp_path):
     res = invoke("bisect", d, d, "--floor-from", tmp_path / "missing", d)
     assert res.exit_code == 2
     assert res.output.startswith("error: --floor-from C D:"), res.output
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tap_sources", ["not", "an", "object"]),
+    ("tap_sources", {"attn_out": "x" * 5000}),
+    ("tap_sources", {f"t{i}": "x" for i in range(100)}),
+    ("teacher_force", {"trace": 5, "trace_sha256": "ab"}),
+    ("teacher_force", {"trace": "d"}),
+])
+def test_new_option_fields_are_validated_by_the_loader(tmp_path, field, value):
+    """options.tap_sources (saved tap -> one line, at most 64 keys of 400 characters) and options.teacher_force
+    (the followed trace and its SHA-256) come from untrusted files: the wrong type or size is refused in one line."""
+    d = _copy_golden(tmp_path)
+    m = json.loads((d / "trace.json").read_text())
+    m["options"][field] = value
+    (d / "trace.json").write_text(json.dumps(m))
+    res = invoke("show", d)
+    assert res.exit_code == 2 and f"options.{field}" in res.output and res.output.count("\n") == 1, res.output
+
+
+def test_bisect_prints_a_hostile_teacher_force_path_escaped(tmp_path, smol):
+    """The followed trace's path is named in bisect's note: terminal-safe."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert invoke("run", "-p", "Hi", "-n", "1", "--save", a).exit_code == 0
+    shutil.copytree(a, b)
+    m = json.loads((b / "trace.json").read_text())
+    m["options"]["teacher_force"] = {"trace": "\x1b]52;c;AAAA\x07evil", "trace_sha256": "0" * 64}
+    (b / "trace.json").write_text(json.dumps(m))
+    res = invoke("bisect", a, b)
+    assert res.exit_code == 0, res.output
+    assert "teacher-forced on another trace" in res.output and "evil" in res.output
+    assert "\x1b" not in res.output and "\x07" not in res.output
