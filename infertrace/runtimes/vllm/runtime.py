@@ -147,10 +147,14 @@ class VllmRuntime:
         if eng_opts["num_blocks"] is None:  # vLLM sized its pool itself (VLLM_CPU_KVCACHE_SPACE): record that pool
             eng_opts["num_blocks"] = self.run.num_blocks
         options: dict[str, Any] = {"sampler_order": "hf", self.info.native: self.run.header()}
+        notes = list(run_notes(self.run, self.settings.opts, self.loaded.config, self.raw))
         if self.tap_layers:  # --keep tensors: which vLLM module each saved tap is read from
             options["tap_sources"] = dict(TAP_SOURCES)
+            if self.settings.tensor_parallel_size > 1:  # each rank holds a shard of the heads (tp.merge_ranks)
+                notes.append("layer taps under tensor parallelism: only the all-reduced block outputs (hidden_in, attn_out, "
+                             "mlp_out, resid_post) are saved for --layers; Q/K are head shards per rank (--layer's are merged)")
         return RuntimeHeader(backend="paged", attention="vllm", engine_options=eng_opts, options=options,
-                             notes=tuple(run_notes(self.run, self.settings.opts, self.loaded.config, self.raw)),
+                             notes=tuple(notes),
                              layer=self.settings.layer)
 
     def close(self) -> None:
