@@ -108,19 +108,14 @@ def paged_attention_torch(
     ``0..that position`` of request i only (mask type ``causal``; TensorRT-LLM
     ``trtllm.py`` passes exactly these lengths and block offsets to the kernel).
     """
-    B = kv_pool.shape[3]
     N, n_head, hd = q.shape
     n_kv_heads = kv_pool.shape[2]
     group = n_head // n_kv_heads
     S = int(seq_lens.shape[0])
     T_list, L_list = seq_lens.tolist(), kv_lens.tolist()
     T_max, L_max = max(T_list), max(L_list)
-    nb = (L_max + B - 1) // B
     dev = q.device
-    blocks = block_tables[:, :nb].long().clamp_min(0)  # [S, nb] (-1 padding read as block 0, masked below)
-    kv = kv_pool[blocks]  # [S, nb, 2, n_kv_heads, B, hd]
-    k = kv[:, :, 0].permute(0, 2, 1, 3, 4).reshape(S, n_kv_heads, nb * B, hd)[:, :, :L_max].to(q.dtype)  # [S, n_kv_heads, L, hd]
-    v = kv[:, :, 1].permute(0, 2, 1, 3, 4).reshape(S, n_kv_heads, nb * B, hd)[:, :, :L_max].to(q.dtype)  # [S, n_kv_heads, L, hd]
+    k, v = _gather_blocks(kv_pool, block_tables, L_max, q.dtype)  # [S, n_kv_heads, L, hd] each
     # pad the packed queries per request: row t of request i is packed row cu_seqlens[i] + t
     starts = cu_seqlens[:-1].long().to(dev)  # [S]
     t_idx = torch.arange(T_max, device=dev)  # [T_max]
@@ -129,6 +124,61 @@ def paged_attention_torch(
     qp = q[rows]  # [S, T_max, n_head, hd]
     qg = qp.view(S, T_max, n_kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(S, n_kv_heads, group * T_max, hd)  # [S, kvh, g*T, hd]
     scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [S, kvh, g*T, L]
+    keep = _visible_keys(seq_lens, kv_lens, t_idx, L_max, window, tree_mask, q_pos)  # [S, T_max, L]
+    keep &= valid_q.unsqueeze(2)
+    scores = scores.view(S, n_kv_heads, group, T_max, L_max).masked_fill(~keep.view(S, 1, 1, T_max, L_max), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)  # [S, kvh, g, T, L]
+    o = torch.matmul(probs.view(S, n_kv_heads, group * T_max, L_max), v)  # [S, kvh, g*T, hd]
+    o = o.view(S, n_kv_heads, group, T_max, hd).permute(0, 3, 1, 2, 4).reshape(S, T_max, n_head, hd)  # [S, T, n_head, hd]
+    out = torch.empty_like(q)  # [N, n_head, hd]
+    out[rows[valid_q]] = o[valid_q]
+    return out
+
+
+def _gather_blocks(kv_pool: torch.Tensor, block_tables: torch.Tensor, L_max: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's K and V read through its block-table row, as one contiguous sequence of keys.
+
+    Args:
+        kv_pool: ``[num_blocks, 2, n_kv_heads, B, head_dim]`` one layer's pool (0 = K, 1 = V).
+        block_tables: ``[S, max_blocks]`` int32 physical block ids (-1 = unused: read as block 0; the
+            caller masks those keys).
+        L_max: the longest visible KV length (``max(kv_lens)``); keys past it are dropped.
+        dtype: the queries' dtype, the K/V are read back in (any float cache dtype).
+
+    Returns:
+        ``(k, v)``, each ``[S, n_kv_heads, L_max, head_dim]`` in ``dtype``: key ``l`` of request ``i`` is
+        slot ``l % B`` of block ``block_tables[i, l // B]``.
+    """
+    B, n_kv_heads, hd = kv_pool.shape[3], kv_pool.shape[2], kv_pool.shape[4]
+    S = int(block_tables.shape[0])
+    nb = (L_max + B - 1) // B
+    blocks = block_tables[:, :nb].long().clamp_min(0)  # [S, nb] (-1 padding read as block 0, masked below)
+    kv = kv_pool[blocks]  # [S, nb, 2, n_kv_heads, B, hd]
+    k = kv[:, :, 0].permute(0, 2, 1, 3, 4).reshape(S, n_kv_heads, nb * B, hd)[:, :, :L_max].to(dtype)  # [S, n_kv_heads, L, hd]
+    v = kv[:, :, 1].permute(0, 2, 1, 3, 4).reshape(S, n_kv_heads, nb * B, hd)[:, :, :L_max].to(dtype)  # [S, n_kv_heads, L, hd]
+    return k, v
+
+
+def _visible_keys(seq_lens: torch.Tensor, kv_lens: torch.Tensor, t_idx: torch.Tensor, L_max: int, window: int,
+                  tree_mask: torch.Tensor | None, q_pos: torch.Tensor | None) -> torch.Tensor:
+    """Which keys each padded query row sees, derived from the lengths (no dense mask is passed in).
+
+    Args:
+        seq_lens: ``[S]`` int32 current tokens T of each request; ``kv_lens``: ``[S]`` int32 visible KV
+            length C + T.
+        t_idx: ``[T_max]`` int64 ``arange(T_max)`` on the queries' device (query row index in a request).
+        L_max: ``max(kv_lens)``, the keys' axis length.
+        window: sliding window W, 0 = none (the query at position p sees keys p-W+1..p).
+        tree_mask: optional ``[S, T_max, T_max]`` bool tree verification mask (see
+            :func:`paged_attention_torch`); ``q_pos``: ``[S, T_max]`` int64 query positions for the window
+            rule when ``tree_mask`` is given.
+
+    Returns:
+        ``[S, T_max, L_max]`` bool, True = visible; rows past a request's ``seq_lens`` are not masked here.
+    """
+    dev = t_idx.device
+    S, T_max = int(seq_lens.shape[0]), int(t_idx.shape[0])
     # causal rule from the lengths: query t of request i sits at kv_len - T + t and sees keys 0..that
     qpos = (kv_lens.long().to(dev) - seq_lens.long().to(dev)).unsqueeze(1) + t_idx.unsqueeze(0)  # [S, T_max]
     keys = torch.arange(L_max, device=dev).view(1, 1, L_max)  # [1, 1, L]
@@ -144,11 +194,4 @@ def paged_attention_torch(
             qpos = q_pos.long().to(dev)  # [S, T_max] tree positions for the window rule
     if window > 0:
         keep &= keys > qpos.unsqueeze(2) - window  # [S, T_max, L] sliding window
-    keep &= valid_q.unsqueeze(2)
-    scores = scores.view(S, n_kv_heads, group, T_max, L_max).masked_fill(~keep.view(S, 1, 1, T_max, L_max), float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)  # [S, kvh, g, T, L]
-    o = torch.matmul(probs.view(S, n_kv_heads, group * T_max, L_max), v)  # [S, kvh, g*T, hd]
-    o = o.view(S, n_kv_heads, group, T_max, hd).permute(0, 3, 1, 2, 4).reshape(S, T_max, n_head, hd)  # [S, T, n_head, hd]
-    out = torch.empty_like(q)  # [N, n_head, hd]
-    out[rows[valid_q]] = o[valid_q]
-    return out
+    return keep

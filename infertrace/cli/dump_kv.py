@@ -12,7 +12,7 @@ Thin: validate options (as ``run``), load the model, call
 """
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -78,13 +78,7 @@ def dump_kv(
         raise InfertraceError(f"step {step} out of range: steps are numbered from 0")
     pos = _value_options(layer, head, positions, full)
     if trace_dir is not None:  # a saved trace: the step's record (+ saved tensors for values), no model, no run
-        from infertrace.present.render_kv import render_kv_dump
-        from infertrace.trace.saved_kv import dump_saved
-
-        if prompt or prompts:
-            raise InfertraceError("--prompt/--prompts are for a live run; the saved trace DIR already holds its prompts")
-        d = dump_saved(trace_dir, step, layer=layer, head=head, positions=pos, full=full)
-        return typer.echo(json_text(d)) if as_json else render_kv_dump(stdout_console(), d)
+        return _dump_saved(trace_dir, step, prompt or prompts, layer, head, pos, full, as_json)
     from infertrace.threads import check_thread_settings
 
     check_thread_settings(threads)  # --threads and OMP_NUM_THREADS/INFERTRACE_THREADS, before torch loads
@@ -99,6 +93,44 @@ def dump_kv(
         attention=attention, dtype=dtype, device=device,
         prefix_cache=prefix_cache, context_shift=context_shift, n_keep=n_keep, n_discard=n_discard, audit_kv=audit_kv,
         kv_unified=kv_unified)
+    d = _dump_live(model, dtype, device, threads, weights, ctx_given, specs, opts, step, layer, head, pos, full, as_json)
+    if as_json:
+        typer.echo(json_text(d))
+        return
+    from infertrace.present.render_kv import render_kv_dump
+
+    render_kv_dump(stdout_console(), d)
+
+
+def _dump_saved(trace_dir: Path, step: int, prompt: Optional[object], layer: Optional[int], head: Optional[int],
+                pos: Optional[list[int]], full: bool, as_json: bool) -> None:
+    """``dump-kv --step N DIR``: the step's record of a saved trace (+ its saved tensors for values), no model,
+    no run (:func:`infertrace.trace.saved_kv.dump_saved`); printed as JSON or as the rendered dump.
+
+    Raises:
+        InfertraceError: ``--prompt/--prompts`` given (the saved trace holds its prompts), or what
+            ``dump_saved`` refuses (a broken trace, a step not in it, no kv record).
+    """
+    from infertrace.present.render_kv import render_kv_dump
+    from infertrace.trace.saved_kv import dump_saved
+
+    if prompt:
+        raise InfertraceError("--prompt/--prompts are for a live run; the saved trace DIR already holds its prompts")
+    d = dump_saved(trace_dir, step, layer=layer, head=head, positions=pos, full=full)
+    return typer.echo(json_text(d)) if as_json else render_kv_dump(stdout_console(), d)
+
+
+def _dump_live(model: Optional[Path], dtype: str, device: str, threads: Optional[int], weights: str, ctx_given: bool,
+               specs: list[Any], opts: Any, step: int, layer: Optional[int], head: Optional[int], pos: Optional[list[int]],
+               full: bool, as_json: bool) -> dict[str, Any]:
+    """The live run of ``dump-kv --step N``: load the model (progress on stderr unless ``as_json``), lower the
+    default context to the model's trained one when ``--ctx-size`` was not given (a ``note:``), warn with the
+    cost past it, run to step N (:func:`infertrace.runner.dump_kv_at_step`). ``specs`` / ``opts``: the
+    ``PromptSpec`` list and ``EngineOptions`` of :func:`~infertrace.cli.run_options.build_run_inputs`.
+
+    Returns:
+        The dump dict (as ``dump_kv_at_step``), with the weights path that computed the K/V shown.
+    """
     with progress_display(enabled=not as_json) as progress:
         loaded = load_with_progress(model, dtype, device, progress, threads, weights)
         if not ctx_given:
@@ -111,12 +143,7 @@ def dump_kv(
 
         d = dump_kv_at_step(loaded, specs, opts, step, layer=layer, head=head, positions=pos, full=full)
         d.update(o.weights_record(loaded))  # which weights path computed the K/V shown (absent: the float path)
-    if as_json:
-        typer.echo(json_text(d))
-        return
-    from infertrace.present.render_kv import render_kv_dump
-
-    render_kv_dump(stdout_console(), d)
+    return d
 
 
 def _dump_state(state: Path, step: Optional[int], trace_dir: Optional[Path], prompt: Optional[object], model: Optional[Path],

@@ -35,6 +35,7 @@ Torch-free (trace/ reads JSON only).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from infertrace.ranges import ranges_text
@@ -333,6 +334,64 @@ def _compare_kv(a: dict[str, Any], b: dict[str, Any], tensors_a: Any, tensors_b:
     return {**kvr, "over_floor": kvr["over_floor"][:KEEP], "source": {"a": sa_, "b": sb_}}
 
 
+def _compare_ids(sid: int, x: dict[str, Any], y: dict[str, Any], add: Any) -> None:
+    """``prompt_ids`` / ``output_ids`` of request ``sid`` in A (``x``) and B (``y``): the first index where
+    they differ (or where one ends) is a ``tokens`` difference, passed to ``add``."""
+    for f in ("prompt_ids", "output_ids"):
+        if x[f] != y[f]:
+            k = next((i for i, (u, v) in enumerate(zip(x[f], y[f])) if u != v), min(len(x[f]), len(y[f])))
+            add(_div("tokens", sid, f"{f}[{k}]", x[f][k] if k < len(x[f]) else "(missing)",
+                     y[f][k] if k < len(y[f]) else "(missing)", note=f"A {len(x[f])} ids, B {len(y[f])}"))
+
+
+@dataclass
+class _NextTokenTotals:
+    """The logits-row agreement over all requests (``info["next_token"]``): rows both runtimes recorded,
+    those with the same top-1 id, the sum of top-k overlaps (fraction of ``min(k_a, k_b)``), the largest
+    |Δ logit| over ids both recorded, rows only one side recorded, the first :data:`KEEP` disagreements."""
+
+    rows: int = 0
+    same: int = 0
+    overlap_sum: float = 0.0
+    max_dlogit: float = 0.0
+    disagree: list[dict[str, Any]] = field(default_factory=list)
+    only_rows: dict[str, int] = field(default_factory=lambda: {"a": 0, "b": 0})
+
+    def info(self) -> dict[str, Any]:
+        rows, same = self.rows, self.same
+        return {"rows": rows, "same_top": same, "same_top_rate": same / rows if rows else None,  # None: no row both recorded
+                "topk_overlap_mean": self.overlap_sum / rows if rows else None, "max_abs_logit": self.max_dlogit,
+                "rows_only_a": self.only_rows["a"], "rows_only_b": self.only_rows["b"], "disagreements": self.disagree}
+
+
+def _compare_logits_rows(sid: int, x: dict[str, Any], y: dict[str, Any], nt: _NextTokenTotals) -> dict[str, int]:
+    """The logits rows of request ``sid``, the row that predicts position p (``next_pos`` p) in A (``x``) against
+    B (``y``): folds each into the totals ``nt``; returns the request's ``{"rows", "same_top"}``."""
+    nr = {"rows": 0, "same_top": 0}
+    for p in sorted(set(x["next"]) | set(y["next"])):
+        if p not in x["next"] or p not in y["next"]:
+            nt.only_rows["a" if p in x["next"] else "b"] += 1
+            continue
+        ta, tb = x["next"][p]["top"], y["next"][p]["top"]
+        ia, ib = [t.get("id") for t in ta], [t.get("id") for t in tb]
+        k = min(len(ia), len(ib))
+        nt.rows += 1
+        nr["rows"] += 1
+        nt.overlap_sum += len(set(ia[:k]) & set(ib[:k])) / k if k else 0.0
+        la = {t.get("id"): t.get("logit") for t in ta}
+        lb = {t.get("id"): t.get("logit") for t in tb}
+        for i in la.keys() & lb.keys():
+            if isinstance(la[i], (int, float)) and isinstance(lb[i], (int, float)):
+                nt.max_dlogit = max(nt.max_dlogit, abs(float(la[i]) - float(lb[i])))
+        if ia and ib and ia[0] == ib[0]:
+            nt.same += 1
+            nr["same_top"] += 1
+        elif len(nt.disagree) < KEEP:
+            nt.disagree.append({"seq_id": sid, "next_pos": p, "a": ta[0] if ta else None, "b": tb[0] if tb else None,
+                                "a_step": x["next"][p]["step"], "b_step": y["next"][p]["step"]})
+    return nr
+
+
 def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = (), tensors_a: Any = None,
                  tensors_b: Any = None) -> tuple[DiffResult, dict[str, Any]]:
     """Compare the logical variables of two traces of the same requests computed by runtimes with
@@ -365,22 +424,14 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
         diffs.append(d)
 
     reqs_info = []
-    rows = same = 0
-    overlap_sum = 0.0
-    max_dlogit = 0.0
-    disagree: list[dict[str, Any]] = []
-    only_rows = {"a": 0, "b": 0}
+    nt = _NextTokenTotals()
     for sid in sorted(set(pa) | set(pb)):
         if sid not in pa or sid not in pb:
             add(_div("tokens", sid, "request", "present" if sid in pa else "(missing)", "present" if sid in pb else "(missing)",
                      "missing"))
             continue
         x, y = pa[sid], pb[sid]
-        for f in ("prompt_ids", "output_ids"):
-            if x[f] != y[f]:
-                k = next((i for i, (u, v) in enumerate(zip(x[f], y[f])) if u != v), min(len(x[f]), len(y[f])))
-                add(_div("tokens", sid, f"{f}[{k}]", x[f][k] if k < len(x[f]) else "(missing)",
-                         y[f][k] if k < len(y[f]) else "(missing)", note=f"A {len(x[f])} ids, B {len(y[f])}"))
+        _compare_ids(sid, x, y, add)
         need = len(x["prompt_ids"]) + min(len(x["output_ids"]), len(y["output_ids"])) - 1
         n_before = len(diffs)
         both, served = _compare_positions(sid, x, y, need, add)
@@ -388,29 +439,7 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
         kvr = None
         if layer_a == layer_b and "kv" not in ignore:  # the K/V each holds at (request, position), served ones where written
             kvr = _compare_kv(a, b, tensors_a, tensors_b, sid, both, rel, add, kv_all)
-        # logits rows: the row that predicts position p (next_pos p), both runtimes
-        nr = {"rows": 0, "same_top": 0}
-        for p in sorted(set(x["next"]) | set(y["next"])):
-            if p not in x["next"] or p not in y["next"]:
-                only_rows["a" if p in x["next"] else "b"] += 1
-                continue
-            ta, tb = x["next"][p]["top"], y["next"][p]["top"]
-            ia, ib = [t.get("id") for t in ta], [t.get("id") for t in tb]
-            k = min(len(ia), len(ib))
-            rows += 1
-            nr["rows"] += 1
-            overlap_sum += len(set(ia[:k]) & set(ib[:k])) / k if k else 0.0
-            la = {t.get("id"): t.get("logit") for t in ta}
-            lb = {t.get("id"): t.get("logit") for t in tb}
-            for i in la.keys() & lb.keys():
-                if isinstance(la[i], (int, float)) and isinstance(lb[i], (int, float)):
-                    max_dlogit = max(max_dlogit, abs(float(la[i]) - float(lb[i])))
-            if ia and ib and ia[0] == ib[0]:
-                same += 1
-                nr["same_top"] += 1
-            elif len(disagree) < KEEP:
-                disagree.append({"seq_id": sid, "next_pos": p, "a": ta[0] if ta else None, "b": tb[0] if tb else None,
-                                 "a_step": x["next"][p]["step"], "b_step": y["next"][p]["step"]})
+        nr = _compare_logits_rows(sid, x, y, nt)
         reqs_info.append({"seq_id": sid, "positions_compared": len(both), "required": max(need, 0),
                           "differences": len(diffs) - n_before, "kv": kvr,
                           "served": {k: served_info(pa if k == "a" else pb, sid, v) for k, v in served.items() if v},
@@ -422,8 +451,6 @@ def logical_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] =
                      tensors_note="K/V compared against the noise floor; other tensors not compared across runtimes", differences=diffs[:KEEP])
     info = {"mode": "logical", "engines": [_engine(a), _engine(b)], "conventions": [_convention(a), _convention(b)],
             "note": NOTE, "requests": reqs_info,
-            "next_token": {"rows": rows, "same_top": same, "same_top_rate": same / rows if rows else None,  # None: no row both recorded
-                           "topk_overlap_mean": overlap_sum / rows if rows else None, "max_abs_logit": max_dlogit,
-                           "rows_only_a": only_rows["a"], "rows_only_b": only_rows["b"], "disagreements": disagree},
+            "next_token": nt.info(),
             "kv": kv_all}
     return res, info
