@@ -400,6 +400,81 @@ def test_allow_list_entries_still_needed() -> None:
     assert stale == []
 
 
+# ----------------------------------------------------------------------------- room sizes (issue 27)
+# 4. No function or method under infertrace/ is longer than MAX_FUNCTION_LINES, counted from its ``def`` line to its
+#    last line (decorators excluded; docstring, comments and nested functions included: ast
+#    ``end_lineno - lineno + 1``), except in infertrace/attention/triton_paged.py (the Triton kernels, and their
+#    launcher, mirror the kernel's program layout) and the LONG_ALLOW entries.
+# 5. No module of the trace/check package is longer than MAX_CHECK_MODULE_LINES (one module per convention).
+
+MAX_FUNCTION_LINES = 80
+MAX_CHECK_MODULE_LINES = 400
+#: files whose functions are not measured (why)
+LONG_EXEMPT = {"infertrace/attention/triton_paged.py": "Triton kernels: one @triton.jit program each"}
+#: (file relative to the repo, qualified name) -> why it stays longer than MAX_FUNCTION_LINES
+LONG_ALLOW: dict[tuple[str, str], str] = {
+    ("infertrace/engine/engine.py", "Engine.step"): "being split by the replay-as-scheduler change",
+    ("infertrace/runtimes/vllm/replay.py", "ReplayEngine.step"): "being split by the replay-as-scheduler change",
+}
+
+
+def long_functions(p: Path, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """``(qualified name, lines)`` of every function or method of ``p`` longer than ``limit`` lines (from
+    the ``def`` line to the last, decorators excluded), nested ones included (``Class.method.inner``)."""
+    out: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = child.end_lineno - child.lineno + 1
+                if n > limit:
+                    out.append((prefix + child.name, n))
+                visit(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(_tree(p), "")
+    return out
+
+
+def _measured() -> list[Path]:
+    return [p for p in _files() if _rel(p) not in LONG_EXEMPT]
+
+
+def test_no_function_over_80_lines() -> None:
+    found = [f"{_rel(p)}: {name} ({n} lines)" for p in _measured() for name, n in long_functions(p)
+             if (_rel(p), name) not in LONG_ALLOW]
+    assert found == [], f"split into named helpers of at most {MAX_FUNCTION_LINES} lines"
+
+
+def test_long_function_allow_list_entries_still_needed() -> None:
+    """An entry whose function is gone or now short enough must be removed (the list only shrinks)."""
+    assert all(LONG_ALLOW.values()) and not set(LONG_EXEMPT) & {f for f, _ in LONG_ALLOW}
+    stale = [k for k in LONG_ALLOW if k[1] not in {name for name, _ in long_functions(ROOT / k[0])}]
+    assert stale == []
+
+
+def test_the_exempt_files_exist() -> None:
+    assert [f for f in LONG_EXEMPT if not (ROOT / f).exists()] == []
+
+
+def check_module_sizes(root: Path, limit: int = MAX_CHECK_MODULE_LINES) -> list[str]:
+    """``"file: N lines"`` of every module of ``infertrace/trace/check`` longer than ``limit`` lines."""
+    out = []
+    for p in sorted((root / "infertrace" / "trace" / "check").rglob("*.py")):
+        n = len(p.read_text(encoding="utf-8").splitlines())
+        if n > limit:
+            out.append(f"{p.relative_to(root).as_posix()}: {n} lines")
+    return out
+
+
+def test_trace_check_modules_stay_small() -> None:
+    assert (ROOT / "infertrace" / "trace" / "check" / "__init__.py").exists()  # a package, so the walk is not vacuous
+    assert check_module_sizes(ROOT) == [], "split the convention's rules into their own module"
+
+
 # ----------------------------------------------------------------------------- the detectors detect
 
 
@@ -434,3 +509,23 @@ def test_detectors_catch_each_violation(at_root: Path) -> None:
 def test_memory_built_in_own_init_is_not_a_swap(at_root: Path) -> None:
     ok = _write(at_root, "class Engine:\n    def __init__(self):\n        self.kv = make()\n")
     assert memory_swaps(ok) == []
+
+
+def _function(name: str, lines: int) -> str:
+    """A function of exactly ``lines`` lines (its ``def`` line included)."""
+    return f"def {name}():\n" + "    x = 0\n" * (lines - 1)
+
+
+def test_long_function_detector_counts_lines(at_root: Path) -> None:
+    p = _write(at_root, "import functools\n\n\n@functools.cache\n@functools.wraps(print)\n" + _function("at_limit", 80)
+               + _function("over", 81) + "class C:\n    async def m(self):\n        def inner():\n"
+               + "            x = 0\n" * 80 + "        return inner\n")
+    assert long_functions(p) == [("over", 81), ("C.m", 83), ("C.m.inner", 81)]  # decorators not counted: at_limit is 80
+
+
+def test_check_module_size_detector(tmp_path: Path) -> None:
+    d = tmp_path / "infertrace" / "trace" / "check"
+    d.mkdir(parents=True)
+    (d / "small.py").write_text("x = 0\n" * 400)
+    (d / "big.py").write_text("x = 0\n" * 401)
+    assert check_module_sizes(tmp_path) == ["infertrace/trace/check/big.py: 401 lines"]
