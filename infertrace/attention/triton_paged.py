@@ -55,6 +55,7 @@ when triton is first imported -- so setting the variable after ``import triton``
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -505,6 +506,117 @@ def choose_num_splits(
     return int(max(1, min(want, by_len, 64)))
 
 
+
+def _check_shapes(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  kv_lens: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """The shape and dtype checks of :func:`paged_attention_triton` (free: no device sync).
+
+    Returns:
+        ``(N, n_head, head_dim, n_kv_heads, B)`` (``B`` = tokens per block).
+
+    Raises:
+        ValueError: as :func:`paged_attention_triton` says.
+    """
+    if q.dim() != 3 or kv_pool.dim() != 5 or kv_pool.shape[1] != 2:
+        raise ValueError(
+            f"q must be [N, n_head, head_dim] and kv_pool [num_blocks, 2, n_kv_heads, B, head_dim]; "
+            f"got {tuple(q.shape)} and {tuple(kv_pool.shape)}"
+        )
+    n, n_head, head_dim = q.shape
+    _, _, n_kv_heads, tpb, pool_hd = kv_pool.shape
+    if pool_hd != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and kv_pool ({pool_hd}) differ")
+    if n_head % n_kv_heads != 0:
+        raise ValueError(f"n_head ({n_head}) must be a multiple of n_kv_heads ({n_kv_heads})")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q must be fp32, fp16 or bf16, got {q.dtype}")
+    num_seqs = int(seq_lens.shape[0])
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or kv_lens.shape != (num_seqs,):
+        raise ValueError("block_tables [num_seqs, max_blocks] and kv_lens [num_seqs] must match seq_lens")
+    if cu_seqlens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_seqlens must be [{num_seqs + 1}], got {tuple(cu_seqlens.shape)}")
+    if q.stride(-1) != 1 or kv_pool.stride(-1) != 1:
+        raise ValueError("q and kv_pool must be contiguous in head_dim (stride 1)")
+    return n, n_head, head_dim, n_kv_heads, tpb
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What both launches of one :func:`paged_attention_triton` call share: the compiled kernels, the GQA
+    group (query heads per KV head), ``D_PAD`` (head_dim padded to a power of two >= 16), the softmax
+    scale in log2 units, the dot precision, ``B`` (tokens per block) and the sliding window (0 = none)."""
+
+    kern: dict[str, Any]
+    group: int
+    d_pad: int
+    qk_scale: float
+    dot_prec: str
+    tpb: int
+    window: int
+
+
+def _launch_decode(ln: _Launch, q: torch.Tensor, kv_pool: torch.Tensor, meta: tuple[torch.Tensor, ...],
+                   out: torch.Tensor, num_splits: int | None) -> None:
+    """Decode (T == 1) requests: split-K flash decoding into ``out`` ``[N, n_head, hd]``, then the
+    log-sum-exp reduce of the splits when there are several (``meta``: int32 block_tables, seq_lens,
+    kv_lens, cu_seqlens)."""
+    block_tables, seq_lens, kv_lens, cu_seqlens = meta
+    num_seqs, n_head, n_kv_heads = int(seq_lens.shape[0]), q.shape[1], kv_pool.shape[2]
+    head_dim, d_pad, bt_stride = q.shape[2], ln.d_pad, block_tables.stride(0)
+    es = q.element_size()
+    tile_n, warps, stages = _decode_config(head_dim, es)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, n_kv_heads, block_tables.shape[1] * ln.tpb, head_dim, q.device, es)
+    num_splits = max(1, int(num_splits))
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty((num_seqs, n_head, num_splits, d_pad), device=q.device, dtype=torch.float32)  # [S, H, splits, D_PAD]
+        part_lse = torch.empty((num_seqs, n_head, num_splits), device=q.device, dtype=torch.float32)  # [S, H, splits]
+    else:
+        part_o = torch.empty((1, 1, 1, 1), device=q.device, dtype=torch.float32)  # unused
+        part_lse = torch.empty((1, 1, 1), device=q.device, dtype=torch.float32)  # unused
+    ln.kern["decode"][(num_seqs, n_kv_heads, num_splits)](
+        q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens, out, part_o, part_lse,
+        ln.qk_scale, num_splits, ln.window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), bt_stride,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=ln.group, BLOCK_M=max(16, _next_pow2(ln.group)),
+        TPB=ln.tpb, TILE_N=tile_n, SPLIT=split, DOT_PREC=ln.dot_prec,
+        num_warps=warps, num_stages=stages,
+    )
+    if split:
+        ln.kern["reduce"][(num_seqs, n_head)](
+            part_o, part_lse, seq_lens, cu_seqlens, out,
+            num_splits,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=_next_pow2(num_splits),
+            num_warps=4 if d_pad >= 128 else 2,
+        )
+
+
+def _launch_prefill(ln: _Launch, q: torch.Tensor, kv_pool: torch.Tensor, meta: tuple[torch.Tensor, ...],
+                    out: torch.Tensor) -> None:
+    """Prefill (T > 1) requests: the varlen flash-attention kernel into ``out`` ``[N, n_head, hd]``
+    (``meta`` as :func:`_launch_decode`); decode rows are skipped by the kernel."""
+    block_tables, seq_lens, kv_lens, cu_seqlens = meta
+    n, head_dim, n_kv_heads, num_seqs = q.shape[0], q.shape[2], kv_pool.shape[2], int(seq_lens.shape[0])
+    block_m, tile_n, warps, stages = _prefill_config(head_dim, q.element_size())
+    block_m = max(block_m, _next_pow2(ln.group))
+    block_q = block_m // ln.group
+    grid = (n // block_q + num_seqs, n_kv_heads)
+    ln.kern["prefill"][grid](
+        q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens, out,
+        ln.qk_scale, num_seqs, ln.window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), block_tables.stride(0),
+        HEAD_DIM=head_dim, D_PAD=ln.d_pad, GROUP=ln.group, BLOCK_M=block_m, BLOCK_Q=block_q,
+        TPB=ln.tpb, TILE_N=tile_n, DOT_PREC=ln.dot_prec,
+        num_warps=warps, num_stages=stages,
+    )
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -553,28 +665,9 @@ def paged_attention_triton(
     prefill kernel, in the same call. Integer metadata of another int dtype (or not
     contiguous) is copied to contiguous int32 first.
     """
-    if q.dim() != 3 or kv_pool.dim() != 5 or kv_pool.shape[1] != 2:
-        raise ValueError(
-            f"q must be [N, n_head, head_dim] and kv_pool [num_blocks, 2, n_kv_heads, B, head_dim]; "
-            f"got {tuple(q.shape)} and {tuple(kv_pool.shape)}"
-        )
-    n, n_head, head_dim = q.shape
-    _, _, n_kv_heads, tpb, pool_hd = kv_pool.shape
-    if pool_hd != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and kv_pool ({pool_hd}) differ")
-    if n_head % n_kv_heads != 0:
-        raise ValueError(f"n_head ({n_head}) must be a multiple of n_kv_heads ({n_kv_heads})")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"q must be fp32, fp16 or bf16, got {q.dtype}")
-    num_seqs = int(seq_lens.shape[0])
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or kv_lens.shape != (num_seqs,):
-        raise ValueError("block_tables [num_seqs, max_blocks] and kv_lens [num_seqs] must match seq_lens")
-    if cu_seqlens.shape != (num_seqs + 1,):
-        raise ValueError(f"cu_seqlens must be [{num_seqs + 1}], got {tuple(cu_seqlens.shape)}")
-    if q.stride(-1) != 1 or kv_pool.stride(-1) != 1:
-        raise ValueError("q and kv_pool must be contiguous in head_dim (stride 1)")
-    group = n_head // n_kv_heads
+    n, n_head, head_dim, n_kv_heads, tpb = _check_shapes(q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens)
     out = torch.empty_like(q)  # [N, n_head, hd]
+    num_seqs = int(seq_lens.shape[0])
     if n == 0 or num_seqs == 0:
         return out
     _check_device(q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens)
@@ -586,61 +679,15 @@ def paged_attention_triton(
             raise ValueError("every request needs seq_lens >= 1 (drop requests with nothing to compute)")
         if int(cu_seqlens[-1]) != n:
             raise ValueError(f"cu_seqlens[-1] ({int(cu_seqlens[-1])}) must equal N ({n})")
-    kern = _kernels()
-    d_pad = max(16, _next_pow2(head_dim))
-    qk_scale = float(scale) * _LOG2E
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    bt_stride = block_tables.stride(0)
-
-    # Decode (T == 1) requests: split-K flash decoding.
-    es = q.element_size()
-    tile_n, warps, stages = _decode_config(head_dim, es)
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, n_kv_heads, block_tables.shape[1] * tpb, head_dim, q.device, es)
-    num_splits = max(1, int(num_splits))
-    split = num_splits > 1
-    if split:
-        part_o = torch.empty((num_seqs, n_head, num_splits, d_pad), device=q.device, dtype=torch.float32)  # [S, H, splits, D_PAD]
-        part_lse = torch.empty((num_seqs, n_head, num_splits), device=q.device, dtype=torch.float32)  # [S, H, splits]
-    else:
-        part_o = torch.empty((1, 1, 1, 1), device=q.device, dtype=torch.float32)  # unused
-        part_lse = torch.empty((1, 1, 1), device=q.device, dtype=torch.float32)  # unused
-    kern["decode"][(num_seqs, n_kv_heads, num_splits)](
-        q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens, out, part_o, part_lse,
-        qk_scale, num_splits, int(window),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), bt_stride,
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, BLOCK_M=max(16, _next_pow2(group)),
-        TPB=tpb, TILE_N=tile_n, SPLIT=split, DOT_PREC=dot_prec,
-        num_warps=warps, num_stages=stages,
-    )
-    if split:
-        kern["reduce"][(num_seqs, n_head)](
-            part_o, part_lse, seq_lens, cu_seqlens, out,
-            num_splits,
-            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=_next_pow2(num_splits),
-            num_warps=4 if d_pad >= 128 else 2,
-        )
-
+    meta = (block_tables, seq_lens, kv_lens, cu_seqlens)
+    launch = _Launch(kern=_kernels(), group=n_head // n_kv_heads, d_pad=max(16, _next_pow2(head_dim)),
+                     qk_scale=float(scale) * _LOG2E, dot_prec="ieee" if q.dtype == torch.float32 else "tf32",
+                     tpb=tpb, window=int(window))
+    _launch_decode(launch, q, kv_pool, meta, out, num_splits)
     # Prefill (T > 1) requests: varlen flash attention. With N == num_seqs and every
     # T >= 1 all requests are decodes, so the launch is skipped.
     if n > num_seqs:
-        block_m, tile_n, warps, stages = _prefill_config(head_dim, es)
-        block_m = max(block_m, _next_pow2(group))
-        block_q = block_m // group
-        grid = (n // block_q + num_seqs, n_kv_heads)
-        kern["prefill"][grid](
-            q, kv_pool, block_tables, seq_lens, kv_lens, cu_seqlens, out,
-            qk_scale, num_seqs, int(window),
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), bt_stride,
-            HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-            TPB=tpb, TILE_N=tile_n, DOT_PREC=dot_prec,
-            num_warps=warps, num_stages=stages,
-        )
+        _launch_prefill(launch, q, kv_pool, meta, out)
     return out
 
 
