@@ -13,7 +13,7 @@ import torch
 
 from infertrace.engine.drive import PromptSpec, drive, drive_bounded, encode_prompt, encode_requests  # noqa: F401 - re-exported
 from infertrace.engine.engine import Engine, EngineOptions
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.loading.model import DTYPES, Loaded, load_model, model_identity, parse_dtype  # noqa: F401 - re-exported
 from infertrace.trace.records import RunTrace
 from infertrace.capture.recorder import VARIABLES
@@ -105,7 +105,7 @@ def dump_kv_at_step(loaded: Any, prompts: list[Any], opts: Any, step: int, layer
 
     cfg = loaded.config
     if layer is not None and not 0 <= layer < cfg.n_layer:
-        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
+        raise ConfigError("run.layer", f"{layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
     if head is not None and not 0 <= head < cfg.n_head_kv:
         raise InfertraceError(f"--head {head} out of range: the cache holds kv heads 0..{cfg.n_head_kv - 1} "
                               f"(n_head_kv = {cfg.n_head_kv}; query heads share them, GQA)")

@@ -18,7 +18,7 @@ from infertrace.attention.triton_paged import (
     triton_available,
     write_kv_paged_triton,
 )
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 
 CHOICES = ("torch", "triton", "auto")
 
@@ -35,12 +35,12 @@ def resolve_attention(requested: str, device: torch.device) -> str:
         triton importable and ``TRITON_INTERPRET`` unset (the interpreter is for checks).
 
     Raises:
-        InfertraceError: unknown choice; ``triton`` asked for but triton is not installed;
+        ConfigError: ``attention``: unknown choice; ``triton`` asked for but triton is not installed;
             ``triton`` asked for on a non-CUDA device without ``TRITON_INTERPRET=1``.
     """
     choice = str(requested).strip().lower()
     if choice not in CHOICES:
-        raise InfertraceError(f"--attention must be one of {', '.join(CHOICES)}, got {requested!r}")
+        raise ConfigError("attention", f"must be one of {', '.join(CHOICES)}, got {requested!r}")
     device = torch.device(device)
     if choice == "torch":
         return "torch"
@@ -50,15 +50,13 @@ def resolve_attention(requested: str, device: torch.device) -> str:
     # choice == "triton"
     if device.type == "cuda":
         if not ok:
-            raise InfertraceError(f"--attention triton: {reason}")
+            raise ConfigError("attention", f"triton: {reason}")
         return "triton"
     if not interpreter_requested():
-        raise InfertraceError(
-            f"--attention triton on {device.type} needs TRITON_INTERPRET=1 (Triton's CPU interpreter, slow) "
-            "or a GPU; or use --attention torch"
-        )
+        raise ConfigError("attention", f"triton on {device.type} needs TRITON_INTERPRET=1 (Triton's CPU interpreter, "
+                                       "slow) or a GPU; or use torch")
     if not ok:
-        raise InfertraceError(f"--attention triton: {reason}")
+        raise ConfigError("attention", f"triton: {reason}")
     return "triton"
 
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from infertrace.engine.options import SamplingParams
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.runtimes.api import REGISTRY, names
 from infertrace.safe_text import SafeConsole, visible
 from infertrace.trace.records import VARIABLES
@@ -253,9 +253,8 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
         params = {k: obj.get(k, dv) for k, dv in defaults.items()}
         try:
             sp = SamplingParams(**params).validate()
-        except InfertraceError as e:
-            msg = re.sub(r"--([a-z-]+)", lambda m: repr(m.group(1).replace("-", "_")), e.message)
-            raise InfertraceError(f"{where}: {msg}") from None
+        except ConfigError as e:  # sampling.<key>: named by the file's key
+            raise InfertraceError(f"{where}: {e.field.split('.')[-1]!r} {e.reason}") from None
         a = obj.get("arrival", arrival)
         if a < 0:
             raise InfertraceError(f"{where}: 'arrival' must be >= 0 (got {a})")

@@ -86,6 +86,11 @@ CONFIG_FLAGS = {
     "serving.prefix_cache": "--prefix-cache", "serving.context_shift": "--context-shift", "serving.n_keep": "--n-keep",
     "serving.n_discard": "--n-discard", "serving.audit_kv": "--audit-kv",
     "attention": "--attention", "sampler_order": "--sampler-order",
+    "run.layer": "--layer", "run.tensor_layers": "--layers", "run.show": "--show", "run.prompts": "--prompt",
+    "model.dtype": "--dtype", "model.weights": "--weights", "model.device": "--device",
+    **{f"sampling.{f}": "--" + f.replace("_", "-") for f in (
+        "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+        "penalty_last_n", "seed", "max_new_tokens", "ignore_eos")},
 }
 
 

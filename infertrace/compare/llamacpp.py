@@ -34,7 +34,7 @@ from infertrace.kv.cells import CellsKV
 from infertrace.kv.iswa import IswaCellsKV
 from infertrace.kv.streams import CellsStreamsKV
 from infertrace.compare.metrics import NEAR_TIE_GAP, NEAR_TIE_TOPK, compare_rows
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.model.ops import Ops
 from infertrace.model.taps import EMBED, K_ROT, V
 
@@ -543,7 +543,7 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
         raise InfertraceError("--against llama.cpp reads per-layer K/V from llama.cpp's graph, which this comparison does not "
                               "do yet for hybrid (GDN) models; use --against hf (tests compare llama.cpp's logits directly)")
     if not 0 <= layer < loaded.config.n_layer:
-        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{loaded.config.n_layer - 1}")
+        raise ConfigError("run.layer", f"{layer} out of range: the model has layers 0..{loaded.config.n_layer - 1}")
     eng, ours = _run_ours(loaded.model, loaded.tokenizer, prompts, o, layer, None)
     forced = {sid: list(r.output_ids) for sid, r in eng.requests.items()}
     ltap = StepTap(layer)

@@ -47,34 +47,38 @@ class SamplingParams:
     presence_penalty: float = 0.0
 
     def validate(self) -> "SamplingParams":
-        """Raise :class:`InfertraceError` for out-of-range values."""
-        for name, val in (("temperature", self.temperature), ("top-p", self.top_p), ("min-p", self.min_p),
-                          ("repetition-penalty", self.repetition_penalty), ("frequency-penalty", self.frequency_penalty),
-                          ("presence-penalty", self.presence_penalty)):
+        """Check every field's range.
+
+        Raises:
+            ConfigError: ``sampling.<field>`` out of range or not finite (the CLI names its flag, a
+                ``--prompts`` file its key).
+        """
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            val = getattr(self, name)
             if isinstance(val, int) and not isinstance(val, bool) and abs(val) > 1e300:  # isfinite() would overflow
-                raise InfertraceError(f"--{name} must be a finite number (got an integer of {len(str(abs(val)))} digits)")
+                raise ConfigError(f"sampling.{name}", f"must be a finite number (got an integer of {len(str(abs(val)))} digits)")
             if not math.isfinite(val):
-                raise InfertraceError(f"--{name} must be a finite number (got {val})")
+                raise ConfigError(f"sampling.{name}", f"must be a finite number (got {val})")
         if self.temperature < 0 or 0 < self.temperature < 1e-3:
-            raise InfertraceError(f"--temperature must be 0 (greedy) or >= 0.001 (got {self.temperature})")
+            raise ConfigError("sampling.temperature", f"must be 0 (greedy) or >= 0.001 (got {self.temperature})")
         if not 0 <= self.seed < 2**63:
-            raise InfertraceError(f"--seed must be in 0..2^63-1 (got {self.seed})")
+            raise ConfigError("sampling.seed", f"must be in 0..2^63-1 (got {self.seed})")
         if self.top_k < 0:
-            raise InfertraceError(f"--top-k must be >= 0 (got {self.top_k})")
+            raise ConfigError("sampling.top_k", f"must be >= 0 (got {self.top_k})")
         if not 1e-6 <= self.top_p <= 1:
-            raise InfertraceError(f"--top-p must be in [1e-6, 1] (got {self.top_p})")
+            raise ConfigError("sampling.top_p", f"must be in [1e-6, 1] (got {self.top_p})")
         if not 0 <= self.min_p < 1:
-            raise InfertraceError(f"--min-p must be in [0, 1) (got {self.min_p})")
+            raise ConfigError("sampling.min_p", f"must be in [0, 1) (got {self.min_p})")
         if not 0.01 <= self.repetition_penalty <= 100:
-            raise InfertraceError(f"--repetition-penalty must be in [0.01, 100] (got {self.repetition_penalty})")
-        for name, val in (("frequency-penalty", self.frequency_penalty), ("presence-penalty", self.presence_penalty)):
-            if not -100 <= val <= 100:
-                raise InfertraceError(f"--{name} must be in [-100, 100] (got {val})")
+            raise ConfigError("sampling.repetition_penalty", f"must be in [0.01, 100] (got {self.repetition_penalty})")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -100 <= getattr(self, name) <= 100:
+                raise ConfigError(f"sampling.{name}", f"must be in [-100, 100] (got {getattr(self, name)})")
         if self.penalty_last_n is not None and not -1 <= self.penalty_last_n <= MAX_PENALTY_LAST_N:
-            raise InfertraceError(f"--penalty-last-n must be -1 (whole context), 0 (off) or up to {MAX_PENALTY_LAST_N} "
-                                  f"(got {self.penalty_last_n})")
+            raise ConfigError("sampling.penalty_last_n", f"must be -1 (whole context), 0 (off) or up to {MAX_PENALTY_LAST_N} "
+                                                         f"(got {self.penalty_last_n})")
         if self.max_new_tokens < 1:
-            raise InfertraceError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+            raise ConfigError("sampling.max_new_tokens", f"must be >= 1 (got {self.max_new_tokens})")
         return self
 
     @property
@@ -107,12 +111,13 @@ def check_penalties(params: SamplingParams, order: str) -> None:
     """Refuse penalties the ``order`` does not have.
 
     Raises:
-        InfertraceError: frequency / presence penalty in the ``hf`` order (vLLM counts output tokens
+        ConfigError: frequency / presence penalty in the ``hf`` order (vLLM counts output tokens
             only for them; not implemented here).
     """
     if order == "hf" and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
-        raise InfertraceError("--frequency-penalty/--presence-penalty follow llama.cpp's penalties sampler: use "
-                              "--sampler-order llama.cpp (vLLM's output-only counts in the hf order are not implemented)")
+        name = "frequency_penalty" if params.frequency_penalty != 0.0 else "presence_penalty"
+        raise ConfigError(f"sampling.{name}", "follows llama.cpp's penalties sampler: it needs the llama.cpp sampler order "
+                                              "(vLLM's output-only counts in the hf order are not implemented)")
 
 
 def penalty_window(params: SamplingParams, order: str) -> int:

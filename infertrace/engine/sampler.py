@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 import torch
 
 from infertrace.engine.options import SamplingParams, check_penalties, penalty_window  # noqa: F401 - torch-free home; re-exported
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError
 
 
 @dataclass
@@ -71,7 +71,7 @@ def apply_penalties(logits: torch.Tensor, seen: Sequence[int], params: SamplingP
         ``[V]`` float32 (``logits`` itself when nothing is penalised).
 
     Raises:
-        InfertraceError: frequency / presence penalty in the ``hf`` order (vLLM counts output tokens
+        ConfigError: frequency / presence penalty in the ``hf`` order (vLLM counts output tokens
             only there; not implemented).
 
     Mirrors llama.cpp ``llama_sampler_penalties_accept`` (a ring buffer of the last
@@ -119,10 +119,10 @@ def kept_set(logits: torch.Tensor, params: SamplingParams, order: str = "hf") ->
         ``(ids [K] int64, probs [K] float32)``, best first (ties keep index order).
 
     Raises:
-        InfertraceError: unknown order.
+        ConfigError: ``sampler_order``: unknown order.
     """
     if order not in ORDERS:
-        raise InfertraceError(f"--sampler-order must be one of {', '.join(ORDERS)} (got {order!r})")
+        raise ConfigError("sampler_order", f"must be one of {', '.join(ORDERS)} (got {order!r})")
     x = logits.float() / params.temperature if order == "hf" else logits.float()  # [V] what the filters see
     vals, idx = torch.sort(x, descending=True, stable=True)  # [V] each, ties keep index order
     keep = torch.ones_like(vals, dtype=torch.bool)

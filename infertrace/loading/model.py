@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.loading.weights import Checkpoint, Progress, load_checkpoint
 from infertrace.model.decoder import DecoderModel
 
@@ -54,11 +54,11 @@ class HeaderOnlyModel:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """``"float32"|"bfloat16"|"float16"`` (and short forms) -> torch dtype; InfertraceError otherwise."""
+    """``"float32"|"bfloat16"|"float16"`` (and short forms) -> torch dtype; ConfigError (``model.dtype``) otherwise."""
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise InfertraceError(f"unknown --dtype {name!r}; use float32, bfloat16 or float16") from None
+        raise ConfigError("model.dtype", f"unknown dtype {name!r}; use float32, bfloat16 or float16") from None
 
 
 #: ``--weights`` values: ``float`` dequantises every tensor at load (the reference for HF parity),
@@ -72,18 +72,18 @@ def resolve_weights(weights: str, path: Path, dtype: str, device: str) -> str:
     quantised kernels measured 2-5x slower). An explicit ``quant`` outside its reach is refused.
 
     Raises:
-        InfertraceError: unknown value, or ``quant`` for an HF directory / a non-CPU device.
+        ConfigError: ``model.weights``: unknown value, or ``quant`` for an HF directory / a non-CPU device.
     """
     w = weights.strip().lower()
     if w not in WEIGHTS:
-        raise InfertraceError(f"--weights must be one of {', '.join(WEIGHTS)} (got {weights!r})")
+        raise ConfigError("model.weights", f"must be one of {', '.join(WEIGHTS)} (got {weights!r})")
     gguf = path.is_file() and path.suffix.lower() == ".gguf"
     if w == "auto":
         return "quant" if gguf and device == "cpu" and parse_dtype(dtype) == torch.bfloat16 else "float"
     if w == "quant" and not gguf:
-        raise InfertraceError(f"--weights quant reads GGUF files; {path.name} is not one (use --weights float)")
+        raise ConfigError("model.weights", f"quant reads GGUF files; {path.name} is not one (use float)")
     if w == "quant" and device != "cpu":
-        raise InfertraceError("--weights quant computes with CPU kernels; use --device cpu or --weights float")
+        raise ConfigError("model.weights", "quant computes with CPU kernels; use float, or the cpu device")
     return w
 
 
@@ -105,7 +105,7 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", device: s
 
     p = resolve_model(path if path else None)
     if device != "cpu" and not torch.cuda.is_available():
-        raise InfertraceError(f"--device {device} requested but CUDA is not available; use --device cpu")
+        raise ConfigError("model.device", f"{device} requested but CUDA is not available; use cpu")
     if not tensors:
         from infertrace.loading.weights import raise_refusals
 

@@ -23,7 +23,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Mapping, Protocol, Sequence
 
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 
 if TYPE_CHECKING:  # the trace layer imports this registry: nothing of the engine side, even for types
     from infertrace.trace.records import StepTrace
@@ -349,19 +349,20 @@ def check_run(model_config: Any, prompts: Sequence[Any], settings: RunSettings, 
     known variables, at least one prompt.
 
     Raises:
-        InfertraceError: layer out of range, unknown variable, no prompt.
+        ConfigError: ``run.layer`` / ``run.tensor_layers`` out of range, ``run.show`` an unknown variable,
+            ``run.prompts`` empty (the CLI names the flag).
     """
     n = model_config.n_layer
     if not 0 <= settings.layer < n:
-        raise InfertraceError(f"--layer {settings.layer} out of range: the model has layers 0..{n - 1}")
+        raise ConfigError("run.layer", f"{settings.layer} out of range: the model has layers 0..{n - 1}")
     for li in settings.tensor_layers or ():
         if not 0 <= li < n:
-            raise InfertraceError(f"--layers {li} out of range: the model has layers 0..{n - 1}")
+            raise ConfigError("run.tensor_layers", f"{li} out of range: the model has layers 0..{n - 1}")
     bad = [v for v in settings.show if v not in variables]
     if bad:
-        raise InfertraceError(f"unknown variable {bad[0]!r} in --show; choose from {', '.join(variables)}")
+        raise ConfigError("run.show", f"unknown variable {bad[0]!r}; choose from {', '.join(variables)}")
     if not prompts:
-        raise InfertraceError("no prompt given; pass --prompt TEXT (or --prompts FILE)")
+        raise ConfigError("run.prompts", "no prompt given; give at least one prompt")
 
 
 def request_record(r: Any, tokenizer: Any, **native: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.runtimes.api import names
 from infertrace.safe_io import MAX_MANIFEST_BYTES, TORCH_TO_ST, parse_json, read_regular, safetensors_header
 from infertrace.safe_text import visible
@@ -417,7 +417,7 @@ def parse_layers(text: str | None, n_layer: int | None = None) -> list[int] | No
     """``"0,5"`` / ``"0..3"`` / ``"all"`` -> sorted layer list (None when ``text`` is None).
 
     Raises:
-        InfertraceError: malformed text or a layer outside ``0..n_layer-1``.
+        ConfigError: ``run.tensor_layers``: malformed text or a layer outside ``0..n_layer-1`` (the CLI names --layers).
     """
     if text is None:
         return None
@@ -433,15 +433,15 @@ def parse_layers(text: str | None, n_layer: int | None = None) -> list[int] | No
         try:
             lo, hi = int(a), int(b) if sep else int(a)
         except ValueError:
-            raise InfertraceError(f"--layers {text!r}: {part!r} is not a layer number or range (use 0,5 or 0..3 or all)") from None
+            raise ConfigError("run.tensor_layers", f"{text!r}: {part!r} is not a layer number or range (use 0,5 or 0..3 or all)") from None
         if lo < 0 or hi < lo:
-            raise InfertraceError(f"--layers {text!r}: {part!r} is not a valid layer range")
+            raise ConfigError("run.tensor_layers", f"{text!r}: {part!r} is not a valid layer range")
         if hi >= (n_layer if n_layer is not None else 4096):
             lim = f"the model has layers 0..{n_layer - 1}" if n_layer is not None else "no model has that many layers"
-            raise InfertraceError(f"--layers {hi} out of range: {lim}")
+            raise ConfigError("run.tensor_layers", f"{hi} out of range: {lim}")
         out.update(range(lo, hi + 1))
     if not out and not every:
-        raise InfertraceError(f"--layers {text!r}: no layer given")
+        raise ConfigError("run.tensor_layers", f"{text!r}: no layer given")
     if n_layer is not None and out and max(out) >= n_layer:
-        raise InfertraceError(f"--layers {max(out)} out of range: the model has layers 0..{n_layer - 1}")
+        raise ConfigError("run.tensor_layers", f"{max(out)} out of range: the model has layers 0..{n_layer - 1}")
     return sorted(out)

@@ -230,11 +230,11 @@ def test_unknown_model_name_lists_the_registered_names(tmp_path, monkeypatch, co
 
 @pytest.mark.parametrize("args, expect", [
     (["--ctx-size", "8", "--prompt", "one two three four five six seven eight nine ten"], "context holds 8"),
-    (["--prompt", "hi", "--layer", "99"], "--layer 99 out of range"),
+    (["--prompt", "hi", "--layer", "99"], "--layer: 99 out of range"),
     (["--prompt", "hi", "--show", "bogus"], "unknown variable 'bogus'"),
-    (["--prompt", "hi", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "hi", "--max-new-tokens", "-1"], "--max-new-tokens: must be >= 1"),
     (["--prompt", "hi", "--ctx-size", "0"], "error: --ctx-size: must be >= 1 (got 0)"),
-    (["--prompt", "hi", "--temperature", "-0.5"], "--temperature must be 0 (greedy) or >= 0.001"),
+    (["--prompt", "hi", "--temperature", "-0.5"], "--temperature: must be 0 (greedy) or >= 0.001"),
     (["--prompt", "hi", "--backend", "dense"], "infertrace runs the cells or paged convention, not dense; drop --backend dense"),
     (["--prompt", "a", "--prompt", "b", "--arrival", "1"], "one per --prompt"),
     (["--prompt", "hi", "--steps", "3..1"], "is empty"),

@@ -230,7 +230,7 @@ def test_dump_kv_step_out_of_range():
 
 
 @pytest.mark.parametrize("args, expect", [
-    (["--layer", "30"], "--layer 30 out of range: the model has layers 0..29"),
+    (["--layer", "30"], "--layer: 30 out of range: the model has layers 0..29"),
     (["--head", "3"], "--head 3 out of range: the cache holds kv heads 0..2"),
     (["--positions", "5..2", "--layer", "0"], "is empty or negative"),
     (["--positions", "0"], "add --layer L and/or --head H"),

@@ -62,10 +62,10 @@ def test_non_finite_logits_are_reported(tmp_path):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--temperature", "nan"], "--temperature must be a finite number"),
-    (["--temperature", "1e-300"], "--temperature must be 0 (greedy) or >= 0.001"),
-    (["--repetition-penalty", "1e-300"], "--repetition-penalty must be in [0.01, 100]"),
-    (["--seed", "99999999999999999999"], "--seed must be in 0..2^63-1"),
+    (["--temperature", "nan"], "--temperature: must be a finite number"),
+    (["--temperature", "1e-300"], "--temperature: must be 0 (greedy) or >= 0.001"),
+    (["--repetition-penalty", "1e-300"], "--repetition-penalty: must be in [0.01, 100]"),
+    (["--seed", "99999999999999999999"], "--seed: must be in 0..2^63-1"),
     (["--save", "s", "--layers", "0..99999999999"], "out of range"),
 ])
 def test_option_ranges(tmp_path, monkeypatch, args, msg):

@@ -243,7 +243,7 @@ def _one_error_line(res, code: int = 2) -> str:
     (["--save", "x", "--keep", "summary,tensors"], "--keep takes summary or tensors, not both"),
     (["--save", "x", "--keep", "summary", "--layers", "1"], "it needs --keep tensors"),
     (["--save", "x", "--layers", "0,x"], "'x' is not a layer number or range"),
-    (["--save", "x", "--layers", "31"], "--layers 31 out of range: the model has layers 0..29"),
+    (["--save", "x", "--layers", "31"], "--layers: 31 out of range: the model has layers 0..29"),
 ])
 def test_save_option_errors(args, expect):
     assert expect in _one_error_line(invoke(*RUN, *args))

@@ -22,7 +22,7 @@ import torch
 
 from infertrace.engine.request import Request
 from infertrace.engine.sampler import sample
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.runtimes.api import REGISTRY, RunSettings, RuntimeHeader, RuntimeInfo, StepRecord
 from infertrace.runtimes.hf.capture import capture_forward, inv_freq
 from infertrace.runtimes.hf.layout import (check_padding, generate_next_position_ids, pad_batch,
@@ -77,7 +77,7 @@ class HfRuntime:
             if bad_setting:
                 raise InfertraceError(msg)
         if model_config is not None and not 0 <= settings.layer < model_config.n_layer:
-            raise InfertraceError(f"--layer {settings.layer} out of range: the model has layers 0..{model_config.n_layer - 1}")
+            raise ConfigError("run.layer", f"{settings.layer} out of range: the model has layers 0..{model_config.n_layer - 1}")
         return replace(settings, native=native)
 
     @classmethod

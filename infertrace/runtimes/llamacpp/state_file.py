@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.safe_io import open_regular, pread_exact
 from infertrace.safe_text import visible
 
@@ -211,7 +211,7 @@ def read_state_file(path: str | Path, cfg: Any, layer: int | None = None) -> Slo
     """
     _check_model(cfg)
     if layer is not None and not 0 <= layer < cfg.n_layer:
-        raise InfertraceError(f"--layer {layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
+        raise ConfigError("run.layer", f"{layer} out of range: the model has layers 0..{cfg.n_layer - 1}")
     name = visible(str(path))
     fd, st = open_regular(path, "slot state file", follow=False)
     try:

@@ -423,7 +423,7 @@ def test_state_options_conflicts_one_line(real, tmp_path) -> None:
     p = tmp_path / "slot.bin"
     p.write_bytes(real[0])
     for extra, want in ((["--step", "0"], "drop --step"), (["--prompt", "x"], "drop --step"),
-                        (["--head", "7"], "--head 7 out of range"), (["--layer", "30"], "--layer 30 out of range"),
+                        (["--head", "7"], "--head 7 out of range"), (["--layer", "30"], "--layer: 30 out of range"),
                         (["--layer", "0", "--positions", "9"], "no cell at those positions")):
         r = CliRunner().invoke(app, ["dump-kv", "--state", str(p), *extra])
         assert r.exit_code == 2 and want in r.output and "Traceback" not in r.output, (extra, r.output)

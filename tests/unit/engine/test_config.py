@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from infertrace.engine.config import (MAX_DRAFT, CacheConfig, ConfigError, SchedulerConfig, ServingConfig,
                                       SpeculativeConfig)
-from infertrace.engine.options import EngineOptions
+from infertrace.engine.options import EngineOptions, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -114,7 +114,7 @@ def _raised_fields() -> set[str]:
                 arg = node.args[0]
                 if isinstance(arg, ast.JoinedStr):  # f"speculative.{name}": any field of that config
                     prefix = arg.values[0].value
-                    config = {"speculative.": SpeculativeConfig}[prefix]
+                    config = {"speculative.": SpeculativeConfig, "sampling.": SamplingParams}[prefix]
                     out |= {prefix + f.name for f in fields(config)}
                     continue
                 for c in ast.walk(arg):

@@ -98,10 +98,11 @@ def test_penalty_window_hand_example() -> None:
 
 def test_frequency_presence_refused_in_hf_order() -> None:
     from infertrace.engine.sampler import apply_penalties
-    from infertrace.errors import InfertraceError
+    from infertrace.errors import ConfigError
 
-    with pytest.raises(InfertraceError, match="--sampler-order llama.cpp"):
+    with pytest.raises(ConfigError, match="needs the llama.cpp sampler order") as e:
         apply_penalties(torch.zeros(4), [1], SamplingParams(presence_penalty=0.5), "hf")
+    assert e.value.field == "sampling.presence_penalty"  # the library's field; the CLI names --presence-penalty
 
 
 def _llamacpp_penalised(L, logits: list[float], seen: list[int], last_n: int, rep: float, freq: float, pres: float) -> list[float]:
@@ -205,9 +206,9 @@ def test_penalty_options_refused_in_one_line() -> None:
     from infertrace.cli.app import app
 
     r = CliRunner()
-    for args, want in ((["--penalty-last-n", "-2"], "--penalty-last-n must be -1"),
-                       (["--frequency-penalty", "0.5", "--backend", "paged"], "--sampler-order llama.cpp"),
-                       (["--presence-penalty", "nan"], "--presence-penalty must be a finite number")):
+    for args, want in ((["--penalty-last-n", "-2"], "--penalty-last-n: must be -1"),
+                       (["--frequency-penalty", "0.5", "--backend", "paged"], "needs the llama.cpp sampler order"),
+                       (["--presence-penalty", "nan"], "--presence-penalty: must be a finite number")):
         res = r.invoke(app, ["run", "-p", "hi", "-n", "1", *args])
         assert res.exit_code == 2, (args, res.output)
         assert want in res.output and "Traceback" not in res.output, res.output

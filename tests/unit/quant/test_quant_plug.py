@@ -57,7 +57,7 @@ def test_weights_choice(tmp_path, smol_path):
     assert resolve_weights("auto", tmp_path, "bfloat16", "cpu") == "float"  # an HF directory
     with pytest.raises(InfertraceError, match="reads GGUF files"):
         resolve_weights("quant", tmp_path, "float32", "cpu")
-    with pytest.raises(InfertraceError, match="--weights must be one of"):
+    with pytest.raises(InfertraceError, match="model.weights: must be one of"):
         resolve_weights("int3", smol_path, "float32", "cpu")
 
 

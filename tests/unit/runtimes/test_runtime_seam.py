@@ -188,5 +188,5 @@ def test_the_loop_closes_the_runtime_after_an_error(tmp_path: Path) -> None:
     with pytest.raises(InfertraceError, match="boom"):
         record_run(Failing, _Loaded(f), [PromptSpec("ab")], RunSettings(EngineOptions()))
     assert FakeRuntime.closed == 1
-    with pytest.raises(InfertraceError, match="--layer 2 out of range: the model has layers 0..1"):
+    with pytest.raises(InfertraceError, match="run.layer: 2 out of range: the model has layers 0..1"):
         record_run(Failing, _Loaded(f), [PromptSpec("ab")], RunSettings(EngineOptions(), layer=2))
