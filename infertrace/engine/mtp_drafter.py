@@ -16,7 +16,7 @@ import torch
 
 from infertrace.engine.drafters import Draft, DraftModelDrafter, _path, ranks
 from infertrace.engine.sampler import mask_padded_rows
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.cells import CellsKV
 
@@ -48,7 +48,7 @@ class MTPDrafter(DraftModelDrafter):
     def __init__(self, target: Any, size: int, n_seq_max: int, n_sample_rows: int | None = None,
                  kv_dtype: torch.dtype | None = None):
         if getattr(target, "mtp", None) is None:
-            raise InfertraceError("--speculative mtp needs a model with an MTP head (Qwen3.5 mtp.* tensors / GGUF "
+            raise ConfigError("speculative.method", "mtp needs a model with an MTP head (Qwen3.5 mtp.* tensors / GGUF "
                                   "blk.N.nextn.*); this model has none (`infertrace inspect` shows mtp_num_hidden_layers)")
         self.head = target.mtp
         self.model = target

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 from infertrace.kv.audit import Provenance, audit_kv, layer0_k
 from infertrace.kv.seq_ops import seq_rm, shift_out
 from infertrace.model.rope import layer_ropes
@@ -131,13 +131,13 @@ class Serving:
         n_keep = max(0, min(self.eng.ctx_limit - 4, keep + int(self.add_bos)))  # the slot's n_ctx (non-unified: n_ctx_seq)
         n_left = n_past - n_keep
         if o.n_discard and o.n_discard > n_left - 1:  # never clamped silently (llama.cpp's server does not clamp it)
-            raise InfertraceError(f"--n-discard {o.n_discard} is more than the {max(n_left - 1, 0)} tokens a context shift of "
-                                  f"request {req.seq_id} can drop (n_past {n_past}, n_keep {n_keep} with BOS); lower --n-discard")
+            raise ConfigError("serving.n_discard", f"{o.n_discard} is more than the {max(n_left - 1, 0)} tokens a context shift of "
+                                                   f"request {req.seq_id} can drop (n_past {n_past}, n_keep {n_keep} with BOS); lower it")
         n_discard = o.n_discard if o.n_discard else n_left // 2
         n_discard = min(max(n_discard, 0), max(0, n_left - 1))
         if n_discard < 1:
-            raise InfertraceError(f"context shift impossible for request {req.seq_id}: --n-keep {o.n_keep} keeps the whole "
-                                  f"context of {n_past} tokens; lower --n-keep")
+            raise ConfigError("serving.n_keep", f"{o.n_keep} keeps the whole context of {n_past} tokens: a context shift of "
+                                                f"request {req.seq_id} is impossible; lower it")
         kv = self.eng.kv
         op = shift_out(kv, req.seq_id, n_keep, n_keep + n_discard, self.ropes)  # raises where the memory cannot
         req.shifts.append((n_keep, n_discard))

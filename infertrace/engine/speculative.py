@@ -141,7 +141,7 @@ class Speculator:
         if not reqs:
             return
         if any(not r.params.greedy for r in reqs) and not self.chain:
-            raise InfertraceError("--spec-tree needs greedy requests (--temperature 0): speculative sampling here verifies chains")
+            raise ConfigError("speculative.spec_tree", "needs greedy requests (temperature 0): speculative sampling here verifies chains")
         drafts = self.drafter.draft(engine, reqs, self.parents)
         for r in reqs:
             toks, qs = drafts[r.seq_id]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from infertrace.errors import InfertraceError
+from infertrace.errors import ConfigError, InfertraceError
 
 #: bytes of one batch row of a step at least (seq_id, C, T, phase, token, piece, positions, cache ranges)
 MIN_ROW_BYTES = 256
@@ -59,9 +59,9 @@ def check_context_shift_budget(max_new_tokens: Sequence[int], arrivals: Sequence
     if low > cap:
         fit = cap // ((MIN_ROW_BYTES + MIN_STEP_BYTES) if len(max_new_tokens) == 1 else
                       (MIN_ROW_BYTES * len(max_new_tokens) + MIN_STEP_BYTES))
-        raise InfertraceError(f"--context-shift with --max-new-tokens {max(max_new_tokens)} for {len(max_new_tokens)} "
-                              f"request(s): its trace would hold at least {low >> 20} MiB, more than the {cap >> 20} MiB a "
-                              f"saved trace may hold (MAX_MANIFEST_BYTES); lower --max-new-tokens (at most ~{fit} per request)")
+        raise ConfigError("sampling.max_new_tokens", f"{max(max_new_tokens)} for {len(max_new_tokens)} request(s) with a context "
+                                                     f"shift: its trace would hold at least {low >> 20} MiB, more than the {cap >> 20} MiB "
+                                                     f"a saved trace may hold (MAX_MANIFEST_BYTES); lower it (at most ~{fit} per request)")
 
 
 class TraceBudget:
@@ -99,6 +99,7 @@ class TraceBudget:
             self.seen_tensors = len(self.tensors)
         if self.total > self.cap:
             last = self.steps[-1].step if self.steps else 0
-            raise InfertraceError(f"--context-shift: the trace passed {self.cap >> 20} MiB at step {last} (what a saved trace "
-                                  f"may hold, MAX_MANIFEST_BYTES; ~{self.total // max(1, len(self.steps))} bytes a step); "
-                                  f"lower --max-new-tokens to at most ~{max(1, len(self.steps) - 1)} steps' worth")
+            raise ConfigError("sampling.max_new_tokens", f"with a context shift the trace passed {self.cap >> 20} MiB at step "
+                                                         f"{last} (what a saved trace may hold, MAX_MANIFEST_BYTES; "
+                                                         f"~{self.total // max(1, len(self.steps))} bytes a step); lower it to at "
+                                                         f"most ~{max(1, len(self.steps) - 1)} steps' worth")

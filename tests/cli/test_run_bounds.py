@@ -80,7 +80,7 @@ def test_context_shift_run_stops_when_its_trace_passes_the_cap(model, tmp_path, 
     assert size > 40 * 1000  # ~4 KB a step: a real trace, not a stub
     monkeypatch.setattr(trace_budget, "manifest_cap", lambda: int(size * 0.95))
     line = _one_line(invoke(*args, "--save", tmp_path / "under"))
-    assert "--context-shift: the trace passed" in line and "MAX_MANIFEST_BYTES" in line
+    assert "--max-new-tokens: with a context shift the trace passed" in line and "MAX_MANIFEST_BYTES" in line
     assert not (tmp_path / "under").exists()
     monkeypatch.setattr(trace_budget, "manifest_cap", lambda: int(size * 1.05))
     res = invoke(*args, "--save", tmp_path / "over")

@@ -577,7 +577,7 @@ def test_n_discard_over_n_left_at_the_shift_is_refused(tmp_path):
     g = write_gguf(tmp_path / "b.gguf", *make_weights(), add_bos=True)  # BOS: n_keep 0 keeps 1 token
     res = invoke("run", "-m", g, "-p", "hello", "-n", 20, "--ctx-size", 16, "--context-shift", "--n-discard", 14,
                  "--ignore-eos")
-    refused(res, "--n-discard 14 is more than the 13 tokens a context shift of request 0 can drop (n_past 15, n_keep 1")
+    refused(res, "--n-discard: 14 is more than the 13 tokens a context shift of request 0 can drop (n_past 15, n_keep 1")
 
 
 @pytest.mark.parametrize("tree", ["-1,,0", "-1,0,", ",-1", "-1, ,0"])
