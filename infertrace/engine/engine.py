@@ -21,6 +21,7 @@ from infertrace.engine.sampler import (SampleResult, SamplingParams, check_penal
 from infertrace.engine.step import StepContext  # noqa: F401 - re-exported (engine/step.py)
 from infertrace.engine.scheduler import ScheduledBatch, Scheduler
 from infertrace.engine.serving import Serving
+from infertrace.engine.speculative import rewind_chunk, verify_chunk
 from infertrace.errors import ConfigError, InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec
 from infertrace.kv.cells import CellsKV
@@ -137,6 +138,19 @@ def _make_streams_kv(cfg: Any, opts: EngineOptions, windows: list[int], kv_dtype
                           opts.n_seq_max, kv_dtype, device, windows=windows)
 
 
+def logits_rows(batch: ScheduledBatch) -> list[int]:
+    """Rows of the packed batch ``[N]`` whose logits are computed: every candidate of a verify chunk, the
+    last token of a chunk that needs logits (a prompt's end, a decode token), in packed order."""
+    rows, r = [], 0
+    for c in batch.chunks:
+        r += c.T
+        if c.parents is not None:
+            rows += list(range(r - c.T, r))  # a verify chunk: logits at every candidate
+        elif c.need_logits:
+            rows.append(r - 1)
+    return rows
+
+
 class Engine:
     """Runs requests to completion over one model and one KV backend.
 
@@ -155,13 +169,18 @@ class Engine:
             :class:`~infertrace.engine.parts.ForcedSampler`); None: :func:`~infertrace.engine.sampler.sample`.
         attention: the attention implementation that runs when it is not this engine's (``"llama.cpp"``).
         sampler_order: the default sampler order when ``opts.sampler_order`` is unset (None: the backend's).
-        scheduler: a scheduler config (``build(memory, opts) -> Scheduler``, e.g. a replayed schedule);
-            None: :class:`~infertrace.engine.scheduler.Scheduler`.
+        scheduler: a scheduler config (``build(memory, opts) -> Scheduler``, e.g. a replayed schedule:
+            ``runtimes/vllm/replay.py``); None: :class:`~infertrace.engine.scheduler.Scheduler`.
+        stop: the stop rule, ``(request, token) -> reason | None`` after each emitted token is appended
+            (a replay: the trace's finish reasons); None: :meth:`stop_reason` (eos, max_new_tokens, ctx_full).
+
+    A verify chunk's outcome is the sampler's when it forces one (``sampler.verify``), else the
+    speculative tree walk (:func:`~infertrace.engine.speculative.verify_chunk`).
     """
 
     def __init__(self, model: DecoderModel, tokenizer: Any, opts: EngineOptions | None = None, tracer: Any = NULL_TRACER,
                  *, memory: Any = None, sampler: Any = None, attention: str | None = None,
-                 sampler_order: str | None = None, scheduler: Any = None):
+                 sampler_order: str | None = None, scheduler: Any = None, stop: Any = None):
         self.model = model
         self.tok = tokenizer
         self.opts = opts or EngineOptions()
@@ -176,6 +195,7 @@ class Engine:
         self.attn_impl = attention or self._resolve_attention(self.opts.attention)
         self.kv = memory.build(model, self.opts, self.attn_impl) if memory is not None else make_kv(model, self.opts, self.attn_impl)
         self.sampler = sampler or sample_request
+        self.stop_rule = stop or self.stop_reason
         self.scheduler = (scheduler.build(self.kv, self.opts) if scheduler is not None
                           else Scheduler(self.kv, self.opts.max_batch_tokens, self.opts.prefill_chunk))
         self.scheduler.split_equal = not self.opts.kv_unified  # non-unified KV: one split_equal ubatch per step
@@ -285,29 +305,11 @@ class Engine:
             self.spec.propose(self)  # drafts of running decode requests, packed by the scheduler as verify chunks
         batch = self.scheduler.schedule(self.step_no)
         if not batch.chunks:  # idle: waiting for a later arrival; recorded so the step numbers have no gaps
-            if self.tracer.enabled:
-                self.tracer.begin_step()
-                self.tracer.end_step(StepContext(step=self.step_no, batch=batch, inp=None, kv=self.kv,
-                                                 attention=self.attn_impl, logits=None, logits_rows=[], samples={},
-                                                 finished={}, requests=self.requests,
-                                                 time_ms=(time.perf_counter() - t0) * 1e3,
-                                                 serving=self._stopped_record(batch, self.serving.take_record(batch))))
-            sch = self.scheduler
-            if not sch.running and not sch.waiting and sch.future and sch.future[0].arrival_step - self.step_no > MAX_IDLE_RECORDED:
-                self.step_no = sch.future[0].arrival_step  # fast-forward a long wait (one idle record, then a gap)
-            else:
-                self.step_no += 1
-            return batch
+            return self._idle_step(batch, t0)
         specs = [ChunkSpec(c.req.seq_id, c.C, c.T, c.parents) for c in batch.chunks]
         inp = self.kv.prepare(specs)
         ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)  # [N]
-        rows, r = [], 0
-        for c in batch.chunks:
-            r += c.T
-            if c.parents is not None:
-                rows += list(range(r - c.T, r))  # a verify chunk: logits at every candidate
-            elif c.need_logits:
-                rows.append(r - 1)
+        rows = logits_rows(batch)
         tracer = self.tracer
         if tracer.enabled:
             tracer.begin_step()
@@ -321,7 +323,8 @@ class Engine:
             )
         logits = mask_padded_rows(logits, self.n_sample_rows)  # [M, V]: where logits become samples (plain, verify)
         samples, finished, j = {}, {}, 0
-        spec_rec: dict[str, Any] | None = {} if self.spec is not None else None
+        verifying = self.spec is not None or any(c.parents is not None for c in batch.chunks)
+        spec_rec: dict[str, Any] | None = {} if verifying else None
         row0 = 0
         for c in batch.chunks:
             req = c.req
@@ -335,7 +338,7 @@ class Engine:
             res = self.sample_row(logits[j], req)
             j += 1
             samples[req.seq_id] = res
-            if c.phase == "decode" and spec_rec is not None:
+            if c.phase == "decode" and self.spec is not None:
                 self.spec.note(req.seq_id, c, [0], 1)
             reason = self._emit(req, res.token)
             if reason:
@@ -346,7 +349,7 @@ class Engine:
             spec_rec = self._spec_step(batch, spec_rec, finished)
         if self.serving.active:
             self.serving.after_forward(batch, inp)
-        serving = self._stopped_record(batch, self.serving.take_record(batch))
+        serving = self._serving_record(batch)
         if tracer.enabled:
             tracer.end_step(StepContext(step=self.step_no, batch=batch, inp=inp, kv=self.kv, attention=self.attn_impl,
                                         logits=logits, logits_rows=rows, samples=samples, finished=finished,
@@ -361,6 +364,23 @@ class Engine:
         self.step_no += 1
         return batch
 
+    def _idle_step(self, batch: ScheduledBatch, t0: float) -> ScheduledBatch:
+        """Record an idle step (nothing scheduled) and advance; a long wait for the next arrival of the
+        scheduler's ``future`` is fast-forwarded (one idle record, then a gap in the step numbers)."""
+        if self.tracer.enabled:
+            self.tracer.begin_step()
+            self.tracer.end_step(StepContext(step=self.step_no, batch=batch, inp=None, kv=self.kv,
+                                             attention=self.attn_impl, logits=None, logits_rows=[], samples={},
+                                             finished={}, requests=self.requests,
+                                             time_ms=(time.perf_counter() - t0) * 1e3,
+                                             serving=self._serving_record(batch)))
+        sch = self.scheduler
+        if not sch.running and not sch.waiting and sch.future and sch.future[0].arrival_step - self.step_no > MAX_IDLE_RECORDED:
+            self.step_no = sch.future[0].arrival_step  # fast-forward a long wait (one idle record, then a gap)
+        else:
+            self.step_no += 1
+        return batch
+
     @property
     def ctx_limit(self) -> int:
         """The context one request may fill, in tokens: ``ctx_size``; with ``--kv-unified off`` its own
@@ -373,8 +393,13 @@ class Engine:
         return n_ctx_seq(self.opts.ctx_size, self.opts.n_seq_max)
 
     def _emit(self, req: Request, token: int) -> str | None:
-        """Append one generated token; returns the stop reason it causes, if any."""
+        """Append one generated token; returns the stop reason it causes, if any (the stop rule's)."""
         req.output_ids.append(token)
+        return self.stop_rule(req, token)
+
+    def stop_reason(self, req: Request, token: int) -> str | None:
+        """The default stop rule, after ``token`` was appended to ``req.output_ids``: ``eos`` (an end-of-generation
+        id, unless ``ignore_eos``), ``max_new_tokens``, or ``ctx_full`` (the context is full and no context shift)."""
         if token in self.eog and not req.params.ignore_eos:
             return "eos"
         if len(req.output_ids) >= req.params.max_new_tokens:
@@ -388,7 +413,7 @@ class Engine:
         """Accept the longest valid prefix of ``c``'s drafts, emit the tokens, rewind the rest;
         returns the next logits row."""
         req = c.req
-        out, accepted = self.spec.verify(self, c, logits[j : j + c.T])  # logits [T, V]
+        out, accepted = verify_chunk(self, c, logits[j : j + c.T])  # logits [T, V]: forced, or the tree walk
         emitted = []
         for res in out:
             emitted.append(res.token)
@@ -397,12 +422,15 @@ class Engine:
                 finished[req.seq_id] = reason
                 break
         samples[req.seq_id] = out[len(emitted) - 1]
-        rewind = self.spec.rewind(self, c, accepted, inp, row)  # also when finishing: the trace shows the rewound cache
-        counts = self.spec.note(req.seq_id, c, accepted, len(emitted))
+        # also when finishing: the trace shows the rewound cache
+        rewind = (self.spec.rewind(self, c, accepted, inp, row) if self.spec is not None
+                  else rewind_chunk(self.kv, c, accepted, inp, row))
+        counts = (self.spec.note(req.seq_id, c, accepted, len(emitted)) if self.spec is not None
+                  else {"drafted": c.T - 1, "accepted": len(accepted) - 1})
         spec_rec[req.seq_id] = {**counts, "C": c.C, "tokens": list(c.token_ids), "parents": list(c.parents),
                                 "positions": [c.C + d for d in c.depths()], "accepted_nodes": accepted,
                                 "emitted": emitted, "rewind": rewind}
-        drec = self.spec.draft_record(req.seq_id)
+        drec = self.spec.draft_record(req.seq_id) if self.spec is not None else None
         if drec:  # --speculative mtp: which hidden state and token each MTP row read
             spec_rec[req.seq_id]["mtp"] = drec
         return j + c.T
@@ -411,7 +439,7 @@ class Engine:
         """Per-step speculative counters; counts the target forward when a decode / verify chunk ran."""
         n_tok = sum(len(r["emitted"]) for r in reqs.values()) + sum(
             1 for c in batch.chunks if c.parents is None and c.phase == "decode" and c.need_logits)
-        if any(c.phase == "decode" for c in batch.chunks):
+        if self.spec is not None and any(c.phase == "decode" for c in batch.chunks):
             self.spec.target_forwards += 1
             self.spec.decode_tokens += n_tok
         if not reqs:
@@ -420,6 +448,14 @@ class Engine:
         accepted = sum(r["accepted"] for r in reqs.values())
         return {"requests": {str(k): v for k, v in reqs.items()}, "drafted": drafted, "accepted": accepted,
                 "acceptance_rate": round(accepted / drafted, 4) if drafted else None}
+
+    def _serving_record(self, batch: ScheduledBatch) -> dict[str, Any] | None:
+        """The step's serving record: the scheduler's (``batch.serving``: a replayed prefix hit), then the serving
+        mechanisms' (engine/serving.py), then requests the scheduler stopped (``kv_full``: case P5)."""
+        serving = self.serving.take_record(batch)
+        if batch.serving:
+            serving = {**batch.serving, **(serving or {})}
+        return self._stopped_record(batch, serving)
 
     def _stopped_record(self, batch: ScheduledBatch, serving: dict[str, Any] | None) -> dict[str, Any] | None:
         """The step's serving record plus requests the scheduler stopped (``kv_full``: case P5)."""

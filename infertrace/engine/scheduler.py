@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from infertrace.engine.request import FINISHED, RUNNING, WAITING, Request
 from infertrace.engine.config import SchedulerConfig
@@ -42,13 +43,17 @@ class ScheduledChunk:
 
 @dataclass
 class ScheduledBatch:
-    """What one step computes: chunks in packed order, plus requests preempted to make room."""
+    """What one step computes: chunks in packed order, plus requests preempted to make room.
+
+    ``serving``: a serving record the scheduler made itself (a replayed vLLM trace's prefix hits,
+    ``{"prefix": {seq_id: lookup}}``); the engine puts it into the step's ``StepContext.serving``."""
 
     step: int
     chunks: list[ScheduledChunk]
     preempted: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
     stopped: dict[int, str] = field(default_factory=dict)  # requests stopped by the scheduler (kv_full: pool full)
+    serving: dict[str, Any] | None = None
 
     @property
     def N(self) -> int:

@@ -212,18 +212,8 @@ class Speculator:
         return out, accepted
 
     def rewind(self, engine: Any, chunk: Any, accepted: list[int], inp: Any, row: int) -> dict[str, Any]:
-        """Free the rejected candidates' K/V (``kv.rewind``, the chunk's rows ``row..row+T-1`` of ``inp``);
-        the request's ``num_computed`` becomes ``C + len(accepted)``.
-
-        Raises:
-            InfertraceError: the memory cannot rewind (a recurrent state cannot drop tokens).
-        """
-        op = engine.kv.rewind(chunk.req.seq_id, chunk.C, chunk.T, accepted, inp, row,
-                              is_chain=chunk.parents == list(range(-1, chunk.T - 1)))
-        if not op:
-            raise InfertraceError(op["refused"])
-        chunk.req.num_computed = chunk.C + len(accepted)
-        return op
+        """:func:`rewind_chunk` on the engine's memory."""
+        return rewind_chunk(engine.kv, chunk, accepted, inp, row)
 
     def note(self, seq_id: int, chunk: Any, accepted: list[int], emitted: int) -> dict[str, Any]:
         """Count drafted / accepted by draft position (depth) for ``seq_id``; returns the step's per-request counts."""
@@ -259,3 +249,39 @@ class Speculator:
                 "decode_tokens": self.decode_tokens,
                 "tokens_per_target_forward": round(self.decode_tokens / self.target_forwards, 4) if self.target_forwards else None,
                 "requests": reqs}
+
+
+def verify_chunk(engine: Any, chunk: Any, logits: torch.Tensor) -> tuple[list[SampleResult], list[int]]:
+    """The outcome of verify chunk ``chunk`` over its logits ``[T, V]``: the emitted tokens' results and
+    the accepted nodes (chunk-local, root 0 first).
+
+    The sampler's forced outcome when it has one for this step (``engine.sampler.verify``, e.g.
+    :class:`~infertrace.engine.parts.ForcedSampler` of a replayed vLLM trace: vLLM's accepted count
+    and emitted tokens, our own candidates kept in ``top``); else :meth:`Speculator.verify`'s tree walk.
+
+    Raises:
+        InfertraceError: a verify chunk with neither a forced outcome nor speculative decoding on.
+    """
+    forced = getattr(engine.sampler, "verify", None)
+    got = forced(logits, chunk, engine.sampler_order, engine.step_no) if forced is not None else None
+    if got is not None:
+        return got
+    if engine.spec is None:
+        raise InfertraceError(f"step {engine.step_no}: seq {chunk.req.seq_id} has a verify chunk but speculative "
+                              "decoding is off and the sampler forces no outcome")
+    return engine.spec.verify(engine, chunk, logits)
+
+
+def rewind_chunk(kv: Any, chunk: Any, accepted: list[int], inp: Any, row: int) -> dict[str, Any]:
+    """Free the rejected candidates' K/V (``kv.rewind``, the chunk's rows ``row..row+T-1`` of ``inp``);
+    the request's ``num_computed`` becomes ``C + len(accepted)``. Returns the memory's record of it.
+
+    Raises:
+        InfertraceError: the memory cannot rewind (a recurrent state cannot drop tokens).
+    """
+    op = kv.rewind(chunk.req.seq_id, chunk.C, chunk.T, accepted, inp, row,
+                   is_chain=chunk.parents == list(range(-1, chunk.T - 1)))
+    if not op:
+        raise InfertraceError(op["refused"])
+    chunk.req.num_computed = chunk.C + len(accepted)
+    return op

@@ -84,10 +84,10 @@ class OurRuntime:
                              tensors=tensors) if s.trace else NULL_TRACER)
         replay = s.native.get("replay")
         if replay is not None:
-            from infertrace.runtimes.vllm.replay import ReplayEngine, load_plan
+            from infertrace.runtimes.vllm.replay import load_plan, replay_engine
 
-            self.eng = ReplayEngine(loaded.model, self.tok, s.opts, self.rec,
-                                    load_plan(replay) if not isinstance(replay, dict) else replay)
+            self.eng = replay_engine(loaded.model, self.tok, s.opts, self.rec,
+                                     load_plan(replay) if not isinstance(replay, dict) else replay)
         else:
             from infertrace.engine.parts import ForcedSampler
 

@@ -64,10 +64,10 @@ class KeepRecorder(Recorder):
 
 def _replay(model: Any, loaded: Any, prompts: list[Any], opts: Any, plan: dict[str, Any], layer: int) -> tuple[Any, KeepRecorder]:
     from infertrace.runner import encode_prompt
-    from infertrace.runtimes.vllm.replay import ReplayEngine
+    from infertrace.runtimes.vllm.replay import replay_engine
 
     rec = KeepRecorder(loaded.tokenizer, loaded.config, layer=layer, layers=[layer])
-    eng = ReplayEngine(model, loaded.tokenizer, opts, rec, plan)
+    eng = replay_engine(model, loaded.tokenizer, opts, rec, plan)
     for s in prompts:
         eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
     eng.run()

@@ -19,23 +19,27 @@ Replayed from the trace (never derived): per step the chunks ``(seq_id, C, T)``,
 verify chunk, each request's block-table row, preemptions, the sampled / emitted tokens (teacher
 forcing: our own top choice stays in ``top``), and the finish reasons. Derived by our engine:
 everything else in the step record.
+
+The replay is the ordinary :class:`~infertrace.engine.engine.Engine` (its ``step`` unchanged) with
+injected parts (:func:`replay_engine`): the schedule is a scheduler (:class:`ReplayScheduler`), the
+sampled / emitted tokens and each verify's outcome a sampler
+(:class:`~infertrace.engine.parts.ForcedSampler`, :func:`plan_sampler`), the finish reasons a stop
+rule (:class:`PlanStops`), the pool a cache config (:class:`ReplayPool`).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
-import torch
-
-from infertrace.engine.engine import Engine, StepContext
-from infertrace.engine.request import FINISHED, RUNNING
-from infertrace.engine.sampler import SampleResult, sample
+from infertrace.engine.engine import Engine
+from infertrace.engine.parts import ForcedSampler
+from infertrace.engine.request import FINISHED, RUNNING, Request
 from infertrace.engine.scheduler import ScheduledBatch, ScheduledChunk
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import ChunkSpec, ranges_text
+from infertrace.kv.base import MemOp, ranges_text
 from infertrace.kv.paged import PagedKV
 
 
@@ -130,10 +134,13 @@ class ReplayPagedKV(PagedKV):
         self.tables[seq_id] = list(table[: -(-C // self.B)])
         self.lens[seq_id] = C
 
-    def rewind(self, seq_id: int, keep: int) -> None:
-        """vLLM's rewind of a verify step: ``num_computed_tokens`` drops the rejected drafts; the
-        slots stay allocated (overwritten later)."""
+    def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: Any, row: int, is_chain: bool) -> MemOp:
+        """vLLM's rewind of a verify step ``C, T``: ``num_computed_tokens`` drops the rejected drafts (``C +
+        len(accepted)`` kept; vLLM's drafts are a chain, nothing moves); the slots stay allocated (overwritten
+        later). Answers ``{"op": "num_computed_tokens", "seq_id", "kept_pos"}`` (``kept_pos``: 0..kept-1)."""
+        keep = C + len(accepted)
         self.lens[seq_id] = keep
+        return MemOp({"op": "num_computed_tokens", "seq_id": seq_id, "kept_pos": ranges_text(range(keep))})
 
     def release(self, seq_id: int) -> None:
         self.tables.pop(seq_id, None)
@@ -170,146 +177,189 @@ class ReplayPool:
         return kv
 
 
-class ReplayEngine(Engine):
-    """Our engine stepping through a vLLM trace's plan (see the module docstring).
+#: a step the plan does not name: nothing scheduled (an idle step)
+IDLE_STEP: dict[str, Any] = {"chunks": [], "preempted": [], "admitted": []}
+
+
+class ReplayScheduler:
+    """The vLLM trace's schedule as the engine's scheduler: step ``s`` runs the plan's chunks ``(seq_id, C, T,
+    token_ids, phase, need_logits, parents)``, its preemptions and admissions; a step the plan does not
+    name is idle. Mirrors nothing of vLLM's policy (the module docstring says why): it replays its outcome.
+
+    Per step, before the batch is returned: preempted requests' blocks are released (vLLM's recompute
+    mode: ``num_computed_tokens`` 0), a request that starts with ``C > 0`` and holds nothing gets the
+    prefix hit's shared blocks (``kv.attach_prefix``; its lookup in vLLM's terms goes in
+    ``batch.serving["prefix"]``, :func:`prefix_record`), and each chunk's block-table row is handed to the
+    pool (``kv.plan_tables``: :class:`ReplayPagedKV` places the step's K/V there).
+
+    ``future`` stays empty (every request is known from the start): the plan decides which steps are idle,
+    so the engine never fast-forwards a wait. ``has_work`` is true until the plan's last step.
 
     Args:
-        model, tokenizer, opts, tracer: as :class:`Engine` (``opts.backend`` must be ``paged``
-            with vLLM's block size and pool size).
-        plan: :func:`load_plan`'s result.
+        kv: :class:`ReplayPagedKV`. plan: :func:`load_plan`'s result.
+
+    Raises:
+        InfertraceError: (``add``) a request that differs from the trace's; (``schedule``) a chunk whose ``C``
+            is not what the request holds, or whose tokens differ from the request's.
+    """
+
+    def __init__(self, kv: ReplayPagedKV, plan: dict[str, Any]):
+        self.kv, self.plan = kv, plan
+        self.future: list[Request] = []  # stays empty: the plan decides idle steps
+        self.waiting: deque[Request] = deque()  # added, not scheduled yet (or preempted)
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self.next_step = 0
+        self.on_admit = None  # the engine's prefix-cache hook: unused, hits come from the plan
+        self.split_equal = False  # set by the engine; vLLM has no ubatch split
+        self.remainder: list[tuple[Request, int]] = []
+
+    def add(self, req: Request) -> None:
+        """Queue ``req`` after checking it is the trace's request ``seq_id`` (prompt ids, arrival step)."""
+        want = next((q for q in self.plan["requests"] if q["seq_id"] == req.seq_id), None)
+        if want is None or want["prompt_ids"] != list(req.prompt_ids) or want["arrival_step"] != req.arrival_step:
+            raise InfertraceError(f"--replay: request {req.seq_id} differs from the vLLM trace's (prompt ids or --arrival); "
+                                  "pass the same prompts and arrivals")
+        self.requests[req.seq_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        """True until the plan's last step has been scheduled."""
+        return self.next_step <= self.plan["last_step"]
+
+    def schedule(self, step: int) -> ScheduledBatch:
+        """The plan's batch of ``step`` (see the class docstring)."""
+        self.next_step = step + 1
+        p = self.plan["steps"].get(step, IDLE_STEP)
+        kv = self.kv
+        for sid in p["preempted"]:
+            r = self.requests[sid]
+            kv.release(sid)
+            r.num_computed, r.num_preemptions = 0, r.num_preemptions + 1
+            if r in self.running:
+                self.running.remove(r)
+                self.waiting.appendleft(r)
+        chunks, prefix = [], {}
+        for c in p["chunks"]:
+            r = self.requests[c["seq_id"]]
+            if r in self.waiting:
+                self.waiting.remove(r)
+                self.running.append(r)
+            r.status = RUNNING
+            if c["C"] and kv.seq_len(r.seq_id) == 0:  # a prefix hit at admission or resumption: shared blocks
+                kv.attach_prefix(r.seq_id, c["C"], c["table"])
+                prefix[str(r.seq_id)] = (c["C"], len(r.all_ids), list(c["table"][: c["C"] // kv.B]), r.num_preemptions > 0)
+            r.num_computed = c["C"]
+            if kv.seq_len(r.seq_id) != c["C"]:
+                raise InfertraceError(f"replay step {step}: seq {r.seq_id} holds {kv.seq_len(r.seq_id)} tokens, the trace says C={c['C']}")
+            kv.plan_tables[r.seq_id] = c["table"]
+            ids = c["token_ids"]
+            own = r.all_ids[c["C"]: c["C"] + c["T"] - (len(c["parents"]) - 1 if c["parents"] else 0)]
+            if ids[: len(own)] != own:
+                raise InfertraceError(f"replay step {step}: seq {r.seq_id}'s tokens differ from the trace's")
+            chunks.append(ScheduledChunk(r, c["phase"], c["C"], list(ids), c["need_logits"], c["parents"]))
+        held = {sid: tab for sid, tab in kv.tables.items()}
+        held.update({c["seq_id"]: c["table"] for c in p["chunks"]})  # every table after this step's allocation
+        prefix = {sid: prefix_record(hit, n, shared, [sum(b in t for t in held.values()) for b in shared], resumed, kv.B)
+                  for sid, (hit, n, shared, resumed) in prefix.items()}
+        return ScheduledBatch(step, chunks, preempted=list(p["preempted"]), admitted=list(p["admitted"]),
+                              serving={"prefix": prefix} if prefix else None)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark ``req`` finished with the trace's ``reason`` and release its blocks."""
+        req.status, req.stop_reason = FINISHED, reason
+        self.kv.release(req.seq_id)
+        if req in self.running:
+            self.running.remove(req)
+
+
+@dataclass(frozen=True)
+class ReplaySchedule:
+    """The scheduler config of a replay (``Engine(scheduler=...)``): :class:`ReplayScheduler` over the plan."""
+
+    plan: dict[str, Any]
+
+    def build(self, kv: ReplayPagedKV, opts: Any) -> ReplayScheduler:
+        return ReplayScheduler(kv, self.plan)
+
+
+@dataclass(frozen=True)
+class PlanStops:
+    """The stop rule of a replay (``Engine(stop=...)``): request ``seq_id`` stops with ``reason`` once it holds
+    ``n`` output tokens (the trace's finish, after that step's sampled / emitted tokens); never otherwise
+    (vLLM decided: no eos / max_new_tokens rule of ours).
+
+    Attributes:
+        stops: ``{seq_id: (n output tokens, reason)}``.
+    """
+
+    stops: Mapping[int, tuple[int, str]] = field(default_factory=dict)
+
+    def __call__(self, req: Request, token: int) -> str | None:
+        got = self.stops.get(req.seq_id)
+        return got[1] if got is not None and len(req.output_ids) >= got[0] else None
+
+
+def plan_sampler(plan: dict[str, Any]) -> tuple[ForcedSampler, PlanStops]:
+    """The replayed tokens as a sampler and a stop rule: per request, in step order, the sampled token of each
+    chunk that needs logits and the emitted tokens of each verify chunk (forced: our own top stays in ``top``),
+    each verify's ``(emitted, accepted nodes)`` by ``(seq_id, step)``, and the output length at which the trace
+    finished it.
+
+    Raises:
+        InfertraceError: a sampling chunk without a sampled token in the trace.
+    """
+    forced: dict[int, list[int]] = {}
+    verified: dict[tuple[int, int], tuple[list[int], int]] = {}
+    stops: dict[int, tuple[int, str]] = {}
+    for s in sorted(plan["steps"]):
+        for c in plan["steps"][s]["chunks"]:
+            out = forced.setdefault(c["seq_id"], [])
+            if c["parents"] is not None:
+                verified[(c["seq_id"], s)] = (list(c["emitted"]), int(c["accepted"]))
+                out += [int(t) for t in c["emitted"]]
+            elif c["need_logits"]:
+                if c["sampled"] is None:
+                    raise InfertraceError(f"replay step {s}: seq {c['seq_id']} has a logits row but no sampled token in the trace")
+                out.append(int(c["sampled"]))
+            if c["finished"]:
+                stops[c["seq_id"]] = (len(out), c["finished"])
+    return ForcedSampler(forced, verified), PlanStops(stops)
+
+
+def check_replay_options(opts: Any, plan: dict[str, Any]) -> None:
+    """Options that match the trace: backend ``paged``, vLLM's block size and pool (``opts.num_blocks`` set
+    to the trace's when None), and no prefix cache / speculation / context shift of ours (the trace has them).
 
     Raises:
         InfertraceError: options that do not match the trace (block size, pool, backend).
     """
+    if opts.backend != "paged":
+        raise InfertraceError("--replay holds the paged backend to vLLM: add --backend paged")
+    if opts.tokens_per_block != plan["block_size"]:
+        raise InfertraceError(f"--replay: the vLLM trace used blocks of {plan['block_size']} tokens; pass --tokens-per-block {plan['block_size']}")
+    if opts.num_blocks is None:  # not given: the vLLM trace's pool (block 0 included, as --num-blocks counts it)
+        opts.num_blocks = plan["num_blocks"]
+    if opts.num_blocks != plan["num_blocks"]:
+        raise InfertraceError(f"--replay: the vLLM trace's pool has {plan['num_blocks']} blocks (block 0 its null block); "
+                              f"pass --num-blocks {plan['num_blocks']} or leave it out")
+    if opts.prefix_cache or opts.speculative or opts.context_shift:
+        raise InfertraceError("--replay takes prefix hits and drafts from the vLLM trace; drop --prefix-cache / --speculative / --context-shift")
 
-    def __init__(self, model: Any, tokenizer: Any, opts: Any, tracer: Any, plan: dict[str, Any]):
-        if opts.backend != "paged":
-            raise InfertraceError("--replay holds the paged backend to vLLM: add --backend paged")
-        if opts.tokens_per_block != plan["block_size"]:
-            raise InfertraceError(f"--replay: the vLLM trace used blocks of {plan['block_size']} tokens; pass --tokens-per-block {plan['block_size']}")
-        if opts.num_blocks is None:  # not given: the vLLM trace's pool (block 0 included, as --num-blocks counts it)
-            opts.num_blocks = plan["num_blocks"]
-        if opts.num_blocks != plan["num_blocks"]:
-            raise InfertraceError(f"--replay: the vLLM trace's pool has {plan['num_blocks']} blocks (block 0 its null block); "
-                                  f"pass --num-blocks {plan['num_blocks']} or leave it out")
-        if opts.prefix_cache or opts.speculative or opts.context_shift:
-            raise InfertraceError("--replay takes prefix hits and drafts from the vLLM trace; drop --prefix-cache / --speculative / --context-shift")
-        super().__init__(model, tokenizer, opts, tracer, memory=ReplayPool(plan), sampler_order="hf")
-        self.plan = plan
 
-    def add_request(self, prompt_ids: list[int], params: Any = None, arrival_step: int = 0, prompt_text: str = "") -> Any:
-        r = super().add_request(prompt_ids, params, arrival_step, prompt_text)
-        want = next((q for q in self.plan["requests"] if q["seq_id"] == r.seq_id), None)
-        if want is None or want["prompt_ids"] != list(prompt_ids) or want["arrival_step"] != arrival_step:
-            raise InfertraceError(f"--replay: request {r.seq_id} differs from the vLLM trace's (prompt ids or --arrival); "
-                                  "pass the same prompts and arrivals")
-        return r
+def replay_engine(model: Any, tokenizer: Any, opts: Any, tracer: Any, plan: dict[str, Any]) -> Engine:
+    """Our engine stepping through a vLLM trace's plan (see the module docstring): :class:`Engine` with the
+    replayed pool, schedule, tokens and finish reasons injected, sampler order ``hf`` (vLLM's).
 
-    def step(self) -> ScheduledBatch | None:
-        """One replayed step (the plan's chunks), or None when the plan is done."""
-        s = self.step_no
-        if s > self.plan["last_step"]:
-            return None
-        t0 = time.perf_counter()
-        p = self.plan["steps"].get(s, {"chunks": [], "preempted": [], "admitted": []})
-        sch = self.scheduler
-        while sch.future and sch.future[0].arrival_step <= s:
-            sch.waiting.append(sch.future.pop(0))
-        for sid in p["preempted"]:
-            r = self.requests[sid]
-            self.kv.release(sid)
-            r.num_computed, r.num_preemptions = 0, r.num_preemptions + 1
-        chunks, prefix = [], {}
-        for c in p["chunks"]:
-            r = self.requests[c["seq_id"]]
-            if r in sch.waiting:
-                sch.waiting.remove(r)
-            r.status = RUNNING
-            if c["C"] and self.kv.seq_len(r.seq_id) == 0:  # a prefix hit at admission or resumption: shared blocks
-                self.kv.attach_prefix(r.seq_id, c["C"], c["table"])
-                prefix[str(r.seq_id)] = (c["C"], len(r.all_ids), list(c["table"][: c["C"] // self.kv.B]),
-                                         r.num_preemptions > 0)
-            r.num_computed = c["C"]
-            if self.kv.seq_len(r.seq_id) != c["C"]:
-                raise InfertraceError(f"replay step {s}: seq {r.seq_id} holds {self.kv.seq_len(r.seq_id)} tokens, the trace says C={c['C']}")
-            self.kv.plan_tables[r.seq_id] = c["table"]
-            ids = c["token_ids"]
-            own = r.all_ids[c["C"]: c["C"] + c["T"] - (len(c["parents"]) - 1 if c["parents"] else 0)]
-            if ids[: len(own)] != own:
-                raise InfertraceError(f"replay step {s}: seq {r.seq_id}'s tokens differ from the trace's")
-            chunks.append(ScheduledChunk(r, c["phase"], c["C"], list(ids), c["need_logits"], c["parents"]))
-        held = {sid: tab for sid, tab in self.kv.tables.items()}
-        held.update({c["seq_id"]: c["table"] for c in p["chunks"]})  # every table after this step's allocation
-        prefix = {sid: prefix_record(hit, n, shared, [sum(b in t for t in held.values()) for b in shared], resumed, self.kv.B)
-                  for sid, (hit, n, shared, resumed) in prefix.items()}
-        batch = ScheduledBatch(s, chunks, preempted=list(p["preempted"]), admitted=list(p["admitted"]))
-        tracer = self.tracer
-        if not chunks:
-            if tracer.enabled:
-                tracer.begin_step()
-                tracer.end_step(StepContext(step=s, batch=batch, inp=None, kv=self.kv, attention=self.attn_impl, logits=None,
-                                            logits_rows=[], samples={}, finished={}, requests=self.requests,
-                                            time_ms=(time.perf_counter() - t0) * 1e3))
-            self.step_no += 1
-            return batch
-        specs = [ChunkSpec(c.req.seq_id, c.C, c.T, c.parents) for c in chunks]
-        inp = self.kv.prepare(specs)
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)  # [N]
-        rows, r0 = [], 0
-        for c in chunks:
-            if c.parents is not None:
-                rows += list(range(r0, r0 + c.T))
-            elif c.need_logits:
-                rows.append(r0 + c.T - 1)
-            r0 += c.T
-        if tracer.enabled:
-            tracer.begin_step()
-        logits = self.model.forward(ids, inp, self.kv, torch.tensor(rows, dtype=torch.int64), tracer)  # [M, V]
-        samples, finished, spec_rec, j = {}, {}, {}, 0
-        for c, pc in zip(chunks, p["chunks"]):
-            req = c.req
-            if c.parents is not None:
-                n = c.T
-                lrows = logits[j: j + n]  # [T, V]
-                j += n
-                emitted = list(pc["emitted"])
-                tops = [sample(lrows[a], req.params, req.all_ids, req.generator).top for a in range(len(emitted))]
-                req.output_ids += emitted
-                samples[req.seq_id] = SampleResult(emitted[-1], tops[-1])
-                acc = pc["accepted"] - 1
-                req.num_computed = c.C + acc + 1
-                self.kv.rewind(req.seq_id, req.num_computed)
-                spec_rec[str(req.seq_id)] = {"drafted": c.T - 1, "accepted": acc, "C": c.C, "tokens": list(c.token_ids),
-                                             "parents": list(c.parents), "positions": [c.C + d for d in range(c.T)],
-                                             "accepted_nodes": list(range(acc + 1)), "emitted": emitted,
-                                             "rewind": {"op": "num_computed_tokens", "seq_id": req.seq_id,
-                                                        "kept_pos": ranges_text(range(c.C + acc + 1))}}
-            else:
-                req.num_computed = c.C + c.T
-                if c.need_logits:
-                    res = self.sample_row(logits[j], req)
-                    j += 1
-                    tok = int(pc["sampled"])
-                    samples[req.seq_id] = SampleResult(tok, res.top)
-                    req.output_ids.append(tok)
-            if pc["finished"]:
-                finished[req.seq_id] = pc["finished"]
-        spec_ctx = None
-        if spec_rec:
-            drafted = sum(v["drafted"] for v in spec_rec.values())
-            accepted = sum(v["accepted"] for v in spec_rec.values())
-            spec_ctx = {"requests": spec_rec, "drafted": drafted, "accepted": accepted,
-                        "acceptance_rate": round(accepted / drafted, 4) if drafted else None}
-        if tracer.enabled:
-            tracer.end_step(StepContext(step=s, batch=batch, inp=inp, kv=self.kv, attention=self.attn_impl, logits=logits,
-                                        logits_rows=rows, samples=samples, finished=finished, requests=self.requests,
-                                        time_ms=(time.perf_counter() - t0) * 1e3, sampler_order=self.sampler_order,
-                                        serving={"prefix": prefix} if prefix else None, spec=spec_ctx))
-        for sid, reason in finished.items():
-            req = self.requests[sid]
-            req.status, req.stop_reason = FINISHED, reason
-            self.kv.release(sid)
-            if req in sch.running:
-                sch.running.remove(req)
-        self.step_no += 1
-        return batch
+    Args:
+        model, tokenizer, opts, tracer: as :class:`Engine` (``opts.backend`` must be ``paged``
+            with vLLM's block size and pool size; ``opts.num_blocks`` None is set to the trace's).
+        plan: :func:`load_plan`'s result.
+
+    Raises:
+        InfertraceError: options that do not match the trace (:func:`check_replay_options`).
+    """
+    check_replay_options(opts, plan)
+    sampler, stops = plan_sampler(plan)
+    return Engine(model, tokenizer, opts, tracer, memory=ReplayPool(plan), scheduler=ReplaySchedule(plan),
+                  sampler=sampler, stop=stops, sampler_order="hf")
