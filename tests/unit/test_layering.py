@@ -419,10 +419,7 @@ MAX_CHECK_MODULE_LINES = 400
 LONG_EXEMPT = {("infertrace/attention/triton_paged.py", "_kernels"):
                "the Triton kernels: one @triton.jit program each, defined inside this factory (triton imported lazily)"}
 #: (file relative to the repo, qualified name) -> why it stays longer than MAX_FUNCTION_LINES
-LONG_ALLOW: dict[tuple[str, str], str] = {
-    ("infertrace/engine/engine.py", "Engine.step"): "being split by the replay-as-scheduler change",
-    ("infertrace/runtimes/vllm/replay.py", "ReplayEngine.step"): "being split by the replay-as-scheduler change",
-}
+LONG_ALLOW: dict[tuple[str, str], str] = {}
 
 
 def long_functions(p: Path, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
