@@ -39,8 +39,7 @@ from infertrace.engine.parts import ForcedSampler
 from infertrace.engine.request import FINISHED, RUNNING, Request
 from infertrace.engine.scheduler import ScheduledBatch, ScheduledChunk
 from infertrace.errors import InfertraceError
-from infertrace.kv.base import MemOp, ranges_text
-from infertrace.kv.paged import PagedKV
+from infertrace.kv.given import GivenTablesKV
 
 
 def load_plan(directory: Path) -> dict[str, Any]:
@@ -105,76 +104,18 @@ def prefix_record(hit: int, num_tokens: int, shared: list[int], ref_cnt: list[in
     return out
 
 
-class ReplayPagedKV(PagedKV):
-    """Our paged pool whose block tables are set from the replayed trace instead of our free list
-    (``_grow``); everything else -- slot mapping, lengths, metadata, the writes and the paged
-    attention -- is :class:`PagedKV`'s own."""
-
-    kind = "paged"
-
-    def __init__(self, *a: Any, **k: Any):
-        super().__init__(*a, **k)
-        self.free = list(range(1, self.num_blocks))  # not used for placement; block 0 is vLLM's null block
-        self.plan_tables: dict[int, list[int]] = {}
-        self.prefix_cache = False  # vLLM shared prefix blocks between tables (set from the plan)
-
-    def _grow(self, seq_id: int, n_new: int) -> None:
-        tab = self.plan_tables.get(seq_id)
-        need = -(-(self.lens.get(seq_id, 0) + n_new) // self.B)
-        if tab is None or len(tab) < need:
-            raise InfertraceError(f"replay: seq {seq_id} needs {need} blocks, the trace's table has {len(tab or [])}")
-        if any(not 0 <= b < self.num_blocks for b in tab):
-            raise InfertraceError(f"replay: seq {seq_id}'s block table {tab[:8]} lies outside the pool of {self.num_blocks}")
-        self.tables[seq_id] = list(tab[:need])
-        self.lens[seq_id] = self.lens.get(seq_id, 0) + n_new
-
-    def attach_prefix(self, seq_id: int, C: int, table: list[int]) -> None:
-        """A prefix hit at admission: the request starts with ``C`` cached tokens in the shared
-        blocks ``table[:C // B]`` (their K/V were written by the request that computed them)."""
-        self.tables[seq_id] = list(table[: -(-C // self.B)])
-        self.lens[seq_id] = C
-
-    def rewind(self, seq_id: int, C: int, T: int, accepted: Sequence[int], inp: Any, row: int, is_chain: bool) -> MemOp:
-        """vLLM's rewind of a verify step ``C, T``: ``num_computed_tokens`` drops the rejected drafts (``C +
-        len(accepted)`` kept; vLLM's drafts are a chain, nothing moves); the slots stay allocated (overwritten
-        later). Answers ``{"op": "num_computed_tokens", "seq_id", "kept_pos"}`` (``kept_pos``: 0..kept-1)."""
-        keep = C + len(accepted)
-        self.lens[seq_id] = keep
-        return MemOp({"op": "num_computed_tokens", "seq_id": seq_id, "kept_pos": ranges_text(range(keep))})
-
-    def release(self, seq_id: int) -> None:
-        self.tables.pop(seq_id, None)
-        self.lens.pop(seq_id, None)
-
-    def snapshot(self) -> dict[str, Any]:
-        snap = super().snapshot()
-        snap["free_list_head"] = []  # placement is replayed: no free list of ours to show
-        if self.prefix_cache:  # a table may hold another request's full prefix blocks (`check` allows exactly those)
-            snap["prefix_cache"] = True
-            held: dict[int, int] = {}
-            for tab in self.tables.values():
-                for blk in tab:
-                    held[blk] = held.get(blk, 0) + 1
-            for v in snap["requests"].values():  # ref_cnt = the tables holding the block (vLLM's records its own)
-                for blk in v["blocks"]:
-                    blk["ref"] = held[blk["block"]]
-        return snap
-
-
 @dataclass(frozen=True)
 class ReplayPool:
     """The cache config of a replay (:class:`~infertrace.engine.parts.MemoryConfig`): our paged pool of the vLLM
-    trace's size and block size, its block tables set from the plan (:class:`ReplayPagedKV`)."""
+    trace's size and block size, its block tables set from the plan (:class:`GivenTablesKV`)."""
 
     plan: dict[str, Any]
 
-    def build(self, model: Any, opts: Any, attn_impl: str) -> ReplayPagedKV:
+    def build(self, model: Any, opts: Any, attn_impl: str) -> GivenTablesKV:
         """The replayed pool (every layer; the model's dtype: vLLM's ``kv_cache_dtype`` auto)."""
         cfg = model.cfg
-        kv = ReplayPagedKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.plan["num_blocks"], self.plan["block_size"],
-                           model.dtype, model.device, attn_impl)
-        kv.prefix_cache = bool(self.plan.get("prefix_cache"))
-        return kv
+        return GivenTablesKV(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.plan["num_blocks"], self.plan["block_size"],
+                             model.dtype, model.device, attn_impl, prefix_cache=bool(self.plan.get("prefix_cache")))
 
 
 #: a step the plan does not name: nothing scheduled (an idle step)
@@ -190,20 +131,20 @@ class ReplayScheduler:
     mode: ``num_computed_tokens`` 0), a request that starts with ``C > 0`` and holds nothing gets the
     prefix hit's shared blocks (``kv.attach_prefix``; its lookup in vLLM's terms goes in
     ``batch.serving["prefix"]``, :func:`prefix_record`), and each chunk's block-table row is handed to the
-    pool (``kv.plan_tables``: :class:`ReplayPagedKV` places the step's K/V there).
+    pool (``kv.set_table``: :class:`GivenTablesKV` places the step's K/V there).
 
     ``future`` stays empty (every request is known from the start): the plan decides which steps are idle,
     so the engine never fast-forwards a wait. ``has_work`` is true until the plan's last step.
 
     Args:
-        kv: :class:`ReplayPagedKV`. plan: :func:`load_plan`'s result.
+        kv: :class:`GivenTablesKV`. plan: :func:`load_plan`'s result.
 
     Raises:
         InfertraceError: (``add``) a request that differs from the trace's; (``schedule``) a chunk whose ``C``
             is not what the request holds, or whose tokens differ from the request's.
     """
 
-    def __init__(self, kv: ReplayPagedKV, plan: dict[str, Any]):
+    def __init__(self, kv: GivenTablesKV, plan: dict[str, Any]):
         self.kv, self.plan = kv, plan
         self.future: list[Request] = []  # stays empty: the plan decides idle steps
         self.waiting: deque[Request] = deque()  # added, not scheduled yet (or preempted)
@@ -252,7 +193,7 @@ class ReplayScheduler:
             r.num_computed = c["C"]
             if kv.seq_len(r.seq_id) != c["C"]:
                 raise InfertraceError(f"replay step {step}: seq {r.seq_id} holds {kv.seq_len(r.seq_id)} tokens, the trace says C={c['C']}")
-            kv.plan_tables[r.seq_id] = c["table"]
+            kv.set_table(r.seq_id, c["table"])
             ids = c["token_ids"]
             own = r.all_ids[c["C"]: c["C"] + c["T"] - (len(c["parents"]) - 1 if c["parents"] else 0)]
             if ids[: len(own)] != own:
@@ -279,7 +220,7 @@ class ReplaySchedule:
 
     plan: dict[str, Any]
 
-    def build(self, kv: ReplayPagedKV, opts: Any) -> ReplayScheduler:
+    def build(self, kv: GivenTablesKV, opts: Any) -> ReplayScheduler:
         return ReplayScheduler(kv, self.plan)
 
 
