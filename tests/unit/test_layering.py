@@ -261,6 +261,58 @@ def test_lower_rooms_do_not_import_upward(package, must_not):
     assert bad == []
 
 
+# ----------------------------------------------------------------------------- the recorder reads plain data (issue 27)
+#: what no module of infertrace/capture imports (module level, lazily or under TYPE_CHECKING), nor any module the
+#: recorder, the probe or the step data reach: the probe reads the live step by duck typing on the memory protocol,
+#: the recorder builds the trace from :class:`~infertrace.capture.step_data.StepData` alone
+CAPTURE_MUST_NOT_IMPORT = ("infertrace.kv", "infertrace.engine")
+#: the modules whose whole import closure stays clear of the memory and the engine
+RECORDER_SIDE = ("infertrace/capture/recorder.py", "infertrace/capture/probe.py", "infertrace/capture/step_data.py")
+
+
+def reached(starts: list[Path], root: Path) -> dict[str, list[str]]:
+    """Every infertrace module reachable from ``starts`` (lazy and ``TYPE_CHECKING`` imports included, with the
+    packages whose ``__init__`` an import runs) -> one chain of files leading to it."""
+    chain: dict[str, list[str]] = {}
+    todo = [(f, [str(f.relative_to(root))]) for f in starts]
+    seen: set[Path] = set()
+    while todo:
+        f, via = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for _, mod in imports_of(f, root):
+            while mod and _under(mod, ("infertrace",)):
+                g = _file_of(mod, root)
+                if g is not None and mod not in chain:
+                    chain[mod] = via + [mod]
+                    todo.append((g, via + [mod]))
+                mod = mod.rpartition(".")[0]
+    return chain
+
+
+def test_capture_imports_neither_the_memory_nor_the_engine():
+    bad = [f"{f.relative_to(ROOT)}:{line}: imports {mod}"
+           for f in sorted((ROOT / "infertrace" / "capture").rglob("*.py"))
+           for line, mod in imports_of(f, ROOT) if _under(mod, CAPTURE_MUST_NOT_IMPORT)]
+    assert bad == []
+    chains = reached([ROOT / p for p in RECORDER_SIDE], ROOT)
+    assert [" -> ".join(v) for m, v in sorted(chains.items()) if _under(m, CAPTURE_MUST_NOT_IMPORT)] == []
+    assert {"infertrace.capture.probe", "infertrace.capture.step_data", "infertrace.trace.records"} <= set(chains)
+
+
+def test_capture_check_catches_a_type_checking_or_lazy_import(tmp_path):
+    root = _fake_tree(tmp_path, {
+        "infertrace/capture/__init__.py": "", "infertrace/kv/__init__.py": "", "infertrace/kv/base.py": "",
+        "infertrace/engine/__init__.py": "", "infertrace/engine/step.py": "",
+        "infertrace/capture/recorder.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from infertrace.kv.base import Memory\n",
+        "infertrace/capture/probe.py": "def f():\n    from infertrace import helper\n",
+        "infertrace/helper.py": "import infertrace.engine.step\n", "infertrace/capture/step_data.py": ""})
+    chains = reached([root / p for p in RECORDER_SIDE], root)
+    assert chains["infertrace.kv.base"] == ["infertrace/capture/recorder.py", "infertrace.kv.base"]
+    assert chains["infertrace.engine.step"] == ["infertrace/capture/probe.py", "infertrace.helper", "infertrace.engine.step"]
+
+
 # ----------------------------------------------------------------------------- the Runtime seam (issue 27)
 # 1. No runtime name ("infertrace", "llama.cpp", "vllm", "hf") is compared or branched on outside
 #    infertrace/runtimes/: a comparison (==, !=, in, not in, match) of such a string with any expression but a

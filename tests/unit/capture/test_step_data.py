@@ -1,0 +1,177 @@
+"""The recorder's two halves: the probe's :class:`StepData` crosses a process boundary and gives the same record.
+
+Every step of real runs on the default model (SmolLM2 GGUF; both conventions, chunked prefill with late
+arrivals, n-gram speculative decoding, the prefix cache, llama.cpp's non-unified streams, idle steps,
+sampling, ``--keep tensors`` on two layers) and on a tiny hybrid (Qwen3.5-type) model is recorded twice:
+once from the live step (``Recorder.end_step``), once from its :class:`StepData` sent through JSON text and
+safetensors bytes (``to_wire`` -> ``json.dumps`` / ``safetensors.torch.save`` -> ``load`` -> ``from_wire``).
+The two StepTraces are equal (``to_dict``) and so are the tensors they keep. ``from_wire`` refuses malformed
+data in one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from infertrace.capture.probe import probe
+from infertrace.capture.recorder import VARIABLES, Recorder
+from infertrace.capture.step_data import StepData
+from infertrace.engine.drive import PromptSpec, drive, encode_requests
+from infertrace.engine.engine import Engine, EngineOptions
+from infertrace.engine.sampler import SamplingParams
+from infertrace.errors import InfertraceError
+
+
+def wire(data: StepData) -> StepData:
+    """``data`` through JSON text and safetensors bytes, read back as untrusted input."""
+    d, tensors = data.to_wire()
+    text = json.dumps(d)
+    blob = st_save(tensors) if tensors else b""
+    return StepData.from_wire(json.loads(text), st_load(blob) if tensors else {})
+
+
+class TwinRecorder(Recorder):
+    """A recorder that also records every step from its wire copy into ``twin``, and keeps each step's data."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        k2 = dict(k, tensors={} if k.get("tensors") is not None else None)
+        self.twin = Recorder(*a, **k2)
+        self.data: list[StepData] = []
+
+    def end_step(self, ctx):
+        data = probe(ctx, self.want, self._taps)
+        self.data.append(data)
+        self.twin.record(wire(data))
+        return self.record(data)
+
+
+def _run(loaded, prompts, n, layer=1, tensors=True, **opts):
+    rec = TwinRecorder(loaded.tokenizer, loaded.config, layer=layer, show=VARIABLES, layers=[0, 1],
+                       tensors={} if tensors else None)
+    eng = Engine(loaded.model, loaded.tokenizer, EngineOptions(attention="torch", **opts), rec)
+    specs = [p if isinstance(p, PromptSpec) else PromptSpec(p[0], SamplingParams(max_new_tokens=n).validate(), p[1])
+             for p in prompts]
+    drive(eng, encode_requests(loaded.tokenizer, specs))
+    return rec
+
+
+def _same(rec: TwinRecorder) -> None:
+    assert rec.steps and len(rec.steps) == len(rec.twin.steps)
+    for a, b in zip(rec.steps, rec.twin.steps):
+        assert a.to_dict() == b.to_dict(), a.step
+    if rec.tensors is not None:
+        assert rec.tensors and sorted(rec.tensors) == sorted(rec.twin.tensors)
+        for k, t in rec.tensors.items():
+            u = rec.twin.tensors[k]
+            assert t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u), k
+
+
+REP = "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3,"
+PREFIX = "The capital of France is Paris. The capital of"
+SCENARIOS = {
+    "cells-batching": ([("The capital of", 0), ("Hello, my name is", 1), ("1, 2, 3,", 3)], 2,
+                       dict(backend="cells", prefill_chunk=2)),
+    "paged-batching": ([("The capital of", 0), ("Hello, my name is", 1), ("1, 2, 3,", 3)], 2,
+                       dict(backend="paged", prefill_chunk=2, tokens_per_block=4)),
+    "cells-ngram": ([(REP, 0)], 6, dict(backend="cells", speculative="ngram")),
+    "paged-ngram": ([(REP, 0), ("Hello, my name is", 0)], 6, dict(backend="paged", speculative="ngram", tokens_per_block=4)),
+    "cells-prefix": ([(PREFIX, 0), (PREFIX + " Spain", 3)], 3, dict(backend="cells", prefix_cache=True)),
+    "paged-prefix": ([(PREFIX, 0), (PREFIX + " Spain", 3)], 3, dict(backend="paged", prefix_cache=True, tokens_per_block=4)),
+    "cells-streams": ([("The capital of", 0), ("Hello", 0)], 2, dict(backend="cells", kv_unified=False, ctx_size=512, n_seq_max=2)),
+    "idle-steps": ([("Hi", 2)], 2, dict(backend="paged")),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_step_data_through_the_wire_records_the_same_step(smol, name):
+    prompts, n, opts = SCENARIOS[name]
+    rec = _run(smol, prompts, n, **opts)
+    _same(rec)
+    if "ngram" in name:
+        assert any(d.spec for d in rec.data) and any(c.verify for d in rec.data for c in d.chunks)
+    if "prefix" in name:
+        assert any((d.serving or {}).get("prefix") for d in rec.data)
+    if name == "idle-steps":
+        assert rec.data[0].idle and rec.steps[0].N == 0 and rec.steps[0].kv is not None
+
+
+def test_sampled_run_keeps_the_sampler_through_the_wire(smol):
+    spec = PromptSpec("Once upon a time", SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, seed=3).validate())
+    rec = _run(smol, [spec], 3, backend="cells", sampler_order="llama.cpp")
+    _same(rec)
+    assert rec.steps[-1].decode.per_request[0]["sampler"]["order"] == "llama.cpp"
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from infertrace.runner import load_model
+    from tests.helpers.tiny_qwen35 import make_weights, write_hf_dir
+
+    w, s = make_weights(seed=3)
+    return load_model(str(write_hf_dir(tmp_path_factory.mktemp("q35") / "hf", w, s)))
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_hybrid_step_data_through_the_wire(hybrid, backend):
+    ids = [[72, 101, 108, 108, 111, 72, 101, 108], [33, 34, 35]]
+    prompts = [PromptSpec("", SamplingParams(max_new_tokens=4).validate(), 0, False, x) for x in ids]
+    rec = _run(hybrid, prompts, 4, backend=backend, speculative="ngram" if backend == "cells" else None)
+    _same(rec)
+    assert all(st.hybrid and "state" in st.hybrid for st in rec.steps) and rec.data[0].recurrent is not None
+
+
+# ----------------------------------------------------------------------------- untrusted input
+
+
+@pytest.fixture(scope="module")
+def one_step(smol):
+    rec = _run(smol, [("The capital of", 0)], 2, backend="cells")
+    return rec.data[1].to_wire()
+
+
+def _mutated(pair, fn):
+    d, t = json.loads(json.dumps(pair[0])), dict(pair[1])
+    fn(d, t)
+    return d, t
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda d, t: d.update(version=2), "version is 2"),
+    (lambda d, t: d.update(step=-1), "step is -1, not an integer"),
+    (lambda d, t: d.update(step=True), "step is True, not an integer"),
+    (lambda d, t: d.update(extra=1), "unknown field 'extra'"),
+    (lambda d, t: d["chunks"][0].update(T=5), "chunks[0].token_ids has 1 items, not 5..5"),
+    (lambda d, t: d.update(N=7), "positions has 1 entries for N = 7"),
+    (lambda d, t: t.pop("positions"), "positions names tensor 'positions', which the tensors do not hold"),
+    (lambda d, t: t.update(positions=torch.zeros(4)), "positions tensor 'positions' is torch.float32"),
+    (lambda d, t: t.update(stray=torch.zeros(1)), "tensors 1 not named by the step data (first: 'stray')"),
+    (lambda d, t: t.update({"chunk0/logical": torch.ones(3, 3, dtype=torch.bool)}), "chunks[0].logical has 3 rows for T = 1"),
+    (lambda d, t: d["chunks"][0].update(logical_swa="chunk0/logical"), "names tensor 'chunk0/logical' a second time"),
+    (lambda d, t: d.update(serving={"a": {1, 2}}), "serving holds a set, not a JSON value"),
+    (lambda d, t: d.update(serving=[1]), "serving is a list, not a dict"),
+    (lambda d, t: d.update(serving={"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}),
+     "deeper than 32"),
+    (lambda d, t: d.update(samples=[[0, 1]]), "samples[0] has 2 items, not 4..4"),
+    (lambda d, t: d["kv"].update(snapshot={1: 2}), "kv.snapshot has a key 1 that is not a string"),
+    (lambda d, t: t.update({"chunk0/logical": torch.zeros(1, 1, dtype=torch.bool).expand(1, 1 << 29)}),
+     "has shape [1, 536870912], at most 268435456 elements"),
+])
+def test_from_wire_refuses_malformed_data_in_one_line(one_step, fn, message):
+    d, t = _mutated(one_step, fn)
+    with pytest.raises(InfertraceError) as e:
+        StepData.from_wire(d, t)
+    assert message in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("step data: ")
+
+
+def test_from_wire_refuses_what_is_not_a_mapping(one_step):
+    with pytest.raises(InfertraceError, match="step data: step data is a list"):
+        StepData.from_wire([], {})
+    with pytest.raises(InfertraceError, match="tensors are a list"):
+        StepData.from_wire(one_step[0], [])
+    StepData.from_wire(*_mutated(one_step, lambda d, t: None))  # the untouched pair reads
