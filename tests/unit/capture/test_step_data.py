@@ -15,40 +15,13 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-
-from infertrace.capture.probe import probe
-from infertrace.capture.recorder import VARIABLES, Recorder
+from infertrace.capture.recorder import VARIABLES
 from infertrace.capture.step_data import StepData
 from infertrace.engine.drive import PromptSpec, drive, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.engine.sampler import SamplingParams
 from infertrace.errors import InfertraceError
-
-
-def wire(data: StepData) -> StepData:
-    """``data`` through JSON text and safetensors bytes, read back as untrusted input."""
-    d, tensors = data.to_wire()
-    text = json.dumps(d)
-    blob = st_save(tensors) if tensors else b""
-    return StepData.from_wire(json.loads(text), st_load(blob) if tensors else {})
-
-
-class TwinRecorder(Recorder):
-    """A recorder that also records every step from its wire copy into ``twin``, and keeps each step's data."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        k2 = dict(k, tensors={} if k.get("tensors") is not None else None)
-        self.twin = Recorder(*a, **k2)
-        self.data: list[StepData] = []
-
-    def end_step(self, ctx):
-        data = probe(ctx, self.want, self._taps)
-        self.data.append(data)
-        self.twin.record(wire(data))
-        return self.record(data)
+from tests.helpers.step_wire import TwinRecorder, same_steps
 
 
 def _run(loaded, prompts, n, layer=1, tensors=True, **opts):
@@ -59,17 +32,6 @@ def _run(loaded, prompts, n, layer=1, tensors=True, **opts):
              for p in prompts]
     drive(eng, encode_requests(loaded.tokenizer, specs))
     return rec
-
-
-def _same(rec: TwinRecorder) -> None:
-    assert rec.steps and len(rec.steps) == len(rec.twin.steps)
-    for a, b in zip(rec.steps, rec.twin.steps):
-        assert a.to_dict() == b.to_dict(), a.step
-    if rec.tensors is not None:
-        assert rec.tensors and sorted(rec.tensors) == sorted(rec.twin.tensors)
-        for k, t in rec.tensors.items():
-            u = rec.twin.tensors[k]
-            assert t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u), k
 
 
 REP = "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3,"
@@ -92,7 +54,7 @@ SCENARIOS = {
 def test_step_data_through_the_wire_records_the_same_step(smol, name):
     prompts, n, opts = SCENARIOS[name]
     rec = _run(smol, prompts, n, **opts)
-    _same(rec)
+    same_steps(rec)
     if "ngram" in name:
         assert any(d.spec for d in rec.data) and any(c.verify for d in rec.data for c in d.chunks)
     if "prefix" in name:
@@ -104,7 +66,7 @@ def test_step_data_through_the_wire_records_the_same_step(smol, name):
 def test_sampled_run_keeps_the_sampler_through_the_wire(smol):
     spec = PromptSpec("Once upon a time", SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, seed=3).validate())
     rec = _run(smol, [spec], 3, backend="cells", sampler_order="llama.cpp")
-    _same(rec)
+    same_steps(rec)
     assert rec.steps[-1].decode.per_request[0]["sampler"]["order"] == "llama.cpp"
 
 
@@ -122,7 +84,7 @@ def test_hybrid_step_data_through_the_wire(hybrid, backend):
     ids = [[72, 101, 108, 108, 111, 72, 101, 108], [33, 34, 35]]
     prompts = [PromptSpec("", SamplingParams(max_new_tokens=4).validate(), 0, False, x) for x in ids]
     rec = _run(hybrid, prompts, 4, backend=backend, speculative="ngram" if backend == "cells" else None)
-    _same(rec)
+    same_steps(rec)
     assert all(st.hybrid and "state" in st.hybrid for st in rec.steps) and rec.data[0].recurrent is not None
 
 
