@@ -335,6 +335,15 @@ ALLOW: dict[tuple[str, str], str] = {
     ("infertrace/runtimes/vllm/replay.py", "subclass"):
         "ReplayEngine still overrides Engine.step with the replayed schedule, samples and verify outcomes "
         "(its memory now comes from a cache config); turning it into a replay scheduler + forced sampler is not done",
+    ("infertrace/runtimes/vllm/replay.py", "memory_subclass"):
+        "ReplayPagedKV is a memory our engine computes with (a replayed vLLM run: block tables from the plan, "
+        "K/V written by our forward), not a read-back view; it is being reworked with the replay scheduler",
+    ("infertrace/runtimes/llamacpp/engine.py", "memory_subclass"):
+        "LlamaCppKV is also the memory our Engine drives in a llama.cpp run (prepare, can_fit, release, seq ops, "
+        "lookup: CellsKV's scheduling side); the recorder no longer needs the subclass (the probe duck-types), "
+        "composition would forward the engine-side operations one by one: not done",
+    ("infertrace/runtimes/llamacpp/streams.py", "memory_subclass"):
+        "LlamaCppStreamsKV: as LlamaCppKV, for the non-unified cache (CellsStreamsKV's scheduling side)",
 }
 
 
@@ -426,6 +435,36 @@ def memory_swaps(p: Path) -> list[str]:
     return out
 
 
+def memory_classes(root: Path) -> set[str]:
+    """Names of the memory classes defined in ``infertrace/kv/``: ``Memory``, ``MemoryDefaults`` and every class
+    there deriving from one of them (directly or through another kv class)."""
+    bases: dict[str, set[str]] = {}
+    for f in sorted((root / "infertrace" / "kv").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                                    for b in node.bases}
+    mem = {"Memory", "MemoryDefaults"} & set(bases)
+    while True:
+        more = {c for c, bs in bases.items() if c not in mem and bs & mem}
+        if not more:
+            return mem
+        mem |= more
+
+
+def memory_subclasses(p: Path) -> list[str]:
+    """Classes of ``p`` deriving from a memory class of the repository's ``infertrace/kv/`` (:func:`memory_classes`)."""
+    mem = memory_classes(Path(__file__).resolve().parents[2])
+    out = []
+    for node in ast.walk(_tree(p)):
+        if isinstance(node, ast.ClassDef):
+            for b in node.bases:
+                name = b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                if name in mem:
+                    out.append(f"{_rel(p)}:{node.lineno} class {node.name}({name})")
+    return out
+
+
 def _allowed(found: list[str], rule: str) -> list[str]:
     return [f for f in found if (f.split(":", 1)[0], rule) not in ALLOW]
 
@@ -445,9 +484,18 @@ def test_no_memory_swapped_after_construction() -> None:
     assert _allowed(found, "memory") == [], "pass a cache config (engine/parts.py MemoryConfig) to Engine"
 
 
+def test_no_runtime_subclasses_a_memory_to_be_read() -> None:
+    """A runtime hands the recorder data (the probe reads any memory by duck typing): a read-back cache holds a
+    memory by composition (runtimes/vllm/engine.py ``VllmKV``) instead of posing as one."""
+    found = [x for p in _files() if _rel(p).startswith("infertrace/runtimes/") for x in memory_subclasses(p)]
+    assert _allowed(found, "memory_subclass") == [], "hold a CellsKV / PagedKV mirror by composition instead"
+    assert {"CellsKV", "PagedKV", "CellsStreamsKV", "IswaCellsKV", "HybridKV"} <= memory_classes(ROOT)
+
+
 def test_allow_list_entries_still_needed() -> None:
     """An entry whose exception is gone must be removed (the list only shrinks)."""
-    rules = {"name": name_branches, "subclass": engine_subclasses, "memory": memory_swaps}
+    rules = {"name": name_branches, "subclass": engine_subclasses, "memory": memory_swaps,
+             "memory_subclass": memory_subclasses}
     stale = [k for k in ALLOW if not rules[k[1]](ROOT / k[0])]
     assert stale == []
 
@@ -481,6 +529,8 @@ def test_detectors_catch_each_violation(at_root: Path) -> None:
     assert name_branches(bad) == ["m.py:4", "m.py:6"]  # the sampler order and the section read are data
     assert engine_subclasses(bad) == ["m.py:1 class E(Engine)"]
     assert [x.split(" ", 1)[1] for x in memory_swaps(bad)] == ["eng.kv = ...", "eng.scheduler.kv = ..."]
+    assert memory_subclasses(_write(at_root, "import x\nclass A(x.PagedKV):\n    pass\nclass B(Mirror):\n    pass\n")) \
+        == ["m.py:2 class A(PagedKV)"]
 
 
 def test_memory_built_in_own_init_is_not_a_swap(at_root: Path) -> None:
