@@ -124,7 +124,12 @@ class Recorder:
 
     def record(self, data: StepData) -> StepTrace:
         """Build and keep the step record from ``data`` alone (what :func:`~infertrace.capture.probe.probe`
-        copied out of the step for :attr:`want`; possibly read back by :meth:`StepData.from_wire`)."""
+        copied out of the step for :attr:`want`; possibly read back by :meth:`StepData.from_wire`).
+
+        Raises:
+            InfertraceError: ``data`` lacks what this recorder reads (:meth:`StepData.require`).
+        """
+        data.require(self.want)
         self._spec_acc = {int(k): v["accepted_nodes"] for k, v in ((data.spec or {}).get("requests") or {}).items()}
         st = StepTrace(step=data.step, backend=data.backend, attention=data.attention, N=data.N, batch=[],
                        preempted=list(data.preempted), admitted=list(data.admitted), time_ms=_r(data.time_ms, 3))

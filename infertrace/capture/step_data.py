@@ -25,6 +25,7 @@ import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.limits import LIMITS
+from infertrace.model.taps import K, K_ROT, Q, Q_ROT, V
 from infertrace.safe_text import visible
 
 #: wire format version of :meth:`StepData.to_wire`
@@ -205,7 +206,7 @@ class StepData:
             InfertraceError: one line naming the field and what is wrong with it.
         """
         r = _Reader(tensors)
-        r.obj(d, "step data", {f.name for f in fields(cls)} | {"version"} - {"idle"})
+        r.obj(d, "step data", {f.name for f in fields(cls)} | {"version"})
         if d.get("version") != WIRE_VERSION:
             raise _bad("version", f"is {_show(d.get('version'))}, this reader reads {WIRE_VERSION}")
         N = r.int(d.get("N"), "N", LIMITS["MAX_CTX"])
@@ -221,7 +222,10 @@ class StepData:
             top = tuple((r.int(t[0], f"samples[{i}].top id", LIMITS["MAX_ID"]), r.float(t[1], f"samples[{i}].top logit"),
                          r.float(t[2], f"samples[{i}].top prob"))
                         for t in (r.list(x, f"samples[{i}].top", 3, 3) for x in r.list(s[2], f"samples[{i}].top")))
-            samples[r.int(s[0], f"samples[{i}] seq_id", LIMITS["MAX_SEQ_ID"])] = SampleData(
+            sid = r.int(s[0], f"samples[{i}] seq_id", LIMITS["MAX_SEQ_ID"])
+            if sid in samples:
+                raise _bad(f"samples[{i}]", f"repeats seq {sid}")
+            samples[sid] = SampleData(
                 r.int(s[1], f"samples[{i}].token", LIMITS["MAX_ID"]), top, r.json(s[3], f"samples[{i}].sampler", dict))
         finished = {r.int(x[0], f"finished[{i}] seq_id", LIMITS["MAX_SEQ_ID"]): r.str(x[1], f"finished[{i}]")
                     for i, x in enumerate(r.list(y, f"finished[{j}]", 2, 2) for j, y in enumerate(r.list(d.get("finished"), "finished")))}
@@ -263,6 +267,48 @@ class StepData:
         if unused:
             raise _bad("tensors", f"{len(unused)} not named by the step data (first: {_show(unused[0])})")
         return out
+
+    def require(self, want: Want) -> None:
+        """Check that the step holds what a recorder asking ``want`` reads (the probe copies exactly that; data
+        read with :meth:`from_wire` may lack it), and that the sections it indexes have their keys.
+
+        Raises:
+            InfertraceError: one line naming what is missing.
+        """
+        if self.kv is not None:
+            _keys(self.kv.describe, "kv.describe", ("kind", "dtype", "kv_layers", "physical_shape"))
+        elif "kv" in want.show:
+            raise _bad("kv", "is missing (the recorder records kv)")
+        if self.idle:
+            return
+        if self.logits_shape is None or self.logits_dtype is None:
+            raise _bad("logits_shape", "is missing for a step that computed tokens")
+        if "mask" in want.show:
+            if self.mask is None:
+                raise _bad("mask", "is missing (the recorder records mask)")
+            _keys(self.mask, "mask", ("convention", "rule", "cells", "paged"))
+        evidence = "positions" in want.show and all(self.taps.get((n, want.layer)) is not None
+                                                    for n in (Q, K, V, Q_ROT, K_ROT))
+        for i, c in enumerate(self.chunks):
+            if c.k_rows is None and ("kv" in want.show or evidence):
+                raise _bad(f"chunks[{i}].k_rows", "are missing (the recorder records kv or the RoPE evidence)")
+            if want.windowed and c.logical_swa is None:
+                raise _bad(f"chunks[{i}].logical_swa", "is missing (the model has sliding-window layers)")
+            if c.logical.shape[0] != c.T:
+                raise _bad(f"chunks[{i}].logical", f"has {c.logical.shape[0]} rows for T = {c.T}")
+        for sid, v in ((self.spec or {}).get("requests") or {}).items():
+            _keys(v, f"spec.requests[{_show(sid)}]", ("accepted_nodes", "emitted", "parents", "drafted", "accepted"))
+            for k in ("accepted_nodes", "emitted", "parents"):
+                if not isinstance(v[k], list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v[k]):
+                    raise _bad(f"spec.requests[{_show(sid)}].{k}", "is not a list of integers")
+
+
+def _keys(d: Any, where: str, keys: tuple[str, ...]) -> None:
+    if not isinstance(d, dict):
+        raise _bad(where, f"is a {type(d).__name__}, not an object")
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise _bad(where, f"has no {missing[0]!r}")
 
 
 def _show(x: Any) -> str:

@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from infertrace.capture.recorder import VARIABLES
+from infertrace.capture.recorder import VARIABLES, Recorder
 from infertrace.capture.step_data import StepData
 from infertrace.engine.drive import PromptSpec, drive, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
@@ -129,6 +129,26 @@ def test_from_wire_refuses_malformed_data_in_one_line(one_step, fn, message):
     with pytest.raises(InfertraceError) as e:
         StepData.from_wire(d, t)
     assert message in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("step data: ")
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda d, t: d.update(kv=None), "step data: kv is missing (the recorder records kv)"),
+    (lambda d, t: d.update(mask=None), "step data: mask is missing (the recorder records mask)"),
+    (lambda d, t: d["mask"].pop("rule"), "step data: mask has no 'rule'"),
+    (lambda d, t: d["kv"]["describe"].pop("kind"), "step data: kv.describe has no 'kind'"),
+    (lambda d, t: (d["chunks"][0].update(k_rows=None, v_rows=None), t.pop("chunk0/k_rows"), t.pop("chunk0/v_rows")),
+     "step data: chunks[0].k_rows are missing"),
+    (lambda d, t: d.update(spec={"requests": {"0": {"accepted_nodes": ["x"], "emitted": [], "parents": [],
+                                                    "drafted": 0, "accepted": 0}}}),
+     "step data: spec.requests['0'].accepted_nodes is not a list of integers"),
+])
+def test_record_refuses_data_lacking_what_it_reads(smol, one_step, fn, message):
+    """Data read back may be well-formed yet lack what the recorder reads: one line, not a TypeError."""
+    data = StepData.from_wire(*_mutated(one_step, fn))
+    rec = Recorder(smol.tokenizer, smol.config, layer=1, show=VARIABLES)
+    with pytest.raises(InfertraceError) as e:
+        rec.record(data)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 def test_from_wire_refuses_what_is_not_a_mapping(one_step):
