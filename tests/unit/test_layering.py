@@ -338,10 +338,6 @@ ALLOW: dict[tuple[str, str], str] = {
     ("infertrace/runtimes/vllm/replay.py", "memory_subclass"):
         "ReplayPagedKV is a memory our engine computes with (a replayed vLLM run: block tables from the plan, "
         "K/V written by our forward), not a read-back view; it is being reworked with the replay scheduler",
-    ("infertrace/runtimes/llamacpp/streams.py", "memory_subclass"):
-        "LlamaCppStreamsKV is also the memory our Engine drives in a non-unified llama.cpp run (CellsStreamsKV's "
-        "scheduling side); the recorder no longer needs the subclass (the probe duck-types); holding a "
-        "CellsStreamsKV mirror by composition, as LlamaCppKV holds a CellsKV, is not done",
 }
 
 
@@ -484,8 +480,7 @@ def test_no_memory_swapped_after_construction() -> None:
 
 def test_no_runtime_subclasses_a_memory_to_be_read() -> None:
     """A runtime hands the recorder data (the probe reads any memory by duck typing): a read-back cache holds a
-    memory by composition (runtimes/vllm/engine.py ``VllmKV``, runtimes/llamacpp/engine.py ``LlamaCppKV``) instead
-    of posing as one."""
+    memory by composition (``VllmKV``, ``LlamaCppKV``, ``LlamaCppStreamsKV``) instead of posing as one."""
     found = [x for p in _files() if _rel(p).startswith("infertrace/runtimes/") for x in memory_subclasses(p)]
     assert _allowed(found, "memory_subclass") == [], "hold a CellsKV / PagedKV mirror by composition instead"
     assert {"CellsKV", "PagedKV", "CellsStreamsKV", "IswaCellsKV", "HybridKV"} <= memory_classes(ROOT)
