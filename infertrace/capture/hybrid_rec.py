@@ -23,14 +23,11 @@ Mirrors TensorRT-LLM ``_torch/pyexecutor/model_engine.py`` (mRoPE position ids),
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping
 
 import torch
 
 from infertrace.model.taps import ATTN_IN, ATTN_OUT, EMBED, GATE, K, Q, QKV, SSM_STATE, V, Z
-
-if TYPE_CHECKING:
-    from infertrace.kv.base import Memory
 
 #: tokens whose positions are listed (the rest are counted)
 MAX_POS = 16
@@ -53,26 +50,28 @@ def _flat(t: torch.Tensor) -> dict[str, Any]:
     return {"shape": [int(t.shape[0]), math.prod(int(x) for x in t.shape[1:])], "dtype": _dt(t)}
 
 
-def hybrid_record(cfg: Any, inp: Any, kv: Memory, taps: dict[tuple[str, int | None], dict[str, Any]], layer: int,
+def hybrid_record(cfg: Any, positions: torch.Tensor | None, state: dict[str, Any] | None,
+                  taps: Mapping[tuple[str, int | None], torch.Tensor], ids: torch.Tensor | None, layer: int,
                   reason: str) -> dict[str, Any]:
     """JSON-ready hybrid section of one step (see the module docstring).
 
     Args:
-        cfg: the :class:`ModelConfig` (``is_hybrid``). inp: the step's AttnInputs (None when idle).
-        kv: the :class:`~infertrace.kv.recurrent.HybridKV`. taps: this step's taps by ``(name, layer)``
-            (:mod:`infertrace.model.taps`; the embedding tap under layer None). layer: the full-attention
-            layer shown. reason: why prefix reuse is off.
+        cfg: the :class:`ModelConfig` (``is_hybrid``). positions: the step's ``[N]`` positions (the attention
+            inputs'; None when idle). state: the memory's recurrent state summary (``RecurrentState.describe_state``,
+            as the probe copied it; None when the memory holds none). taps: this step's tap tensors by
+            ``(name, layer)`` (:mod:`infertrace.model.taps`; the embedding under layer None); ids: the
+            embedding's input ids or None. layer: the full-attention layer shown. reason: why prefix reuse is off.
     """
     lin = [i for i in range(cfg.n_layer) if cfg.is_linear(i)]
     full = [i for i in range(cfg.n_layer) if not cfg.is_linear(i)]
     rec: dict[str, Any] = {"layer_map": {"linear_attention": lin, "full_attention": full,
                                          "types": ["GDN" if cfg.is_linear(i) else "attn" for i in range(cfg.n_layer)]},
                            "prefix_reuse": reason, "layer": layer}
-    if inp is not None:
-        pos = inp.positions.tolist()
+    if positions is not None:
+        pos = positions.tolist()
         n = len(pos)
         rec["positions"] = {
-            "position_ids_shape": [3, 1, n], "position_ids": [pos[:MAX_POS]] * 3, "dtype": _dt(inp.positions),
+            "position_ids_shape": [3, 1, n], "position_ids": [pos[:MAX_POS]] * 3, "dtype": _dt(positions),
             "n_pos_per_embd": N_POS_PER_EMBD, "inp_pos_len": n * N_POS_PER_EMBD,
             "inp_pos": (pos[:MAX_POS] + pos[:MAX_POS] + pos[:MAX_POS] + [0] * min(n, MAX_POS)) if n <= MAX_POS else [],
             "consumers": full, "ignored_by": lin, "rope_dim": cfg.rope_dim, "head_dim": cfg.head_dim,
@@ -80,13 +79,12 @@ def hybrid_record(cfg: Any, inp: Any, kv: Memory, taps: dict[tuple[str, int | No
         }
     e = taps.get((EMBED, None))
     if e is not None:
-        rec["hidden"] = _shape(e["value"])
-        if e.get("ids") is not None:
-            rec["input_ids"] = _shape(e["ids"])
+        rec["hidden"] = _shape(e)
+        if ids is not None:
+            rec["input_ids"] = _shape(ids)
 
     def val(name: str, il: int | None) -> Any:
-        t = taps.get((name, il))
-        return None if t is None else t["value"]
+        return taps.get((name, il))
 
     qkv = val(QKV, layer)
     if qkv is not None:  # Q / K / V as the projection yields them, flat per token; z * sigmoid(gate) has z's shape
@@ -96,16 +94,10 @@ def hybrid_record(cfg: Any, inp: Any, kv: Memory, taps: dict[tuple[str, int | No
         z = val(Z, layer)
         if z is not None:
             rec["projection"].update(attn_out=_shape(z), gated=_shape(z), o_proj=_shape(val(ATTN_OUT, layer)))
-    st = kv.recurrent_state()
-    if st is not None:
+    if state is not None:
         gdn = [il for (name, il) in taps if name == SSM_STATE]
-        rec["state"] = state_summary(st, inp is not None)
+        rec["state"] = dict(state)
         if gdn:  # the last GDN layer tapped this step
             rec["state"]["gdn_layer"] = max(gdn)
             rec["state"]["qkv"] = _shape(val(QKV, max(gdn)))
     return rec
-
-
-def state_summary(st: Any, active: bool = True) -> dict[str, Any]:
-    """JSON-ready view of a :class:`~infertrace.kv.recurrent.RecurrentState` (its ``describe_state``)."""
-    return st.describe_state(active)

@@ -1,38 +1,37 @@
-"""The tracer: collects tap-point tensors during a step and turns them into a :class:`StepTrace`.
+"""The tracer: collects tap-point tensors during a step and turns the step into a :class:`StepTrace`.
 
 Passed to the engine explicitly (no globals). Taps are read-only: nothing here changes a
-tensor the engine uses.
+tensor the engine uses. Two halves: :func:`~infertrace.capture.probe.probe` copies what a record
+needs out of the live step (the runtime side), :meth:`Recorder.record` builds the record from that
+plain :class:`~infertrace.capture.step_data.StepData` alone (it may have crossed a process boundary);
+:meth:`Recorder.end_step` is the two in a row. Nothing here imports the memory (:mod:`infertrace.kv`)
+or the engine.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import torch
 
+from infertrace.capture.hybrid_rec import hybrid_record
+from infertrace.capture.probe import TENSOR_NAMES, probe
+from infertrace.capture.spec_capture import verify_record
+from infertrace.capture.step_data import StepData, Want
+from infertrace.model.config import NO_REUSE_REASON
 from infertrace.model.rope import inv_freq_table
-from infertrace.model.taps import (
-    ATTN_IN, ATTN_OUT, EMBED, GATE, K, K_ROT, MLP_OUT, Q, Q_ROT, QKV, RESID_POST, RESID_PRE, SSM_STATE, V, Z,
-)
+from infertrace.model.taps import ATTN_IN, ATTN_OUT, EMBED, GATE, K, K_ROT, Q, Q_ROT, QKV, RESID_PRE, SSM_STATE, V, Z
 from infertrace.ranges import ranges_text
 from infertrace.trace.records import VARIABLES  # noqa: F401 - re-exported (defined torch-free in records)
 from infertrace.trace.records import DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep, RowStat, StepTrace
-from infertrace.capture.kv_views import heads, placement
-from infertrace.capture.mask_views import mask_record, swa_record
-from infertrace.capture.spec_capture import verify_record
-
-if TYPE_CHECKING:
-    from infertrace.engine.step import StepContext
-    from infertrace.kv.base import Memory
 
 
 #: block taps the step record reads (positions evidence of layer ``Recorder.layer``)
 EVIDENCE_TAPS = frozenset({RESID_PRE, Q, K, V, Q_ROT, K_ROT})
 #: block taps a hybrid model's step record adds (:mod:`infertrace.capture.hybrid_rec`)
 HYBRID_TAPS = frozenset({ATTN_IN, QKV, GATE, Z, ATTN_OUT, SSM_STATE})
-#: ``--keep tensors``: block tap -> the name its tensor is saved under (``step{s}/layer{l}/NAME``)
-TENSOR_NAMES = {RESID_PRE: "hidden_in", Q: "q_pre_rope", Q_ROT: "q_post_rope", K: "k_pre_rope", K_ROT: "k_post_rope",
-                V: "v", ATTN_OUT: "attn_out", MLP_OUT: "mlp_out", RESID_POST: "resid_post"}
+#: ``--keep tensors``: block tap -> saved name; defined by the probe (:data:`infertrace.capture.probe.TENSOR_NAMES`)
+TENSOR_NAMES = TENSOR_NAMES
 
 
 def _r(x: float, nd: int = 6) -> float:
@@ -93,6 +92,11 @@ class Recorder:
         self.steps: list[StepTrace] = []
         self._taps: dict[tuple[str, int | None], dict[str, Any]] = {}  # (tap name, layer) -> the tap's fields
         self._spec_acc: dict[int, list[int]] = {}  # accepted nodes of this step's verify chunks, by seq_id
+        #: what :func:`~infertrace.capture.probe.probe` copies out of each step for this recorder
+        self.want = Want(layer=self.layer, show=frozenset(self.show),
+                         tensor_layers=self.tensor_layers if tensors is not None else None, top_k_tensors=top_k_tensors,
+                         mask_rows=mask_rows, mask_cols=mask_cols, windowed=bool(config.windowed_layers),
+                         hybrid=bool(getattr(config, "is_hybrid", False)))
 
     def tap(self, name: str, **fields: Any) -> None:
         """Keep this step's tap ``name`` (of layer ``fields["layer"]``; the embedding tap has none)."""
@@ -108,95 +112,101 @@ class Recorder:
         self._taps = {}
 
     # ------------------------------------------------------------------ build
-    def end_step(self, ctx: StepContext) -> StepTrace:
-        """Build and keep the step record.
+    def end_step(self, ctx: Any) -> StepTrace:
+        """Build and keep the step record of a live step: :meth:`record` of :func:`~infertrace.capture.probe.probe`.
 
         ``ctx``: the engine's :class:`~infertrace.engine.step.StepContext` (step, batch,
         inp, kv, attention, logits ``[M, V]``, logits_rows, samples, finished, requests,
         time_ms). An idle step (nothing scheduled) has ``inp`` None and an empty batch: its
         record has ``N = 0``, ``batch = []`` and only the cache state.
         """
-        batch, inp, kv = ctx.batch, ctx.inp, ctx.kv
-        if inp is None:  # idle step: nothing scheduled (waiting for arrivals); N = 0, no variables but the cache
-            st = StepTrace(step=ctx.step, backend=kv.kind, attention=ctx.attention, N=0, batch=[],
-                           preempted=list(batch.preempted), admitted=list(batch.admitted),
-                           time_ms=_r(ctx.time_ms, 3))
-            if ctx.serving:  # e.g. a request stopped because the KV pool is full (kv_full)
-                st.serving = ctx.serving
+        return self.record(probe(ctx, self.want, self._taps))
+
+    def record(self, data: StepData) -> StepTrace:
+        """Build and keep the step record from ``data`` alone (what :func:`~infertrace.capture.probe.probe`
+        copied out of the step for :attr:`want`; possibly read back by :meth:`StepData.from_wire`).
+
+        Raises:
+            InfertraceError: ``data`` lacks what this recorder reads (:meth:`StepData.require`).
+        """
+        data.require(self.want)
+        self._spec_acc = {int(k): v["accepted_nodes"] for k, v in ((data.spec or {}).get("requests") or {}).items()}
+        st = StepTrace(step=data.step, backend=data.backend, attention=data.attention, N=data.N, batch=[],
+                       preempted=list(data.preempted), admitted=list(data.admitted), time_ms=_r(data.time_ms, 3))
+        if data.idle:  # idle step: nothing scheduled (waiting for arrivals); N = 0, no variables but the cache
+            if data.serving:  # e.g. a request stopped because the KV pool is full (kv_full)
+                st.serving = data.serving
             if "kv" in self.show:
-                st.kv = self._kv(batch, None, kv)
-            self._hybrid(st, None, kv)
+                st.kv = self._kv(data)
+            self._hybrid(st, data)
             self.steps.append(st)
             return st
-        self._spec_acc = {int(k): v["accepted_nodes"] for k, v in ((ctx.get("spec") or {}).get("requests") or {}).items()}
-        logical = kv.logical_mask(inp)
-        logical_swa = kv.logical_mask(inp, swa=True) if self.cfg.windowed_layers else None
-        rows_of, row, logits_row = {}, 0, {}
-        for i, ch in enumerate(batch.chunks):
-            rows_of[ch.req.seq_id] = list(range(row, row + ch.T))
-            row += ch.T
-        for j, r in enumerate(ctx.logits_rows):
-            logits_row[r] = j
-        reqs = []
-        for n_ch, (ch, m) in enumerate(zip(batch.chunks, logical)):
-            sid = ch.req.seq_id
-            s = ctx.samples.get(sid)
-            vis = [ranges_text([j for j in range(m.shape[1]) if bool(m[i, j])]) for i in range(ch.T)]
-            vis_swa = None
-            if logical_swa is not None:
-                ms = logical_swa[n_ch]
-                vis_swa = [ranges_text([j for j in range(ms.shape[1]) if bool(ms[i, j])]) for i in range(ch.T)]
-            vrec = (ctx.get("spec") or {}).get("requests", {}).get(str(sid)) if ch.parents is not None else None
-            kept = ch.C + len(vrec["accepted_nodes"]) if vrec else ch.C + ch.T  # a verify step rewinds the rejected tail
-            last = rows_of[sid][-1]  # the row whose logits chose the sampled token: the last computed token,
-            if vrec and vrec["emitted"]:  # in a verify step the accepted path's node that drew the last emitted token
-                last = rows_of[sid][vrec["accepted_nodes"][min(len(vrec["emitted"]), len(vrec["accepted_nodes"])) - 1]]
-            reqs.append(ReqStep(
-                seq_id=sid, phase=ch.phase, C=ch.C, T=ch.T, token_ids=list(ch.token_ids),
-                pieces=[self.tok.piece(t) for t in ch.token_ids], positions=inp.positions[rows_of[sid]].tolist(),
-                visible=vis, cache_before=ranges_text(range(ch.C)), cache_after=ranges_text(range(kept)),
-                rows=rows_of[sid], logits_row=logits_row.get(last) if ch.need_logits else None,
-                sampled=s.token if s else None, sampled_piece=self.tok.piece(s.token) if s else None,
-                finished=ctx.finished.get(sid), visible_swa=vis_swa,
-                spec=({**verify_record(inp, n_ch, rows_of[sid][0], vrec),
-                       "emitted_pieces": [self.tok.piece(t) for t in vrec["emitted"]]} if vrec else None),
-            ))
-        st = StepTrace(step=ctx.step, backend=kv.kind, attention=ctx.attention, N=batch.N, batch=reqs,
-                       preempted=list(batch.preempted), admitted=list(batch.admitted), time_ms=_r(ctx.time_ms, 3))
-        if ctx.get("spec"):  # speculative decoding: the step's drafted / accepted / acceptance rate
-            st.spec = {k: v for k, v in ctx.spec.items() if k != "requests"}
-        serving = ctx.serving
+        st.batch = reqs = self._reqs(data)
+        if data.spec:  # speculative decoding: the step's drafted / accepted / acceptance rate
+            st.spec = {k: v for k, v in data.spec.items() if k != "requests"}
+        serving = data.serving
         if serving:  # prefix hits / context shifts per request, evictions and audit for the step
             st.serving = serving
             shifts = {op["seq_id"]: op for op in serving.get("ops_before_step", []) if op.get("op") == "context_shift"}
             for r in reqs:
                 r.prefix = serving.get("prefix", {}).get(str(r.seq_id))
                 r.shift = shifts.get(r.seq_id)
-        if "hidden" in self.show and (EMBED, None) in self._taps:
-            st.hidden = self._hidden(batch, self._taps[(EMBED, None)]["value"])
+        if "hidden" in self.show and (EMBED, None) in data.taps:
+            st.hidden = self._hidden(data, data.taps[(EMBED, None)])
         if "positions" in self.show:
-            st.positions = self._positions(inp, kv)
+            st.positions = self._positions(data)
         if "mask" in self.show:
-            st.mask = self._mask(inp, kv, reqs, logical)
+            st.mask = self._mask(data, reqs)
         if "kv" in self.show:
-            st.kv = self._kv(batch, inp, kv)
+            st.kv = self._kv(data)
         if "decode" in self.show:
-            st.decode = self._decode(ctx, reqs)
+            st.decode = self._decode(data, reqs)
         if self.tensors is not None:
-            self._capture(ctx, st.step)
-        self._hybrid(st, inp, kv)
+            self._capture(data)
+        self._hybrid(st, data)
         self.steps.append(st)
         return st
 
-    def _hybrid(self, st: StepTrace, inp: Any, kv: Memory) -> None:
+    def _reqs(self, data: StepData) -> list[ReqStep]:
+        """The per-request records of the step's chunks (packed order)."""
+        rows_of, row, logits_row = {}, 0, {}
+        for ch in data.chunks:
+            rows_of[ch.seq_id] = list(range(row, row + ch.T))
+            row += ch.T
+        for j, r in enumerate(data.logits_rows):
+            logits_row[r] = j
+        positions = data.positions
+        vrecs = (data.spec or {}).get("requests", {})
+        reqs = []
+        for ch in data.chunks:
+            sid = ch.seq_id
+            s = data.samples.get(sid)
+            vis = _visible(ch.logical, ch.T)
+            vis_swa = _visible(ch.logical_swa, ch.T) if ch.logical_swa is not None else None
+            vrec = vrecs.get(str(sid)) if ch.parents is not None else None
+            kept = ch.C + len(vrec["accepted_nodes"]) if vrec else ch.C + ch.T  # a verify step rewinds the rejected tail
+            last = rows_of[sid][-1]  # the row whose logits chose the sampled token: the last computed token,
+            if vrec and vrec["emitted"]:  # in a verify step the accepted path's node that drew the last emitted token
+                last = rows_of[sid][vrec["accepted_nodes"][min(len(vrec["emitted"]), len(vrec["accepted_nodes"])) - 1]]
+            reqs.append(ReqStep(
+                seq_id=sid, phase=ch.phase, C=ch.C, T=ch.T, token_ids=list(ch.token_ids),
+                pieces=[self.tok.piece(t) for t in ch.token_ids], positions=positions[rows_of[sid]].tolist(),
+                visible=vis, cache_before=ranges_text(range(ch.C)), cache_after=ranges_text(range(kept)),
+                rows=rows_of[sid], logits_row=logits_row.get(last) if ch.need_logits else None,
+                sampled=s.token if s else None, sampled_piece=self.tok.piece(s.token) if s else None,
+                finished=data.finished.get(sid), visible_swa=vis_swa,
+                spec=({**verify_record(ch.T, ch.verify or {}, vrec),
+                       "emitted_pieces": [self.tok.piece(t) for t in vrec["emitted"]]} if vrec else None),
+            ))
+        return reqs
+
+    def _hybrid(self, st: StepTrace, data: StepData) -> None:
         """Qwen3.5-style hybrid models: layer map, M-RoPE positions, projections, GDN state (capture/hybrid_rec.py)."""
         if getattr(self.cfg, "is_hybrid", False):
-            from infertrace.kv.recurrent import NO_REUSE_REASON
-            from infertrace.capture.hybrid_rec import hybrid_record
+            st.hybrid = hybrid_record(self.cfg, data.positions, data.recurrent, data.taps, data.embed_ids, self.layer,
+                                      NO_REUSE_REASON)
 
-            st.hybrid = hybrid_record(self.cfg, inp, kv, self._taps, self.layer, NO_REUSE_REASON)
-
-    def _capture(self, ctx: StepContext, step: int) -> None:
+    def _capture(self, data: StepData) -> None:
         """Copy this step's tensors into ``self.tensors`` (CPU, contiguous, compute dtype):
 
         ``step{s}/hidden`` ``[N, H]`` (embedding output); per layer ``l`` in ``tensor_layers``:
@@ -211,49 +221,46 @@ class Recorder:
         def keep(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to("cpu", copy=True).contiguous()
 
-        out, p = self.tensors, f"step{step}/"
-        if (EMBED, None) in self._taps:
-            out[p + "hidden"] = keep(self._taps[(EMBED, None)]["value"])
+        out, p = self.tensors, f"step{data.step}/"
+        if (EMBED, None) in data.taps:
+            out[p + "hidden"] = keep(data.taps[(EMBED, None)])
         for il in self.tensor_layers:
-            got = {name: self._taps[(tap, il)]["value"] for tap, name in TENSOR_NAMES.items() if (tap, il) in self._taps}
+            got = {name: data.taps[(tap, il)] for tap, name in TENSOR_NAMES.items() if (tap, il) in data.taps}
             if not got:  # the layer was not computed here (e.g. a captured runtime taps one layer)
                 continue
             for name, t in got.items():
                 out[f"{p}layer{il}/{name}"] = keep(t)
-            for sid in sorted(ctx.requests):  # every request holding cache, computed this step or not
-                if ctx.kv.seq_len(sid) == 0 or not ctx.kv.holds_values(il):  # GDN layer: no K/V; llama.cpp: one layer
-                    continue
-                k, v = ctx.kv.read(il, sid)  # [len, n_kv, hd] each
-                out[f"{p}layer{il}/seq{sid}/k_cache"] = keep(k)
-                out[f"{p}layer{il}/seq{sid}/v_cache"] = keep(v)
-        logits = ctx.logits  # [M, V]
-        if logits.shape[0]:
-            vals, ids = torch.topk(logits.float(), min(self.top_k_tensors, logits.shape[-1]), dim=-1)  # [M, k]
-            out[p + "logits_topk_values"], out[p + "logits_topk_ids"] = keep(vals), keep(ids.to(torch.int64))
+            for (cl, sid), (k, v) in data.cache.items():  # every request holding cache, computed this step or not
+                if cl == il:
+                    out[f"{p}layer{il}/seq{sid}/k_cache"] = keep(k)
+                    out[f"{p}layer{il}/seq{sid}/v_cache"] = keep(v)
+        if data.logits_topk is not None:
+            vals, ids = data.logits_topk  # [M, k]
+            out[p + "logits_topk_values"], out[p + "logits_topk_ids"] = keep(vals), keep(ids)
 
-    def _hidden(self, batch: Any, x: torch.Tensor) -> HiddenRec:
+    def _hidden(self, data: StepData, x: torch.Tensor) -> HiddenRec:
         xf = x.float()
         rows, r = [], 0
-        for ch in batch.chunks:
-            depth = ch.depths()  # 0..T-1; a speculative verify tree: depth(node)
+        for ch in data.chunks:
+            depth = ch.depths  # 0..T-1; a speculative verify tree: depth(node)
             for j, t in enumerate(ch.token_ids):
                 v = xf[r]
-                rows.append(RowStat(ch.req.seq_id, ch.C + depth[j], int(t), self.tok.piece(int(t)), _r(v.mean()), _r(v.std()),
+                rows.append(RowStat(ch.seq_id, ch.C + depth[j], int(t), self.tok.piece(int(t)), _r(v.mean()), _r(v.std()),
                                     _r(v.min()), _r(v.max()), _r(v.norm()), [_r(a) for a in v[: self.n_first].tolist()]))
                 r += 1
         N, H = x.shape
         return HiddenRec([N, H], _dtype(x), [H, N], [N, H], rows, 0)
 
-    def _positions(self, inp: Any, kv: Memory) -> PositionsRec:
+    def _positions(self, data: StepData) -> PositionsRec:
         cfg = self.cfg
-        pos = inp.positions.tolist()
+        pos = data.positions.tolist()
         npair = min(3, cfg.rope_dim // 2)
         cs = []
         for p in pos[: 16]:
             ang = [p * float(self.inv_freq[i]) for i in range(npair)]
             cs.append({"pos": p, "cos": [_r(torch.tensor(a).cos()) for a in ang], "sin": [_r(torch.tensor(a).sin()) for a in ang]})
         ev: dict[str, Any] = {"layer": self.layer}
-        t = [self._value(n) for n in (Q, K, V, Q_ROT, K_ROT)]
+        t = [data.taps.get((n, self.layer)) for n in (Q, K, V, Q_ROT, K_ROT)]
         if all(x is not None for x in t):
             q, k, v, qr, kr = (x.float() for x in t)
             ev["rows"] = [
@@ -264,13 +271,13 @@ class Recorder:
             # V as stored in the cache equals the un-rotated projection; K equals the rotated one.
             dv, dk_cache = 0.0, 0.0
             r = 0
-            for c in inp.chunks:
-                kc, vc = kv.read(self.layer, c.seq_id)  # [C+T, nkv, hd]
+            for c in data.chunks:
+                kc, vc = c.k_rows, c.v_rows  # [n, nkv, hd]: cache rows C.. of the recorded layer
                 acc = self._spec_acc.get(c.seq_id) if c.parents is not None else None
                 rows = torch.tensor([r + a for a in acc] if acc else list(range(r, r + c.T)))  # verify: accepted nodes
                 n = int(rows.numel())
-                dv = max(dv, float((vc[c.C : c.C + n].float() - v[rows]).abs().max()))
-                dk_cache = max(dk_cache, float((kc[c.C : c.C + n].float() - kr[rows]).abs().max()))
+                dv = max(dv, float((vc[:n].float() - v[rows]).abs().max()))
+                dk_cache = max(dk_cache, float((kc[:n].float() - kr[rows]).abs().max()))
                 r += c.T
             ev["v_cache_minus_v_proj_max"] = _r(dv, 9)
             ev["k_cache_minus_k_rot_max"] = _r(dk_cache, 9)
@@ -284,7 +291,7 @@ class Recorder:
             inv_freq_first=[_r(float(x), 9) for x in self.inv_freq[:npair]], cos_sin=cs, evidence=ev,
         )
 
-    def _swa(self, inp: Any, kv: Memory, reqs: list[ReqStep]) -> dict[str, Any] | None:
+    def _swa(self, data: StepData, reqs: list[ReqStep]) -> dict[str, Any] | None:
         """The sliding-window side of the mask: which layers, the convention, visible keys per query
         on those layers, and (cells) the slice of llama.cpp's ``kq_mask_swa``."""
         cfg = self.cfg
@@ -300,59 +307,54 @@ class Recorder:
                         for r in reqs],
             "rope_theta_swa": cfg.rope_theta_swa,
         }
-        d.update(swa_record(inp, self.mask_rows, self.mask_cols))  # cells: a kq_mask_swa slice; paged: attention_window
+        d.update(data.mask_swa or {})  # cells: a kq_mask_swa slice; paged: attention_window
         return d
 
-    def _mask(self, inp: Any, kv: Memory, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
-        rec = self._mask_base(inp, kv, reqs, logical)
-        rec.swa = self._swa(inp, kv, reqs)
+    def _mask(self, data: StepData, reqs: list[ReqStep]) -> MaskRec:
+        vis = [{"seq_id": r.seq_id, "queries": [{"pos": p, "keys": v} for p, v in zip(r.positions, r.visible)]} for r in reqs]
+        lg = [c.logical.int().tolist() for c in data.chunks]
+        m = data.mask
+        rec = MaskRec(m["convention"], m["rule"], vis, m["cells"], m["paged"], lg)
+        rec.swa = self._swa(data, reqs)
         return rec
 
-    def _mask_base(self, inp: Any, kv: Memory, reqs: list[ReqStep], logical: list[torch.Tensor]) -> MaskRec:
-        vis = [{"seq_id": r.seq_id, "queries": [{"pos": p, "keys": v} for p, v in zip(r.positions, r.visible)]} for r in reqs]
-        lg = [m.int().tolist() for m in logical]
-        convention, rule, cells, paged = mask_record(inp, self.mask_rows, self.mask_cols)
-        return MaskRec(convention, rule, vis, cells, paged, lg)
-
-    def _kv(self, batch: Any, inp: Any, kv: Memory) -> KVRec:
+    def _kv(self, data: StepData) -> KVRec:
         cfg = self.cfg
         per, view = [], {"layer": self.layer, "requests": []}
-        chunks = inp.chunks if inp is not None else []  # idle step: no chunks
-        for c in chunks:
+        for c in data.chunks:  # an idle step has none
             kept = c.C + len(self._spec_acc[c.seq_id]) if (c.parents is not None and c.seq_id in self._spec_acc) else c.C + c.T
             d: dict[str, Any] = {"seq_id": c.seq_id, "shape_before": [c.C, cfg.n_head_kv, cfg.head_dim],
                                  "shape_after": [kept, cfg.n_head_kv, cfg.head_dim],  # a verify step: after the rewind
                                  "written_pos": ranges_text(range(c.C, c.C + c.T))}
+            if c.placement is not None:  # cells: the cells written; paged: slots and block table
+                d.update(c.placement)
             per.append(d)
-            k, v = kv.read(self.layer, c.seq_id)  # [C+T, nkv, hd]
+            k, v = c.k_rows, c.v_rows  # [n, nkv, hd]: rows C .. C+n-1 (a verify step: only the accepted remain)
             view["requests"].append({"seq_id": c.seq_id, "rows": [
-                {"pos": p, "k": [_r(a) for a in k[p, 0, : self.n_first].tolist()], "v": [_r(a) for a in v[p, 0, : self.n_first].tolist()]}
-                for p in range(c.C, min(c.C + c.T, k.shape[0]))][:8]})  # a verify step: only the accepted remain
-        for d, place in zip(per, placement(kv, inp)):  # cells: the cells written; paged: slots and block table
-            d.update(place)
-        mem = kv.describe()
-        snap = kv.snapshot()
-        snap.update(heads(kv, inp))  # cells: head before / after the step; paged: nothing
+                {"pos": c.C + i, "k": [_r(a) for a in k[i, 0, : self.n_first].tolist()],
+                 "v": [_r(a) for a in v[i, 0, : self.n_first].tolist()]}
+                for i in range(k.shape[0])][:8]})
+        mem, snap = data.kv.describe, dict(data.kv.snapshot)  # snapshot with the cells heads before / after the step
         return KVRec(mem["kind"], mem["dtype"], len(mem["kv_layers"]), per, view, snap, mem["physical_shape"])
 
-    def _decode(self, ctx: StepContext, reqs: list[ReqStep]) -> DecodeRec:
-        logits = ctx.logits
+    def _decode(self, data: StepData, reqs: list[ReqStep]) -> DecodeRec:
         per = []
         for r in reqs:
-            s = ctx.samples.get(r.seq_id)
+            s = data.samples.get(r.seq_id)
             if s is None:
                 per.append({"seq_id": r.seq_id, "row": None, "note": "prefill chunk: no logits needed"})
                 continue
-            req = ctx.requests[r.seq_id]
-            sampler = req.params.to_dict()
-            if not req.params.greedy and ctx.sampler_order:  # the order only matters when sampling
-                sampler["order"] = ctx.sampler_order
             per.append({
-                "seq_id": r.seq_id, "row": r.logits_row, "sampler": sampler,
+                "seq_id": r.seq_id, "row": r.logits_row, "sampler": dict(s.sampler),
                 "top": [{"id": i, "piece": self.tok.piece(i), "logit": _r(lg, 5), "prob": _r(p, 5)} for i, lg, p in s.top[: self.top_k]],
                 "chosen": s.token, "chosen_piece": self.tok.piece(s.token),
                 "next_input": None if r.finished else s.token,
                 "next_pos": None if r.finished else (r.C + len(r.spec["accepted_nodes"]) if r.spec else r.positions[-1] + 1),
                 "stop": r.finished,
             })
-        return DecodeRec(list(logits.shape), _dtype(logits), list(ctx.logits_rows), per)
+        return DecodeRec(list(data.logits_shape), data.logits_dtype, list(data.logits_rows), per)
+
+
+def _visible(m: torch.Tensor, T: int) -> list[str]:
+    """Per query row of a ``[T, L]`` bool logical mask, the visible keys as range text."""
+    return [ranges_text([j for j in range(m.shape[1]) if bool(m[i, j])]) for i in range(T)]

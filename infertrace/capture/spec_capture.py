@@ -1,4 +1,4 @@
-"""Capture of a speculative verify step for the trace (read-only; called by the recorder).
+"""A speculative verify step's record for the trace (built by the recorder from the probe's data).
 
 Per verify chunk: the draft tree (chunk-local parents, root 0 = the pending token), the
 candidates' positions ``C + depth``, which nodes were accepted / rejected, the emitted tokens, the
@@ -16,23 +16,23 @@ from typing import Any
 MAX_MASK_NODES = 64
 
 
-def verify_record(inp: Any, chunk_index: int, row: int, rec: dict[str, Any]) -> dict[str, Any]:
+def verify_record(T: int, mask: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
     """The trace's per-request ``spec`` record of one verify chunk.
 
     Args:
-        inp: the step's :class:`~infertrace.kv.base.AttnInputs`.
-        chunk_index: index of the chunk in the packed batch; row: its first packed row.
+        T: the chunk's tokens (root + drafts).
+        mask: the verify mask attention consumed, as the probe read it from the step's inputs
+            (``AttnInputs.verify_record`` of the first :data:`MAX_MASK_NODES` nodes: cells the chunk's cells
+            and ``kq_mask`` block, paged ``spec_decoding_position_offsets`` and the packed mask).
         rec: the engine's verify record (engine/engine.py ``_verify``).
     """
-    c = inp.chunks[chunk_index]
-    T = min(c.T, MAX_MASK_NODES)
     acc = set(rec["accepted_nodes"])
     out: dict[str, Any] = {
         "parents": list(rec["parents"]), "accepted_nodes": list(rec["accepted_nodes"]),
-        "rejected_nodes": [i for i in range(1, c.T) if i not in acc], "emitted": list(rec["emitted"]),
+        "rejected_nodes": [i for i in range(1, T) if i not in acc], "emitted": list(rec["emitted"]),
         "drafted": rec["drafted"], "accepted": rec["accepted"], "rewind": rec.get("rewind"),
     }
-    out.update(inp.verify_record(chunk_index, row, T))  # cells: kq_mask block; paged: offsets + packed mask
+    out.update(mask)  # cells: kq_mask block; paged: offsets + packed mask
     if rec.get("mtp"):  # --speculative mtp: the draft's inputs (which hidden state, which token, each row)
         out["mtp"] = rec["mtp"]
     return out

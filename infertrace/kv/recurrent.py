@@ -40,10 +40,7 @@ import torch
 
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, ChunkSpec, MemOp, MemoryDefaults
-
-#: why prefix / block reuse is disabled for hybrid models (stated in traces).
-NO_REUSE_REASON = ("prefix/block reuse disabled: a GDN layer's state is one fixed-size summary of the whole prefix, "
-                   "with no per-block pieces to share (TensorRT-LLM turns block reuse off for hybrid models)")
+from infertrace.model.config import NO_REUSE_REASON  # noqa: F401 - re-exported (a fact of the model, stated in traces)
 
 
 def _dt(t: torch.Tensor) -> str:

@@ -14,6 +14,10 @@ from typing import Any
 from infertrace.errors import InfertraceError
 
 DEFAULT_ROPE_THETA = 10000.0
+#: why prefix / block reuse is disabled for hybrid models (stated in traces: the recorder's hybrid section, the
+#: engine's refusal; :mod:`infertrace.kv.recurrent` re-exports it)
+NO_REUSE_REASON = ("prefix/block reuse disabled: a GDN layer's state is one fixed-size summary of the whole prefix, "
+                   "with no per-block pieces to share (TensorRT-LLM turns block reuse off for hybrid models)")
 #: ModelConfig fields of hybrid (Qwen3.5) models, left out of ``to_dict`` for other models
 HYBRID_FIELDS = ("layer_types", "attn_output_gate", "norm_mul_f32", "ssm_conv_kernel", "ssm_n_k_heads", "ssm_n_v_heads",
                  "ssm_k_head_dim", "ssm_v_head_dim", "mrope_sections")

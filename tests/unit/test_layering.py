@@ -261,6 +261,58 @@ def test_lower_rooms_do_not_import_upward(package, must_not):
     assert bad == []
 
 
+# ----------------------------------------------------------------------------- the recorder reads plain data (issue 27)
+#: what no module of infertrace/capture imports (module level, lazily or under TYPE_CHECKING), nor any module the
+#: recorder, the probe or the step data reach: the probe reads the live step by duck typing on the memory protocol,
+#: the recorder builds the trace from :class:`~infertrace.capture.step_data.StepData` alone
+CAPTURE_MUST_NOT_IMPORT = ("infertrace.kv", "infertrace.engine")
+#: the modules whose whole import closure stays clear of the memory and the engine
+RECORDER_SIDE = ("infertrace/capture/recorder.py", "infertrace/capture/probe.py", "infertrace/capture/step_data.py")
+
+
+def reached(starts: list[Path], root: Path) -> dict[str, list[str]]:
+    """Every infertrace module reachable from ``starts`` (lazy and ``TYPE_CHECKING`` imports included, with the
+    packages whose ``__init__`` an import runs) -> one chain of files leading to it."""
+    chain: dict[str, list[str]] = {}
+    todo = [(f, [str(f.relative_to(root))]) for f in starts]
+    seen: set[Path] = set()
+    while todo:
+        f, via = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for _, mod in imports_of(f, root):
+            while mod and _under(mod, ("infertrace",)):
+                g = _file_of(mod, root)
+                if g is not None and mod not in chain:
+                    chain[mod] = via + [mod]
+                    todo.append((g, via + [mod]))
+                mod = mod.rpartition(".")[0]
+    return chain
+
+
+def test_capture_imports_neither_the_memory_nor_the_engine():
+    bad = [f"{f.relative_to(ROOT)}:{line}: imports {mod}"
+           for f in sorted((ROOT / "infertrace" / "capture").rglob("*.py"))
+           for line, mod in imports_of(f, ROOT) if _under(mod, CAPTURE_MUST_NOT_IMPORT)]
+    assert bad == []
+    chains = reached([ROOT / p for p in RECORDER_SIDE], ROOT)
+    assert [" -> ".join(v) for m, v in sorted(chains.items()) if _under(m, CAPTURE_MUST_NOT_IMPORT)] == []
+    assert {"infertrace.capture.probe", "infertrace.capture.step_data", "infertrace.trace.records"} <= set(chains)
+
+
+def test_capture_check_catches_a_type_checking_or_lazy_import(tmp_path):
+    root = _fake_tree(tmp_path, {
+        "infertrace/capture/__init__.py": "", "infertrace/kv/__init__.py": "", "infertrace/kv/base.py": "",
+        "infertrace/engine/__init__.py": "", "infertrace/engine/step.py": "",
+        "infertrace/capture/recorder.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from infertrace.kv.base import Memory\n",
+        "infertrace/capture/probe.py": "def f():\n    from infertrace import helper\n",
+        "infertrace/helper.py": "import infertrace.engine.step\n", "infertrace/capture/step_data.py": ""})
+    chains = reached([root / p for p in RECORDER_SIDE], root)
+    assert chains["infertrace.kv.base"] == ["infertrace/capture/recorder.py", "infertrace.kv.base"]
+    assert chains["infertrace.engine.step"] == ["infertrace/capture/probe.py", "infertrace.helper", "infertrace.engine.step"]
+
+
 # ----------------------------------------------------------------------------- the Runtime seam (issue 27)
 # 1. No runtime name ("infertrace", "llama.cpp", "vllm", "hf") is compared or branched on outside
 #    infertrace/runtimes/: a comparison (==, !=, in, not in, match) of such a string with any expression but a
@@ -370,6 +422,36 @@ def memory_swaps(p: Path) -> list[str]:
     return out
 
 
+def memory_classes(root: Path) -> set[str]:
+    """Names of the memory classes defined in ``infertrace/kv/``: ``Memory``, ``MemoryDefaults`` and every class
+    there deriving from one of them (directly or through another kv class)."""
+    bases: dict[str, set[str]] = {}
+    for f in sorted((root / "infertrace" / "kv").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                                    for b in node.bases}
+    mem = {"Memory", "MemoryDefaults"} & set(bases)
+    while True:
+        more = {c for c, bs in bases.items() if c not in mem and bs & mem}
+        if not more:
+            return mem
+        mem |= more
+
+
+def memory_subclasses(p: Path) -> list[str]:
+    """Classes of ``p`` deriving from a memory class of the repository's ``infertrace/kv/`` (:func:`memory_classes`)."""
+    mem = memory_classes(Path(__file__).resolve().parents[2])
+    out = []
+    for node in ast.walk(_tree(p)):
+        if isinstance(node, ast.ClassDef):
+            for b in node.bases:
+                name = b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                if name in mem:
+                    out.append(f"{_rel(p)}:{node.lineno} class {node.name}({name})")
+    return out
+
+
 def _allowed(found: list[str], rule: str) -> list[str]:
     return [f for f in found if (f.split(":", 1)[0], rule) not in ALLOW]
 
@@ -399,9 +481,18 @@ def test_no_memory_swapped_after_construction() -> None:
     assert _allowed(found, "memory") == [], "pass a cache config (engine/parts.py MemoryConfig) to Engine"
 
 
+def test_no_runtime_subclasses_a_memory_to_be_read() -> None:
+    """A runtime hands the recorder data (the probe reads any memory by duck typing): a read-back cache holds a
+    memory by composition (``VllmKV``, ``LlamaCppKV``, ``LlamaCppStreamsKV``) instead of posing as one."""
+    found = [x for p in _files() if _rel(p).startswith("infertrace/runtimes/") for x in memory_subclasses(p)]
+    assert _allowed(found, "memory_subclass") == [], "hold a CellsKV / PagedKV mirror by composition instead"
+    assert {"CellsKV", "PagedKV", "CellsStreamsKV", "IswaCellsKV", "HybridKV"} <= memory_classes(ROOT)
+
+
 def test_allow_list_entries_still_needed() -> None:
     """An entry whose exception is gone must be removed (the list only shrinks)."""
-    rules = {"name": name_branches, "subclass": engine_subclasses, "memory": memory_swaps}
+    rules = {"name": name_branches, "subclass": engine_subclasses, "memory": memory_swaps,
+             "memory_subclass": memory_subclasses}
     stale = [k for k in ALLOW if not rules[k[1]](ROOT / k[0])]
     assert stale == []
 
@@ -510,6 +601,8 @@ def test_detectors_catch_each_violation(at_root: Path) -> None:
     assert name_branches(bad) == ["m.py:4", "m.py:6"]  # the sampler order and the section read are data
     assert engine_subclasses(bad) == ["m.py:1 class E(Engine)"]
     assert [x.split(" ", 1)[1] for x in memory_swaps(bad)] == ["eng.kv = ...", "eng.scheduler.kv = ..."]
+    assert memory_subclasses(_write(at_root, "import x\nclass A(x.PagedKV):\n    pass\nclass B(Mirror):\n    pass\n")) \
+        == ["m.py:2 class A(PagedKV)"]
 
 
 def test_memory_built_in_own_init_is_not_a_swap(at_root: Path) -> None:

@@ -55,9 +55,16 @@ from infertrace.model.taps import EMBED, K, K_ROT, Q, Q_ROT, V
 ENGINE = "llama.cpp"
 
 
-class LlamaCppKV(CellsKV):
+class LlamaCppKV:
     """llama.cpp's unified KV cache as read back at run time, in the ``cells`` shape infertrace
     records (so the ordinary recorder, ``show``, ``report`` and ``dump-kv`` read it).
+
+    Not a subclass of our memory: it holds a :class:`~infertrace.kv.cells.CellsKV` mirror
+    (:attr:`mirror`: the cells' pos / seq_ids, the head, one K/V storage ``[n_ctx, n_kv_heads, head_dim]``
+    for the captured layer) and implements what the engine drives in a llama.cpp run (``prepare``,
+    ``can_fit``, ``capacity_tokens``, ``release``, ``seq_len``) and what the recorder's probe reads
+    (``kind``, ``layout``, ``logical_mask``, ``read``, ``holds_values``, ``describe``, ``snapshot``,
+    ``recurrent_state``, ``head``).
 
     Placement is never chosen here: :meth:`prepare` only packs positions and seq_ids, and
     :meth:`after_decode` applies the cells llama.cpp chose (``attn_inp_k_idxs``). K/V storage
@@ -67,12 +74,13 @@ class LlamaCppKV(CellsKV):
         cfg: model config; lctx: the :class:`LlamaCppContext`; layer: the captured layer.
     """
 
+    kind = "cells"
+    layout = "cells"  # what the views read (infertrace.capture.kv_views)
+
     def __init__(self, cfg: Any, lctx: LlamaCppContext, n_seq_max: int, layer: int):
-        super().__init__(1, cfg.n_head_kv, cfg.head_dim, lctx.n_ctx, n_seq_max, torch.float16, "cpu")
+        self.mirror = CellsKV(1, cfg.n_head_kv, cfg.head_dim, lctx.n_ctx, n_seq_max, torch.float16, "cpu")
         self.lctx, self.layer, self.cfg = lctx, layer, cfg
-        self.k = [self.k[0]] * cfg.n_layer  # one storage; read() refuses the layers not captured
-        self.v = [self.v[0]] * cfg.n_layer
-        self.n_layer, self.kv_layers = cfg.n_layer, list(range(cfg.n_layer))  # llama.cpp caches every layer
+        self.n_layer = cfg.n_layer  # llama.cpp caches every layer; the mirror stores the captured one
         self._n_kv = 0
         self.notes: list[str] = []
         #: llama.cpp's SWA pool as read back (models with windowed layers: ``llama_kv_cache_iswa``), else None
@@ -86,10 +94,43 @@ class LlamaCppKV(CellsKV):
         #: llama.cpp's recurrent cells per ubatch of the last step (hybrid models; see :meth:`_recurrent`)
         self.rs_cells: list[dict[str, Any]] = []
 
+    # --- what the engine drives and the probe reads, answered by the mirror -------------------------
+    @property
+    def head(self) -> int:
+        """The next-slot search start after the last ubatch (``llama_kv_cache::head``, as ``apply_ubatch`` moves it)."""
+        return self.mirror.head
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Cells of llama.cpp's cache (``n_ctx``, padded to a multiple of 256 by llama.cpp)."""
+        return self.mirror.capacity_tokens
+
+    def can_fit(self, plan: list[tuple[int, int]]) -> bool:
+        """Whether every ``(seq_id, n_new)`` of ``plan`` fits in the free cells (the scheduler asks before packing)."""
+        return self.mirror.can_fit(plan)
+
+    def seq_len(self, seq_id: int) -> int:
+        """Cells ``seq_id`` owns (its cached tokens)."""
+        return self.mirror.seq_len(seq_id)
+
+    def cells_of(self, seq_id: int) -> list[tuple[int, int]]:
+        """``[(cell, pos)]`` owned by ``seq_id``, ordered by pos (read back from ``attn_inp_k_idxs``)."""
+        return self.mirror.cells_of(seq_id)
+
+    def recurrent_state(self) -> None:
+        """No recurrent state is read back (a hybrid model's recurrent cells are in the snapshot)."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """As :meth:`CellsKV.describe`, with llama.cpp's layer count (every layer has a cache)."""
+        d = self.mirror.describe()
+        d["n_layer"], d["kv_layers"] = self.n_layer, list(range(self.n_layer))
+        return d
+
     def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
         positions, seq_ids = [], []
         for c in chunks:
-            self._check_seq(c.seq_id)
+            self.mirror._check_seq(c.seq_id)
             positions += list(range(c.C, c.C + c.T))
             seq_ids += [c.seq_id] * c.T
         none = torch.zeros(0, dtype=torch.int64)  # filled from llama.cpp's graph inputs by after_decode
@@ -115,10 +156,11 @@ class LlamaCppKV(CellsKV):
                                   "prompt length arriving together")
         idx = torch.from_numpy(t["attn_inp_k_idxs"].reshape(-1)[:N].astype(np.int64))  # [N] cells
         pos = torch.from_numpy(t["inp_pos"].reshape(-1)[:N].astype(np.int64))  # [N]
-        head_before = self.head
-        self.pos[idx] = pos
-        self.seq[idx, inp.seq_ids] = True
-        self.head = int(idx[-1]) + 1 if N else self.head  # llama_kv_cache::apply_ubatch
+        mem = self.mirror
+        head_before = mem.head
+        mem.pos[idx] = pos
+        mem.seq[idx, inp.seq_ids] = True
+        mem.head = int(idx[-1]) + 1 if N else mem.head  # llama_kv_cache::apply_ubatch
         ne = cap.ne["attn_inp_kq_mask"]
         self._n_kv = int(ne[0])
         m = t["attn_inp_kq_mask"].reshape(ne[3], ne[2], ne[1], ne[0])  # [n_stream, 1, n_tokens, n_kv]
@@ -126,7 +168,7 @@ class LlamaCppKV(CellsKV):
         inp.positions = pos
         inp.cell_idx, inp.n_kv, inp.kq_mask, inp.n_tokens_pad = idx, self._n_kv, mask, int(ne[1])
         inp.head_before, inp.head_after = head_before, self.head
-        inp.cell_pos, inp.cell_seq = self.pos[: self._n_kv].clone(), self.seq[: self._n_kv].clone()
+        inp.cell_pos, inp.cell_seq = mem.pos[: self._n_kv].clone(), mem.seq[: self._n_kv].clone()
         add_native(  # what only a captured llama.cpp step has
             inp, kq_mask_ne=list(ne), kq_mask_dtype=cap.dtype["attn_inp_kq_mask"],
             out_ids=t["out_ids"].reshape(-1).astype(int).tolist() if "out_ids" in t else None,
@@ -199,14 +241,15 @@ class LlamaCppKV(CellsKV):
         k = np.asarray(k, dtype=np.float32)
         if getattr(self.cfg, "rope_pairing_in_file", "norm") == "norm":  # GGUF Q/K rows permuted (llama): back to half-split
             k = norm_to_neox(k)
-        self.k[0][idx] = torch.from_numpy(k).to(self.k[0].dtype)
-        self.v[0][idx] = torch.from_numpy(np.asarray(v, dtype=np.float32)).to(self.v[0].dtype)
+        K, V_ = self.mirror.k[0], self.mirror.v[0]  # [n_ctx, n_kv, hd]
+        K[idx] = torch.from_numpy(k).to(K.dtype)
+        V_[idx] = torch.from_numpy(np.asarray(v, dtype=np.float32)).to(V_.dtype)
 
     def _check_memory(self, inp: AttnInputs, step: int) -> None:
         """Per sequence in the cache: our reading of the cells vs ``llama_memory_seq_pos_min/max``."""
         ranges = {}
-        pool = self.swa if self.swa is not None else self  # llama_kv_cache_iswa::seq_pos_min/max answer from the SWA pool
-        for sid in sorted(set(self.seq.any(dim=0).nonzero().flatten().tolist())):
+        pool = self.swa if self.swa is not None else self.mirror  # llama_kv_cache_iswa::seq_pos_min/max answer from the SWA pool
+        for sid in sorted(set(self.mirror.seq.any(dim=0).nonzero().flatten().tolist())):
             lo, hi = self.lctx.seq_pos_range(sid)
             ranges[str(sid)] = [lo, hi]
             ps = [p for _, p in pool.cells_of(sid)]
@@ -221,7 +264,7 @@ class LlamaCppKV(CellsKV):
     def snapshot(self) -> dict[str, Any]:
         """The cells map (as :meth:`CellsKV.snapshot`) plus ``llama_memory_seq_pos``: per sequence
         ``[llama_memory_seq_pos_min, llama_memory_seq_pos_max]`` after the last ubatch."""
-        snap = super().snapshot()
+        snap = self.mirror.snapshot()
         snap["llama_memory_seq_pos"] = dict(getattr(self, "_memory_seq_pos", {}))
         if self.swa is not None:
             snap["swa_pool"] = self.swa.pool_record(None)
@@ -235,7 +278,7 @@ class LlamaCppKV(CellsKV):
         ``kq_mask_swa`` over its SWA pool."""
         if swa and self.swa is not None and getattr(inp, "swa", None) is not None:
             return self.swa.logical_mask(inp.swa, True)  # type: ignore[attr-defined]
-        return super().logical_mask(inp, swa)
+        return self.mirror.logical_mask(inp, swa)
 
     def n_kv(self) -> int:
         """``n_kv`` of the last ubatch as llama.cpp built it (``attn_inp_kq_mask`` ``ne[0]``)."""
@@ -248,8 +291,8 @@ class LlamaCppKV(CellsKV):
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer != self.layer:
             raise InfertraceError(f"--engine llama.cpp captured layer {self.layer} only; pass --layer {layer}")
-        cells = torch.tensor([c for c, _ in self.cells_of(seq_id)], dtype=torch.int64)
-        return self.k[0][cells], self.v[0][cells]  # [L, n_kv_heads, hd] each
+        cells = torch.tensor([c for c, _ in self.mirror.cells_of(seq_id)], dtype=torch.int64)
+        return self.mirror.k[0][cells], self.mirror.v[0][cells]  # [L, n_kv_heads, hd] each
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: AttnInputs) -> None:  # pragma: no cover
         raise InfertraceError("llama.cpp writes its own cache")
@@ -258,7 +301,7 @@ class LlamaCppKV(CellsKV):
         """``llama_memory_seq_rm(seq_id, -1, -1)``; head moves back to the first freed cell
         (``llama_kv_cache::seq_rm``)."""
         self.lctx.seq_rm(seq_id)
-        super().release(seq_id)
+        self.mirror.release(seq_id)
         if self.swa is not None:
             self.swa.release(seq_id)
 

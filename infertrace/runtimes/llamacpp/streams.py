@@ -27,9 +27,15 @@ from infertrace.runtimes.llamacpp.capture import Captured
 from infertrace.runtimes.llamacpp.native import add_native
 
 
-class LlamaCppStreamsKV(CellsStreamsKV):
+class LlamaCppStreamsKV:
     """llama.cpp's non-unified cache as read back (placement never chosen here; K/V of layer ``layer``
     only, as llama.cpp stored it, F16).
+
+    Not a subclass of our memory: it holds a :class:`~infertrace.kv.streams.CellsStreamsKV` mirror
+    (:attr:`mirror`: one ``cells`` stream of ``n_ctx_seq`` cells per sequence, one K/V storage each for the
+    captured layer) and implements what the engine drives in a llama.cpp run (``prepare``, ``can_fit``,
+    ``capacity_tokens``, ``release``, ``seq_len``) and what the recorder's probe reads (``kind``, ``layout``,
+    ``logical_mask``, ``read``, ``holds_values``, ``describe``, ``snapshot``, ``recurrent_state``).
 
     Args:
         cfg: model config; lctx: the :class:`~infertrace.runtimes.llamacpp.capture.LlamaCppContext`
@@ -38,16 +44,71 @@ class LlamaCppStreamsKV(CellsStreamsKV):
             (:func:`infertrace.runtimes.llamacpp.engine.norm_to_neox`, passed in: engine.py imports this module).
     """
 
+    kind = "cells"
+    layout = "cells_streams"  # what the views read (infertrace.capture.kv_views)
+
     def __init__(self, cfg: Any, lctx: Any, n_seq_max: int, layer: int, to_neox: Callable[[np.ndarray], np.ndarray]):
-        super().__init__(1, cfg.n_head_kv, cfg.head_dim, lctx.n_ctx_seq, n_seq_max, torch.float16, "cpu")
-        for st in self.streams:  # one storage per stream; read() refuses the layers not captured
-            st.k, st.v = [st.k[0]] * cfg.n_layer, [st.v[0]] * cfg.n_layer
-            st.n_layer, st.kv_layers = cfg.n_layer, list(range(cfg.n_layer))  # llama.cpp caches every layer
-        self.n_layer, self.kv_layers = cfg.n_layer, list(range(cfg.n_layer))
+        self.mirror = CellsStreamsKV(1, cfg.n_head_kv, cfg.head_dim, lctx.n_ctx_seq, n_seq_max, torch.float16, "cpu")
+        self.n_layer = cfg.n_layer  # llama.cpp caches every layer; the mirror stores the captured one
         self.lctx, self.layer, self.cfg, self.to_neox = lctx, layer, cfg, to_neox
         self._n_kv: int | None = None
         self._memory_seq_pos: dict[str, list[int]] = {}
         self.notes: list[str] = []
+
+    # --- what the engine drives and the probe reads, answered by the mirror -------------------------
+    @property
+    def streams(self) -> list[Any]:
+        """The mirror's streams (``streams[s]``: a ``cells`` memory owned by sequence ``s``)."""
+        return self.mirror.streams
+
+    @property
+    def size(self) -> int:
+        """Cells per stream (llama.cpp ``n_ctx_seq``)."""
+        return self.mirror.size
+
+    @property
+    def n_stream(self) -> int:
+        """Streams (llama.cpp ``n_seq_max``)."""
+        return self.mirror.n_stream
+
+    @property
+    def capacity_tokens(self) -> int:
+        """What one sequence can hold: its stream."""
+        return self.mirror.capacity_tokens
+
+    def stream_of(self, seq_id: int) -> Any:
+        """The stream of ``seq_id`` (``seq_to_stream[seq_id] = seq_id``).
+
+        Raises:
+            InfertraceError: ``seq_id`` outside ``0..n_seq_max-1``.
+        """
+        return self.mirror.stream_of(seq_id)
+
+    def can_fit(self, plan: list[tuple[int, int]]) -> bool:
+        """Whether every ``(seq_id, n_new)`` fits in its own stream's free cells."""
+        return self.mirror.can_fit(plan)
+
+    def seq_len(self, seq_id: int) -> int:
+        """Cells ``seq_id`` owns in its stream."""
+        return self.mirror.seq_len(seq_id)
+
+    def cells_of(self, seq_id: int) -> list[tuple[int, int]]:
+        """``[(global cell row, pos)]`` of ``seq_id``, ordered by pos."""
+        return self.mirror.cells_of(seq_id)
+
+    def logical_mask(self, inp: StreamsInputs, swa: bool = False) -> list[torch.Tensor]:
+        """Per chunk ``[T, C+T]`` bool read back from its stream's block of llama.cpp's ``kq_mask``."""
+        return self.mirror.logical_mask(inp, swa)
+
+    def recurrent_state(self) -> None:
+        """No recurrent state is read back."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """As :meth:`CellsStreamsKV.describe`, with llama.cpp's layer count (every layer has a cache)."""
+        d = self.mirror.describe()
+        d["n_layer"], d["kv_layers"] = self.n_layer, list(range(self.n_layer))
+        return d
 
     def prepare(self, chunks: Sequence[ChunkSpec]) -> StreamsInputs:
         """Pack positions and seq_ids; the rest is filled by :meth:`after_decode` from llama.cpp's graph.
@@ -152,7 +213,8 @@ class LlamaCppStreamsKV(CellsStreamsKV):
 
     def snapshot(self) -> dict[str, Any]:
         """As :meth:`CellsStreamsKV.snapshot`, plus ``llama_memory_seq_pos`` after the last ubatch."""
-        snap = super().snapshot()
+        snap = self.mirror.snapshot()
+        snap["n_kv"] = self.n_kv()  # llama.cpp's, as the graph read it
         snap["llama_memory_seq_pos"] = dict(self._memory_seq_pos)
         return snap
 
@@ -176,4 +238,4 @@ class LlamaCppStreamsKV(CellsStreamsKV):
     def release(self, seq_id: int) -> None:
         """``llama_memory_seq_rm(seq_id, -1, -1)`` and the same on the read-back stream."""
         self.lctx.seq_rm(seq_id)
-        super().release(seq_id)
+        self.mirror.release(seq_id)

@@ -58,59 +58,99 @@ DEFAULT_KV_SPACE_GIB = "1"
 FINISH = {"length": "max_new_tokens", "stop": "eos", "abort": "aborted"}
 
 
-class VllmKV(PagedKV):
+class VllmKV:
     """vLLM's paged cache as read back at run time, in the ``paged`` shape infertrace records.
 
+    Not a memory our engine computes with, and not a subclass of one: it holds a
+    :class:`~infertrace.kv.paged.PagedKV` mirror (:attr:`mirror`: block tables, lengths and one pool
+    ``[num_blocks, 2, n_kv_heads, block_size, head_dim]`` float32 for the captured layer) and answers
+    what the recorder's probe reads of a memory (:mod:`infertrace.capture.probe`: ``kind``, ``layout``,
+    ``logical_mask``, ``read``, ``seq_len``, ``holds_values``, ``describe``, ``snapshot``,
+    ``recurrent_state``; ``tables`` for the placement view), plus the bookkeeping the vLLM loop does
+    (:meth:`apply`, :meth:`rewind`, :meth:`release`).
+
     Placement is never chosen here: block tables come from vLLM's attention metadata and the K/V
-    of layer ``layer`` are vLLM's cache read back at ``slot_mapping`` (:mod:`.layout`). Storage:
-    one pool ``[num_blocks, 2, n_kv_heads, block_size, head_dim]`` float32 for that layer.
+    of layer ``layer`` are vLLM's cache read back at ``slot_mapping`` (:mod:`.layout`).
     """
 
+    kind = "paged"
+    layout = "paged"  # what the views read (infertrace.capture.kv_views)
+
     def __init__(self, cfg: Any, num_blocks: int, block_size: int, layer: int, n_kv_heads: int):
-        super().__init__(1, n_kv_heads, cfg.head_dim, num_blocks, block_size, torch.float32, "cpu")
-        self.pool = [self.pool[0]] * cfg.n_layer  # one storage; read() refuses the other layers
-        self.n_layer, self.kv_layers = cfg.n_layer, list(range(cfg.n_layer))  # vLLM caches every layer
-        self.layer = layer
-        self.free_count = num_blocks - 1
-        self.free = []  # vLLM's free queue is not mirrored; free_blocks comes from its block pool
+        self.mirror = PagedKV(1, n_kv_heads, cfg.head_dim, num_blocks, block_size, torch.float32, "cpu")
+        self.n_layer = cfg.n_layer  # vLLM caches every layer; the mirror holds the captured one
+        self.num_blocks, self.B, self.layer = num_blocks, block_size, layer
+        self.free_count = num_blocks - 1  # from vLLM's block pool (its free queue is not mirrored)
         self.prefix_cache = False  # vLLM's enable_prefix_caching: tables may share full prefix blocks
         self.ref_cnt: dict[int, int] = {}  # vLLM's block pool after this step's schedule: block -> ref_cnt
         self.free_head: list[int] = []  # the first blocks of vLLM's free queue after this step's schedule
+
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        """seq_id -> vLLM's block table row (the blocks holding its positions)."""
+        return self.mirror.tables
 
     def apply(self, chunks: list[ChunkSpec], bt: np.ndarray, slots: np.ndarray, k: np.ndarray | None,
               v: np.ndarray | None) -> None:
         """Take vLLM's block tables (rows in ``chunks`` order) and store the read-back K/V
         ``[T, n_kv, hd]`` at ``slots`` ``[T]``."""
+        m = self.mirror
         for c, row in zip(chunks, bt):
             n = -(-(c.C + c.T) // self.B)
-            self.tables[c.seq_id] = [int(b) for b in row[:n]]
-            self.lens[c.seq_id] = c.C + c.T
+            m.tables[c.seq_id] = [int(b) for b in row[:n]]
+            m.lens[c.seq_id] = c.C + c.T
         if k is not None and v is not None and len(slots):
             s = torch.from_numpy(slots)
-            pool = self.pool[0]
+            pool = m.pool[0]
             pool[s // self.B, 0, :, s % self.B, :] = torch.from_numpy(k).to(pool.dtype)
             pool[s // self.B, 1, :, s % self.B, :] = torch.from_numpy(v).to(pool.dtype)
 
     def rewind(self, seq_id: int, keep: int) -> None:
         """A verify step keeps ``keep`` tokens: vLLM's ``num_computed_tokens`` drops the rejected
         drafts (their slots are overwritten later)."""
-        self.lens[seq_id] = keep
+        self.mirror.lens[seq_id] = keep
 
     def release(self, seq_id: int) -> None:
-        self.tables.pop(seq_id, None)
-        self.lens.pop(seq_id, None)
+        """Forget ``seq_id``'s table (vLLM freed its blocks: ``free_count`` comes from its pool)."""
+        self.mirror.tables.pop(seq_id, None)
+        self.mirror.lens.pop(seq_id, None)
+
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens cached for ``seq_id`` (vLLM's ``num_computed_tokens`` after the step)."""
+        return self.mirror.seq_len(seq_id)
 
     def holds_values(self, il: int) -> bool:
         """Only the captured layer's K/V are read back (vLLM's pool holds every layer)."""
         return il == self.layer
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[len, n_kv_heads, head_dim]`` float32 of ``seq_id`` in the captured layer, by position.
+
+        Raises:
+            InfertraceError: ``layer`` is not the captured one.
+        """
         if layer != self.layer:
             raise InfertraceError(f"--engine vllm captured layer {self.layer} only; pass --layer {layer}")
-        return super().read(layer, seq_id)
+        return self.mirror.read(0, seq_id)
+
+    def logical_mask(self, inp: Any, swa: bool = False) -> list[torch.Tensor]:
+        """Per request ``[T, kv_len]`` bool: vLLM's causal attention over its block-table row (as ``PagedKV``)."""
+        return self.mirror.logical_mask(inp, swa)
+
+    def recurrent_state(self) -> None:
+        """No recurrent state is read back."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """As :meth:`PagedKV.describe`, with vLLM's layer count (every layer has a cache)."""
+        d = self.mirror.describe()
+        d["n_layer"], d["kv_layers"] = self.n_layer, list(range(self.n_layer))
+        return d
 
     def snapshot(self) -> dict[str, Any]:
-        snap = super().snapshot()
+        """As :meth:`PagedKV.snapshot`, with vLLM's block pool: free / used blocks and the head of its free queue
+        (and, with prefix caching, each held block's ``ref_cnt``)."""
+        snap = self.mirror.snapshot()
         snap.update({"free_blocks": self.free_count, "used_blocks": self.num_blocks - self.free_count,
                      "free_list_head": list(self.free_head)})
         if self.prefix_cache:  # as PrefixPagedKV marks it: `check` then allows shared prefix blocks

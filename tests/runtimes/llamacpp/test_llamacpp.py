@@ -328,3 +328,27 @@ def test_diff_backends_floor_follows_flash_attn(llama_cpp) -> None:
     assert rep["llama_cpp"]["flash_attn"] == "off" and "flash attention off" in rep["floor"]["how"]
     assert rep["structural"]["mismatches"] == [] and rep["identical"]
     assert rep["structural"]["mask_dtype"]["llama.cpp"] == ["f32"]  # the F32 kq_mask of the path without flash attention
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_step_data_through_the_wire_records_the_same_llamacpp_step(smol, llama_cpp, unified) -> None:
+    """llama.cpp's steps (read back through LlamaCppKV / LlamaCppStreamsKV) recorded from the live step and from
+    its StepData sent through JSON + safetensors are equal, tensors included (three requests, late arrivals,
+    chunked prefill; with ``kv_unified`` off one stream per sequence, equal prompt lengths: split_equal)."""
+    from infertrace.capture.recorder import VARIABLES
+    from infertrace.engine.drive import drive_bounded, encode_requests
+    from infertrace.runtimes.llamacpp.engine import LlamaCppEngine
+    from tests.helpers.step_wire import TwinRecorder, same_steps
+
+    p = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    specs = ([PromptSpec(t, p, a) for t, a in zip(THREE, (0, 1, 3))] if unified else
+             [PromptSpec("The capital of", p), PromptSpec("Hello, my name", p)])
+    opts = EngineOptions(prefill_chunk=3, kv_unified=unified, **({} if unified else {"ctx_size": 512, "n_seq_max": 2}))
+    rec = TwinRecorder(smol.tokenizer, smol.config, layer=2, show=VARIABLES, layers=[2], tensors={})
+    eng = LlamaCppEngine(smol, opts, rec, layer=2, n_seq_max=len(specs))
+    try:
+        drive_bounded(eng, encode_requests(smol.tokenizer, specs))
+    finally:
+        eng.close()
+    same_steps(rec)
+    assert len(rec.steps) >= 4 and any(c.placement for d in rec.data for c in d.chunks)

@@ -156,6 +156,28 @@ def test_ngram_speculation_equals_greedy(case_report, smol) -> None:
     assert A.requests[0]["output_ids"] == plain.requests[0]["output_ids"]
 
 
+@pytest.mark.parametrize("case", ["three", "prefix", "spec"])
+def test_step_data_through_the_wire_records_the_same_vllm_step(case, smol, vllm_run) -> None:
+    """vLLM's steps (read back through VllmKV, a PagedKV mirror held by composition) recorded from the live step
+    and from its StepData sent through JSON + safetensors are equal; ``vllm`` (the native section the runtime sets
+    on the record afterwards) is left out, it is not step data yet."""
+    from infertrace.capture.recorder import VARIABLES
+    from infertrace.engine.drive import encode_requests
+    from infertrace.engine.request import Request
+    from infertrace.runtimes.vllm.engine import drive
+    from tests.helpers.step_wire import TwinRecorder, same_steps
+
+    rec = TwinRecorder(smol.tokenizer, smol.config, layer=LAYER, show=VARIABLES, layers=[LAYER], tensors={})
+    reqs = [Request(i, list(e.ids), e.params.validate(), e.arrival_step, e.text)
+            for i, e in enumerate(encode_requests(smol.tokenizer, CASES[case]))]
+    drive(vllm_run, reqs, rec)
+    same_steps(rec, native=("vllm",))
+    if case == "spec":
+        assert any(d.spec for d in rec.data)
+    if case == "prefix":
+        assert any((d.serving or {}).get("prefix") for d in rec.data)
+
+
 def test_preemption_recomputes(case_report) -> None:
     """A victim of preemption comes back later; with prefix caching on, vLLM resumes it from its own full
     blocks that are still hashed (a hit on itself, whole blocks only) and recomputes the rest."""

@@ -1,0 +1,159 @@
+"""The recorder's two halves: the probe's :class:`StepData` crosses a process boundary and gives the same record.
+
+Every step of real runs on the default model (SmolLM2 GGUF; both conventions, chunked prefill with late
+arrivals, n-gram speculative decoding, the prefix cache, llama.cpp's non-unified streams, idle steps,
+sampling, ``--keep tensors`` on two layers) and on a tiny hybrid (Qwen3.5-type) model is recorded twice:
+once from the live step (``Recorder.end_step``), once from its :class:`StepData` sent through JSON text and
+safetensors bytes (``to_wire`` -> ``json.dumps`` / ``safetensors.torch.save`` -> ``load`` -> ``from_wire``).
+The two StepTraces are equal (``to_dict``) and so are the tensors they keep. ``from_wire`` refuses malformed
+data in one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from infertrace.capture.recorder import VARIABLES, Recorder
+from infertrace.capture.step_data import StepData
+from infertrace.engine.drive import PromptSpec, drive, encode_requests
+from infertrace.engine.engine import Engine, EngineOptions
+from infertrace.engine.sampler import SamplingParams
+from infertrace.errors import InfertraceError
+from tests.helpers.step_wire import TwinRecorder, same_steps
+
+
+def _run(loaded, prompts, n, layer=1, tensors=True, **opts):
+    rec = TwinRecorder(loaded.tokenizer, loaded.config, layer=layer, show=VARIABLES, layers=[0, 1],
+                       tensors={} if tensors else None)
+    eng = Engine(loaded.model, loaded.tokenizer, EngineOptions(attention="torch", **opts), rec)
+    specs = [p if isinstance(p, PromptSpec) else PromptSpec(p[0], SamplingParams(max_new_tokens=n).validate(), p[1])
+             for p in prompts]
+    drive(eng, encode_requests(loaded.tokenizer, specs))
+    return rec
+
+
+REP = "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3,"
+PREFIX = "The capital of France is Paris. The capital of"
+SCENARIOS = {
+    "cells-batching": ([("The capital of", 0), ("Hello, my name is", 1), ("1, 2, 3,", 3)], 2,
+                       dict(backend="cells", prefill_chunk=2)),
+    "paged-batching": ([("The capital of", 0), ("Hello, my name is", 1), ("1, 2, 3,", 3)], 2,
+                       dict(backend="paged", prefill_chunk=2, tokens_per_block=4)),
+    "cells-ngram": ([(REP, 0)], 6, dict(backend="cells", speculative="ngram")),
+    "paged-ngram": ([(REP, 0), ("Hello, my name is", 0)], 6, dict(backend="paged", speculative="ngram", tokens_per_block=4)),
+    "cells-prefix": ([(PREFIX, 0), (PREFIX + " Spain", 3)], 3, dict(backend="cells", prefix_cache=True)),
+    "paged-prefix": ([(PREFIX, 0), (PREFIX + " Spain", 3)], 3, dict(backend="paged", prefix_cache=True, tokens_per_block=4)),
+    "cells-streams": ([("The capital of", 0), ("Hello", 0)], 2, dict(backend="cells", kv_unified=False, ctx_size=512, n_seq_max=2)),
+    "idle-steps": ([("Hi", 2)], 2, dict(backend="paged")),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_step_data_through_the_wire_records_the_same_step(smol, name):
+    prompts, n, opts = SCENARIOS[name]
+    rec = _run(smol, prompts, n, **opts)
+    same_steps(rec)
+    if "ngram" in name:
+        assert any(d.spec for d in rec.data) and any(c.verify for d in rec.data for c in d.chunks)
+    if "prefix" in name:
+        assert any((d.serving or {}).get("prefix") for d in rec.data)
+    if name == "idle-steps":
+        assert rec.data[0].idle and rec.steps[0].N == 0 and rec.steps[0].kv is not None
+
+
+def test_sampled_run_keeps_the_sampler_through_the_wire(smol):
+    spec = PromptSpec("Once upon a time", SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, seed=3).validate())
+    rec = _run(smol, [spec], 3, backend="cells", sampler_order="llama.cpp")
+    same_steps(rec)
+    assert rec.steps[-1].decode.per_request[0]["sampler"]["order"] == "llama.cpp"
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from infertrace.runner import load_model
+    from tests.helpers.tiny_qwen35 import make_weights, write_hf_dir
+
+    w, s = make_weights(seed=3)
+    return load_model(str(write_hf_dir(tmp_path_factory.mktemp("q35") / "hf", w, s)))
+
+
+@pytest.mark.parametrize("backend", ["cells", "paged"])
+def test_hybrid_step_data_through_the_wire(hybrid, backend):
+    ids = [[72, 101, 108, 108, 111, 72, 101, 108], [33, 34, 35]]
+    prompts = [PromptSpec("", SamplingParams(max_new_tokens=4).validate(), 0, False, x) for x in ids]
+    rec = _run(hybrid, prompts, 4, backend=backend, speculative="ngram" if backend == "cells" else None)
+    same_steps(rec)
+    assert all(st.hybrid and "state" in st.hybrid for st in rec.steps) and rec.data[0].recurrent is not None
+
+
+# ----------------------------------------------------------------------------- untrusted input
+
+
+@pytest.fixture(scope="module")
+def one_step(smol):
+    rec = _run(smol, [("The capital of", 0)], 2, backend="cells")
+    return rec.data[1].to_wire()
+
+
+def _mutated(pair, fn):
+    d, t = json.loads(json.dumps(pair[0])), dict(pair[1])
+    fn(d, t)
+    return d, t
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda d, t: d.update(version=2), "version is 2"),
+    (lambda d, t: d.update(step=-1), "step is -1, not an integer"),
+    (lambda d, t: d.update(step=True), "step is True, not an integer"),
+    (lambda d, t: d.update(extra=1), "unknown field 'extra'"),
+    (lambda d, t: d["chunks"][0].update(T=5), "chunks[0].token_ids has 1 items, not 5..5"),
+    (lambda d, t: d.update(N=7), "positions has 1 entries for N = 7"),
+    (lambda d, t: t.pop("positions"), "positions names tensor 'positions', which the tensors do not hold"),
+    (lambda d, t: t.update(positions=torch.zeros(4)), "positions tensor 'positions' is torch.float32"),
+    (lambda d, t: t.update(stray=torch.zeros(1)), "tensors 1 not named by the step data (first: 'stray')"),
+    (lambda d, t: t.update({"chunk0/logical": torch.ones(3, 3, dtype=torch.bool)}), "chunks[0].logical has 3 rows for T = 1"),
+    (lambda d, t: d["chunks"][0].update(logical_swa="chunk0/logical"), "names tensor 'chunk0/logical' a second time"),
+    (lambda d, t: d.update(serving={"a": {1, 2}}), "serving holds a set, not a JSON value"),
+    (lambda d, t: d.update(serving=[1]), "serving is a list, not a dict"),
+    (lambda d, t: d.update(serving={"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}),
+     "deeper than 32"),
+    (lambda d, t: d.update(samples=[[0, 1]]), "samples[0] has 2 items, not 4..4"),
+    (lambda d, t: d["kv"].update(snapshot={1: 2}), "kv.snapshot has a key 1 that is not a string"),
+    (lambda d, t: t.update({"chunk0/logical": torch.zeros(1, 1, dtype=torch.bool).expand(1, 1 << 29)}),
+     "has shape [1, 536870912], at most 268435456 elements"),
+])
+def test_from_wire_refuses_malformed_data_in_one_line(one_step, fn, message):
+    d, t = _mutated(one_step, fn)
+    with pytest.raises(InfertraceError) as e:
+        StepData.from_wire(d, t)
+    assert message in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("step data: ")
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda d, t: d.update(kv=None), "step data: kv is missing (the recorder records kv)"),
+    (lambda d, t: d.update(mask=None), "step data: mask is missing (the recorder records mask)"),
+    (lambda d, t: d["mask"].pop("rule"), "step data: mask has no 'rule'"),
+    (lambda d, t: d["kv"]["describe"].pop("kind"), "step data: kv.describe has no 'kind'"),
+    (lambda d, t: (d["chunks"][0].update(k_rows=None, v_rows=None), t.pop("chunk0/k_rows"), t.pop("chunk0/v_rows")),
+     "step data: chunks[0].k_rows are missing"),
+    (lambda d, t: d.update(spec={"requests": {"0": {"accepted_nodes": ["x"], "emitted": [], "parents": [],
+                                                    "drafted": 0, "accepted": 0}}}),
+     "step data: spec.requests['0'].accepted_nodes is not a list of integers"),
+])
+def test_record_refuses_data_lacking_what_it_reads(smol, one_step, fn, message):
+    """Data read back may be well-formed yet lack what the recorder reads: one line, not a TypeError."""
+    data = StepData.from_wire(*_mutated(one_step, fn))
+    rec = Recorder(smol.tokenizer, smol.config, layer=1, show=VARIABLES)
+    with pytest.raises(InfertraceError) as e:
+        rec.record(data)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_from_wire_refuses_what_is_not_a_mapping(one_step):
+    with pytest.raises(InfertraceError, match="step data: step data is a list"):
+        StepData.from_wire([], {})
+    with pytest.raises(InfertraceError, match="tensors are a list"):
+        StepData.from_wire(one_step[0], [])
+    StepData.from_wire(*_mutated(one_step, lambda d, t: None))  # the untouched pair reads
