@@ -50,7 +50,7 @@ KEEP = 8
 
 
 def _engine(m: dict[str, Any]) -> str:
-    return str(m.get("engine", "infertrace"))
+    return str(m.get("runtime", "infertrace"))
 
 
 def _convention(m: dict[str, Any]) -> str | None:
@@ -189,7 +189,7 @@ def _per_request(m: dict[str, Any]) -> dict[int, dict[str, Any]]:
 def _block_size(m: dict[str, Any]) -> int | None:
     opts = m.get("options") if isinstance(m.get("options"), dict) else {}
     vl = opts.get("vllm") if isinstance(opts.get("vllm"), dict) else {}
-    eng = opts.get("engine") if isinstance(opts.get("engine"), dict) else {}
+    eng = opts.get("settings") if isinstance(opts.get("settings"), dict) else {}
     for b in (vl.get("block_size"), eng.get("tokens_per_block")):
         if isinstance(b, int) and not isinstance(b, bool) and b > 0:
             return b

@@ -57,8 +57,8 @@ def load_plan(directory: Path) -> dict[str, Any]:
 
 def plan_from_manifest(m: dict[str, Any], directory: str = "the trace") -> dict[str, Any]:
     """:func:`load_plan` on an already validated manifest dict (``RunTrace.to_dict()`` of a vLLM run)."""
-    if m.get("engine") != "vllm":
-        raise InfertraceError(f"--replay {directory}: not a run --engine vllm trace (engine {m.get('engine', 'infertrace')!r})")
+    if m.get("runtime") != "vllm":
+        raise InfertraceError(f"--replay {directory}: not a run --runtime vllm trace (runtime {m.get('runtime', 'infertrace')!r})")
     vl = m["options"].get("vllm") if isinstance(m["options"].get("vllm"), dict) else {}
     B, nb = vl.get("block_size"), vl.get("num_blocks")
     if not isinstance(B, int) or not isinstance(nb, int):
