@@ -152,7 +152,7 @@ def render_header(console: Console, trace: RunTrace) -> None:
         conv = (f"computed by HF transformers itself ({hf.get('version', '?')}, {hf.get('model_class', '?')}, "
                 f"{hf.get('padding', '?')} padding, pad id {hf.get('pad_token_id', '?')}, batch {hf.get('batch_size', '?')} x "
                 f"{hf.get('padded_len', '?')}): input_ids, attention_mask, position_ids, masks and DynamicCache read from its objects")
-    lines.append(("runtime", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
+    lines.append(("runtime", f"{trace.runtime} · backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))
     if trace.threads.get("n"):
