@@ -114,14 +114,14 @@ def test_a_late_arrival_is_refused(smol, hf_smol):
         rt.add_request(EncodedRequest([1, 2], SamplingParams(), 0, ""))
 
 
-def test_a_saved_trace_naming_an_unknown_engine_is_refused(ragged, tmp_path):
+def test_a_saved_trace_naming_an_unknown_runtime_is_refused(ragged, tmp_path):
     out = tmp_path / "t"
     save_trace(RunTrace.from_dict(copy.deepcopy(ragged)), out)
     m = json.loads((out / "trace.json").read_text())
     m["runtime"] = "hf2"
     (out / "trace.json").write_text(json.dumps(m))
     res = CliRunner().invoke(app, ["check", str(out)])
-    assert res.exit_code == 2 and "'engine' must be one of infertrace, llama.cpp, vllm, hf" in res.output
+    assert res.exit_code == 2 and "'runtime' must be one of infertrace, llama.cpp, vllm, hf" in res.output
 
 
 def test_no_pad_column_means_sdpa_runs_is_causal(smol, hf_smol):
