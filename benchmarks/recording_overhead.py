@@ -7,7 +7,7 @@
 Contenders per ``--runtime``, on the same model, the same prompt, greedy (the token ids of every
 contender are compared and printed; a mismatch is reported, not hidden):
 
-* ``llama.cpp``: llama.cpp alone (llama-cpp-python's ``Llama.generate``, temp 0) against ``run --engine
+* ``llama.cpp``: llama.cpp alone (llama-cpp-python's ``Llama.generate``, temp 0) against ``run --runtime
   llama.cpp``'s engine (:class:`~infertrace.runtimes.llamacpp.engine.LlamaCppEngine`: our scheduler,
   llama.cpp's forward, the eval callback) with the tracer off and with the default trace (the
   :class:`~infertrace.capture.recorder.Recorder` of ``run``: every variable, layer 0, no ``--save``);
@@ -15,7 +15,7 @@ contender are compared and printed; a mismatch is reported, not hidden):
   ``--python-ask`` adds the same two with the eval callback's questions answered in Python (before/after
   the C ask filter, in the same alternating rounds).
 * ``vllm``: vLLM alone (its own ``LLMEngine.add_request`` / ``step`` on the converted model, no hook
-  installed, vLLM's own scheduler) against ``run --engine vllm``'s driver
+  installed, vLLM's own scheduler) against ``run --runtime vllm``'s driver
   (:func:`~infertrace.runtimes.vllm.engine.drive`: the capture hooks in the worker, the scheduler
   wrapper, one ``EngineCore.step`` per step) with a recorder that records nothing ("trace off") and
   with the default trace; one vLLM engine in this process, the hooks removed for the plain rounds.
@@ -89,7 +89,7 @@ def _engine_tps(e: Any, tok: Any, n: int) -> tuple[float, float, list[int]]:
 
 
 def recorded_llamacpp(loaded: Any, n: int, trace: bool, python_ask: bool = False) -> tuple[float, float, list[int]]:
-    """``run --engine llama.cpp``'s engine, one thread (``python_ask``: the eval callback's questions answered
+    """``run --runtime llama.cpp``'s engine, one thread (``python_ask``: the eval callback's questions answered
     in Python, ``INFERTRACE_NO_CEXT=1``, instead of by the C filter of ``runtimes/llamacpp/ask_filter.py``)."""
     from infertrace.runtimes.llamacpp import ask_filter
     from infertrace.runtimes.llamacpp.engine import LlamaCppEngine
@@ -114,7 +114,7 @@ def ours(loaded: Any, n: int, trace: bool) -> tuple[float, float, list[int]]:
 
 # ---------------------------------------------------------------------------------------------- vLLM
 class _Off(Recorder):
-    """``run --engine vllm`` with nothing recorded: the capture hooks and the driver run, no step record."""
+    """``run --runtime vllm`` with nothing recorded: the capture hooks and the driver run, no step record."""
 
     enabled = False
 
@@ -171,7 +171,7 @@ def plain_vllm(run: Any, ids: list[int], n: int, tag: list[int]) -> tuple[float,
 
 
 def recorded_vllm(run: Any, loaded: Any, ids: list[int], n: int, trace: bool) -> tuple[float, float, list[int]]:
-    """``run --engine vllm``'s driver on the shared engine (hooks installed for the call)."""
+    """``run --runtime vllm``'s driver on the shared engine (hooks installed for the call)."""
     from infertrace.engine.request import Request
     from infertrace.runtimes.vllm import engine as veng
 
@@ -207,7 +207,7 @@ def vllm_contenders(loaded: Any, path: Any, n: int, dtype: str) -> tuple[list[st
     del run.sched.schedule
     run.llm.collective_rpc(_detach)
     ids, tag = loaded.tokenizer.encode(PROMPT), [0]
-    names = ["vLLM alone", "--engine vllm, trace off", "--engine vllm, default trace"]
+    names = ["vLLM alone", "--runtime vllm, trace off", "--runtime vllm, default trace"]
     fns = [lambda: plain_vllm(run, ids, n, tag), lambda: recorded_vllm(run, loaded, ids, n, False),
            lambda: recorded_vllm(run, loaded, ids, n, True)]
     return names, fns, f"vLLM {vllm_version()} {dtype}, VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}"
@@ -230,7 +230,7 @@ def contenders(a: Any, path: Any) -> tuple[list[str], list[Callable[[], Any]], s
     base = f"llama-cpp-python {llama_cpp.__version__}, one thread each"
     if a.runtime == "llama.cpp":
         loaded = load_model(path, tensors=False)
-        names = ["llama.cpp alone", "--engine llama.cpp, trace off", "--engine llama.cpp, default trace"]
+        names = ["llama.cpp alone", "--runtime llama.cpp, trace off", "--runtime llama.cpp, default trace"]
         fns = [lambda: plain_llamacpp(llm, n), lambda: recorded_llamacpp(loaded, n, False),
                lambda: recorded_llamacpp(loaded, n, True)]
         if a.python_ask:

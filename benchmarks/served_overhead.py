@@ -1,7 +1,7 @@
 """Served throughput of a real ``vllm serve`` with infertrace's vLLM plugin: not installed, installed and off,
 and recording (one marked request of 8 concurrent).
 
-Three servers run side by side on the default model (SmolLM2-135M converted as ``--engine vllm`` does;
+Three servers run side by side on the default model (SmolLM2-135M converted as ``--runtime vllm`` does;
 each idle while another is measured); rounds alternate A, B, C, A, B, C ...; each round sends
 ``--concurrency`` requests at once (greedy, ``--max-tokens`` each, ``ignore_eos``) and measures output
 tokens per second of wall time. Prints the medians and the ratios to A as JSON.

@@ -39,7 +39,7 @@ def run_requests(loaded: Loaded, prompts: list[PromptSpec], opts: EngineOptions 
         tensors: when a dict is given (and ``trace``), each step's tensors are copied into it
             (see :meth:`Recorder._capture`; names like ``step3/layer0/q_pre_rope``).
         tensor_layers: layers whose tensors are kept (default: ``layer``).
-        replay: a saved ``--engine vllm`` trace directory (or its plan) to replay (``run --replay``).
+        replay: a saved ``--runtime vllm`` trace directory (or its plan) to replay (``run --replay``).
 
     Raises:
         InfertraceError: bad layer, prompt too long, cache too small, ...

@@ -57,7 +57,7 @@ def _default_floor(ma: dict[str, Any], mb: dict[str, Any]) -> bs.Floor:
         f, why = bs.DEFAULT_FLOOR_FP32, "default for two float32 traces"
     else:
         f, why = bs.DEFAULT_FLOOR_LOW, f"default for {visible(str(da))} vs {visible(str(db))} traces"
-    ea, eb = (visible(str(m.get("engine", "infertrace"))) for m in (ma, mb))
+    ea, eb = (visible(str(m.get("runtime", "infertrace"))) for m in (ma, mb))
     if ea != eb:  # e.g. llama.cpp's quantised dot products against our dequantised float path
         why += f"; A and B were computed by different engines ({ea}, {eb}), whose kernels differ: measure the floor"
     return bs.Floor(logits=f, default=f, source=f"{why} (no --floor or --floor-from given; measure one with --floor-from C D)")

@@ -48,9 +48,9 @@ def check(
         v, k = check_tensors(m, tensors)
         n += k
     read = f"trace.json + {TENSORS} ({len(tensors.index)} tensors)" if tensors is not None else "trace.json (saved with --keep summary: no tensors)"
-    engine = m.get("engine", "infertrace") if isinstance(m.get("engine", ""), str) else "?"
+    runtime = m.get("runtime", "infertrace") if isinstance(m.get("runtime", ""), str) else "?"
     if as_json:
-        typer.echo(json.dumps({"ok": v is None, "checks": n, "engine": engine, "read": read,
+        typer.echo(json.dumps({"ok": v is None, "checks": n, "runtime": runtime, "read": read,
                                "violation": None if v is None else v.__dict__}, ensure_ascii=False))
     elif v is None:
         typer.echo(f"ok: {len(m['steps'])} steps, {n} checks, no violation; read {read}")

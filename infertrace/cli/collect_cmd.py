@@ -1,5 +1,5 @@
 """``infertrace collect SPOOL --model GGUF --save DIR [--request ID]``: a served vLLM's spool (written by the
-vLLM plugin, :mod:`infertrace.runtimes.vllm.plugin`) joined into an ordinary ``engine: vllm`` trace of the
+vLLM plugin, :mod:`infertrace.runtimes.vllm.plugin`) joined into an ordinary ``runtime: vllm`` trace of the
 marked requests, which ``show``, ``check``, ``report``, ``dump-kv``, ``diff`` and ``run --backend paged
 --replay`` read (:mod:`infertrace.runtimes.vllm.collect`). The spool is untrusted: bounded, validated,
 a bad one is one line and exit 2.

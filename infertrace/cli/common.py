@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 #: the KV conventions of every registered runtime (each runtime refuses the ones it does not run)
 BACKENDS = tuple(dict.fromkeys(c for r in REGISTRY.values() for c in r.conventions))
-ENGINES = names()  # the runtimes of the registry (runtimes/api.py)
+RUNTIMES = names()  # the runtimes of the registry (runtimes/api.py)
 ATTENTION = ("torch", "triton", "auto")
 DEVICES = ("cpu", "cuda")
 

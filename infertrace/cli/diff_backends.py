@@ -1,5 +1,6 @@
-"""``infertrace diff-backends``: the same requests through cells and paged in lockstep (or through our
-engine and an external reference), logical variables compared, physical layouts side by side.
+"""``infertrace diff-backends``: the same requests through cells and paged in lockstep, logical variables
+compared, physical layouts side by side; ``infertrace diff-runtimes NAME``: our engine against another runtime
+(hf, llama.cpp, vllm) on the same requests (``diff-backends --against NAME``, its old form, still works).
 
 Thin: validate options (as ``run``), load the model, call
 :func:`infertrace.compare.backends.diff_backends` or
@@ -9,6 +10,8 @@ Exit codes: 0 logically identical, 1 a logical mismatch (CI can rely on it), 2 b
 
 from dataclasses import replace
 from typing import Annotated, Any, Optional
+
+import inspect
 
 import typer
 
@@ -23,7 +26,10 @@ AGAINST = ("hf",)
 
 HELP = ("Run the same requests through both cache backends (cells and paged) step by step and compare the logical "
         "variables (positions, visible keys, K/V of all layers, tokens, logits) beside the physical layouts; exit 1 on "
-        "a logical mismatch. --against hf|llama.cpp|vllm compares our engine with an external implementation instead.")
+        "a logical mismatch. `diff-runtimes NAME` compares our engine with another runtime instead.")
+RUNTIMES_HELP = ("Run the same requests through our engine (--backend) and another runtime: hf (transformers), llama.cpp "
+                 "(llama-cpp-python) or vllm (vLLM itself; our paged backend replays its schedule and block ids), and "
+                 "compare the logical variables; exit 1 on a mismatch. Takes diff-backends' options.")
 
 
 def _jsonable(x: object) -> object:
@@ -38,7 +44,7 @@ def diff_backends(
     prompts: o.Prompts = None,
     model: o.Model = None,
     arrival: o.Arrival = None,
-    against: Annotated[Optional[str], typer.Option("--against", help="Compare our engine (--backend) with hf (transformers), llama.cpp (llama-cpp-python) or vllm (vLLM itself; our paged backend replays its schedule and block ids) instead of the other backend.")] = None,
+    against: Annotated[Optional[str], typer.Option("--against", hidden=True, help="Old form of `diff-runtimes NAME`: compare our engine (--backend) with hf, llama.cpp or vllm instead of the other backend.")] = None,
     atol: Annotated[Optional[float], typer.Option("--atol", help="Tolerance on logits and K/V (default 1e-4 for float32 backends; 1e-3 against hf). Against llama.cpp the tolerance is a measured noise floor instead (ours float32 vs ours bfloat16); --atol is refused there.")] = None,
     as_json: o.Json = False,
     max_new_tokens: o.MaxNewTokens = o.D.max_new_tokens,
@@ -50,7 +56,7 @@ def diff_backends(
     repetition_penalty: o.RepetitionPenalty = o.D.repetition_penalty,
     seed: o.Seed = o.D.seed,
     ignore_eos: o.IgnoreEos = False,
-    backend: Annotated[str, typer.Option("--backend", help="With --against: our engine's backend (cells or paged). Without: both run.")] = "cells",
+    backend: Annotated[str, typer.Option("--backend", help="diff-runtimes: our engine's backend (cells or paged). diff-backends: both run.")] = "cells",
     ctx_size: o.CtxSize = None,
     num_blocks: o.NumBlocks = None,
     tokens_per_block: o.TokensPerBlock = o.E.tokens_per_block,
@@ -61,7 +67,7 @@ def diff_backends(
     device: o.Device = "cpu",
     weights: o.Weights = "auto",
     threads: o.Threads = None,
-    layer: Annotated[int, typer.Option("--layer", help="With --against llama.cpp: the layer whose K/V are compared.")] = 0,
+    layer: Annotated[int, typer.Option("--layer", help="diff-runtimes llama.cpp: the layer whose K/V are compared.")] = 0,
     sampler_order: o.SamplerOrder = None,
     prefix_cache: o.PrefixCache = "off",
     context_shift: o.ContextShift = False,
@@ -89,7 +95,7 @@ def diff_backends(
         kv_unified=kv_unified)
     if not opts.kv_unified and against is None:
         raise InfertraceError("--kv-unified off has no paged counterpart: compare the non-unified cells cache with "
-                              "--against llama.cpp (or --against hf)")
+                              "diff-runtimes llama.cpp (or diff-runtimes hf)")
     settings = check_reference(against, atol, RunSettings(
         opts=opts, layer=layer, dtype=dtype, device=device, weights=weights,
         native={"flash_attn": llamacpp_flash_attn} if llamacpp_flash_attn is not None else {}))  # before anything loads
@@ -150,7 +156,7 @@ def check_against(against: Optional[str], atol: Optional[float], threads: Option
     check_thread_settings(threads)  # 1..max_threads(), and the thread environment variables
     owner = owner_of("flash_attn")
     if llamacpp_flash_attn is not None and against != owner:
-        raise InfertraceError(f"--llamacpp-flash-attn sets {owner}'s flash attention: it needs --against {owner}")
+        raise InfertraceError(f"--llamacpp-flash-attn sets {owner}'s flash attention: it needs diff-runtimes {owner}")
     return against, llamacpp_flash_attn
 
 
@@ -171,12 +177,12 @@ def check_reference(against: Optional[str], atol: Optional[float], settings: Run
             from infertrace.cli.run import FLAGS
 
             flag = {"atol": "--atol"}.get(e.setting) or FLAGS.get(e.setting, e.setting)
-            raise InfertraceError(f"{flag} does not apply to --against {e.runtime} ({e}); drop {flag}") from None
+            raise InfertraceError(f"{flag} does not apply to diff-runtimes {e.runtime} ({e}); drop {flag}") from None
     if against in AGAINST:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            raise InfertraceError(f"--against {against} needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)") from None
+            raise InfertraceError(f"diff-runtimes {against} needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)") from None
     return settings
 
 
@@ -211,3 +217,20 @@ def print_report(rep: dict[str, Any], against: Optional[str], as_json: bool) -> 
         cls.render_comparison(stdout_console(), rep)
     else:
         (render_backends_diff if against is None else render_reference_diff)(stdout_console(), rep)
+
+
+def diff_runtimes(runtime: str, **options: Any) -> None:
+    """``diff-runtimes NAME``: :func:`diff_backends` with ``--against NAME`` (its other options the same;
+    the signature Typer reads is built below from :func:`diff_backends`')."""
+    return diff_backends(against=check_choice("diff-runtimes NAME", runtime, choices()), **options)
+
+
+def _runtimes_signature() -> inspect.Signature:
+    """:func:`diff_backends`' options with ``--against`` replaced by the positional NAME."""
+    sig = inspect.signature(diff_backends)
+    name = inspect.Parameter("runtime", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[str, typer.Argument(
+        metavar="NAME", help="The runtime compared with our engine: hf, llama.cpp or vllm.", show_default=False)])
+    return sig.replace(parameters=[name] + [p for p in sig.parameters.values() if p.name != "against"])
+
+
+diff_runtimes.__signature__ = _runtimes_signature()  # type: ignore[attr-defined]

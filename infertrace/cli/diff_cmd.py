@@ -56,9 +56,9 @@ def diff(
         if not as_json:
             for line in backend_lines(res, cross, visible(str(a)), visible(str(b))):
                 typer.echo(visible(line))
-    elif needs_logical_diff(ma, mb):  # e.g. --engine llama.cpp (cells) vs --engine vllm (paged): per request and position
+    elif needs_logical_diff(ma, mb):  # e.g. --runtime llama.cpp (cells) vs --runtime vllm (paged): per request and position
         res, cross = logical_diff(ma, mb, tuple(ignore or ()), ta, tb)
-    elif ma.get("engine", "infertrace") != mb.get("engine", "infertrace"):  # e.g. --engine llama.cpp vs cells
+    elif ma.get("runtime", "infertrace") != mb.get("runtime", "infertrace"):  # e.g. --runtime llama.cpp vs cells
         from infertrace.trace.engine_diff import cross_engine_diff
 
         res, cross = cross_engine_diff(ma, mb, tuple(ignore or ()))

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Iterator, Optional
 import typer
 
 from infertrace.cli import run_options as o
-from infertrace.cli.common import (ATTENTION, BACKENDS, DEVICES, ENGINES, MIN_WIDTH, PROMPT_KEYS,  # noqa: F401 - re-exported
+from infertrace.cli.common import (ATTENTION, BACKENDS, DEVICES, RUNTIMES, MIN_WIDTH, PROMPT_KEYS,  # noqa: F401 - re-exported
                                    check_choice, check_min, load_with_progress, parse_keep, parse_panels, parse_steps,
                                    progress_display, read_prompts_file, stdout_console)
 from infertrace.engine.options import EngineOptions, SamplingParams
@@ -26,14 +26,14 @@ from infertrace.safe_text import json_text, visible
 from infertrace.trace.records import VARIABLES
 from infertrace.trace.store import KEEP, parse_layers, save_trace
 
-def _engine_help() -> str:
-    """``--engine``'s help, from the runtime registry."""
+def _runtime_help() -> str:
+    """``--runtime``'s help, from the runtime registry."""
     from infertrace.runtimes.api import REGISTRY
 
-    return "Who computes: " + "; ".join(f"{n} ({e.summary})" for n, e in REGISTRY.items()) + "."
+    return "Who computes (the runtime): " + "; ".join(f"{n} ({e.summary})" for n, e in REGISTRY.items()) + "."
 
 
-ENGINE_HELP = _engine_help()
+RUNTIME_HELP = _runtime_help()
 
 HELP = ("Generate from prompts and show, step by step, the five inference variables: hidden, positions (RoPE), "
         "mask, kv, decode. Prints a table like the study's worked example and a summary; --show VAR adds that "
@@ -190,11 +190,12 @@ def run(
     layers: Annotated[Optional[str], typer.Option("--layers", help="With --save --keep tensors: layers whose tensors are kept, e.g. 0,5 or 0..3 or all (default: --layer).")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --save: replace the trace in a non-empty directory.")] = False,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)] = None,
-    engine: Annotated[str, typer.Option("--engine", help=ENGINE_HELP)] = "infertrace",
+    runtime: Annotated[Optional[str], typer.Option("--runtime", help=RUNTIME_HELP, show_default="infertrace")] = None,
+    engine: Annotated[Optional[str], typer.Option("--engine", hidden=True, help="Old name of --runtime.")] = None,
     teacher_force: Annotated[Optional[Path], typer.Option("--teacher-force", help="Emit the tokens a saved trace (run --save DIR) generated instead of sampling (infertrace, llama.cpp, hf), so the two traces compare position by position (bisect).")] = None,
     llamacpp_flash_attn: o.LlamacppFlashAttn = None,
     padding: o.Padding = None,
-    sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --engine llama.cpp: llama.cpp; paged: hf.")] = None,
+    sampler_order: Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature first, as HF/vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last). Default: cells and --runtime llama.cpp: llama.cpp; paged: hf.")] = None,
     prefix_cache: Annotated[str, typer.Option("--prefix-cache", help="on: reuse cached K/V of a shared prompt prefix (paged: hashed full blocks; cells: seq_cp of a live or finished sequence).")] = "off",
     context_shift: Annotated[bool, typer.Option("--context-shift", help="When a request fills --ctx-size, drop cached tokens after --n-keep and continue (llama.cpp server), instead of stopping with ctx_full.")] = False,
     n_keep: Annotated[int, typer.Option("--n-keep", help="Context shift: cached tokens kept at the start.")] = 0,
@@ -208,7 +209,7 @@ def run(
     ngram_min: o.NgramMin = EngineOptions.ngram_min,
     ngram_max: o.NgramMax = EngineOptions.ngram_max,
     tensor_parallel_size: o.TensorParallelSize = 1,
-    replay: Annotated[Optional[Path], typer.Option("--replay", help="With --backend paged: replay a saved run --engine vllm trace's schedule, block ids, drafts and sampled tokens into this engine, which derives everything else, so `diff` compares the two step for step.")] = None,
+    replay: Annotated[Optional[Path], typer.Option("--replay", help="With --backend paged: replay a saved run --runtime vllm trace's schedule, block ids, drafts and sampled tokens into this engine, which derives everything else, so `diff` compares the two step for step.")] = None,
 ) -> None:
     """Options are validated before the model loads; every user error is one ``error:`` line
     (raised as InfertraceError, printed by :func:`infertrace.cli.app.cli_errors`)."""
@@ -232,8 +233,8 @@ def run_command(a: SimpleNamespace) -> None:
     if a.save is not None:
         check_output_dir(a.save, a.force)
     check_min("--layer", a.layer, 0)
-    engine, specs, settings = run_settings(a, show_vars)
-    trace, tensors, tensor_layers = execute_run(engine, a.model, a.threads, specs, settings, a.layers, keep_tensors,
+    runtime, specs, settings = run_settings(a, show_vars)
+    trace, tensors, tensor_layers = execute_run(runtime, a.model, a.threads, specs, settings, a.layers, keep_tensors,
                                                 quiet=a.as_json, ctx_given=a.ctx_size is not None)
     if a.teacher_force is not None:  # which trace's tokens this run emitted (bisect names it)
         trace.options["teacher_force"] = teacher_force_record(a.teacher_force)
@@ -257,8 +258,8 @@ def run_settings(a: SimpleNamespace, show_vars: tuple[str, ...]) -> tuple[str, l
     from infertrace.cli.run_options import build_run_inputs  # shares run's checks with dump-kv, diff-backends
     from infertrace.runtimes.api import info, names
 
-    engine = check_choice("--engine", a.engine, names())
-    backend = info(engine).convention if a.backend is None else a.backend
+    runtime = check_choice("--runtime", runtime_flag(a.runtime, a.engine), names())
+    backend = info(runtime).convention if a.backend is None else a.backend
     forced = forced_tokens(a.teacher_force) if a.teacher_force is not None else None
     specs, opts = build_run_inputs(
         prompt=a.prompt, prompts=a.prompts, arrival=a.arrival, max_new_tokens=a.max_new_tokens, chat=a.chat,
@@ -275,11 +276,26 @@ def run_settings(a: SimpleNamespace, show_vars: tuple[str, ...]) -> tuple[str, l
     opts = o.apply_spec_options(opts, a.speculative, a.num_spec_tokens, a.spec_tree, a.draft_model, a.draft_layers,
                                 a.ngram_min, a.ngram_max)
     native = {k: v for k, v in (("flash_attn", a.llamacpp_flash_attn), ("replay", a.replay), ("padding", a.padding)) if v is not None}
-    settings = checked_run_settings(engine, RunSettings(
+    settings = checked_run_settings(runtime, RunSettings(
         opts=opts, layer=a.layer, show=show_vars, dtype=a.dtype, device=a.device,
         tensor_parallel_size=a.tensor_parallel_size, forced=forced, native=native, weights=a.weights),
         values={"weights": a.weights, "opts.backend": backend, "opts.kv_dtype": a.kv_dtype, "opts.speculative": a.speculative})
-    return engine, specs, settings
+    return runtime, specs, settings
+
+
+def runtime_flag(runtime: Optional[str], engine: Optional[str]) -> str:
+    """The runtime named by ``--runtime``, or by its old name ``--engine`` (hidden, still honoured); neither
+    given: the registry's first runtime (infertrace's own engine).
+
+    Raises:
+        InfertraceError: both given, naming different runtimes.
+    """
+    from infertrace.runtimes.api import names
+
+    if runtime is not None and engine is not None and runtime.strip().lower() != engine.strip().lower():
+        raise InfertraceError(f"--engine is the old name of --runtime; pass one of them (got --runtime {visible(runtime)} "
+                              f"and --engine {visible(engine)})")
+    return runtime if runtime is not None else engine if engine is not None else names()[0]
 
 
 # ----------------------------------------------------------------------------- the command's parts
@@ -295,8 +311,8 @@ FLAGS = {"opts.backend": "--backend", "device": "--device/--dtype", "dtype": "--
 @contextmanager
 def refusals_as_flags(values: Optional[dict[str, Any]] = None) -> Iterator[None]:
     """Re-raise a runtime's :class:`~infertrace.runtimes.api.SettingRefused` naming the flag: a setting only some
-    runtimes take says which (``--teacher-force needs --engine llama.cpp (...)``), any other what to drop
-    (``--engine vllm: vLLM keeps its kv_cache_dtype ...; drop --kv-dtype f16``; ``values``: what the user gave,
+    runtimes take says which (``--teacher-force needs --runtime llama.cpp (...)``), any other what to drop
+    (``--runtime vllm: vLLM keeps its kv_cache_dtype ...; drop --kv-dtype f16``; ``values``: what the user gave,
     by setting).
 
     Raises:
@@ -310,13 +326,13 @@ def refusals_as_flags(values: Optional[dict[str, Any]] = None) -> Iterator[None]
         flag = FLAGS.get(e.setting, e.setting)
         who = takers(e.setting)
         if who:
-            raise InfertraceError(f"{flag} needs --engine {' or '.join(who)} ({e})") from None
+            raise InfertraceError(f"{flag} needs --runtime {' or '.join(who)} ({e})") from None
         given = (values or {}).get(e.setting)
-        raise InfertraceError(f"--engine {e.runtime}: {e}; drop {flag}{f' {given}' if given is not None else ''}") from None
+        raise InfertraceError(f"--runtime {e.runtime}: {e}; drop {flag}{f' {given}' if given is not None else ''}") from None
 
 
-def checked_run_settings(engine: str, settings: Any, values: Optional[dict[str, Any]] = None) -> Any:
-    """``settings`` checked by the runtime ``engine`` before the model loads (its own refusals, as flags).
+def checked_run_settings(runtime: str, settings: Any, values: Optional[dict[str, Any]] = None) -> Any:
+    """``settings`` checked by the runtime ``runtime`` before the model loads (its own refusals, as flags).
 
     Raises:
         InfertraceError: the runtime's package missing, or a setting it refuses.
@@ -324,13 +340,13 @@ def checked_run_settings(engine: str, settings: Any, values: Optional[dict[str, 
     from infertrace.runtimes.api import runtime_class
 
     with refusals_as_flags(values):
-        return runtime_class(engine).check(settings)
+        return runtime_class(runtime).check(settings)
 
 
-def execute_run(engine: str, model: Optional[Path], threads: Optional[int], specs: list[Any], settings: Any,
+def execute_run(runtime: str, model: Optional[Path], threads: Optional[int], specs: list[Any], settings: Any,
                 layers: Optional[str], keep_tensors: bool, quiet: bool,
                 ctx_given: bool = True) -> tuple[Any, Optional[dict], Optional[list[int]]]:
-    """Load the model and run the requests on the runtime ``engine`` (:func:`~infertrace.runtimes.loop.record_run`),
+    """Load the model and run the requests on the runtime ``runtime`` (:func:`~infertrace.runtimes.loop.record_run`),
     progress on stderr (none when ``quiet``).
 
     Returns:
@@ -346,13 +362,13 @@ def execute_run(engine: str, model: Optional[Path], threads: Optional[int], spec
     from infertrace.runtimes.api import info, runtime_class
     from infertrace.runtimes.loop import record_run  # the engine (torch) loads only when a run starts
 
-    cls, ours = runtime_class(engine), not info(engine).own_weights  # own weights: header, config, tokenizer only
+    cls, ours = runtime_class(runtime), not info(runtime).own_weights  # own weights: header, config, tokenizer only
     with progress_display(enabled=not quiet) as progress:
         loaded = load_with_progress(model, settings.dtype, settings.device, progress, threads,
                                     settings.weights if ours else "float", tensors=ours)
         opts, ctx_note = settings.opts, None
         if not ctx_given:  # the default --ctx-size, no larger than the model's trained context
-            opts, ctx_note = o.default_ctx_note(loaded, opts, engine)
+            opts, ctx_note = o.default_ctx_note(loaded, opts, runtime)
         print_run_cost(progress, loaded, specs, opts, settings.dtype)  # past n_ctx_train: warn with the cost
         task = progress.add_task("running steps", total=None)
 

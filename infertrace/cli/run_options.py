@@ -46,11 +46,10 @@ KvDtype = Annotated[Optional[str], typer.Option("--kv-dtype", help="K/V cache st
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 Weights = Annotated[str, typer.Option("--weights", help="GGUF weights: float (dequantised at load, the reference), quant (kept quantised, a kernel per tensor type) or auto (quant for a GGUF in bfloat16 on the CPU, where it measured faster).")]
 Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: the cores available now: affinity, cgroup quota, minus cores busy elsewhere).", show_default=False)]
-SamplerOrder = Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature, then top-k/top-p/min-p: HF, vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last: common_sampler). Default: the convention of the runtime mirrored (cells and --engine llama.cpp: llama.cpp; paged: hf).")]
-EngineName = Annotated[str, typer.Option("--engine", help="Who computes: infertrace (this engine, --backend cells or paged) or llama.cpp (llama.cpp itself through llama-cpp-python; its graph inputs and cache are captured).")]
-Padding = Annotated[Optional[str], typer.Option("--padding", help="With --engine hf: pad the batch on the left (default, as generate() wants for decoder-only models) or on the right; the trace shows the padded [B, T] layout.", show_default=False)]
+SamplerOrder = Annotated[Optional[str], typer.Option("--sampler-order", help="hf (temperature, then top-k/top-p/min-p: HF, vLLM) or llama.cpp (top-k/top-p/min-p on unscaled logits, temperature last: common_sampler). Default: the convention of the runtime mirrored (cells and --runtime llama.cpp: llama.cpp; paged: hf).")]
+Padding = Annotated[Optional[str], typer.Option("--padding", help="With --runtime hf: pad the batch on the left (default, as generate() wants for decoder-only models) or on the right; the trace shows the padded [B, T] layout.", show_default=False)]
 LlamacppFlashAttn = Annotated[Optional[str], typer.Option("--llamacpp-flash-attn", help="With llama.cpp computing: its flash attention, auto (llama.cpp's default: on where supported), on or off. It changes llama.cpp's numbers; the trace header records what ran.", show_default=False)]
-TensorParallelSize = Annotated[int, typer.Option("--tensor-parallel-size", help="With --engine vllm: tensor-parallel ranks, through vLLM's own distributed executor (each rank holds n_kv_heads / N).")]
+TensorParallelSize = Annotated[int, typer.Option("--tensor-parallel-size", help="With --runtime vllm: tensor-parallel ranks, through vLLM's own distributed executor (each rank holds n_kv_heads / N).")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
 KvUnified = Annotated[str, typer.Option("--kv-unified", help="cells: on = one cell stream shared by every sequence (llama.cpp kv_unified = true); off = one stream of ctx-size / n-requests cells per sequence, kq_mask ne[3] = the ubatch's streams, each step one split_equal ubatch (llama.cpp's default).")]
 # serving mechanisms (engine/serving.py)
@@ -307,9 +306,9 @@ def weights_record(loaded: Any) -> dict[str, Any]:
     return {"weights": w} if w.get("weights") not in (None, "float") else {}
 
 
-def default_ctx_note(loaded: Any, opts: EngineOptions, engine: str) -> tuple[EngineOptions, Optional[str]]:
+def default_ctx_note(loaded: Any, opts: EngineOptions, runtime: str) -> tuple[EngineOptions, Optional[str]]:
     """Without ``--ctx-size``: the default, lowered to the model's trained context (``n_ctx_train``, HF
-    ``max_position_embeddings`` / GGUF ``context_length``) when that is smaller, for every engine (vLLM refuses a
+    ``max_position_embeddings`` / GGUF ``context_length``) when that is smaller, for every runtime (vLLM refuses a
     ``max_model_len`` above its derived one).
 
     Returns:
@@ -323,12 +322,12 @@ def default_ctx_note(loaded: Any, opts: EngineOptions, engine: str) -> tuple[Eng
         return opts, None
     note = (f"--ctx-size not given: {n_train} tokens, the model's trained context (max_position_embeddings / "
             f"context_length), instead of the default {opts.ctx_size}"
-            + _runtime_ctx_note(engine))
+            + _runtime_ctx_note(runtime))
     return dataclasses.replace(opts, ctx_size=n_train), note
 
 
-def _runtime_ctx_note(engine: str) -> str:
+def _runtime_ctx_note(runtime: str) -> str:
     """The runtime's reason for the lowered default context (its registry entry's ``ctx_note``)."""
     from infertrace.runtimes.api import info
 
-    return info(engine).ctx_note
+    return info(runtime).ctx_note

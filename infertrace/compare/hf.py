@@ -1,5 +1,5 @@
-"""``diff-backends --against hf``: our engine (one backend, continuous batching) against HF transformers
-recomputing each request alone with its own cache. (``--against llama.cpp`` is
+"""``diff-runtimes hf``: our engine (one backend, continuous batching) against HF transformers
+recomputing each request alone with its own cache. (``diff-runtimes llama.cpp`` is
 :mod:`infertrace.compare.llamacpp`: llama.cpp on the same schedule, its graph inputs captured.)
 
 Our run records, per step, the logits row of every request that samples (its context length
@@ -82,7 +82,7 @@ def hf_model(path: Path) -> Any:
     Raises:
         InfertraceError: transformers missing (``make setup-dev``) or load failure.
     """
-    transformers = _transformers("--engine hf")
+    transformers = _transformers("--runtime hf")
     key = str(Path(path).resolve())
     model = _HF_CACHE.get(key)
     if model is None:
@@ -99,7 +99,7 @@ def hf_reference(path: Path) -> Reference:
     Raises:
         InfertraceError: transformers missing (``make setup-dev``) or load failure.
     """
-    transformers = _transformers("--against hf")
+    transformers = _transformers("diff-runtimes hf")
     key = str(Path(path).resolve())
     model = _HF_CACHE.get(key)
     with _quiet_transformers(transformers):
@@ -172,7 +172,7 @@ def compare_with_reference(loaded: Any, prompts: list[Any], opts: EngineOptions,
     from infertrace.engine.drive import drive, encode_requests
 
     if against not in AGAINST:
-        raise InfertraceError(f"--against must be one of {', '.join(AGAINST)} (got {against!r})")
+        raise InfertraceError(f"diff-runtimes NAME must be one of {', '.join(AGAINST)} (got {against!r})")
     atol = ATOL[against] if atol is None else atol
     cap = LogitsCapture()
     eng = Engine(loaded.model, loaded.tokenizer, opts, cap)

@@ -1,4 +1,4 @@
-"""``diff-backends --against llama.cpp``: our ``cells`` backend against llama.cpp itself, step by
+"""``diff-runtimes llama.cpp``: our ``cells`` backend against llama.cpp itself, step by
 step, on the same schedule, teacher-forced (llama.cpp consumes the tokens our run chose, so one
 numeric divergence cannot cascade).
 
@@ -540,8 +540,8 @@ def compare_with_llamacpp(loaded: Any, prompts: list[Any], opts: EngineOptions, 
     if getattr(loaded.config, "windowed_layers", None):  # the SWA pool's size depends on n_seq_max: llama.cpp's (one per request)
         o = replace(o, n_seq_max=max(1, len(prompts)))
     if getattr(loaded.config, "is_hybrid", False):
-        raise InfertraceError("--against llama.cpp reads per-layer K/V from llama.cpp's graph, which this comparison does not "
-                              "do yet for hybrid (GDN) models; use --against hf (tests compare llama.cpp's logits directly)")
+        raise InfertraceError("diff-runtimes llama.cpp reads per-layer K/V from llama.cpp's graph, which this comparison does not "
+                              "do yet for hybrid (GDN) models; use diff-runtimes hf (tests compare llama.cpp's logits directly)")
     if not 0 <= layer < loaded.config.n_layer:
         raise ConfigError("run.layer", f"{layer} out of range: the model has layers 0..{loaded.config.n_layer - 1}")
     eng, ours = _run_ours(loaded.model, loaded.tokenizer, prompts, o, layer, None)

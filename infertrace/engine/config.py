@@ -5,7 +5,7 @@ vLLM splits its engine arguments the same way (``vllm/config/cache.py`` ``CacheC
 ``vllm/config/scheduler.py`` ``SchedulerConfig``, ``vllm/config/speculative.py``
 ``SpeculativeConfig``); llama.cpp keeps the same settings in ``llama_context_params`` and
 ``common_params``. :class:`~infertrace.engine.options.EngineOptions` stays the flat record a trace
-holds (``options["engine"]``) and hands out these as views (``opts.cache`` ...); its ``validate()``
+holds (``options["settings"]``) and hands out these as views (``opts.cache`` ...); its ``validate()``
 calls each one's.
 
 A bad value raises :class:`ConfigError`: ``field`` names the config field (``cache.tokens_per_block``)

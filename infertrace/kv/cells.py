@@ -35,7 +35,7 @@ from infertrace.kv import seq_ops
 from infertrace.limits import N_KV_PAD_MAX
 
 #: query rows of kq_mask are padded to a multiple of this (llama.cpp once padded to
-#: ``GGML_KQ_MASK_PAD`` = 64; the llama.cpp measured by ``run --engine llama.cpp`` does not pad).
+#: ``GGML_KQ_MASK_PAD`` = 64; the llama.cpp measured by ``run --runtime llama.cpp`` does not pad).
 KQ_MASK_PAD = 1
 #: ``n_kv`` is padded to a multiple of this (llama.cpp ``llama_kv_cache::get_n_kv``: ``max(n_pad, 256)``,
 #: "so that the graph remains constant across batches and can be reused"), capped at the cache size;

@@ -42,7 +42,7 @@ class Loaded:
 
 
 class HeaderOnlyModel:
-    """Stands in for :class:`DecoderModel` when another runtime computes (``--engine llama.cpp`` /
+    """Stands in for :class:`DecoderModel` when another runtime computes (``--runtime llama.cpp`` /
     ``vllm``): the config, dtype and device the engine loop and the KV budget read, no weights.
     Any forward pass through it is a bug and raises (issue 20: load only what is used)."""
 
@@ -95,7 +95,7 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", device: s
     ``weights``: ``float`` (every tensor dequantised to ``dtype``), ``quant`` (GGUF blocks kept
     quantised, each matrix computed by the kernel of its type: :mod:`infertrace.quant`) or ``auto``
     (:func:`resolve_weights`). ``tensors=False``: header, config (its refusals raised as for a full
-    load) and tokenizer only, no tensor data read (what ``--engine llama.cpp`` / ``vllm`` use: they
+    load) and tokenizer only, no tensor data read (what ``--runtime llama.cpp`` / ``vllm`` use: they
     compute from their own copy); ``model`` is a :class:`HeaderOnlyModel`, ``weights`` ``{"weights": "none"}``.
 
     Raises:

@@ -93,7 +93,7 @@ def trace_events(trace: RunTrace, source: str = "") -> dict[str, Any]:
                  if axis == "wall" else "step: no step times recorded; 1 ms per step, ts = step x 1000 us")
     tid = {sid: k + 1 for k, sid in enumerate(lanes.seqs)}
     m = trace.model if isinstance(trace.model, dict) else {}
-    proc = f"engine {_s(trace.engine, 40)} · {_s(m.get('file', '?'), 120)} · time axis {axis}"
+    proc = f"runtime {_s(trace.runtime, 40)} · {_s(m.get('file', '?'), 120)} · time axis {axis}"
     events: list[dict[str, Any]] = [_meta("process_name", None, {"name": proc}),
                                     _meta("thread_name", 0, {"name": "steps (whole batch)"}),
                                     _meta("thread_sort_index", 0, {"sort_index": 0})]
@@ -120,7 +120,7 @@ def trace_events(trace: RunTrace, source: str = "") -> dict[str, Any]:
             slices.append({"name": name, "cat": s.kind, "ph": "X", "ts": ts, "dur": d, "pid": PID, "tid": tid[s.seq_id],
                            "args": slot_args(s, seqs, lanes.n_tokens.get(st, 0), lanes.time_ms.get(st, 0.0))})
     slices.sort(key=lambda e: (e["ts"], e["tid"]))
-    other = {"producer": "infertrace export --format perfetto", "engine": _s(trace.engine, 40),
+    other = {"producer": "infertrace export --format perfetto", "runtime": _s(trace.runtime, 40),
              "model": _s(m.get("file", "?"), 200), "source": _s(source, 400), "time_axis": axis,
              "time_axis_meaning": axis_text, "steps": len(lanes.steps), "requests": [int(x) for x in lanes.seqs],
              "slices": len(slices), "truncated_slices": dropped,

@@ -101,7 +101,7 @@ def _table(*cols: str, title: str | None = None, **kw: Any) -> Table:
 def render_header(console: Console, trace: RunTrace) -> None:
     """Model file, config summary, backend, attention implementation and load notes."""
     m, c, o = trace.model, trace.config, trace.options
-    eng = o.get("engine", {})
+    eng = o.get("settings", {})
     lines = [
         ("model", Text.assemble(Text(str(m.get("file", "?")), style="cyan"),
                                      f"  ({human_bytes(int(m.get('size', 0)))}, {m.get('source', '?')}"
@@ -152,12 +152,12 @@ def render_header(console: Console, trace: RunTrace) -> None:
         conv = (f"computed by HF transformers itself ({hf.get('version', '?')}, {hf.get('model_class', '?')}, "
                 f"{hf.get('padding', '?')} padding, pad id {hf.get('pad_token_id', '?')}, batch {hf.get('batch_size', '?')} x "
                 f"{hf.get('padded_len', '?')}): input_ids, attention_mask, position_ids, masks and DynamicCache read from its objects")
-    lines.append(("engine", f"backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
+    lines.append(("runtime", f"{trace.runtime} · backend {be} ({conv}) · attention {o.get('attention', '?')} · {detail}"
                                 f" · max_batch_tokens {eng.get('max_batch_tokens')}{' · ' + extra if extra else ''}"
                                 f" · evidence layer {o.get('layer', 0)}"))
-    if trace.runtime.get("threads"):
-        n = trace.runtime["threads"]
-        lines.append(("cpu", f"{n} thread{'s' if n != 1 else ''} ({trace.runtime.get('threads_reason', '')})"))
+    if trace.threads.get("n"):
+        n = trace.threads["n"]
+        lines.append(("cpu", f"{n} thread{'s' if n != 1 else ''} ({trace.threads.get('reason', '')})"))
     for n in trace.notes:
         lines.append(("note", Text(n, style="yellow")))
     console.print(Panel(_facts(lines), title=Text("infertrace run", style="bold"), title_align="left", box=box.ROUNDED))
@@ -421,7 +421,7 @@ def swa_parts(st: StepTrace, swa: dict[str, Any]) -> list[RenderableType]:
 def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableType:
     """Visible keys per query; the kq_mask slice (cells) or the attention metadata (paged)."""
     parts: list[RenderableType] = [_kv("rule", m.rule)]
-    if m.backend == "dense":  # --engine hf: HF's own masks per layer type (render_dense.py)
+    if m.backend == "dense":  # --runtime hf: HF's own masks per layer type (render_dense.py)
         from infertrace.present.render_dense import dense_mask_parts
 
         parts += dense_mask_parts(st)
@@ -457,7 +457,7 @@ def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableT
                  "each request's own block-table row", style="green"),
         ]
         vl = st.vllm.get("attn_metadata") if isinstance(getattr(st, "vllm", None), dict) else None
-        if isinstance(vl, dict):  # run --engine vllm: the metadata as vLLM built it, in its own names
+        if isinstance(vl, dict):  # run --runtime vllm: the metadata as vLLM built it, in its own names
             sc = st.vllm.get("scheduler") or {}
 
             def cut(x: Any) -> str:  # validated ints and lists of ints
@@ -485,7 +485,7 @@ def mask_view(st: StepTrace, m: MaskRec, kv: KVRec | None = None) -> RenderableT
 def kv_view(st: StepTrace, kv: KVRec) -> RenderableType:
     """Per request K/V shapes before → after and where the new entries went; physical state."""
     ph = kv.physical
-    if kv.backend == "dense":  # --engine hf: the padded grid and DynamicCache (render_dense.py)
+    if kv.backend == "dense":  # --runtime hf: the padded grid and DynamicCache (render_dense.py)
         from infertrace.present.render_dense import dense_kv_view
 
         return dense_kv_view(st, kv)
@@ -516,7 +516,7 @@ def kv_view(st: StepTrace, kv: KVRec) -> RenderableType:
         if isinstance(sp, dict):  # llama.cpp's iSWA cache: the windowed layers' own pool (kv/iswa.py)
             parts.append(_kv("SWA pool", f"{sp['size']} cells · head {sp['head']} · used {sp['used']} · n_kv {sp['n_kv']} "
                                          "(windowed layers; a cell whose token left every window is reused)"))
-        for r in ph.get("recurrent_cells") or []:  # --engine llama.cpp, hybrid model: llama_memory_recurrent
+        for r in ph.get("recurrent_cells") or []:  # --runtime llama.cpp, hybrid model: llama_memory_recurrent
             parts.append(_kv(f"recurrent cells (ubatch {r['ubatch']})",
                              f"cells {r.get('head', '?')}..{r.get('head', 0) + r.get('n_rs', 1) - 1} hold the ubatch's sequences "
                              f"in order · rs_z {r['rs_z']} (zeroed for new sequences; -1 none) · s_copy {r['s_copy']} "
@@ -569,7 +569,7 @@ def decode_view(st: StepTrace, d: DecodeRec) -> RenderableType:
         head = f"none this step: no request finishes its prompt here (N={st.N} prefill-chunk tokens only fill the cache)"
     from infertrace.present.render_vllm import vllm_dropped_samples
 
-    dropped = vllm_dropped_samples(st)  # run --engine vllm: rows vLLM computed for partial prefills
+    dropped = vllm_dropped_samples(st)  # run --runtime vllm: rows vLLM computed for partial prefills
     if dropped and not d.logits_rows:
         head = (f"vLLM computed packed rows {sorted(r for r, _ in dropped.values())} of N={st.N} (one per scheduled request, "
                 "step.vllm.logits_indices); no request finishes its prompt here, so every sample is discarded")
@@ -647,7 +647,7 @@ def render_step(console: Console, st: StepTrace, show: Sequence[str] = VARIABLES
             console.print(serving_view(st))
         return
     console.print(packed_batch_view(st))
-    if st.hf:  # --engine hf: the padded [B, L] grid HF computed (render_dense.py)
+    if st.hf:  # --runtime hf: the padded [B, L] grid HF computed (render_dense.py)
         from infertrace.present.render_dense import dense_grid_view
 
         console.print(dense_grid_view(st))

@@ -138,7 +138,7 @@ def render_reference_diff(console: Console, rep: dict[str, Any]) -> None:
     who = rep.get("reference") or str(ref)  # the report says what the reference ran (compare/hf.py)
     head = [("ours", f"infertrace engine, backend {rep['backend']}, continuous batching"), ("reference", who),
             ("tolerance", f"atol {rep['atol']:g} on logits; greedy tokens (argmax) must be equal")]
-    console.print(Panel(_facts(head + _requests_facts(rep["requests"])), title=Text(f"diff-backends --against {ref}", style="bold"),
+    console.print(Panel(_facts(head + _requests_facts(rep["requests"])), title=Text(f"diff-runtimes {ref}", style="bold"),
                         title_align="left", box=box.ROUNDED))
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
     for col in ("step", "seq", "pos", "phase", "argmax ours", f"argmax {ref}", "sampled", "max|Δlogits|"):

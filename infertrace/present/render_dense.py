@@ -1,4 +1,4 @@
-"""Terminal views of the dense convention (``--engine hf``): the padded ``[B, L]`` grid of a step with its pad
+"""Terminal views of the dense convention (``--runtime hf``): the padded ``[B, L]`` grid of a step with its pad
 columns, the ``position_ids`` per row, HF's masks per layer type and the ``DynamicCache`` lengths.
 
 Reads only the step's ``hf`` section and ``kv.physical`` (kind ``dense``), as validated by the schema.

@@ -207,7 +207,7 @@ def render_kv_dump(console: Console, d: dict[str, Any]) -> None:
     if d.get("values"):
         parts.append(_values_view(d))
     rs = (d.get("physical") or {}).get("recurrent_cells")
-    if rs:  # --engine llama.cpp on a hybrid model: llama_memory_recurrent's cells per ubatch of the step
+    if rs:  # --runtime llama.cpp on a hybrid model: llama_memory_recurrent's cells per ubatch of the step
         parts.append(Text("llama.cpp recurrent cells (build_rs): " + " · ".join(
             f"ubatch {r['ubatch']}: cells {r.get('head', '?')}..{r.get('head', 0) + r.get('n_rs', 1) - 1} (head, n_rs "
             f"{r.get('n_rs', '?')}), rs_z {r['rs_z']} (the cell zeroed for new sequences; -1 none), s_copy {r['s_copy']} "

@@ -1,4 +1,4 @@
-"""Text of ``diff-backends --against llama.cpp`` (:func:`infertrace.compare.llamacpp.compare_with_llamacpp`):
+"""Text of ``diff-runtimes llama.cpp`` (:func:`infertrace.compare.llamacpp.compare_with_llamacpp`):
 the exact structural checks, then the float agreement against the measured noise floor."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _t(*parts: Any) -> Text:
 
 
 def agreement_table(rep: dict[str, Any], runtime: str) -> Table:
-    """The float agreement of a runtime comparison (``--against llama.cpp`` / ``vllm``): max |Δ| of hidden,
+    """The float agreement of a runtime comparison (``diff-runtimes llama.cpp`` / ``vllm``): max |Δ| of hidden,
     K, V and logits, KL and the same-top rate, each beside the measured noise floor and the tolerance."""
     nt, fl = rep["next_token"], rep["floor"]
     t = Table(title="float agreement (ours float32 = base)", show_lines=False)

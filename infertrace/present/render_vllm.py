@@ -1,4 +1,4 @@
-"""Text of ``diff-backends --against vllm`` (:func:`infertrace.runtimes.vllm.compare.compare_with_vllm`):
+"""Text of ``diff-runtimes vllm`` (:func:`infertrace.runtimes.vllm.compare.compare_with_vllm`):
 the exact structural comparison, then the float agreement against the measured noise floor."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def render_vllm_diff(con: Console, rep: dict[str, Any]) -> None:
 
 
 def vllm_dropped_samples(st: Any) -> dict[int, tuple[int, int | None]]:
-    """``run --engine vllm``: the rows vLLM computed and whose sample it dropped, by seq_id:
+    """``run --runtime vllm``: the rows vLLM computed and whose sample it dropped, by seq_id:
     ``{seq_id: (packed row, token vLLM sampled there)}``. vLLM computes one logits row per scheduled request
     (plus one per draft: ``step.vllm.logits_indices``, in packed order) and discards the sample of a partial
     prefill (vllm/v1/core/sched/scheduler.py ``update_from_output``: a request still prefilling gets no token).

@@ -350,7 +350,7 @@ def cache_over_time(trace: RunTrace) -> Markup:
     else:
         cap = M("{}<b>llama.cpp cell map</b> this paged run never had: derived by replaying find_slot (free cells "
                 "from head, wrapping) over {} cells from the step records").format(
-            _tag(False), str(trace.options.get("engine", {}).get("ctx_size")))
+            _tag(False), str(trace.options.get("settings", {}).get("ctx_size")))
     cells_svg = v.occupancy(grid, width, labels, "cellmap", "cell map over time", "cell", heads if is_cells else ())
     sim_tabs, B, nb = v.simulate_paged(trace, len(steps))
     rec_tabs = [v.recorded_tables(s) for s in steps]
@@ -384,12 +384,12 @@ def build_report(trace: RunTrace, source: str = "") -> str:
     :data:`MAX_STEP_SECTIONS` steps and :data:`MAX_TABLE_ROWS` table rows, with "… N more".
     """
     mo, c, o = trace.model, trace.config, trace.options
-    eng = o.get("engine", {})
+    eng = o.get("settings", {})
     facts = [("model", f"{mo.get('file')} ({human_bytes(int(mo.get('size', 0)))}, {mo.get('source')}, header sha256 {mo.get('metadata_sha256')})"),
              ("config", f"{c.get('arch')} · {c.get('n_layer')} layers · H={c.get('n_embd')} · heads {c.get('n_head')} "
                         f"(kv {c.get('n_head_kv')}) · head_dim {c.get('head_dim')} · vocab {c.get('vocab_size')}"),
              ("rope", f"theta {c.get('rope_theta')} · rotary dims {c.get('rope_dim')} · pairing in file {c.get('rope_pairing_in_file')} → neox"),
-             ("engine", f"backend {o.get('backend')} · attention {o.get('attention')} · ctx {eng.get('ctx_size')} · "
+             ("runtime", f"{trace.runtime} · backend {o.get('backend')} · attention {o.get('attention')} · ctx {eng.get('ctx_size')} · "
                         f"tokens_per_block {eng.get('tokens_per_block')} · max_batch_tokens {eng.get('max_batch_tokens')} · "
                         f"prefill_chunk {eng.get('prefill_chunk')} · dtype {o.get('dtype')} · device {o.get('device')}")]
     if isinstance(trace.spec, dict):

@@ -111,7 +111,7 @@ def simulate_cells(trace: Any, n_steps: int | None = None) -> list[dict[int, tup
     """Per step, the cell map ``{cell: (pos, seq_ids)}`` a llama.cpp cache of ``ctx_size`` cells
     would hold right after the step (``find_slot`` from ``head`` with wrap-around); the first
     ``n_steps`` steps. Work per step is O(cells used + tokens placed), never O(ctx_size)."""
-    size = int(trace.options.get("engine", {}).get("ctx_size") or 2048)
+    size = int(trace.options.get("settings", {}).get("ctx_size") or 2048)
     cells: dict[int, tuple[int, list[int]]] = {}
     head, out = 0, []
 
@@ -153,7 +153,7 @@ def simulate_paged(trace: Any, n_steps: int | None = None) -> tuple[list[dict[in
     is O(blocks handed out), never O(num_blocks)."""
     import heapq
 
-    eng = trace.options.get("engine", {})
+    eng = trace.options.get("settings", {})
     B = int(eng.get("tokens_per_block") or 32)
     nb = int(eng.get("num_blocks") or -(-int(eng.get("ctx_size") or 2048) // B))
     returned: list[int] = []

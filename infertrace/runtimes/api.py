@@ -34,7 +34,7 @@ class RuntimeInfo:
     """A registry entry: what a runtime is, before its module is imported.
 
     Attributes:
-        name: the runtime's name as flags and traces spell it (``--engine NAME``, ``RunTrace.engine``).
+        name: the runtime's name as flags and traces spell it (``--runtime NAME``, ``RunTrace.runtime``).
         summary: one line for ``--help`` (who computes, what is recorded).
         target: ``"module:Class"`` of the :class:`Runtime` implementation (imported lazily).
         conventions: the KV conventions it runs (``--backend`` values); the first is its default.
@@ -53,7 +53,7 @@ class RuntimeInfo:
         ctx_note: why the default context is lowered to the model's trained one for this runtime (a note's tail).
         comparison: the module whose ``check_comparison(settings, atol)``, ``compare(loaded, specs, settings,
             atol)`` and ``render_comparison(console, report)`` compare infertrace's engine with this runtime
-            (``diff-backends --against NAME``), or ``""`` when it cannot be compared.
+            (``diff-runtimes NAME``), or ``""`` when it cannot be compared.
     """
 
     name: str
@@ -154,7 +154,7 @@ class RuntimeHeader:
     Attributes:
         backend: the convention that ran (``cells`` / ``paged`` / ``dense``).
         attention: the attention implementation that ran (``sdpa``, ``triton``, ``llama.cpp``, ``vllm``, ...).
-        engine_options: ``trace.options["engine"]``: the engine options as this runtime honoured them.
+        settings: ``trace.options["settings"]``: the engine settings (``EngineOptions``) as this runtime honoured them.
         options: further ``trace.options`` fields, in order, after ``layer`` and ``show``
             (e.g. ``sampler_order``, the runtime's native section).
         notes: lines for ``trace.notes`` after the model's own notes.
@@ -164,7 +164,7 @@ class RuntimeHeader:
 
     backend: str
     attention: str
-    engine_options: Mapping[str, Any]
+    settings: Mapping[str, Any]
     options: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     layer: int | None = None
@@ -219,7 +219,7 @@ class Runtime(Protocol):
         ...
 
 
-#: every runtime infertrace records, by name (``--engine NAME``; ``RunTrace.engine``)
+#: every runtime infertrace records, by name (``--runtime NAME``; ``RunTrace.runtime``)
 REGISTRY: dict[str, RuntimeInfo] = {
     "infertrace": RuntimeInfo(
         "infertrace", "this engine (PyTorch on CPU, Triton on GPU): every variable computed and recorded here",
@@ -290,7 +290,7 @@ def runtime_class(name: str) -> type:
 
 
 def native_of(name: Any) -> str:
-    """The native section (:attr:`RuntimeInfo.native`) of the runtime named ``name`` (a trace's ``engine``,
+    """The native section (:attr:`RuntimeInfo.native`) of the runtime named ``name`` (a trace's ``runtime``,
     untrusted: anything not registered has none, ``""``)."""
     entry = REGISTRY.get(name) if isinstance(name, str) else None
     return entry.native if entry is not None else ""

@@ -3,7 +3,7 @@
 ``record_run`` checks the settings (the common checks, then the runtime's own), opens the runtime,
 queues the requests, calls ``step()`` until it returns None, and assembles the trace from the
 runtime's :class:`~infertrace.runtimes.api.RuntimeHeader` one way: the request records, the options
-(``backend``, ``attention``, what the user asked, ``engine``, ``layer``, ``show``, then the runtime's
+(``backend``, ``attention``, what the user asked, ``settings``, ``layer``, ``show``, then the runtime's
 own fields), the notes (the model's, the tokenizer's, the runtime's) and the thread facts. The runtime
 is closed in ``finally``. Mirrors vLLM ``LLM.generate`` (``add_request`` for each prompt, ``step()``
 until no unfinished request) and nano-vllm ``LLMEngine.generate``.
@@ -66,7 +66,7 @@ def record_run(name_or_cls: Any, loaded: Any, prompts: Sequence[Any], settings: 
             ``step3/layer0/q_pre_rope``).
 
     Returns:
-        the :class:`~infertrace.trace.records.RunTrace` (``engine`` = the runtime's name).
+        the :class:`~infertrace.trace.records.RunTrace` (``runtime`` = the runtime's name).
 
     Raises:
         InfertraceError: bad settings, a prompt the runtime refuses, a runtime failure, or a run still
@@ -113,13 +113,13 @@ def assemble(rt: Runtime, loaded: Any, settings: RunSettings, h: RuntimeHeader, 
     from infertrace.threads import current
     from infertrace.trace.records import RunTrace
 
-    options = {"backend": h.backend, "attention": h.attention, **settings.record, "engine": dict(h.engine_options),
+    options = {"backend": h.backend, "attention": h.attention, **settings.record, "settings": dict(h.settings),
                "layer": settings.layer if h.layer is None else h.layer, "show": list(settings.show), **h.options}
     tok = loaded.tokenizer
     notes = list(loaded.ckpt.notes) + list(getattr(tok, "warnings", []) or []) + list(h.notes)
     out = RunTrace(model=model_identity(loaded.ckpt), config=loaded.config.to_dict(), options=options, notes=notes,
-                   steps=steps if settings.trace else [], requests=rt.requests(), engine=type(rt).info.name,
+                   steps=steps if settings.trace else [], requests=rt.requests(), runtime=type(rt).info.name,
                    spec=h.spec)  # type: ignore[arg-type]
     th = current()
-    out.runtime = {"threads": th.n, "threads_reason": th.reason}
+    out.threads = {"n": th.n, "reason": th.reason}
     return out

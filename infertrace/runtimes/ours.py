@@ -62,7 +62,7 @@ class OurRuntime:
         if model_config is not None and opts.backend == "cells" and getattr(model_config, "windowed_layers", None) \
                 and opts.n_seq_max == EngineOptions.n_seq_max:
             # llama.cpp's n_seq_max is the number of parallel sequences (llama-cli 1, --parallel N), and it sizes the
-            # iSWA cache's SWA pool (kv/iswa.py): one per request here, as --engine llama.cpp runs them
+            # iSWA cache's SWA pool (kv/iswa.py): one per request here, as --runtime llama.cpp runs them
             settings = replace(settings, opts=replace(opts, n_seq_max=settings.n_requests))
         return settings
 
@@ -125,7 +125,7 @@ class OurRuntime:
         """Backend, attention, the engine options (defaults of unset mechanisms pruned), padded vocabulary and notes."""
         eng, s = self.eng, self.settings
         opts = s.opts  # as asked (Engine may switch a mechanism off for this model: the note says so)
-        engine_opts = engine_options(opts)
+        engine_opts = recorded_settings(opts)
         options: dict[str, Any] = {}
         notes = []
         pv = eng.padded_vocab
@@ -145,7 +145,7 @@ class OurRuntime:
         if opts.prefix_cache and "prefix_cache" in eng.disabled:
             notes.append(f"--prefix-cache on ignored: {eng.disabled['prefix_cache']}")
             engine_opts.pop("prefix_cache", None)  # record what ran: no prefix cache (off is recorded by omission)
-        return RuntimeHeader(backend=s.opts.backend, attention=eng.attn_impl, engine_options=engine_opts, options=options,
+        return RuntimeHeader(backend=s.opts.backend, attention=eng.attn_impl, settings=engine_opts, options=options,
                              notes=tuple(notes), layer=layer, spec=eng.spec.summary() if eng.spec is not None else None)
 
     def close(self) -> None:
@@ -153,8 +153,8 @@ class OurRuntime:
         return None
 
 
-def engine_options(opts: Any) -> dict[str, Any]:
-    """``trace.options["engine"]`` of this engine: the options as run, each mechanism recorded only when set
+def recorded_settings(opts: Any) -> dict[str, Any]:
+    """``trace.options["settings"]`` of this engine: the options as run, each mechanism recorded only when set
     (so traces from before an option existed compare equal)."""
     engine_opts = asdict(opts)
     for k, default in SERVING_DEFAULTS.items():  # serving options recorded only when set (older traces compare equal)

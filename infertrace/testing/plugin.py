@@ -80,8 +80,13 @@ class Snapshot:
         return self.golden_dir / name / "trace.json"
 
     def run(self, prompts: Sequence[Any], *, loaded: Any = None, model: str | Path | None = None, max_new_tokens: int = 2,
-            engine: Any = None, show: Sequence[str] | None = None, layer: int = 0, **sampling: Any) -> Any:
-        """Run the scenario and return its :class:`RunTrace` (attention pinned to torch unless set)."""
+            settings: Any = None, show: Sequence[str] | None = None, layer: int = 0, engine: Any = None,
+            **sampling: Any) -> Any:
+        """Run the scenario and return its :class:`RunTrace` (attention pinned to torch unless set).
+
+        ``settings``: an :class:`~infertrace.engine.options.EngineOptions` or a dict of its fields (the trace's
+        ``options.settings``); ``engine`` is its old name, still taken.
+        """
         from infertrace.engine.engine import EngineOptions
         from infertrace.runner import load_model, run_requests
         from infertrace.capture.recorder import VARIABLES
@@ -91,7 +96,8 @@ class Snapshot:
             if key not in _MODELS:
                 _MODELS[key] = load_model(model)
             loaded = _MODELS[key]
-        opts = engine if isinstance(engine, EngineOptions) else EngineOptions(**{"attention": "torch", **(engine or {})})
+        settings = engine if settings is None else settings
+        opts = settings if isinstance(settings, EngineOptions) else EngineOptions(**{"attention": "torch", **(settings or {})})
         specs = _specs(prompts, {"max_new_tokens": max_new_tokens, **sampling})
         return run_requests(loaded, specs, opts, layer=layer, show=tuple(show or VARIABLES),
                             options_for_record={"dtype": "float32", "device": "cpu"})
@@ -143,13 +149,12 @@ def _read_golden(p: Path) -> dict:
         d = parse_json(read_regular(p, MAX_MANIFEST_BYTES, "golden trace"), str(p))
     except _json.JSONDecodeError as e:
         pytest.fail(f"{p}: not valid JSON ({e.msg})", pytrace=False)
-    validate_manifest(d, str(p))
-    return d
+    return validate_manifest(d, str(p))  # upgraded to the current schema
 
 
 @pytest.fixture
 def infertrace_snapshot(request: pytest.FixtureRequest) -> Snapshot:
-    """Golden-trace checker: ``infertrace_snapshot.check(name, prompts, loaded=..., engine={...})``."""
+    """Golden-trace checker: ``infertrace_snapshot.check(name, prompts, loaded=..., settings={...})``."""
     cfg = request.config
     return Snapshot(Path(cfg.rootpath) / cfg.getini("infertrace_golden_dir"), bool(cfg.getoption("--infertrace-update")),
                     announce=True)

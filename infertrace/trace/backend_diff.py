@@ -28,7 +28,7 @@ LOGICAL = ("schedule", "positions", "mask", "kv", "tokens", "logits")
 def needs_backend_diff(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """True for two traces of one runtime whose cache conventions differ (``cells`` vs ``paged``: only
     infertrace's engine runs both, ``runtimes/api.py`` ``RuntimeInfo.conventions``)."""
-    ea, eb = a.get("engine", "infertrace"), b.get("engine", "infertrace")
+    ea, eb = a.get("runtime", "infertrace"), b.get("runtime", "infertrace")
     ba = (a.get("options") or {}).get("backend") if isinstance(a.get("options"), dict) else None
     bb = (b.get("options") or {}).get("backend") if isinstance(b.get("options"), dict) else None
     return ea == eb and {ba, bb} == {"cells", "paged"}

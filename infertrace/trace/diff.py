@@ -298,8 +298,8 @@ def diff_traces(a: dict[str, Any], b: dict[str, Any], atol: float = DEFAULT_ATOL
                 res.differences.append(dv)
 
     top = {"level": "top"}
-    head_a = {k: v for k, v in a.items() if k not in ("steps", "requests", "runtime")}  # runtime: machine facts
-    head_b = {k: v for k, v in b.items() if k not in ("steps", "requests", "runtime")}
+    head_a = {k: v for k, v in a.items() if k not in ("steps", "requests", "threads")}  # threads: machine facts
+    head_b = {k: v for k, v in b.items() if k not in ("steps", "requests", "threads")}
     add(w.walk(head_a, head_b, "", top, (a, b)))
     sa, sb = a.get("steps", []), b.get("steps", [])
     for i in range(max(len(sa), len(sb))):

@@ -1,4 +1,4 @@
-"""``infertrace diff A B`` when A and B were computed by different engines (a ``run --engine llama.cpp``
+"""``infertrace diff A B`` when A and B were computed by different engines (a ``run --runtime llama.cpp``
 trace against a ``cells`` trace of ours): structure exactly, floats as agreement statistics.
 
 The structural projection keeps every integer and text field of the five variables -- schedule,
@@ -133,7 +133,7 @@ def floats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "max_abs": mx, "first_different_top": first_diff_token}
 
 
-#: llama.cpp context settings a ``run --engine llama.cpp`` header records (``options.llama_cpp``) that
+#: llama.cpp context settings a ``run --runtime llama.cpp`` header records (``options.llama_cpp``) that
 #: change its numbers (:meth:`infertrace.runtimes.llamacpp.capture.LlamaCppContext.settings`)
 LLAMACPP_SETTINGS = ("version", "flash_attn", "flash_attn_type", "type_k", "type_v", "n_ctx", "n_batch", "n_ubatch",
                      "n_seq_max", "n_threads", "n_threads_batch", "kv_unified", "offload_kqv", "op_offload", "swa_full",
@@ -168,6 +168,6 @@ def cross_engine_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, .
     res.tensors_note = "tensors not compared across engines (" + (
         "both traces kept them" if all(kept) else "A kept them, B did not" if kept[0] else
         "B kept them, A did not" if kept[1] else "neither trace kept them") + ")"
-    info = {"engines": [a.get("engine", "infertrace"), b.get("engine", "infertrace")], "floats": floats(a, b),
+    info = {"engines": [a.get("runtime", "infertrace"), b.get("runtime", "infertrace")], "floats": floats(a, b),
             "dtypes": {"a": _dtypes(a), "b": _dtypes(b)}}
     return res, info

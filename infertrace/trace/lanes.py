@@ -3,7 +3,7 @@
 One :class:`Slot` per (request, step) in which the request was scheduled or preempted, built only from
 the step records every engine writes (``StepTrace.batch`` rows, ``preempted``, ``admitted``, the prefix
 lookup of a row, the ``kv.physical`` snapshot, ``time_ms``), so the same code reads our engine's traces,
-``run --engine llama.cpp`` and ``run --engine vllm`` traces, and a collected served vLLM trace alike.
+``run --runtime llama.cpp`` and ``run --runtime vllm`` traces, and a collected served vLLM trace alike.
 
 Kinds of a slot (vLLM / TensorRT-LLM words):
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SCHEMA_VERSION = 1
+#: the schema this infertrace writes; older ones read through :func:`infertrace.trace.upgrade.upgrade`
+#: (schema 2 renamed ``engine`` -> ``runtime``, ``options.engine`` -> ``options.settings``, thread facts -> ``threads``)
+SCHEMA_VERSION = 2
 
 #: the five inference variables a :class:`StepTrace` holds, in display order
 VARIABLES = ("hidden", "positions", "mask", "kv", "decode")
@@ -152,8 +154,8 @@ class StepTrace:
     serving: dict[str, Any] | None = None  # prefix lookups, evictions, context shifts, KV audit (engine/serving.py)
     spec: dict[str, Any] | None = None  # speculative decoding: drafted, accepted, acceptance rate of the step
     hybrid: dict[str, Any] | None = None  # hybrid models: layer map, M-RoPE positions, GDN state (capture/hybrid_rec.py)
-    vllm: dict[str, Any] | None = None  # run --engine vllm: vLLM's scheduler output and attention metadata as built (runtimes/vllm)
-    hf: dict[str, Any] | None = None  # --engine hf: HF's forward inputs, masks per layer type, cache lengths (runtimes/hf)
+    vllm: dict[str, Any] | None = None  # run --runtime vllm: vLLM's scheduler output and attention metadata as built (runtimes/vllm)
+    hf: dict[str, Any] | None = None  # --runtime hf: HF's forward inputs, masks per layer type, cache lengths (runtimes/hf)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -203,10 +205,10 @@ class RunTrace:
     steps: list[StepTrace]
     requests: list[dict[str, Any]]  # seq_id, prompt, prompt_ids, output_ids, text, stop_reason
     schema_version: int = SCHEMA_VERSION
-    engine: str = "infertrace"  # who computed: "infertrace" (this engine), "llama.cpp", "vllm" or "hf" (run --engine ...)
+    runtime: str = "infertrace"  # who computed: "infertrace" (this engine), "llama.cpp", "vllm" or "hf" (run --runtime ...)
     #: machine facts of the run, like ``time_ms``: in ``to_dict`` (``run --json``) but not in
-    #: trace.json (timing.json holds them): ``{"threads": int, "threads_reason": str}`` or empty
-    runtime: dict[str, Any] = field(default_factory=dict)
+    #: trace.json (timing.json holds them): ``{"n": int, "reason": str}`` or empty
+    threads: dict[str, Any] = field(default_factory=dict)
     #: speculative decoding summary (engine/speculative.py ``Speculator.summary``) or None
     spec: dict[str, Any] | None = None
 
@@ -219,17 +221,19 @@ class RunTrace:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "RunTrace":
+        """Rebuild from :meth:`to_dict` output or a manifest at :data:`SCHEMA_VERSION` (an older saved one is
+        upgraded by :func:`infertrace.trace.store.read_manifest` first)."""
         return RunTrace(model=d["model"], config=d["config"], options=d["options"], notes=list(d.get("notes", [])),
                         steps=[StepTrace.from_dict(s) for s in d["steps"]], requests=list(d["requests"]),
                         schema_version=int(d.get("schema_version", SCHEMA_VERSION)),
-                        engine=str(d.get("engine", "infertrace")), runtime=checked_runtime(d.get("runtime")),
+                        runtime=str(d.get("runtime", "infertrace")), threads=checked_threads(d.get("threads")),
                         spec=d.get("spec") if isinstance(d.get("spec"), dict) else None)
 
 
-def checked_runtime(rt: Any) -> dict[str, Any]:
-    """``RunTrace.runtime`` from untrusted JSON: ``{"threads": 1..65536, "threads_reason": str}``
-    (reason cut at 200 characters), or ``{}`` for anything else."""
-    if (isinstance(rt, dict) and isinstance(rt.get("threads"), int) and not isinstance(rt["threads"], bool)
-            and 1 <= rt["threads"] <= 65536 and isinstance(rt.get("threads_reason"), str)):
-        return {"threads": rt["threads"], "threads_reason": rt["threads_reason"][:200]}
+def checked_threads(th: Any) -> dict[str, Any]:
+    """``RunTrace.threads`` from untrusted JSON: ``{"n": 1..65536, "reason": str}`` (reason cut at
+    200 characters), or ``{}`` for anything else."""
+    if (isinstance(th, dict) and isinstance(th.get("n"), int) and not isinstance(th["n"], bool)
+            and 1 <= th["n"] <= 65536 and isinstance(th.get("reason"), str)):
+        return {"n": th["n"], "reason": th["reason"][:200]}
     return {}

@@ -1,5 +1,5 @@
-"""``infertrace diff A B`` across conventions: a ``cells`` trace (llama.cpp, ``run --engine llama.cpp``)
-against a ``paged`` trace (vLLM, ``run --engine vllm``) of the same requests.
+"""``infertrace diff A B`` across conventions: a ``cells`` trace (llama.cpp, ``run --runtime llama.cpp``)
+against a ``paged`` trace (vLLM, ``run --runtime vllm``) of the same requests.
 
 The two runtimes schedule differently (llama.cpp here runs infertrace's scheduler, vLLM its own:
 token budget, ``long_prefill_token_threshold``, speculative lookahead), so their steps do not pair
@@ -51,7 +51,7 @@ KEEP = 8
 
 
 def _engine(m: dict[str, Any]) -> str:
-    return str(m.get("engine", "infertrace"))
+    return str(m.get("runtime", "infertrace"))
 
 
 def _convention(m: dict[str, Any]) -> str | None:
@@ -190,7 +190,7 @@ def _per_request(m: dict[str, Any]) -> dict[int, dict[str, Any]]:
 def _block_size(m: dict[str, Any]) -> int | None:
     opts = m.get("options") if isinstance(m.get("options"), dict) else {}
     vl = opts.get("vllm") if isinstance(opts.get("vllm"), dict) else {}
-    eng = opts.get("engine") if isinstance(opts.get("engine"), dict) else {}
+    eng = opts.get("settings") if isinstance(opts.get("settings"), dict) else {}
     for b in (vl.get("block_size"), eng.get("tokens_per_block")):
         if isinstance(b, int) and not isinstance(b, bool) and b > 0:
             return b

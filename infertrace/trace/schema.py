@@ -327,7 +327,7 @@ SWA_POOL = Obj({"size": Int(1, L["MAX_CTX"]), "head": Int(0, L["MAX_CTX"]), "use
                 "n_kv": Int(0, L["MAX_CTX"]), "cells": List(CELL)},
                {"k_idxs": Range(), "head_before": Int(0, L["MAX_CTX"]), "head_after": Int(0, L["MAX_CTX"]), "reused": Range(),
                 "purged": Str(max_len=4096)})
-#: llama.cpp's recurrent cells of one ubatch (hybrid models, --engine llama.cpp: capture.py LlamaCppContext._rs_meta)
+#: llama.cpp's recurrent cells of one ubatch (hybrid models, --runtime llama.cpp: capture.py LlamaCppContext._rs_meta)
 RS_CELLS = Obj({"ubatch": Int(0, L["MAX_LIST"]), "rs_z": Int(-1, L["MAX_SEQ_ID"]),
                 "s_copy": List(Int(0, L["MAX_SEQ_ID"] * 64), 4096)},
                {"n_rs": Int(0, 4096), "head": Int(0, L["MAX_SEQ_ID"])})
@@ -355,7 +355,7 @@ PHYS_PAGED = Obj({"kind": Str(choices=("paged",)), "num_blocks": Int(1, L["MAX_B
                   "cached_free_blocks": Int(0, L["MAX_BLOCKS"])})
 
 
-#: ``--engine hf`` (runtimes/hf/record.py ``dense_physical``): the padded ``[B, L]`` grid after the step, per batch
+#: ``--runtime hf`` (runtimes/hf/record.py ``dense_physical``): the padded ``[B, L]`` grid after the step, per batch
 #: row its real / pad columns (range texts over columns), and each layer type's cache length and stored columns
 PHYS_DENSE = Obj({"kind": Str(choices=("dense",)), "batch_size": Int(1, L["MAX_SEQ_ID"]), "padded_len": Int(0, L["MAX_CTX"]),
                   "columns": Int(0, L["MAX_CTX"]), "padding": Str(choices=("left", "right")),
@@ -404,7 +404,7 @@ HYBRID = Obj({"layer_map": Obj({"linear_attention": List(DIM), "full_attention":
                             "bytes_per_seq": Int(0, 1 << 50)},
                            {"gdn_layer": DIM, "qkv": TSHAPE, "snapshots_per_slot": Int(1, 4096),
                             "snapshot_bytes_per_seq": Int(0, 1 << 50)})}, null=True)
-#: run --engine vllm (runtimes/vllm/engine.py): vLLM's scheduler output and attention metadata as vLLM built them
+#: run --runtime vllm (runtimes/vllm/engine.py): vLLM's scheduler output and attention metadata as vLLM built them
 #: (vLLM's names: seq_lens = kv length, query_start_loc = cu_seqlens; block 0 is its null block)
 SLOT = Int(0, L["MAX_BLOCKS"] * L["MAX_TOKENS_PER_BLOCK"])
 VLLM_STEP = Obj({"scheduler": Obj({"scheduled": List(Obj({"seq_id": SEQ, "num_scheduled_tokens": Int(0, L["MAX_CTX"]),
@@ -439,7 +439,7 @@ VLLM_STEP = Obj({"scheduler": Obj({"scheduled": List(Obj({"seq_id": SEQ, "num_sc
                       "captured_batch": Obj({"req_ids": List(Str(max_len=256), 4096), "num_actual_tokens": Int(0, L["MAX_LIST"])},
                                             {"max_query_len": Int(0, L["MAX_CTX"], null=True),
                                              "num_decode_tokens": Int(0, L["MAX_LIST"], null=True)})})}, null=True)
-#: ``--engine hf`` (runtimes/hf/record.py ``hf_section``): the step in HF's names: the forward's inputs as fed, each
+#: ``--runtime hf`` (runtimes/hf/record.py ``hf_section``): the step in HF's names: the forward's inputs as fed, each
 #: layer type's mask as its mask function returned it (per batch row, per query, "1" keep / "0" drop over the key
 #: columns), the DynamicCache's per-layer lengths, K/V of the recorded layer by column, the logits' shape
 MASK_ROW = Str(max_len=4096)
@@ -457,7 +457,7 @@ HF_STEP = Obj({"padding": Str(choices=("left", "right")), "input_ids": List(List
               {"attn_implementation": Str(max_len=64), "pad_token_id": U, "row_seq_ids": List(SEQ),
                "finished_rows": List(Obj({"row": DIM, "fed_pad_from_col": POS})),
                "generate_position_ids": List(Int(0, L["MAX_CTX"]), null=True), "next_tokens": List(U, null=True)}, null=True)
-#: ``--engine hf``: HF's own run facts (runtimes/hf/runtime.py HfRuntime.header)
+#: ``--runtime hf``: HF's own run facts (runtimes/hf/runtime.py HfRuntime.header)
 HF_HEADER = Obj({}, {"version": Str(max_len=200), "model_class": Str(max_len=200), "attn_implementation": Str(max_len=64),
                      "dtype": Str(max_len=32), "padding": Str(choices=("left", "right")), "pad_token_id": U,
                      "batch_size": Int(0, L["MAX_SEQ_ID"]), "padded_len": Int(0, L["MAX_CTX"])}, extra=True)
@@ -472,9 +472,9 @@ REQUEST = Obj({"seq_id": SEQ}, {"prompt": S, "prompt_ids": List(U), "output_ids"
 #: a finite JSON number (NaN and the infinities refused): every option and config value that is a number
 FIN = Num(lo=-_NUM_ABS, hi=_NUM_ABS)
 FIN_OR_NULL = Num(null=True, lo=-_NUM_ABS, hi=_NUM_ABS)
-#: the run's EngineOptions (engine/options.py) as the runtimes record them: every field typed and bounded
-#: (speculative.py MAX_DRAFT = 64 drafts; a tree of at most 4096 nodes, as SPEC_REQ)
-ENGINE = Obj({}, {"backend": Str(choices=BACKENDS), "ctx_size": Int(1, L["MAX_CTX"], null=True, limit="MAX_CTX"),
+#: ``options.settings``: the run's EngineOptions (engine/options.py) as the runtimes record them: every field typed
+#: and bounded (speculative.py MAX_DRAFT = 64 drafts; a tree of at most 4096 nodes, as SPEC_REQ)
+SETTINGS = Obj({}, {"backend": Str(choices=BACKENDS), "ctx_size": Int(1, L["MAX_CTX"], null=True, limit="MAX_CTX"),
                   "num_blocks": Int(1, L["MAX_BLOCKS"], null=True, limit="MAX_BLOCKS"),
                   "tokens_per_block": Int(1, L["MAX_TOKENS_PER_BLOCK"], null=True, limit="MAX_TOKENS_PER_BLOCK"),
                   "max_batch_tokens": Int(1, L["MAX_CTX"], null=True), "prefill_chunk": Int(1, L["MAX_CTX"], null=True),
@@ -486,7 +486,7 @@ ENGINE = Obj({}, {"backend": Str(choices=BACKENDS), "ctx_size": Int(1, L["MAX_CT
                   "num_spec_tokens": Int(1, 64), "spec_tree": List(Int(-1, 4095), 4096, null=True),
                   "draft_model": Str(null=True, max_len=4096), "draft_layers": Int(1, L["MAX_DIM"], null=True),
                   "ngram_min": Int(1, 4096), "ngram_max": Int(1, 4096)}, extra=True)  # engine.options.KV_DTYPES; absent in older traces: the model dtype
-#: ``run --engine llama.cpp``: the llama.cpp context settings that change its numbers (runtimes/llamacpp/capture.py)
+#: ``run --runtime llama.cpp``: the llama.cpp context settings that change its numbers (runtimes/llamacpp/capture.py)
 N_THREADS = Int(0, 1 << 16)
 LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "off")),
                      "flash_attn_type": Str(choices=("auto", "on", "off")), "type_k": Str(max_len=32),
@@ -500,7 +500,7 @@ LLAMA_CPP = Obj({}, {"version": S, "flash_attn": Str(null=True, choices=("on", "
 KERNEL = Str(max_len=128)
 WEIGHTS = Obj({"weights": Str(choices=("float", "quant", "none"))},
               {"kernels": Map(KERNEL, key_int=False, max_len=64)}, extra=True)
-#: ``run --engine vllm``: vLLM's own run facts (runtimes/vllm/engine.py VllmRun.header)
+#: ``run --runtime vllm``: vLLM's own run facts (runtimes/vllm/engine.py VllmRun.header)
 VLLM_HEADER = Obj({}, {"version": Str(max_len=200), "backend": Str(max_len=400), "isa": Str(max_len=64),
                        "block_size": Int(1, L["MAX_TOKENS_PER_BLOCK"]), "dtype": Str(max_len=32), "cache_dtype": Str(max_len=32),
                        "num_blocks": Int(1, L["MAX_BLOCKS"]), "null_block": Int(0, L["MAX_BLOCKS"]),
@@ -517,7 +517,7 @@ PADDED_VOCAB = Obj({"rows": U, "tokens": U}, {"policy": Str(max_len=64), "masked
 TAP_SOURCES = Map(Str(max_len=400), key_int=False, max_len=64)
 OPTIONS = Obj({}, {"backend": Str(choices=BACKENDS), "attention": Str(max_len=64), "device": Str(max_len=64),
                    "dtype": Str(choices=("float32", "bfloat16", "float16")), "layer": DIM,
-                   "show": List(Str(choices=("hidden", "positions", "mask", "kv", "decode")), 64), "engine": ENGINE,
+                   "show": List(Str(choices=("hidden", "positions", "mask", "kv", "decode")), 64), "settings": SETTINGS,
                    "llama_cpp": LLAMA_CPP, "weights": WEIGHTS, "sampler_order": Str(null=True, choices=("hf", "llama.cpp")),
                    "vllm": VLLM_HEADER, "hf": HF_HEADER, "padded_vocab": PADDED_VOCAB,
                    "tap_sources": TAP_SOURCES,
@@ -576,11 +576,11 @@ def _consistent(d: dict[str, Any]) -> None:
         v = cfg.get(k)
         if v and n_layer is not None and len(v) != n_layer:
             raise Bad(f"config.{k}", f"has {len(v)} entries but n_layer = {n_layer}")
-    eng = d["options"].get("engine") or {}
+    eng = d["options"].get("settings") or {}
     B = eng.get("tokens_per_block") or 32
     nb = eng.get("num_blocks")
     if nb is not None and nb * B > L["MAX_CTX"] * 4:
-        raise Bad("options.engine", f"num_blocks × tokens_per_block = {nb * B} exceeds 4 × MAX_CTX")
+        raise Bad("options.settings", f"num_blocks × tokens_per_block = {nb * B} exceeds 4 × MAX_CTX")
     prev = -1
     for i, st in enumerate(d["steps"]):
         p = f"steps[{i}]"

@@ -28,14 +28,15 @@ from infertrace.runtimes.api import names
 from infertrace.safe_io import MAX_MANIFEST_BYTES, TORCH_TO_ST, parse_json, read_regular, safetensors_header
 from infertrace.safe_text import visible
 from infertrace.trace.records import (SCHEMA_VERSION, DecodeRec, HiddenRec, KVRec, MaskRec, PositionsRec, ReqStep,
-                                      RowStat, RunTrace, StepTrace, checked_runtime)
+                                      RowStat, RunTrace, StepTrace, checked_threads)
+from infertrace.trace.upgrade import RENAMED_V1, threads_v1, upgrade
 
 MANIFEST, TENSORS, TIMING = "trace.json", "tensors.safetensors", "timing.json"
 #: what a saved trace directory may hold (``--force`` replaces only such a directory)
 TRACE_FILES = frozenset({MANIFEST, TENSORS, TIMING, "report.html"})
 KEEP = ("summary", "tensors")
-#: who computed a trace (the manifest's ``engine``)
-ENGINES = names()  # the runtimes of the registry (runtimes/api.py)
+#: who computed a trace (the manifest's ``runtime``)
+RUNTIMES = names()  # the runtimes of the registry (runtimes/api.py)
 #: per-step fields that depend on the machine, not on the run; stored in timing.json
 TIMING_FIELDS = ("time_ms",)
 
@@ -54,7 +55,7 @@ def manifest_dict(trace: RunTrace, store: dict[str, Any] | None = None) -> dict[
     """``trace.to_dict()`` without the timing fields (they are not part of the run's content),
     plus the ``store`` section (keep, tensor index)."""
     d = trace.to_dict()
-    d.pop("runtime", None)  # machine facts (threads): timing.json
+    d.pop("threads", None)  # machine facts: timing.json
     for st in d["steps"]:
         for k in TIMING_FIELDS:
             st.pop(k, None)
@@ -128,7 +129,7 @@ def save_trace(trace: RunTrace, directory: str | Path, tensors: TensorFile | Non
         (tmp / MANIFEST).write_bytes(text)
         written[MANIFEST] = len(text)
         timing = canonical_json({"steps": [{"step": s.step, "time_ms": s.time_ms} for s in trace.steps],
-                                 **({"runtime": trace.runtime} if trace.runtime else {})}).encode()
+                                 **({"threads": trace.threads} if trace.threads else {})}).encode()
         (tmp / TIMING).write_bytes(timing)
         written[TIMING] = len(timing)
         publish_dir(tmp, d, replace, TRACE_FILES)
@@ -184,12 +185,18 @@ def _check_list(obj: Any, where: str) -> list:
     return obj
 
 
-def validate_manifest(d: Any, path: str, consistency: bool = True) -> None:
+def validate_manifest(d: Any, path: str, consistency: bool = True) -> dict[str, Any]:
     """Check the structure :meth:`RunTrace.from_dict` relies on; the message names the field.
+
+    An older schema is upgraded first (:func:`infertrace.trace.upgrade.upgrade`, in memory), then
+    checked as the current one.
+
+    Returns:
+        the manifest at :data:`SCHEMA_VERSION` (``d`` itself when it already was; else a new dict).
 
     Raises:
         InfertraceError: not an object, a schema newer than :data:`SCHEMA_VERSION`, missing or
-            mistyped keys.
+            mistyped keys, a schema 1 field name in a schema 2 trace.
     """
     if not isinstance(d, dict):
         raise InfertraceError(f"{path}: expected a JSON object at the top, got {type(d).__name__}")
@@ -200,11 +207,37 @@ def validate_manifest(d: Any, path: str, consistency: bool = True) -> None:
         raise InfertraceError(f"{path}: schema_version must be a positive integer, got {json.dumps(v)}")
     if v > SCHEMA_VERSION:
         raise InfertraceError(f"trace schema {v} is newer than this infertrace supports ({SCHEMA_VERSION}); upgrade infertrace")
+    if v == SCHEMA_VERSION:
+        if "engine" in d:
+            raise InfertraceError(f"{path}: 'engine' is the schema 1 name of 'runtime'; a schema {v} trace has 'runtime' only")
+        if isinstance(d.get("options"), dict) and "engine" in d["options"]:
+            raise InfertraceError(f"{path}: 'options.engine' is the schema 1 name of 'options.settings'; a schema {v} "
+                                  "trace has 'options.settings' only")
+        _validate_current(d, path, consistency)
+        return d
+    d = upgrade(d, path)
+    try:
+        _validate_current(d, path, consistency)
+    except InfertraceError as e:  # a message naming a renamed field says so (the file spells it the old way)
+        if not any(new in e.message for new in RENAMED_MESSAGES):
+            raise
+        raise InfertraceError(f"{e.message} (a schema {v} trace, read as schema {SCHEMA_VERSION}: {RENAMED_NOTE})",
+                              e.exit_code) from None
+    return d
+
+
+#: how a message names the fields schema 2 renamed, and the note a schema 1 trace's message gets
+RENAMED_MESSAGES = ("options.settings", "'runtime'")
+RENAMED_NOTE = ", ".join(f"its {old} is {new}" for old, new in RENAMED_V1 if old != "runtime")
+
+
+def _validate_current(d: dict[str, Any], path: str, consistency: bool) -> None:
+    """:func:`validate_manifest` of a manifest at :data:`SCHEMA_VERSION`."""
     for k in ("model", "config", "options", "steps", "requests"):
         if k not in d:
             raise InfertraceError(f"{path}: missing key {k!r}")
-    if d.get("engine", "infertrace") not in ENGINES:
-        raise InfertraceError(f"{path}: 'engine' must be one of {', '.join(ENGINES)}")
+    if d.get("runtime", "infertrace") not in RUNTIMES:
+        raise InfertraceError(f"{path}: 'runtime' must be one of {', '.join(RUNTIMES)}")
     for k in ("model", "config", "options"):
         if not isinstance(d[k], dict):
             raise InfertraceError(f"{path}: {k!r} must be an object")
@@ -232,7 +265,8 @@ def validate_manifest(d: Any, path: str, consistency: bool = True) -> None:
 
 
 def read_manifest(directory: str | Path, consistency: bool = True) -> dict[str, Any]:
-    """The validated manifest dict of a saved trace (``directory`` or its ``trace.json``).
+    """The validated manifest dict of a saved trace (``directory`` or its ``trace.json``), at the
+    current schema (a schema 1 trace is upgraded in memory: :func:`infertrace.trace.upgrade.upgrade`).
 
     ``consistency=False`` skips only the cross-field consistency checks (types, sizes and limits
     are always checked): ``infertrace check`` reports those as invariant violations itself.
@@ -258,8 +292,7 @@ def read_manifest(directory: str | Path, consistency: bool = True) -> dict[str, 
         obj = parse_json(data, where)
     except json.JSONDecodeError as e:
         raise _json_error(where, e.doc, e) from None
-    validate_manifest(obj, where, consistency)
-    return obj
+    return validate_manifest(obj, where, consistency)
 
 
 def trace_from_manifest(m: dict[str, Any], where: str = MANIFEST) -> RunTrace:
@@ -294,12 +327,12 @@ def load_trace(directory: str | Path, timings: bool = True, manifest: dict[str, 
         try:
             doc = parse_json(read_regular(d / TIMING, 64 << 20, "timing.json"), TIMING)
             t = {s["step"]: float(s["time_ms"]) for s in doc["steps"]}
-            rt = doc.get("runtime")
+            rt = doc["threads"] if "threads" in doc else threads_v1(doc.get("runtime"))  # schema 1: "runtime"
         except (InfertraceError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
             t = {}  # timings are informational; a broken timing.json only loses them
         for st in tr.steps:
             st.time_ms = t.get(st.step, st.time_ms)
-        tr.runtime = checked_runtime(rt)
+        tr.threads = checked_threads(rt)
     return tr
 
 

@@ -213,10 +213,10 @@ _TOUR: dict[str, Expect] = {
     "--tokens-per-block 4": Expect("│ 0     5     [0, 2]        0: 0..3 · 2: 4"),
     'infertrace diff-backends --prompt "The capital of" --prompt "Hello" --arrival 0 --arrival 1 --prefill-chunk 2 -n 3':
         Expect("logically identical: 4 steps (0 idle), 2 requests, 8 queries"),
-    'infertrace run --prompt "The capital of" -n 3 --engine llama.cpp --teacher-force runs/we --save runs/lcf':
+    'infertrace run --prompt "The capital of" -n 3 --runtime llama.cpp --teacher-force runs/we --save runs/lcf':
         Expect("output seq 0: 'The capital of' → ' the United States'"),
     "infertrace diff runs/we runs/lcf": Expect("structure: identical"),
-    'infertrace run --prompt "The capital of" -n 3 --engine vllm --save runs/vl':
+    'infertrace run --prompt "The capital of" -n 3 --runtime vllm --save runs/vl':
         Expect("output seq 0: 'The capital of' → ' the United States'", marks=(pytest.mark.vllm, pytest.mark.slow)),
     "infertrace diff runs/lcf runs/vl": Expect("logical variables: identical", marks=(pytest.mark.vllm,)),
     "infertrace check runs/vl": Expect("no violation", marks=(pytest.mark.vllm,)),

@@ -89,7 +89,7 @@ def test_output_inside_the_trace_directory_is_refused(tmp_path):
     d = tmp_path / "t"
     shutil.copytree(GOLDEN, d)
     one_line(invoke("export", d, "-o", d / "trace.json", "--force"), "inside the trace directory")
-    assert json.loads((d / "trace.json").read_text())["schema_version"] == 1
+    assert json.loads((d / "trace.json").read_text())["schema_version"] == 2
 
 
 def test_export_imports_no_torch(tmp_path):

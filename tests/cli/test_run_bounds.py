@@ -90,9 +90,9 @@ def test_context_shift_run_stops_when_its_trace_passes_the_cap(model, tmp_path, 
 
 def test_tensor_parallel_size_is_capped_by_the_cores():
     cores = len(os.sched_getaffinity(0))
-    line = _one_line(invoke("run", "--engine", "vllm", "--prompt", "a", "--tensor-parallel-size", cores + 1))
+    line = _one_line(invoke("run", "--runtime", "vllm", "--prompt", "a", "--tensor-parallel-size", cores + 1))
     assert f"--tensor-parallel-size {cores + 1} is more than the {cores} CPU core(s)" in line
     assert f"use at most {cores}" in line
-    line = _one_line(invoke("run", "--engine", "vllm", "--prompt", "a", "--tensor-parallel-size", 4096))
+    line = _one_line(invoke("run", "--runtime", "vllm", "--prompt", "a", "--tensor-parallel-size", 4096))
     assert "4096" in line and f"at most {cores}" in line
-    assert "must be >= 1" in _one_line(invoke("run", "--engine", "vllm", "--prompt", "a", "--tensor-parallel-size", 0))
+    assert "must be >= 1" in _one_line(invoke("run", "--runtime", "vllm", "--prompt", "a", "--tensor-parallel-size", 0))

@@ -33,8 +33,8 @@ def sampled(tmp_path_factory, smol):
 def test_hf_follows_a_sampled_trace_and_bisect_compares_every_position(sampled, hf_smol, tmp_path):
     a = json.loads((sampled / "trace.json").read_text())
     b_dir, g_dir = tmp_path / "b", tmp_path / "g"
-    assert _cli("run", "--engine", "hf", "-p", PROMPT, "-n", "6", "--teacher-force", sampled, "--save", b_dir).exit_code == 0
-    assert _cli("run", "--engine", "hf", "-p", PROMPT, "-n", "6", "--save", g_dir).exit_code == 0
+    assert _cli("run", "--runtime", "hf", "-p", PROMPT, "-n", "6", "--teacher-force", sampled, "--save", b_dir).exit_code == 0
+    assert _cli("run", "--runtime", "hf", "-p", PROMPT, "-n", "6", "--save", g_dir).exit_code == 0
     b, g = (json.loads((d / "trace.json").read_text()) for d in (b_dir, g_dir))
     assert b["requests"][0]["output_ids"] == a["requests"][0]["output_ids"]
     assert g["requests"][0]["output_ids"] != a["requests"][0]["output_ids"]  # HF greedy on its own goes elsewhere
@@ -49,9 +49,9 @@ def test_hf_follows_a_sampled_trace_and_bisect_compares_every_position(sampled, 
 
 
 def test_runtimes_that_sample_their_own_tokens_refuse_in_one_line(sampled):
-    r = _cli("run", "--engine", "vllm", "-p", PROMPT, "-n", "2", "--teacher-force", sampled)
+    r = _cli("run", "--runtime", "vllm", "-p", PROMPT, "-n", "2", "--teacher-force", sampled)
     assert r.exit_code == 2 and r.output.count("\n") == 1
-    assert "--teacher-force needs --engine infertrace or llama.cpp or hf" in r.output
+    assert "--teacher-force needs --runtime infertrace or llama.cpp or hf" in r.output
     r = _cli("run", "-p", PROMPT, "-n", "2", "--teacher-force", sampled, "--speculative", "ngram")
     assert r.exit_code == 2 and "does not combine with speculative decoding" in r.output, r.output
 

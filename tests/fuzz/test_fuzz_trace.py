@@ -1,6 +1,7 @@
 """Fuzz targets for the trace reader and each trace consumer (issue 13, hypothesis).
 
-Inputs: a golden trace (fixtures/golden) with a few mutations drawn by hypothesis — a leaf
+Inputs: a golden trace (fixtures/golden, or a schema 1 one of fixtures/traces/v1, read through the
+upgrade) with a few mutations drawn by hypothesis — a leaf
 replaced by another type or an extreme value (huge/negative integers, NaN/inf, 10^400, long,
 control-character or markup strings, nested lists), keys deleted or added, lists truncated,
 duplicated or emptied — serialised, then sometimes cut short, deeply nested or given an integer
@@ -34,7 +35,12 @@ from tests.helpers.hostile import active_content  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "golden"
 NAMES = ["worked-example-cells", "worked-example-paged", "batching-cells", "batching-paged"]
+V1 = GOLDEN.parent / "traces" / "v1"
 BASE = {n: json.loads((GOLDEN / n / "trace.json").read_text(encoding="utf-8")) for n in NAMES}
+#: schema 1 traces (upgraded in memory by the reader): "v1/<golden name>"
+BASE.update({f"v1/{n}": json.loads((V1 / n / "trace.json").read_text(encoding="utf-8"))
+             for n in ("worked-example-cells", "batching-paged")})
+NAMES = list(BASE)
 BAD_TERMINAL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
@@ -112,7 +118,8 @@ def mutated_trace(draw) -> tuple[str, bytes]:
         n = draw(st.sampled_from([50, 2000, 100000]))
         text = text.replace('"notes": [', '"notes": [' + "[" * n + "]" * n + ",", 1)
     elif tail == "longint":
-        text = text.replace('"schema_version": 1', '"schema_version": 1, "x": ' + "7" * 5000, 1)
+        v = f'"schema_version": {d.get("schema_version")}' if isinstance(d, dict) else '"schema_version": 2'
+        text = text.replace(v, v + ', "x": ' + "7" * 5000, 1)
     return name, text.encode("utf-8")
 
 
@@ -166,7 +173,7 @@ def test_fuzz_consumers(tmp_path, command):
         name, data = case
         d = _write(_fresh(tmp_path), data)
         args = {"show": ["show", d], "report": ["report", d, "-o", d / "r.html"],
-                "diff": ["diff", GOLDEN / name, d], "dump-kv": ["dump-kv", "--step", _step_of(data), d],
+                "diff": ["diff", GOLDEN / name.rsplit("/", 1)[-1], d], "dump-kv": ["dump-kv", "--step", _step_of(data), d],
                 "export": ["export", d, "-o", d.parent / f"{d.name}-p.json", "--force"]}[command]
         res, elapsed = invoke(*args)
         check_cli_result(command, res, elapsed, ok=(0, 1) if command == "diff" else (0,))

@@ -68,7 +68,7 @@ def variants(name: str, string_payload: str, number_payload: Any) -> Iterator[tu
         yield "/".join(pat) + f" ({kind})", replace_all(d, pat, lambda _v: payload)
     e = copy.deepcopy(d)
     e["config"][string_payload[:60]] = string_payload
-    e["options"]["engine"][string_payload[:60]] = string_payload
+    e["options"]["settings"][string_payload[:60]] = string_payload
     yield "extra keys", e
 
 

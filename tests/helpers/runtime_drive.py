@@ -31,9 +31,9 @@ def record(name: str, loaded: Any, prompts: list[list[int]], max_new_tokens: int
             steps.append(rec.trace)
         h = rt.header()
         options = {"backend": h.backend, "attention": h.attention, "dtype": settings.dtype, "device": settings.device,
-                   "engine": dict(h.engine_options), "layer": h.layer if h.layer is not None else layer,
+                   "settings": dict(h.settings), "layer": h.layer if h.layer is not None else layer,
                    "show": list(settings.show), **dict(h.options)}
         return RunTrace(model=model_identity(loaded.ckpt), config=loaded.config.to_dict(), options=options,
-                        notes=list(loaded.ckpt.notes) + list(h.notes), steps=steps, requests=rt.requests(), engine=name)
+                        notes=list(loaded.ckpt.notes) + list(h.notes), steps=steps, requests=rt.requests(), runtime=name)
     finally:
         rt.close()

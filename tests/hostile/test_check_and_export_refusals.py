@@ -33,7 +33,7 @@ def test_export_given_trace_json_path_refuses_to_overwrite_the_trace_itself(tmp_
     assert (d / "trace.json").read_bytes() == before
 
 
-# ----------------------------------------------------------------------------- dense (--engine hf) check holes
+# ----------------------------------------------------------------------------- dense (--runtime hf) check holes
 
 import copy  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""``run --engine vllm`` on a GGUF loads a cached HF conversion (runtimes/vllm/convert_cache.py): planted
+"""``run --runtime vllm`` on a GGUF loads a cached HF conversion (runtimes/vllm/convert_cache.py): planted
 cache entries are refused in one line (exit 2) before vLLM starts, and a hostile chat template in the
 model never reaches vLLM, which renders one at start-up without limits (issue 30 items 6 and 7).
 
@@ -7,7 +7,7 @@ What the planted entries did before: a symlink to another model's conversion, or
 the original file; a planted entry of another shape was an internal error, exit 1. The GGUF's template
 (two nested 100,000-iteration loops) was copied into the conversion and hung vLLM's start-up.
 
-vLLM really runs here (``--engine vllm``, tiny 2-layer model with head_dim 64): once on a clean
+vLLM really runs here (``--runtime vllm``, tiny 2-layer model with head_dim 64): once on a clean
 conversion (the baseline every planted case is made from) and once on the GGUF with the hostile
 template (must finish under a timeout).
 """
@@ -44,15 +44,15 @@ def _env(xdg: Path) -> dict[str, str]:
 
 
 def _vllm_run(model: Path, xdg: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    """``run --engine vllm`` in a fresh process (vLLM starts for real), with its own cache."""
-    return subprocess.run([sys.executable, "-m", "infertrace", "run", "--engine", "vllm", "--model", str(model), *RUN,
+    """``run --runtime vllm`` in a fresh process (vLLM starts for real), with its own cache."""
+    return subprocess.run([sys.executable, "-m", "infertrace", "run", "--runtime", "vllm", "--model", str(model), *RUN,
                            "--json"], capture_output=True, text=True, env=_env(xdg), timeout=timeout)
 
 
 def _refusal(model: Path, xdg: Path) -> str:
-    """``run --engine vllm`` in this process: it must stop in one line, exit 2, before vLLM starts."""
+    """``run --runtime vllm`` in this process: it must stop in one line, exit 2, before vLLM starts."""
     t0 = time.perf_counter()
-    res = CliRunner().invoke(app, ["run", "--engine", "vllm", "--model", str(model), *RUN],
+    res = CliRunner().invoke(app, ["run", "--runtime", "vllm", "--model", str(model), *RUN],
                              env={"XDG_CACHE_HOME": str(xdg), "COLUMNS": "200", "INFERTRACE_NO_CACHE": "1"})
     assert res.exit_code == 2, (res.output, res.exception)
     assert "Traceback" not in res.output and res.stdout == ""
@@ -84,7 +84,7 @@ def cache(tmp_path_factory):
     r = _vllm_run(a, xdg)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert out["engine"] == "vllm" and len(out["requests"][0]["output_ids"]) == 2
+    assert out["runtime"] == "vllm" and len(out["requests"][0]["output_ids"]) == 2
     hf = xdg / "infertrace" / "vllm-hf-v2"
     entry_b = hf / _sha(b)
     _convert(b, entry_b, _sha(b))  # B's conversion, as a run on B would write it (no vLLM run needed)
@@ -233,7 +233,7 @@ def test_unwritable_cache_directory_is_one_line(tmp_path, monkeypatch):
 
 def test_gguf_chat_template_does_not_reach_vllm(tmp_path):
     """A GGUF whose template loops 10^10 times: transformers' tokenizer of that GGUF carries it (what the
-    conversion used to copy for vLLM to render), our own ``--chat`` refuses it in one line; ``run --engine
+    conversion used to copy for vLLM to render), our own ``--chat`` refuses it in one line; ``run --runtime
     vllm`` now finishes (the template is not copied) and the entry holds no template."""
     import transformers
 

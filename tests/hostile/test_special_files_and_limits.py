@@ -545,9 +545,9 @@ def test_hf_sliding_window_zero_is_refused(tmp_path, family, extra):
 
 def test_teacher_force_of_other_prompts_is_refused(llama_cpp):
     golden = H.GOLDEN / "worked-example-cells"  # one request: "The capital of"
-    refused(invoke("run", "--engine", "llama.cpp", "-p", "Another prompt", "--teacher-force", golden),
+    refused(invoke("run", "--runtime", "llama.cpp", "-p", "Another prompt", "--teacher-force", golden),
             "request 0 had the prompt 'The capital of', this run has 'Another prompt'")
-    refused(invoke("run", "--engine", "llama.cpp", "-p", "The capital of", "-p", "x", "--teacher-force", golden),
+    refused(invoke("run", "--runtime", "llama.cpp", "-p", "The capital of", "-p", "x", "--teacher-force", golden),
             "holds 1 request(s), this run has 2")
 
 

@@ -214,7 +214,7 @@ BAD = {
     "N inconsistent": (lambda t: _edit(t, lambda d: d["steps"][0].update(N=7)), "batch holds"),
     "positions not C..C+T-1": (lambda t: _edit(t, lambda d: d["steps"][1]["batch"][0].update(positions=[9])), "C..C+T-1"),
     "n_kv beyond size": (lambda t: _edit(t, lambda d: d["steps"][1]["kv"]["physical"].update(n_kv=10 ** 6)), "must not exceed size"),
-    "ctx_size huge": (lambda t: _edit(t, lambda d: d["options"]["engine"].update(ctx_size=2 ** 40)), "MAX_CTX"),
+    "ctx_size huge": (lambda t: _edit(t, lambda d: d["options"]["settings"].update(ctx_size=2 ** 40)), "MAX_CTX"),
     "range text huge": (lambda t: _edit(t, lambda d: d["steps"][1]["kv"]["per_request"][0].update(cells="0..999999999")),
                         "range text"),
     "string as step": (lambda t: _edit(t, lambda d: d["steps"][0].update(step='0" onmouseover="x')), "expected an integer"),
@@ -300,7 +300,7 @@ def test_crafted_safetensors_header(tmp_path, header, expect):
 def test_report_of_huge_ctx_trace_stays_small(tmp_path):
     """A legal run with a huge context: the replayed views cost O(used), the page stays small."""
     t = _golden_copy(tmp_path, "batching-paged")
-    _edit(t, lambda d: d["options"]["engine"].update(ctx_size=1 << 24, num_blocks=None))
+    _edit(t, lambda d: d["options"]["settings"].update(ctx_size=1 << 24, num_blocks=None))
     t0 = time.monotonic()
     res = invoke("report", t, "-o", tmp_path / "r.html")
     assert res.exit_code == 0, res.stderr

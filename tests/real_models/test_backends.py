@@ -1,6 +1,6 @@
 """``diff-backends``: cells and paged in lockstep are logically identical on the real model (exit 0),
-a broken kq_mask is caught and named (exit 1), ``--against hf`` agrees with HF transformers, and
-``--against llama.cpp`` either runs (when llama-cpp-python is installed) or says how to install it.
+a broken kq_mask is caught and named (exit 1), ``diff-runtimes hf`` agrees with HF transformers, and
+``diff-runtimes llama.cpp`` (or its old form ``diff-backends --against llama.cpp``) either runs (when llama-cpp-python is installed) or says how to install it.
 
 Each CLI scenario runs once per module; the model is loaded once per process.
 """
@@ -158,7 +158,7 @@ def test_diff_backends_idle_steps_tiny(tmp_path):
 @pytest.mark.slow
 def test_against_hf_real_model():
     pytest.importorskip("transformers")
-    res = invoke("diff-backends", "--against", "hf", "--backend", "paged", *THREE, "--json")
+    res = invoke("diff-runtimes", "hf", "--backend", "paged", *THREE, "--json")
     assert res.exit_code == 0, (res.output, res.exception)
     d = json.loads(res.stdout)
     assert d["identical"] and d["against"] == "hf" and d["backend"] == "paged"
@@ -181,13 +181,13 @@ def _hide_module(monkeypatch, name: str) -> None:
 def test_against_llamacpp_not_installed_message(monkeypatch):
     _hide_module(monkeypatch, "llama_cpp")
     line = _one_error_line(invoke("diff-backends", "--against", "llama.cpp", "--prompt", "hi"))
-    assert line == "error: --against llama.cpp needs llama-cpp-python: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[llamacpp]'` there)"
+    assert line == "error: diff-runtimes llama.cpp needs llama-cpp-python: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[llamacpp]'` there)"
 
 
 def test_against_hf_without_transformers_message(monkeypatch):
     _hide_module(monkeypatch, "transformers")
     line = _one_error_line(invoke("diff-backends", "--against", "hf", "--prompt", "hi"))
-    assert line == "error: --against hf needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)"
+    assert line == "error: diff-runtimes hf needs transformers: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[dev]'` there)"
 
 
 def test_against_bad_value():
@@ -195,4 +195,4 @@ def test_against_bad_value():
                                                                                      "tensorrt", "--prompt", "hi"))
 
 
-# --against llama.cpp on the real model: tests/runtimes/llamacpp/test_llamacpp.py (fails by name without llama-cpp-python)
+# diff-runtimes llama.cpp on the real model: tests/runtimes/llamacpp/test_llamacpp.py (fails by name without llama-cpp-python)

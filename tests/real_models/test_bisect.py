@@ -238,7 +238,7 @@ def test_llamacpp_trace_with_one_layer(traces, llama_cpp, tmp_path):
     """Ours (every layer) against real llama.cpp (its eval callback taps one layer, here 5): bisect compares
     what both saved, says the earlier layers were not compared, and names the two engines in the floor line."""
     lc = tmp_path / "lc"
-    r = CliRunner().invoke(app, ["run", "--engine", "llama.cpp", "--prompt", PROMPT, "-n", str(N_NEW), "--save", str(lc),
+    r = CliRunner().invoke(app, ["run", "--runtime", "llama.cpp", "--prompt", PROMPT, "-n", str(N_NEW), "--save", str(lc),
                                  "--layer", str(LAYER), "--json"])
     assert r.exit_code == 0, r.output
     r = _bisect(str(traces["gguf"]), str(lc), "--floor", "0", "--json")

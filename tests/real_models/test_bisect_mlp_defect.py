@@ -48,7 +48,7 @@ def hf_truth(files, hf_smol):
 def _run(files, engine: str, which: str) -> str:
     d = files["root"] / f"{engine}_{which}"
     if not d.exists():
-        r = _cli("run", "--engine", engine, "-m", files[which], "-p", PROMPT, "-n", "2", "--save", d,
+        r = _cli("run", "--runtime", engine, "-m", files[which], "-p", PROMPT, "-n", "2", "--save", d,
                  "--keep", "tensors", "--layers", "all")
         assert r.exit_code == 0, r.output
     return str(d)
@@ -100,7 +100,7 @@ def _run_vllm(files, which: str) -> str:
 
     d = files["root"] / f"vllm_{which}"
     if not d.exists():
-        r = subprocess.run([sys.executable, "-m", "infertrace", "run", "--engine", "vllm", "-m", str(files[which]), "-p",
+        r = subprocess.run([sys.executable, "-m", "infertrace", "run", "--runtime", "vllm", "-m", str(files[which]), "-p",
                             PROMPT, "-n", "2", "--save", str(d), "--keep", "tensors", "--layers", "all"],
                            capture_output=True, text=True, timeout=1200)
         assert r.returncode == 0, r.stderr[-2000:]
@@ -121,7 +121,7 @@ def test_ours_against_vllm_and_vllm_against_llamacpp(files, hf_truth, vllm_mod, 
 
 
 def test_ours_against_hf(files, hf_truth, hf_smol):
-    """HF transformers as a runtime (``run --engine hf``, its own module outputs saved): ours(clean) vs HF(planted)."""
+    """HF transformers as a runtime (``run --runtime hf``, its own module outputs saved): ours(clean) vs HF(planted)."""
     oc, hc, hb = _run(files, "infertrace", "clean"), _run(files, "hf", "clean"), _run(files, "hf", "bad")
     rc, rep = _bisect(oc, hb, "--floor-from", oc, hc)
     assert rc == 1

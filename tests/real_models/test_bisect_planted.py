@@ -73,7 +73,7 @@ def _runtime(traces, files, engine: str) -> dict:
         if key in traces:
             continue
         d = files["root"] / key
-        args = ["run", "--engine", engine, "-m", str(files[name]), "-p", PROMPT, "-n", str(N_NEW), "--layer", str(LAYER),
+        args = ["run", "--runtime", engine, "-m", str(files[name]), "-p", PROMPT, "-n", str(N_NEW), "--layer", str(LAYER),
                 "--save", str(d)]
         if engine == "llama.cpp":
             r = CliRunner().invoke(app, args)

@@ -43,7 +43,7 @@ def traces(smol, tmp_path_factory):
         out["rope"] = _run(root / "rope")
     with drop_first_key(LAYER):
         out["mask"] = _run(root / "mask")
-    r = CliRunner().invoke(app, ["run", "--engine", "hf", "-p", PROMPT, "-n", "2", "--save", str(root / "hf"),
+    r = CliRunner().invoke(app, ["run", "--runtime", "hf", "-p", PROMPT, "-n", "2", "--save", str(root / "hf"),
                                  "--layers", "all"])
     assert r.exit_code == 0, r.output
     out["hf"] = str(root / "hf")

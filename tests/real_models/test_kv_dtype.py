@@ -93,9 +93,9 @@ def test_logits_within_measured_tolerance(smol) -> None:
                     assert [x["id"] for x in ra["top"][:5]] == [x["id"] for x in rb["top"][:5]]
                     worst = max(worst, max(abs(x["logit"] - y["logit"]) for x, y in zip(ra["top"][:5], rb["top"][:5])))
             assert 0 < worst < tol, (backend, kv_dtype, worst)
-            assert t.options["engine"]["kv_dtype"] == kv_dtype
+            assert t.options["settings"]["kv_dtype"] == kv_dtype
             assert t.steps[0].kv.dtype == {"f16": "float16", "bf16": "bfloat16"}[kv_dtype]
-        assert "kv_dtype" not in base.options["engine"]  # the default records nothing: goldens unchanged
+        assert "kv_dtype" not in base.options["settings"]  # the default records nothing: goldens unchanged
 
 
 def test_budget_counts_the_cache_type(smol) -> None:
@@ -133,17 +133,17 @@ def test_cli_kv_dtype_trace_and_refusals(tmp_path) -> None:
                          "--keep", "summary", "--json"])
     assert res.exit_code == 0, res.output
     d = json.loads((tmp_path / "t" / "trace.json").read_text())
-    assert d["options"]["engine"]["kv_dtype"] == "f16" and d["steps"][0]["kv"]["dtype"] == "float16"
+    assert d["options"]["settings"]["kv_dtype"] == "f16" and d["steps"][0]["kv"]["dtype"] == "float16"
     validate_trace(d, "trace.json")
     res = r.invoke(app, ["show", str(tmp_path / "t"), "--steps", "0"])
     assert res.exit_code == 0 and "K/V cache f16" in res.output
-    d["options"]["engine"]["kv_dtype"] = "q8_0"
+    d["options"]["settings"]["kv_dtype"] = "q8_0"
     with pytest.raises(Exception, match="kv_dtype"):
         validate_trace(d, "trace.json")
-    del d["options"]["engine"]["kv_dtype"]  # a trace from before the option
+    del d["options"]["settings"]["kv_dtype"]  # a trace from before the option
     validate_trace(d, "trace.json")
     for args, msg in ((["--kv-dtype", "f8"], "--kv-dtype must be one of f32, f16, bf16 (got 'f8')"),
-                      (["--kv-dtype", "f16", "--engine", "llama.cpp"], "llama.cpp keeps its own cache type"),
+                      (["--kv-dtype", "f16", "--runtime", "llama.cpp"], "llama.cpp keeps its own cache type"),
                       (["--kv-dtype", "bf16", "--backend", "paged", "--replay", str(tmp_path / "none")], "drop --kv-dtype")):
         res = r.invoke(app, ["run", "-p", "Hi", "-n", "1", *args])
         assert res.exit_code == 2, res.output

@@ -1,6 +1,6 @@
 """The quantised path (``--weights quant``, bf16 activations) on the real models against independent
 references (issue 20 item 6): HF transformers on the same GGUF (fp32, its own dequantisation), and
-llama.cpp through the noise-floor comparison of ``diff-backends --against llama.cpp``.
+llama.cpp through the noise-floor comparison of ``diff-runtimes llama.cpp``.
 
 Yardstick: the float path in bf16 (``--weights float --dtype bfloat16``), whose only difference from
 HF is bf16 rounding. Measured 2026-12-01 (``benchmarks/quant_parity.py``, table in benchmarks/README.md;

@@ -26,10 +26,10 @@ WORKED = ["The capital of"]
 BATCHING = [{"prompt": "The capital of", "arrival": 0}, {"prompt": "Hello, my name is", "arrival": 1},
             {"prompt": "1, 2, 3,", "arrival": 3}]
 SCENARIOS = {
-    "worked-example-cells": (WORKED, {"max_new_tokens": 3, "engine": {"backend": "cells"}}),
-    "worked-example-paged": (WORKED, {"max_new_tokens": 3, "engine": {"backend": "paged", "tokens_per_block": 4}}),
-    "batching-cells": (BATCHING, {"max_new_tokens": 2, "engine": {"backend": "cells", "prefill_chunk": 2}}),
-    "batching-paged": (BATCHING, {"max_new_tokens": 2, "engine": {"backend": "paged", "prefill_chunk": 2, "tokens_per_block": 4}}),
+    "worked-example-cells": (WORKED, {"max_new_tokens": 3, "settings": {"backend": "cells"}}),
+    "worked-example-paged": (WORKED, {"max_new_tokens": 3, "settings": {"backend": "paged", "tokens_per_block": 4}}),
+    "batching-cells": (BATCHING, {"max_new_tokens": 2, "settings": {"backend": "cells", "prefill_chunk": 2}}),
+    "batching-paged": (BATCHING, {"max_new_tokens": 2, "settings": {"backend": "paged", "prefill_chunk": 2, "tokens_per_block": 4}}),
 }
 
 

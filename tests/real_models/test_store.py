@@ -271,7 +271,7 @@ BROKEN = {
     "truncated-json": (_truncate("trace.json", 3000), "truncated JSON"),
     "empty-json": (_truncate("trace.json", 0), "empty file"),
     "newer-schema": (_json(lambda m: m.update(schema_version=99)),
-                     "trace schema 99 is newer than this infertrace supports (1); upgrade infertrace"),
+                     "trace schema 99 is newer than this infertrace supports (2); upgrade infertrace"),
     "missing-key": (_json(lambda m: m["steps"][1]["batch"][0].pop("positions")), "steps[1].batch[0]: missing key 'positions'"),
     "missing-top": (_json(lambda m: m.pop("requests")), "missing key 'requests'"),
     "not-object": (lambda d: (d / "trace.json").write_text("[1, 2]"), "expected a JSON object"),

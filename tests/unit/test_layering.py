@@ -593,8 +593,8 @@ def at_root(tmp_path):
 def test_detectors_catch_each_violation(at_root: Path) -> None:
     bad = _write(at_root, "class E(Engine):\n    pass\n"
                           "def f(trace, eng, opts):\n"
-                          "    if trace.engine == 'vllm':\n        pass\n"
-                          "    if m.get('engine', 'infertrace') in ('llama.cpp', 'x'):\n        pass\n"
+                          "    if trace.runtime == 'vllm':\n        pass\n"
+                          "    if m.get('runtime', 'infertrace') in ('llama.cpp', 'x'):\n        pass\n"
                           "    eng.kv = eng.scheduler.kv = 1\n"
                           "    if opts.sampler_order == 'llama.cpp':\n        pass\n"
                           "    x = opts.get('vllm')\n")

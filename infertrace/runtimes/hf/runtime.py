@@ -1,4 +1,4 @@
-"""``--engine hf``: HF transformers computes, one padded ``[B, T]`` batch driven step by step with its own
+"""``--runtime hf``: HF transformers computes, one padded ``[B, T]`` batch driven step by step with its own
 ``DynamicCache``; every step is recorded from HF's own tensors (:mod:`infertrace.runtimes.hf.record`).
 
 The loop mirrors transformers 5.19 ``GenerationMixin._sample`` (``generation/utils.py``): the prompts are padded
@@ -39,7 +39,7 @@ class HfRuntime:
 
     Args:
         loaded: the model as infertrace loads it (its tokenizer, config and checkpoint path; HF loads the weights
-            itself: a GGUF dequantised to float32 as ``diff-backends --against hf`` does, or an HF directory).
+            itself: a GGUF dequantised to float32 as ``diff-runtimes hf`` does, or an HF directory).
         settings: the run settings (``native["padding"]``: ``left`` / ``right``).
         tensors: when a dict is given (``--keep tensors``), each step's HF tensors of ``settings.tensor_layers``
             (default ``--layer``) are copied into it (:mod:`infertrace.runtimes.hf.tensors`).
@@ -58,20 +58,20 @@ class HfRuntime:
         native = dict(settings.native or {})
         bad = sorted(set(native) - set(NATIVE_KEYS))
         if bad:
-            raise InfertraceError(f"--engine hf does not know the setting {bad[0]!r} (it reads: {', '.join(NATIVE_KEYS)})")
+            raise InfertraceError(f"--runtime hf does not know the setting {bad[0]!r} (it reads: {', '.join(NATIVE_KEYS)})")
         native["padding"] = check_padding(native.get("padding", "left"))
         o = settings.opts
         refusals = (
-            (settings.dtype != "float32", f"--engine hf computes in float32 (the dequantised checkpoint, as --against hf); got --dtype {settings.dtype}"),
-            (settings.tensor_parallel_size != 1, "--engine hf runs one process (tensor_parallel_size 1)"),
-            (o.speculative is not None, "--engine hf runs no speculative decoding (generate()'s assisted decoding is not traced)"),
-            (o.prefix_cache, "--engine hf has no prefix cache (each run builds one DynamicCache)"),
-            (o.context_shift, "--engine hf has no context shift"),
-            (o.prefill_chunk is not None, "--engine hf prefills the padded batch in one forward (no --prefill-chunk)"),
-            (o.kv_dtype not in (None, "f32"), f"--engine hf keeps its DynamicCache in the model dtype (float32); got --kv-dtype {o.kv_dtype}"),
-            (o.sampler_order == "llama.cpp", "--engine hf samples in the hf order (temperature, then top-k / top-p / min-p)"),
-            (o.audit_kv, "--engine hf does not audit the cache (--audit-kv)"),
-            (settings.device not in ("cpu", "cuda"), f"--engine hf runs on cpu or cuda; got --device {settings.device}"),
+            (settings.dtype != "float32", f"--runtime hf computes in float32 (the dequantised checkpoint, as diff-runtimes hf); got --dtype {settings.dtype}"),
+            (settings.tensor_parallel_size != 1, "--runtime hf runs one process (tensor_parallel_size 1)"),
+            (o.speculative is not None, "--runtime hf runs no speculative decoding (generate()'s assisted decoding is not traced)"),
+            (o.prefix_cache, "--runtime hf has no prefix cache (each run builds one DynamicCache)"),
+            (o.context_shift, "--runtime hf has no context shift"),
+            (o.prefill_chunk is not None, "--runtime hf prefills the padded batch in one forward (no --prefill-chunk)"),
+            (o.kv_dtype not in (None, "f32"), f"--runtime hf keeps its DynamicCache in the model dtype (float32); got --kv-dtype {o.kv_dtype}"),
+            (o.sampler_order == "llama.cpp", "--runtime hf samples in the hf order (temperature, then top-k / top-p / min-p)"),
+            (o.audit_kv, "--runtime hf does not audit the cache (--audit-kv)"),
+            (settings.device not in ("cpu", "cuda"), f"--runtime hf runs on cpu or cuda; got --device {settings.device}"),
         )
         for bad_setting, msg in refusals:
             if bad_setting:
@@ -124,12 +124,12 @@ class HfRuntime:
                 prompt + max_new_tokens beyond ``ctx_size``.
         """
         if self._cache is not None:
-            raise InfertraceError("--engine hf runs one static padded batch: every request is added before the first step")
+            raise InfertraceError("--runtime hf runs one static padded batch: every request is added before the first step")
         if request.arrival_step != 0:
-            raise InfertraceError(f"--engine hf runs one static padded batch: every request arrives at step 0 "
+            raise InfertraceError(f"--runtime hf runs one static padded batch: every request arrives at step 0 "
                                   f"(got arrival step {request.arrival_step})")
         if not request.ids:
-            raise InfertraceError("--engine hf needs at least one prompt token per request")
+            raise InfertraceError("--runtime hf needs at least one prompt token per request")
         params = request.params.validate()
         ctx = self.settings.opts.ctx_size
         if ctx is not None and len(request.ids) + params.max_new_tokens > ctx:
@@ -180,7 +180,7 @@ class HfRuntime:
             from infertrace.runtimes.hf.tensors import SOURCES
 
             options["tap_sources"] = dict(SOURCES)
-        return RuntimeHeader(backend="dense", attention=self.attn, engine_options=eng, options=options, notes=notes,
+        return RuntimeHeader(backend="dense", attention=self.attn, settings=eng, options=options, notes=notes,
                              layer=self.layer)
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""``run --engine hf --keep tensors``: HF transformers' own per-layer tensors from forward hooks, saved under
+"""``run --runtime hf --keep tensors``: HF transformers' own per-layer tensors from forward hooks, saved under
 the tap names every runtime uses (``step{s}/layer{l}/NAME``, :data:`~infertrace.capture.recorder.TENSOR_NAMES`).
 
 Which module's output is which tap (transformers 5.19 ``models/llama/modeling_llama.py``,

@@ -1,2 +1,2 @@
 """llama.cpp through llama-cpp-python: capture.py reads its graph inputs and memory (eval callback, ggml
-tensors, memory API); engine.py is ``--engine llama.cpp`` (our scheduler, llama.cpp's forward and cells)."""
+tensors, memory API); engine.py is ``--runtime llama.cpp`` (our scheduler, llama.cpp's forward and cells)."""

@@ -126,7 +126,7 @@ def import_llama_cpp() -> Any:
     try:
         import llama_cpp
     except ImportError:
-        raise InfertraceError("--engine llama.cpp needs llama-cpp-python: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[llamacpp]'` there)") from None
+        raise InfertraceError("--runtime llama.cpp needs llama-cpp-python: run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[llamacpp]'` there)") from None
     return llama_cpp
 
 
@@ -217,7 +217,7 @@ class LlamaCppContext:
         self.L = llama_cpp
         p = Path(path)
         if not p.is_file() or p.suffix.lower() != ".gguf":
-            raise InfertraceError(f"--engine llama.cpp needs a GGUF file; {p.name} is not one")
+            raise InfertraceError(f"--runtime llama.cpp needs a GGUF file; {p.name} is not one")
         self._silence()
         llama_cpp.llama_backend_init()
         self.ggml = _ggml_lib(llama_cpp)
@@ -229,7 +229,7 @@ class LlamaCppContext:
             if gguf_file_byte_order(p) == ">" and sys.byteorder == "little":  # case G2: gguf.cpp reads host order only
                 raise InfertraceError(f"llama.cpp cannot load {p.name}: it is a big-endian GGUF and llama.cpp reads only its "
                                       "host's (little-endian) byte order; convert it (gguf-py gguf_convert_endian.py FILE "
-                                      "little) or run without --engine llama.cpp")
+                                      "little) or run without --runtime llama.cpp")
             raise InfertraceError(f"llama.cpp cannot load {p.name}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))

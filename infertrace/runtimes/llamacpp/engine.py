@@ -1,4 +1,4 @@
-"""``run --engine llama.cpp``: the same requests, scheduled by infertrace's scheduler step by step,
+"""``run --runtime llama.cpp``: the same requests, scheduled by infertrace's scheduler step by step,
 computed by llama.cpp itself; every variable of the trace is what llama.cpp built.
 
 One engine step = one ``llama_batch`` = one ubatch (``n_ubatch`` >= the step's N, unified KV
@@ -147,11 +147,11 @@ class LlamaCppKV:
         t = cap.tensors
         for name in ("inp_pos", "attn_inp_kq_mask", "attn_inp_k_idxs"):
             if name not in t:
-                raise InfertraceError(f"llama.cpp graph gave no {name} at step {step}; this model's graph is not supported by --engine llama.cpp")
+                raise InfertraceError(f"llama.cpp graph gave no {name} at step {step}; this model's graph is not supported by --runtime llama.cpp")
         N = inp.n_tokens
         if t["attn_inp_k_idxs"].size < N:  # llama.cpp split the batch (hybrid memory: split_equal, equal tokens per sequence)
             raise InfertraceError(f"llama.cpp split step {step} ({N} tokens) into several ubatches (a hybrid model's memory "
-                                  "needs the same number of new tokens per sequence in a ubatch: split_equal); --engine "
+                                  "needs the same number of new tokens per sequence in a ubatch: split_equal); --runtime "
                                   "llama.cpp records one ubatch per step: run one request at a time, or requests of equal "
                                   "prompt length arriving together")
         idx = torch.from_numpy(t["attn_inp_k_idxs"].reshape(-1)[:N].astype(np.int64))  # [N] cells
@@ -290,7 +290,7 @@ class LlamaCppKV:
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer != self.layer:
-            raise InfertraceError(f"--engine llama.cpp captured layer {self.layer} only; pass --layer {layer}")
+            raise InfertraceError(f"--runtime llama.cpp captured layer {self.layer} only; pass --layer {layer}")
         cells = torch.tensor([c for c, _ in self.mirror.cells_of(seq_id)], dtype=torch.int64)
         return self.mirror.k[0][cells], self.mirror.v[0][cells]  # [L, n_kv_heads, hd] each
 
@@ -426,9 +426,9 @@ class LlamaCppEngine:
         from infertrace.engine.parts import ForcedSampler
 
         if opts.backend != "cells":
-            raise InfertraceError("--engine llama.cpp records llama.cpp's own cells cache; drop --backend paged")
+            raise InfertraceError("--runtime llama.cpp records llama.cpp's own cells cache; drop --backend paged")
         if loaded.config.windowed_layers and not opts.kv_unified:  # an iSWA pool per stream: not captured
-            raise InfertraceError("--engine llama.cpp --kv-unified off on a model with sliding-window layers is not captured "
+            raise InfertraceError("--runtime llama.cpp --kv-unified off on a model with sliding-window layers is not captured "
                                   "(llama.cpp would keep an iSWA pool per stream); drop --kv-unified off")
         n_batch = max(1, min(opts.max_batch_tokens, opts.ctx_size))
         self.lctx = LlamaCppContext(loaded.ckpt.path, opts.ctx_size, n_batch, n_seq_max, layer, n_threads, flash_attn,

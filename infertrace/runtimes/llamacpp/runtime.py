@@ -133,7 +133,7 @@ class LlamaCppRuntime:
                 notes.append(f"layer {last} (the last): llama.cpp computes its FFN (and Gemma 3 its post-attention norm) for "
                              "the output rows only (inp_out_ids, ggml_get_rows): its mlp_out / resid_post are saved only on "
                              "steps where every token has a logits row")
-        return RuntimeHeader(backend="cells", attention="llama.cpp", engine_options=engine_opts, options=options,
+        return RuntimeHeader(backend="cells", attention="llama.cpp", settings=engine_opts, options=options,
                              notes=tuple(notes), layer=s.layer)
 
     def close(self) -> None:
@@ -158,7 +158,7 @@ def tap_sources() -> dict[str, str]:
     return out
 
 
-# ----------------------------------------------------------------------------- diff-backends --against llama.cpp (registry hooks)
+# ----------------------------------------------------------------------------- diff-runtimes llama.cpp (registry hooks)
 # infertrace's cells backend against llama.cpp, the float noise floor measured
 def check_comparison(settings: RunSettings, atol: float | None) -> RunSettings:
     """Before anything loads: llama-cpp-python importable, no tolerance given (it is measured), ``flash_attn`` valid.
@@ -174,7 +174,7 @@ def check_comparison(settings: RunSettings, atol: float | None) -> RunSettings:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        raise InfertraceError("--against llama.cpp needs llama-cpp-python: run `make setup-dev` in the infertrace checkout "
+        raise InfertraceError("diff-runtimes llama.cpp needs llama-cpp-python: run `make setup-dev` in the infertrace checkout "
                               "(or `.venv/bin/pip install -e '.[llamacpp]'` there)") from None
     return replace(settings, native={"flash_attn": check_flash_attn(settings.native.get("flash_attn", "auto"))})
 
@@ -189,7 +189,7 @@ def compare(loaded: Any, specs: list[Any], settings: RunSettings, atol: float | 
     from infertrace.errors import InfertraceError
 
     if settings.opts.backend != "cells" or settings.dtype.lower() not in ("float32", "fp32"):
-        raise InfertraceError("--against llama.cpp compares the cells backend in float32 (the base side); drop --backend/--dtype")
+        raise InfertraceError("diff-runtimes llama.cpp compares the cells backend in float32 (the base side); drop --backend/--dtype")
     return compare_with_llamacpp(loaded, specs, settings.opts, layer=settings.layer,
                                  flash_attn=settings.native.get("flash_attn", "auto"))
 

@@ -1,4 +1,4 @@
-"""``run --engine llama.cpp --kv-unified off``: llama.cpp's non-unified cache (``kv_unified = false``,
+"""``run --runtime llama.cpp --kv-unified off``: llama.cpp's non-unified cache (``kv_unified = false``,
 one stream per sequence) read back at run time into the shape of :class:`~infertrace.kv.streams.CellsStreamsKV`.
 
 What is read, per ``llama_decode`` (one ubatch: the scheduler hands llama.cpp one ``split_equal``
@@ -139,7 +139,7 @@ class LlamaCppStreamsKV:
         t = cap.tensors
         for name in ("inp_pos", "attn_inp_kq_mask", "attn_inp_k_idxs"):
             if name not in t:
-                raise InfertraceError(f"llama.cpp graph gave no {name} at step {step}; this model's graph is not supported by --engine llama.cpp")
+                raise InfertraceError(f"llama.cpp graph gave no {name} at step {step}; this model's graph is not supported by --runtime llama.cpp")
         N = inp.n_tokens
         gi = t["attn_inp_k_idxs"].reshape(-1).astype(np.int64)
         if gi.shape[0] != N:
@@ -229,7 +229,7 @@ class LlamaCppStreamsKV:
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer != self.layer:
-            raise InfertraceError(f"--engine llama.cpp captured layer {self.layer} only; pass --layer {layer}")
+            raise InfertraceError(f"--runtime llama.cpp captured layer {self.layer} only; pass --layer {layer}")
         return self.stream_of(seq_id).read(0, seq_id)  # [L, n_kv_heads, hd] each
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: Any) -> None:  # pragma: no cover

@@ -1,4 +1,4 @@
-"""vLLM as a recorded runtime (``run --engine vllm``): vLLM's own scheduler, packed inputs, paged
+"""vLLM as a recorded runtime (``run --runtime vllm``): vLLM's own scheduler, packed inputs, paged
 attention metadata, KV blocks and sampler, read from vLLM's objects at every step.
 
 Modules: :mod:`.convert` (GGUF -> dequantised HF directory, cached), :mod:`.layout` (the CPU
@@ -32,7 +32,7 @@ def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as e:
-        raise InfertraceError(f"--engine vllm needs vLLM ({e.__class__.__name__}: {str(e)[:120]}): {EXTRA_HINT}") from None
+        raise InfertraceError(f"--runtime vllm needs vLLM ({e.__class__.__name__}: {str(e)[:120]}): {EXTRA_HINT}") from None
     return vllm
 
 

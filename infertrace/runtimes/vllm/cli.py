@@ -1,4 +1,4 @@
-"""Bounds of ``run --engine vllm``'s options checked before vLLM is imported (torch-free); its other refusals
+"""Bounds of ``run --runtime vllm``'s options checked before vLLM is imported (torch-free); its other refusals
 are :meth:`infertrace.runtimes.vllm.runtime.VllmRuntime.check`."""
 
 from __future__ import annotations

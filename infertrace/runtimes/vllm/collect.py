@@ -1,12 +1,12 @@
 """``infertrace collect SPOOL``: a served vLLM's spool (:mod:`.plugin`) joined by engine step and rank into an
-ordinary ``engine: vllm`` trace of the marked requests.
+ordinary ``runtime: vllm`` trace of the marked requests.
 
 The join: the engine core's record of step s (scheduler data, block pool, outputs) and, for every
 tensor-parallel rank, its capture of step s (both count one step per ``Scheduler.schedule`` /
 ``execute_model`` call). The captured batch holds every request of the step; the trace keeps the rows of
 the selected marked requests (their tokens, metadata rows, logits rows, K/V) and records the whole
 batch (each request's vLLM id and scheduled tokens) in ``step.vllm.served``. The rows then go through
-the same conversion as ``run --engine vllm`` (:func:`~infertrace.runtimes.vllm.steprec.record_step`).
+the same conversion as ``run --runtime vllm`` (:func:`~infertrace.runtimes.vllm.steprec.record_step`).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def _last_step(sp: Spool, ids: set[str], first: int) -> tuple[int, bool]:
 
 
 def collect_trace(sp: Spool, loaded: Any, request: str | None = None, tensors: dict | None = None) -> Any:
-    """The ``engine: vllm`` trace of the marked requests of spool ``sp`` (``request``: see :func:`select`).
+    """The ``runtime: vllm`` trace of the marked requests of spool ``sp`` (``request``: see :func:`select`).
 
     Args:
         loaded: the model the server serves (its GGUF; tokenizer and config for the recorder).
@@ -284,7 +284,7 @@ def _trace(loaded: Any, sp: Spool, rec_: Any, reqs: list[Request], chosen: list[
                          max_batch_tokens=h.get("max_num_batched_tokens") or 512,
                          prefix_cache=bool(h.get("enable_prefix_caching")), ctx_size=h["max_model_len"])
     options = {"backend": "paged", "attention": "vllm", "dtype": h.get("dtype"), "device": h.get("device"),
-               "engine": asdict(opts), "layer": layer, "show": list(VARIABLES), "sampler_order": "hf", "vllm": vh}
+               "settings": asdict(opts), "layer": layer, "show": list(VARIABLES), "sampler_order": "hf", "vllm": vh}
     notes = [f"served vLLM ({h.get('version')}, {h.get('device')}): collected from the spool of a running server (plugin "
              f"infertrace.runtimes.vllm.plugin), engine steps {first}.. (trace step 0 = engine step {first}); the trace "
              f"holds the marked request(s) {', '.join(m['vllm_id'] for m in chosen)}; every step's whole batch (each "
@@ -300,4 +300,4 @@ def _trace(loaded: Any, sp: Spool, rec_: Any, reqs: list[Request], chosen: list[
     if not all_done:
         notes.append("a marked request had not finished when the spool was read: the trace ends at the last recorded step")
     return RunTrace(model=model_identity(loaded.ckpt), config=loaded.config.to_dict(), options=options,
-                    notes=list(loaded.ckpt.notes) + notes, steps=list(rec_.steps), requests=out_reqs, engine=ENGINE)
+                    notes=list(loaded.ckpt.notes) + notes, steps=list(rec_.steps), requests=out_reqs, runtime=ENGINE)

@@ -1,4 +1,4 @@
-"""``diff-backends --against vllm``: our ``paged`` backend against vLLM itself, step by step, on vLLM's
+"""``diff-runtimes vllm``: our ``paged`` backend against vLLM itself, step by step, on vLLM's
 own schedule (replayed, :mod:`.replay`), teacher-forced to vLLM's tokens.
 
 Three runs of the same requests:
@@ -156,7 +156,7 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
     from infertrace.trace.schema import validate_trace
 
     if loaded.model.dtype != torch.float32:
-        raise InfertraceError("--against vllm compares float32 runs; drop --dtype")
+        raise InfertraceError("diff-runtimes vllm compares float32 runs; drop --dtype")
     o = replace(opts, backend="paged", attention="torch", prefix_cache=False, speculative=None)
     if opts.num_blocks is None:
         o = replace(o, num_blocks=-(-opts.ctx_size // opts.tokens_per_block) + 1)
@@ -245,7 +245,7 @@ def _per_rank(ours: list[Any], theirs: list[Any], nkv: int, tp: int) -> list[dic
     return per_rank
 
 
-# ----------------------------------------------------------------------------- diff-backends --against vllm (registry hooks)
+# ----------------------------------------------------------------------------- diff-runtimes vllm (registry hooks)
 # infertrace's paged backend replaying vLLM's schedule, compared step for step
 def check_comparison(settings: Any, atol: float | None) -> Any:
     """Before anything loads: no tolerance (measured), no quantised kernels, vLLM importable, float32 on the CPU.

@@ -47,11 +47,11 @@ def hf_dir_for(model_path: Path) -> Path:
     p = Path(model_path)
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise InfertraceError(f"--engine vllm: {p} has no config.json; pass an HF model directory or a GGUF file")
+            raise InfertraceError(f"--runtime vllm: {p} has no config.json; pass an HF model directory or a GGUF file")
         check_template_for_vllm(p)
         return p
     if not p.is_file() or p.suffix.lower() != ".gguf":
-        raise InfertraceError(f"--engine vllm needs an HF model directory or a GGUF file; {p.name} is neither")
+        raise InfertraceError(f"--runtime vllm needs an HF model directory or a GGUF file; {p.name} is neither")
     from infertrace.runtimes.vllm.convert_cache import cache_root, verify_entry
 
     sha = file_sha256(p)
@@ -84,7 +84,7 @@ def check_template_for_vllm(d: Path) -> None:
         tok.apply_chat_template([{"role": "user", "content": "warmup"}], add_generation_prompt=True)
     except InfertraceError as e:
         if isinstance(e.__cause__, TemplateLimitError):
-            raise InfertraceError(f"--engine vllm: the model's chat template {e.__cause__} (infertrace's template limit); "
+            raise InfertraceError(f"--runtime vllm: the model's chat template {e.__cause__} (infertrace's template limit); "
                                   "vLLM renders it at start-up without limits and would hang: remove or fix chat_template "
                                   f"in {d.name}/tokenizer_config.json (or chat_template.jinja)") from None
 
@@ -100,7 +100,7 @@ def _convert(gguf: Path, target: Path, sha: str) -> None:
         import torch
         import transformers
     except ImportError:
-        raise InfertraceError("--engine vllm with a GGUF file needs transformers to dequantise it: "
+        raise InfertraceError("--runtime vllm with a GGUF file needs transformers to dequantise it: "
                               "run `make setup-dev` in the infertrace checkout (or `.venv/bin/pip install -e '.[vllm]'` there)") from None
     from infertrace.runtimes.vllm.convert_cache import strip_chat_template, write_manifest
     from infertrace.safe_io import DirTaken, fresh_dir_beside, publish_dir

@@ -1,4 +1,4 @@
-"""The GGUF -> HF conversion cache of ``run --engine vllm``, trusted only after it is verified.
+"""The GGUF -> HF conversion cache of ``run --runtime vllm``, trusted only after it is verified.
 
 A cache entry (``$XDG_CACHE_HOME/infertrace/vllm-hf-v2/<sha256 of the GGUF>``) is what vLLM loads and
 computes with while the trace names the GGUF file, so a planted entry — a symlink to another model's

@@ -1,6 +1,6 @@
-"""``run --engine vllm``: vLLM's own engine, driven step by step in this process, every variable of
+"""``run --runtime vllm``: vLLM's own engine, driven step by step in this process, every variable of
 the trace read from vLLM's objects (:mod:`.capture`), written as an ordinary paged trace with
-``engine: vllm``.
+``runtime: vllm``.
 
 The loop: at step s, requests whose arrival step is s are added (``LLMEngine.add_request`` with our
 token ids, so both sides see the same ids); one ``LLMEngine.step()`` = one ``EngineCore.step``: one
@@ -130,7 +130,7 @@ class VllmKV:
             InfertraceError: ``layer`` is not the captured one.
         """
         if layer != self.layer:
-            raise InfertraceError(f"--engine vllm captured layer {self.layer} only; pass --layer {layer}")
+            raise InfertraceError(f"--runtime vllm captured layer {self.layer} only; pass --layer {layer}")
         return self.mirror.read(0, seq_id)
 
     def logical_mask(self, inp: Any, swa: bool = False) -> list[torch.Tensor]:
@@ -187,7 +187,7 @@ def max_num_seqs(opts: EngineOptions, n_requests: int | None) -> int:
     """
     n = max(1, min(opts.n_seq_max, n_requests) if n_requests else opts.n_seq_max)
     if opts.max_batch_tokens < n:
-        raise InfertraceError(f"--engine vllm: vLLM requires max_num_batched_tokens >= max_num_seqs; --max-batch-tokens "
+        raise InfertraceError(f"--runtime vllm: vLLM requires max_num_batched_tokens >= max_num_seqs; --max-batch-tokens "
                               f"{opts.max_batch_tokens} is below the {n} requests this run may hold at once "
                               f"(max_num_seqs {n}); raise --max-batch-tokens to {n} or give fewer requests")
     return n
@@ -201,7 +201,7 @@ def engine_args(opts: EngineOptions, dtype: str, tp: int = 1, n_requests: int | 
     """
     B = opts.tokens_per_block
     if B % CPU_BLOCK_MULTIPLE:
-        raise InfertraceError(f"--engine vllm: vLLM's CPU attention needs --tokens-per-block a multiple of "
+        raise InfertraceError(f"--runtime vllm: vLLM's CPU attention needs --tokens-per-block a multiple of "
                               f"{CPU_BLOCK_MULTIPLE} (got {B})")
     kw: dict[str, Any] = {
         "dtype": {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -215,7 +215,7 @@ def engine_args(opts: EngineOptions, dtype: str, tp: int = 1, n_requests: int | 
         kw["long_prefill_token_threshold"] = opts.prefill_chunk
     if opts.num_blocks is not None:
         if opts.num_blocks < 2:
-            raise InfertraceError("--engine vllm: --num-blocks must be >= 2 (vLLM keeps block 0 as its null block)")
+            raise InfertraceError("--runtime vllm: --num-blocks must be >= 2 (vLLM keeps block 0 as its null block)")
         kw["num_gpu_blocks_override"] = opts.num_blocks
         # vLLM refuses a max_model_len its pool cannot hold once; block 0 is never allocated
         kw["max_model_len"] = min(opts.ctx_size, (opts.num_blocks - 1) * B)
@@ -223,7 +223,7 @@ def engine_args(opts: EngineOptions, dtype: str, tp: int = 1, n_requests: int | 
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": opts.num_spec_tokens,
                                     "prompt_lookup_min": opts.ngram_min, "prompt_lookup_max": opts.ngram_max}
     elif opts.speculative:
-        raise InfertraceError("--engine vllm runs --speculative ngram only here; drop --speculative draft")
+        raise InfertraceError("--runtime vllm runs --speculative ngram only here; drop --speculative draft")
     return kw
 
 

@@ -1,4 +1,4 @@
-"""Our ``paged`` backend held to vLLM: replay a saved ``--engine vllm`` trace's schedule and block ids
+"""Our ``paged`` backend held to vLLM: replay a saved ``--runtime vllm`` trace's schedule and block ids
 into our engine (``run --backend paged --replay DIR``), so the two traces ``diff`` step for step.
 
 Why replay and not mirror. vLLM 0.32's scheduler and allocator are policies that change between
@@ -43,7 +43,7 @@ from infertrace.kv.given import GivenTablesKV
 
 
 def load_plan(directory: Path) -> dict[str, Any]:
-    """The replay plan of a saved ``--engine vllm`` trace (validated by ``read_manifest``).
+    """The replay plan of a saved ``--runtime vllm`` trace (validated by ``read_manifest``).
 
     Returns:
         ``{"block_size", "num_blocks", "requests": [{seq_id, prompt_ids, arrival_step}], "steps": {step: {...}}}``
@@ -60,8 +60,8 @@ def load_plan(directory: Path) -> dict[str, Any]:
 
 def plan_from_manifest(m: dict[str, Any], directory: str = "the trace") -> dict[str, Any]:
     """:func:`load_plan` on an already validated manifest dict (``RunTrace.to_dict()`` of a vLLM run)."""
-    if m.get("engine") != "vllm":
-        raise InfertraceError(f"--replay {directory}: not a run --engine vllm trace (engine {m.get('engine', 'infertrace')!r})")
+    if m.get("runtime") != "vllm":
+        raise InfertraceError(f"--replay {directory}: not a run --runtime vllm trace (runtime {m.get('runtime', 'infertrace')!r})")
     vl = m["options"].get("vllm") if isinstance(m["options"].get("vllm"), dict) else {}
     B, nb = vl.get("block_size"), vl.get("num_blocks")
     if not isinstance(B, int) or not isinstance(nb, int):
@@ -90,7 +90,7 @@ def plan_from_manifest(m: dict[str, Any], directory: str = "the trace") -> dict[
 
 
 def prefix_record(hit: int, num_tokens: int, shared: list[int], ref_cnt: list[int], resumed: bool, B: int) -> dict[str, Any]:
-    """One request's prefix lookup in vLLM's terms (also what ``--engine vllm`` records): ``hit`` tokens (whole
+    """One request's prefix lookup in vLLM's terms (also what ``--runtime vllm`` records): ``hit`` tokens (whole
     blocks) of ``prompt_len`` = vLLM's ``request.num_tokens`` then (prompt + output for a request resumed
     after preemption), the ``shared`` blocks and their ``ref_cnt`` (tables holding each), the tokens left to
     compute, and where the hit stopped: vLLM caps a hit at ``num_tokens - 1`` and hits whole blocks only

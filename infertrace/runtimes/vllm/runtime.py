@@ -78,7 +78,7 @@ class VllmRuntime:
         from infertrace.runtimes.vllm.tp import check_tensor_parallel
 
         if getattr(cfg, "is_hybrid", False) or cfg.windowed_layers:
-            raise InfertraceError("--engine vllm records full-attention decoder models here (no hybrid / sliding-window layers)")
+            raise InfertraceError("--runtime vllm records full-attention decoder models here (no hybrid / sliding-window layers)")
         check_tensor_parallel(cfg.n_head, cfg.n_head_kv, settings.tensor_parallel_size)
 
     @classmethod
@@ -153,7 +153,7 @@ class VllmRuntime:
             if self.settings.tensor_parallel_size > 1:  # each rank holds a shard of the heads (tp.merge_ranks)
                 notes.append("layer taps under tensor parallelism: only the all-reduced block outputs (hidden_in, attn_out, "
                              "mlp_out, resid_post) are saved for --layers; Q/K are head shards per rank (--layer's are merged)")
-        return RuntimeHeader(backend="paged", attention="vllm", engine_options=eng_opts, options=options,
+        return RuntimeHeader(backend="paged", attention="vllm", settings=eng_opts, options=options,
                              notes=tuple(notes),
                              layer=self.settings.layer)
 

@@ -1,6 +1,6 @@
 """vLLM's step as plain data, and that data turned into infertrace's step record.
 
-One conversion serves both ways of recording vLLM: ``run --engine vllm`` (the engine core in this
+One conversion serves both ways of recording vLLM: ``run --runtime vllm`` (the engine core in this
 process, :mod:`.engine`) and a served vLLM (the plugin, :mod:`.plugin`, writes the same data to a
 spool; ``infertrace collect`` reads it back, :mod:`.collect`). Nothing here reads a live vLLM object
 except :func:`scheduler_data` and :func:`pool_data`, which copy one at capture time.

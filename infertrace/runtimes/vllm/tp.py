@@ -1,4 +1,4 @@
-"""Tensor parallelism under ``run --engine vllm``: which KV heads each rank holds, vLLM's refusals of a size,
+"""Tensor parallelism under ``run --runtime vllm``: which KV heads each rank holds, vLLM's refusals of a size,
 and one step's record merged from every rank's capture (runtimes/vllm/capture.py records per worker)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``infertrace check``: invariants every trace must satisfy, whoever produced it (our engine on
-either backend, or llama.cpp through ``run --engine llama.cpp``).
+either backend, or llama.cpp through ``run --runtime llama.cpp``).
 
 Checked per step, in this order (the first violation is reported with its step, seq_id and
 variable):
@@ -70,8 +70,8 @@ Newer sections, each recomputed from the facts it summarises:
 * **MTP** (``--speculative mtp``, engine/drafters.py ``MTPDrafter``, a chain): MTP row k embeds the
   verify row's token k (node k - 1 at position C - 1 + k) and its greedy ``argmax`` is draft k, the
   token verified at node k + 1 (the first T - 1 drafts: a request near its token limit verifies fewer); ``spec.mtp.drafts`` lists them; a trace with MTP rows ran
-  ``options.engine.speculative = mtp`` on a model with ``config.mtp_layers >= 1``.
-* **kv.dtype** is ``options.engine.kv_dtype`` (f32 / f16 / bf16 -> float32 / float16 / bfloat16),
+  ``options.settings.speculative = mtp`` on a model with ``config.mtp_layers >= 1``.
+* **kv.dtype** is ``options.settings.kv_dtype`` (f32 / f16 / bf16 -> float32 / float16 / bfloat16),
   else the compute dtype ``options.dtype`` (our engine); llama.cpp's ``options.llama_cpp.type_k``.
 * **quant kernels**: each ``options.weights.kernels`` entry is a kernel that
   :func:`infertrace.quant.source.choose_kernel` can return for that GGUF type and ``options.dtype``
@@ -81,7 +81,7 @@ Newer sections, each recomputed from the facts it summarises:
   covers ``len`` = the positions the request holds after the step.
 * **prefix hits**: the row's copy of a hit is ``serving.prefix`` 's; its ``computed`` range starts at
   the hit; paged ``shared_blocks`` are the table's first ``hit // B`` blocks (the full blocks the hit covers).
-* **vllm** (``run --engine vllm``, vLLM v1 ``GPUModelRunner._prepare_inputs``): with B =
+* **vllm** (``run --runtime vllm``, vLLM v1 ``GPUModelRunner._prepare_inputs``): with B =
   ``options.vllm.block_size``, for batch row i at positions p: ``query_start_loc`` = cumulative T,
   ``seq_lens`` = C + T (vLLM's seq_lens are kv lengths), ``slot_mapping`` = ``block_table[i][p // B] * B
   + p % B``, ``block_table`` = the request's table; ``logits_indices`` = the last ``1 + drafts`` rows of each
@@ -90,9 +90,9 @@ Newer sections, each recomputed from the facts it summarises:
   ``sampled_token_ids`` of a row whose sample is kept are its emitted tokens; ``free_blocks`` is the
   pool's and at most ``num_blocks - 1`` (block 0 is vLLM's null block); ``new_block_ids`` are blocks of the
   sequence's own table; ``tp_ranks`` one per rank of ``tensor_parallel_size``; a ``vllm`` section only in
-  a trace whose header names the engine ``vllm`` (and every computed step of such a trace has one).
+  a trace whose header names the runtime ``vllm`` (and every computed step of such a trace has one).
 
-* **dense** (``run --engine hf``, HF transformers' padded ``[B, T]`` batch; :mod:`infertrace.trace.check.dense`):
+* **dense** (``run --runtime hf``, HF transformers' padded ``[B, T]`` batch; :mod:`infertrace.trace.check.dense`):
   the first forward is ``[B, T]`` with T = the longest prompt, each row's prompt at its left- or right-padded
   columns and ``attention_mask`` 0 exactly at the pads; every later forward ``[B, 1]`` with the mask one column
   wider; ``position_ids = cumsum(mask) - 1`` (pads 0), so real tokens sit at 0..n-1 whatever the padding and
@@ -106,7 +106,7 @@ The package, one module per convention (each rule written once): ``positions`` (
 events, prefix hits), ``mask`` (3, 4, 7), ``swa`` (``kq_mask_swa``, the SWA pool), ``streams``
 (``--kv-unified off``), ``cells`` (5 cells, 8), ``paged`` (5 paged, block tables), ``speculative`` (6, 8,
 MTP), ``options`` (options, layers, kernels, kv dtype), ``decode`` (the decode loop), ``tensors`` (9),
-``vllm`` (the per-step ``vllm`` section), ``dense`` (the per-step ``hf`` section, ``--engine hf``), ``base`` (shared pieces, the header's facts) and ``checker``
+``vllm`` (the per-step ``vllm`` section), ``dense`` (the per-step ``hf`` section, ``--runtime hf``), ``base`` (shared pieces, the header's facts) and ``checker``
 (the pass over the steps). The rule-mixin methods and ``*_rules`` functions take the running checker
 (``fail`` / ``need`` / ``n_checks``) and raise through ``fail`` on the first violation.
 """

@@ -112,11 +112,11 @@ def run_facts(m: dict[str, Any]) -> dict[str, Any]:
     win = [i for i in range(min(n_layer, len(flags))) if flags[i] is True] if W else []
     lt = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else None
     opts = m.get("options") if isinstance(m.get("options"), dict) else {}
-    eng = opts.get("engine") if isinstance(opts.get("engine"), dict) else {}
+    eng = opts.get("settings") if isinstance(opts.get("settings"), dict) else {}
     vl = opts.get("vllm") if isinstance(opts.get("vllm"), dict) else None
     pool: dict[str, Any] = {}
     B, nb, ctx = eng.get("tokens_per_block"), eng.get("num_blocks"), eng.get("ctx_size")
-    if vl is not None:  # --engine vllm: vLLM's own pool (block 0 its null block)
+    if vl is not None:  # --runtime vllm: vLLM's own pool (block 0 its null block)
         pool = {"num_blocks": vl.get("num_blocks") if _int(vl.get("num_blocks")) else None,
                 "tokens_per_block": vl.get("block_size") if _int(vl.get("block_size")) else None}
         src = "options.vllm num_blocks / block_size"
@@ -130,8 +130,8 @@ def run_facts(m: dict[str, Any]) -> dict[str, Any]:
             pool["size"] = ns * (-(-((-(-ctx // 256) * 256) // ns) // 256) * 256)
         elif _int(ctx):
             pool["size"] = ctx
-        src = ("options.engine num_blocks / tokens_per_block" if _int(nb)
-               else "options.engine ctx_size / tokens_per_block, rounded up, or ctx_size (--kv-unified off: n_seq_max × "
+        src = ("options.settings num_blocks / tokens_per_block" if _int(nb)
+               else "options.settings ctx_size / tokens_per_block, rounded up, or ctx_size (--kv-unified off: n_seq_max × "
                "pad256(pad256(ctx_size) / n_seq_max))")
     return {"n_layer": n_layer, "W": W if win else 0, "windowed": win, "layer_types": lt, "pool": pool, "pool_src": src}
 

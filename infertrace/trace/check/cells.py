@@ -66,7 +66,7 @@ class CellRules:
                 self.fail(s, sid if _int(sid) else None, "kv", "retained sequences are finished ones",
                           f"the prefix cache lists seq {sid!r} as retained, but it "
                           + ("is running in this step" if sid in running else "was never computed"))
-        mem = phys.get("llama_memory_seq_pos")  # --engine llama.cpp: llama_memory_seq_pos_min/max per seq
+        mem = phys.get("llama_memory_seq_pos")  # --runtime llama.cpp: llama_memory_seq_pos_min/max per seq
         if isinstance(mem, dict):
             for k, rng in mem.items():
                 sid = int(k) if str(k).isdigit() else None
@@ -171,8 +171,8 @@ class CellRules:
 
     def _pool(self, s: int, st: dict) -> None:
         """The KV pool in the step is the one the run configured: paged ``num_blocks`` /
-        ``tokens_per_block`` = ``options.engine`` (``num_blocks`` unset: ctx_size / tokens_per_block
-        rounded up; ``--engine vllm``: vLLM's own pool in ``options.vllm``), ``used_blocks + free_blocks
+        ``tokens_per_block`` = ``options.settings`` (``num_blocks`` unset: ctx_size / tokens_per_block
+        rounded up; ``--runtime vllm``: vLLM's own pool in ``options.vllm``), ``used_blocks + free_blocks
         = num_blocks``; cells ``size`` = ``ctx_size``, ``used`` = the cells listed."""
         kv = st.get("kv")
         ph = kv.get("physical") if isinstance(kv, dict) else None

@@ -143,10 +143,10 @@ def iter_rules() -> Iterator[str]:
                 "streams as configured", "cells inside the sequence's stream", "kq_mask streams", "SWA pool cells",
                 "MTP rows agree with the drafts", "kv dtype as configured", "quant kernels the chooser returns",
                 "block table recorded once", "prefix hit recorded once", "shared blocks are the hit's full blocks",
-                "the engine named in the header", "scheduler counts", "free blocks of the pool",
+                "the runtime named in the header", "scheduler counts", "free blocks of the pool",
                 "new blocks owned by their sequence", "query_start_loc from the batch", "seq_lens from the batch",
                 "num_actual_tokens from the batch", "max_query_len from the batch", "max_seq_len from the batch",
                 "logits_indices", "sampled tokens are the chosen ones", "ranks = tensor_parallel_size",
-                # the dense convention (--engine hf, trace/check/dense.py)
+                # the dense convention (--runtime hf, trace/check/dense.py)
                 "dense layout [B, T]", "position_ids from the mask", "pad columns masked", "cache lengths",
                 "K/V at the row's columns", "logits at the last real column")

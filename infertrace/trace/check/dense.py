@@ -1,11 +1,11 @@
-"""The dense convention (``--engine hf``, HF transformers' padded ``[B, T]`` batch): the ``hf`` section and the
+"""The dense convention (``--runtime hf``, HF transformers' padded ``[B, T]`` batch): the ``hf`` section and the
 ``dense`` ``kv.physical`` recomputed from the requests and the 2-D ``attention_mask``.
 
 Rules (transformers 5.19: ``generation/utils.py`` ``_prepare_position_ids_for_generation`` /
 ``_update_model_kwargs_for_generation``, ``masking_utils.py`` ``create_causal_mask`` /
 ``create_sliding_window_causal_mask``, ``cache_utils.py`` ``DynamicLayer`` / ``DynamicSlidingWindowLayer``):
 
-* **the engine named in the header** -- an ``hf`` section only in a trace whose engine is ``hf``, and every
+* **the runtime named in the header** -- an ``hf`` section only in a trace whose runtime is ``hf``, and every
   computed step of such a trace has one (with ``backend = dense``).
 * **dense layout [B, T]** -- the first forward's ``input_ids`` is ``[B, T]``, B = the requests, T = the longest
   prompt; row b holds its prompt at columns ``T - n .. T - 1`` (left padding) or ``0 .. n - 1`` (right), the
@@ -49,15 +49,15 @@ def dense_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
     """Every dense rule of one step (module docstring); raises through ``c.fail``."""
     hf = st.get("hf")
     c.n_checks += 1
-    dense_engine = _runs_dense(c.m.get("engine"))
+    dense_engine = _runs_dense(c.m.get("runtime"))
     if hf is None:
         if dense_engine and reqs:
-            c.fail(s, None, "hf", "the engine named in the header", "the header names the engine hf but this computed step "
-                   "has no hf section (--engine hf records HF's own inputs every step)")
+            c.fail(s, None, "hf", "the runtime named in the header", "the header names the runtime hf but this computed step "
+                   "has no hf section (--runtime hf records HF's own inputs every step)")
         return
     if not dense_engine or st.get("backend") != "dense":
-        c.fail(s, None, "hf", "the engine named in the header", f"the step has an hf section but the header names the engine "
-               f"{c.m.get('engine')!r} and the step's backend is {st.get('backend')!r}")
+        c.fail(s, None, "hf", "the runtime named in the header", f"the step has an hf section but the header names the runtime "
+               f"{c.m.get('runtime')!r} and the step's backend is {st.get('backend')!r}")
     c.need(isinstance(hf, dict), s, None, "hf", "hf section is not an object")
     ids, am, pos = _l(hf.get("input_ids")), _l(hf.get("attention_mask")), _l(hf.get("position_ids"))
     c.need(ids and all(isinstance(r, list) for r in ids + am + pos) and len(am) == len(ids) == len(pos), s, None, "hf",
@@ -302,7 +302,7 @@ def _kv_and_logits(c: Any, s: int, st: dict, hf: dict, reqs: list[dict]) -> None
 
 
 def padding_kv_problem(a: dict[str, Any], b: dict[str, Any], atol: float = 1e-4) -> str | None:
-    """Two ``--engine hf`` traces of the same prompts (e.g. left and right padding): where the real tokens' K/V
+    """Two ``--runtime hf`` traces of the same prompts (e.g. left and right padding): where the real tokens' K/V
     (``kv.layer_view``, by step, seq_id and position) differ by more than ``atol``, else None.
 
     Returns:

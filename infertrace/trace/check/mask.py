@@ -111,7 +111,7 @@ class MaskRules:
         if isinstance(ph, dict) and ph.get("kind") == "cells" and "n_swa" in ph:
             got = (ph.get("n_swa"), ph.get("swa_layers"))
             self.n_checks += 1
-            if got != (W, win):  # (--engine llama.cpp refuses windowed models: its iSWA cache is two caches)
+            if got != (W, win):  # (--runtime llama.cpp refuses windowed models: its iSWA cache is two caches)
                 self.fail(s, None, "kv", "window", f"kv.physical n_swa {_show(got[0])} / swa_layers {_show(got[1])}, the config "
                           f"gives W = {W} on layers {_layers(win)}")
 

@@ -12,21 +12,21 @@ from infertrace.trace.check.base import _d, _int, KV_DTYPE_NAMES, _show
 
 def options_problem(m: dict[str, Any]) -> str | None:
     """What in the run's options contradicts its steps or config, else None: verify rows (a batch
-    row's ``spec``) while ``options.engine.speculative`` says no speculation ran; ``draft_layers``
+    row's ``spec``) while ``options.settings.speculative`` says no speculation ran; ``draft_layers``
     not fewer than the model's ``n_layer`` (the draft is the target's first layers)."""
     opts = m.get("options") if isinstance(m.get("options"), dict) else {}
-    eng = opts.get("engine") if isinstance(opts.get("engine"), dict) else {}
+    eng = opts.get("settings") if isinstance(opts.get("settings"), dict) else {}
     n_layer = (m.get("config") or {}).get("n_layer") if isinstance(m.get("config"), dict) else None
     steps = m.get("steps") if isinstance(m.get("steps"), list) else []
     if "speculative" in eng and eng.get("speculative") in (None, False, "off", "none"):
         for st in steps:
             rows = st.get("batch") if isinstance(st, dict) and isinstance(st.get("batch"), list) else []
             if any(isinstance(r, dict) and r.get("spec") for r in rows):
-                return (f"step {st.get('step')!r} verifies speculative drafts but options.engine.speculative is "
+                return (f"step {st.get('step')!r} verifies speculative drafts but options.settings.speculative is "
                         f"{_show(eng.get('speculative'))}")
     dl = eng.get("draft_layers")
     if dl is not None and (not _int(dl) or dl < 1 or (_int(n_layer) and dl >= n_layer)):
-        return f"options.engine.draft_layers {_show(dl)} must be 1..n_layer - 1 (n_layer = {_show(n_layer)})"
+        return f"options.settings.draft_layers {_show(dl)} must be 1..n_layer - 1 (n_layer = {_show(n_layer)})"
     return None
 
 
@@ -88,12 +88,12 @@ def kv_dtype_rules(c: Any, s: int, st: dict) -> None:
     opts = _d(c.m.get("options"))
     from infertrace.runtimes.api import REGISTRY
 
-    runtime = REGISTRY.get(str(c.m.get("engine") or "infertrace"))
+    runtime = REGISTRY.get(str(c.m.get("runtime") or "infertrace"))
     if isinstance(opts.get("llama_cpp"), dict):  # llama.cpp's cache type (type_k), as the context reports it
         kd = _d(opts.get("llama_cpp")).get("type_k")
         want = KV_DTYPE_NAMES.get(kd)
     elif runtime is not None and runtime.kv_dtype:  # a runtime whose cache dtype is ours to set (--kv-dtype)
-        kd = _d(opts.get("engine")).get("kv_dtype")
+        kd = _d(opts.get("settings")).get("kv_dtype")
         want = KV_DTYPE_NAMES.get(kd) if kd is not None else opts.get("dtype")
     else:
         return

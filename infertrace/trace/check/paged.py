@@ -91,7 +91,7 @@ def paged_table_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
 
 
 def _held_blocks(c: Any, r: dict, B: int) -> range:
-    """How many blocks a request's table may hold after its step: ``ceil(kept / B)``. Under ``--engine vllm`` a
+    """How many blocks a request's table may hold after its step: ``ceil(kept / B)``. Under ``--runtime vllm`` a
     verify step keeps the blocks of its rejected drafts too, up to ``ceil((C + T) / B)``: vLLM 0.32 allocates
     slots for every scheduled token (kv_cache_manager.py:541-543, ``total_computed_tokens + num_new_tokens``),
     its ``allocate_new_blocks`` only grows a table (single_type_kv_cache_manager.py:369-386, "at least

@@ -193,7 +193,7 @@ def run_spec_problem(sp: Any) -> str | None:
 # ----------------------------------------------------------------------------- MTP rows
 def mtp_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
     """MTP rows against the verify row they drafted (module docstring)."""
-    eng = _d(_d(c.m.get("options")).get("engine"))
+    eng = _d(_d(c.m.get("options")).get("settings"))
     for r in reqs:
         sp = r.get("spec")
         mt = sp.get("mtp") if isinstance(sp, dict) else None
@@ -203,7 +203,7 @@ def mtp_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
         c.n_checks += 1
         if eng.get("speculative") != "mtp" or not (_int(_d(c.m.get("config")).get("mtp_layers")) and c.m["config"]["mtp_layers"] >= 1):
             c.fail(s, sid, "spec", "MTP rows agree with the drafts",
-                   f"the verify row has MTP rows but options.engine.speculative is {eng.get('speculative')!r} and config.mtp_layers "
+                   f"the verify row has MTP rows but options.settings.speculative is {eng.get('speculative')!r} and config.mtp_layers "
                    f"{_d(c.m.get('config')).get('mtp_layers')!r} (an MTP draft needs speculative mtp and a model with an MTP layer)")
         rows = [x for x in _l(mt.get("rows")) if isinstance(x, dict)]
         argmax = [x.get("argmax") for x in rows]

@@ -11,7 +11,7 @@ from infertrace.trace.check.base import _d, _int, _l
 # ----------------------------------------------------------------------------- streams (--kv-unified off)
 def streams_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
     """Stream membership of a cells step under ``--kv-unified off`` (module docstring)."""
-    eng = _d(_d(c.m.get("options")).get("engine"))
+    eng = _d(_d(c.m.get("options")).get("settings"))
     ph = _d(_d(st.get("kv")).get("physical"))
     km = _d(_d(st.get("mask")).get("kq_mask"))
     if ph.get("kind") != "cells":
@@ -21,12 +21,12 @@ def streams_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
     c.n_checks += 1
     if unified and ((_int(n) and n > 1) or isinstance(km.get("streams"), list)):
         c.fail(s, None, "kv", "streams as configured", f"kv.physical has {n!r} streams / kq_mask lists streams but "
-               "options.engine.kv_unified is not false (a unified cache is one stream: llama.cpp n_stream = 1)")
+               "options.settings.kv_unified is not false (a unified cache is one stream: llama.cpp n_stream = 1)")
     if unified:
         return
     ns = eng.get("n_seq_max")
     if n != ns:
-        c.fail(s, None, "kv", "streams as configured", f"kv.physical.n_stream {n!r} but options.engine.n_seq_max is {ns!r} "
+        c.fail(s, None, "kv", "streams as configured", f"kv.physical.n_stream {n!r} but options.settings.n_seq_max is {ns!r} "
                "(kv_unified false: llama.cpp n_stream = n_seq_max)")
     ss = ph.get("stream_size")
     if not (_int(ss) and ss > 0 and _int(n) and ph.get("size") == n * ss):

@@ -1,4 +1,4 @@
-"""``run --engine vllm``: the per-step ``vllm`` section recomputed from the batch rows and the cache.
+"""``run --runtime vllm``: the per-step ``vllm`` section recomputed from the batch rows and the cache.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from infertrace.trace.check.base import _d, _int, _l
 SECTION = "vllm"
 
 
-# ----------------------------------------------------------------------------- run --engine vllm
+# ----------------------------------------------------------------------------- run --runtime vllm
 def vllm_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
     """The per-step ``vllm`` section recomputed from the batch rows and the cache (module docstring)."""
     v = st.get("vllm")
@@ -20,13 +20,13 @@ def vllm_rules(c: Any, s: int, st: dict, reqs: list[dict]) -> None:
     vo = opts.get("vllm")
     c.n_checks += 1
     if v is None:
-        if native_of(c.m.get("engine")) == SECTION and reqs:
-            c.fail(s, None, "vllm", "the engine named in the header", "the header names the engine vllm but this computed "
-                   "step has no vllm section (run --engine vllm records vLLM's own metadata every step)")
+        if native_of(c.m.get("runtime")) == SECTION and reqs:
+            c.fail(s, None, "vllm", "the runtime named in the header", "the header names the runtime vllm but this computed "
+                   "step has no vllm section (run --runtime vllm records vLLM's own metadata every step)")
         return
-    if native_of(c.m.get("engine")) != SECTION or not isinstance(vo, dict):
-        c.fail(s, None, "vllm", "the engine named in the header", f"the step has a vllm section but the header names the engine "
-               f"{c.m.get('engine')!r}" + ("" if isinstance(vo, dict) else " and options.vllm is missing"))
+    if native_of(c.m.get("runtime")) != SECTION or not isinstance(vo, dict):
+        c.fail(s, None, "vllm", "the runtime named in the header", f"the step has a vllm section but the header names the runtime "
+               f"{c.m.get('runtime')!r}" + ("" if isinstance(vo, dict) else " and options.vllm is missing"))
     _vllm_scheduler(c, s, st, reqs, _d(v.get("scheduler")))
     _vllm_metadata(c, s, st, reqs, _d(v.get("attn_metadata")), vo.get("block_size"))
     _vllm_logits(c, s, st, reqs, v)

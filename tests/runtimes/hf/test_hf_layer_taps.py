@@ -1,4 +1,4 @@
-"""``run --engine hf --keep tensors``: HF's own module outputs saved as the shared tap names. Held to HF's own
+"""``run --runtime hf --keep tensors``: HF's own module outputs saved as the shared tap names. Held to HF's own
 forward hooks run independently (tests/helpers/hf_taps.py, each prompt alone, unpadded): in a left-padded batch
 of two prompts, every saved row equals HF's row of that token (pad columns dropped, rows packed in order). Then
 ``bisect`` infertrace's fp32 engine against HF fp32 on the clean file finds nothing above the floor, and on the
@@ -26,7 +26,7 @@ def _cli(*args) -> object:
 @pytest.fixture(scope="module")
 def padded(tmp_path_factory, hf_smol):
     d = tmp_path_factory.mktemp("hf_taps") / "hf"
-    r = _cli("run", "--engine", "hf", "-p", PROMPTS[0], "-p", PROMPTS[1], "-n", "2", "--padding", "left",
+    r = _cli("run", "--runtime", "hf", "-p", PROMPTS[0], "-p", PROMPTS[1], "-n", "2", "--padding", "left",
              "--save", d, "--layers", "0,4,29")
     assert r.exit_code == 0, r.output
     from safetensors.numpy import load_file
@@ -72,7 +72,7 @@ def planted(tmp_path_factory, smol_path):
     out = {}
     for name, engine, model in (("ours", "infertrace", smol_path), ("hf", "hf", smol_path), ("hf_bad", "hf", bad)):
         d = root / name
-        r = _cli("run", "--engine", engine, "-m", model, "-p", PROMPTS[0], "-n", "2", "--save", d, "--layers", "all")
+        r = _cli("run", "--runtime", engine, "-m", model, "-p", PROMPTS[0], "-n", "2", "--save", d, "--layers", "all")
         assert r.exit_code == 0, r.output
         out[name] = d
     return out

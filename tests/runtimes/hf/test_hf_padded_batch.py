@@ -1,4 +1,4 @@
-"""``--engine hf`` on the real SmolLM2: two prompts of known lengths (5 and 2 tokens) as one padded batch,
+"""``--runtime hf`` on the real SmolLM2: two prompts of known lengths (5 and 2 tokens) as one padded batch,
 left and right. Every expected value is hand-worked from HF's rules or computed by HF itself
 (``model.generate``, a forward of each prompt alone), never read from infertrace's own output."""
 

@@ -1,4 +1,4 @@
-"""``--engine hf`` on the real Gemma 3 270M (HF's Gemma3ForCausalLM on the same GGUF): sliding-window layers as
+"""``--runtime hf`` on the real Gemma 3 270M (HF's Gemma3ForCausalLM on the same GGUF): sliding-window layers as
 HF builds them (``DynamicSlidingWindowLayer``), both mask functions captured, the run checked clean on both
 paddings. Expected values come from HF's own config and classes."""
 

@@ -1,4 +1,4 @@
-"""``infertrace check`` / ``show`` on saved ``--engine hf`` traces of the real SmolLM2, the dense rules catching
+"""``infertrace check`` / ``show`` on saved ``--runtime hf`` traces of the real SmolLM2, the dense rules catching
 planted defects (each mutant breaks one HF rule, named), and the settings HF cannot honour refused in one line."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _no_hf_section(m):
 @pytest.mark.parametrize("mutate, rule", [
     (_pad_col_kept, "pad columns masked"), (_pad_position, "position_ids from the mask"), (_cache_len, "cache lengths"),
     (_right_layout, "dense layout [B, T]"), (_kv_column, "K/V at the row's columns"),
-    (_logit_column, "logits at the last real column"), (_no_hf_section, "the engine named in the header"),
+    (_logit_column, "logits at the last real column"), (_no_hf_section, "the runtime named in the header"),
 ], ids=lambda x: getattr(x, "__name__", x))
 def test_check_catches_a_dense_defect(ragged, mutate, rule):
     m = copy.deepcopy(ragged)
@@ -114,14 +114,14 @@ def test_a_late_arrival_is_refused(smol, hf_smol):
         rt.add_request(EncodedRequest([1, 2], SamplingParams(), 0, ""))
 
 
-def test_a_saved_trace_naming_an_unknown_engine_is_refused(ragged, tmp_path):
+def test_a_saved_trace_naming_an_unknown_runtime_is_refused(ragged, tmp_path):
     out = tmp_path / "t"
     save_trace(RunTrace.from_dict(copy.deepcopy(ragged)), out)
     m = json.loads((out / "trace.json").read_text())
-    m["engine"] = "hf2"
+    m["runtime"] = "hf2"
     (out / "trace.json").write_text(json.dumps(m))
     res = CliRunner().invoke(app, ["check", str(out)])
-    assert res.exit_code == 2 and "'engine' must be one of infertrace, llama.cpp, vllm, hf" in res.output
+    assert res.exit_code == 2 and "'runtime' must be one of infertrace, llama.cpp, vllm, hf" in res.output
 
 
 def test_no_pad_column_means_sdpa_runs_is_causal(smol, hf_smol):

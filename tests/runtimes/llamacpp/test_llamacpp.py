@@ -101,7 +101,7 @@ def worked(smol, llama_cpp):
 def test_worked_example_from_llamacpp_tensors(worked) -> None:
     """The study's table (prefill [a, b, c] -> decode d -> decode e), every value read from llama.cpp."""
     t = worked
-    assert t.engine == "llama.cpp"
+    assert t.runtime == "llama.cpp"
     s0, s1, s2 = t.steps[:3]
     assert s0.positions.inp_pos == [0, 1, 2] and s1.positions.inp_pos == [3] and s2.positions.inp_pos == [4]
     # llama.cpp's attn_inp_kq_mask: ne = [n_kv, n_tokens, 1, 1], n_kv padded to 256, one row per token
@@ -122,7 +122,7 @@ def test_worked_example_from_llamacpp_tensors(worked) -> None:
 
 
 def test_cli_saved_llamacpp_and_cells_traces_diff_clean(tmp_path: Path, llama_cpp) -> None:
-    """run --engine llama.cpp --save A (teacher-forced with B's tokens) and run --save B (cells):
+    """run --runtime llama.cpp --save A (teacher-forced with B's tokens) and run --save B (cells):
     diff A B finds zero structural differences; show, check, report and dump-kv read A."""
     r = CliRunner()
     args = ["--prompt", THREE[0], "--prompt", THREE[1], "--arrival", "0", "--arrival", "1", "--prefill-chunk", "3",
@@ -130,10 +130,10 @@ def test_cli_saved_llamacpp_and_cells_traces_diff_clean(tmp_path: Path, llama_cp
     b, a = tmp_path / "cells", tmp_path / "llamacpp"
     res = r.invoke(app, ["run", *args, "--save", str(b), "--keep", "summary", "--json"])
     assert res.exit_code == 0, res.output
-    res = r.invoke(app, ["run", *args, "--engine", "llama.cpp", "--teacher-force", str(b), "--save", str(a), "--json"])
+    res = r.invoke(app, ["run", *args, "--runtime", "llama.cpp", "--teacher-force", str(b), "--save", str(a), "--json"])
     assert res.exit_code == 0, res.output
     m = json.loads((a / "trace.json").read_text())
-    assert m["engine"] == "llama.cpp" and m["options"]["llama_cpp"]["teacher_forced"]
+    assert m["runtime"] == "llama.cpp" and m["options"]["llama_cpp"]["teacher_forced"]
     # llama_memory_seq_pos_min/max after step 0 (seq 0's first chunk, positions 0..2) and step 1
     assert m["steps"][0]["kv"]["physical"]["llama_memory_seq_pos"] == {"0": [0, 2]}
     assert m["steps"][1]["kv"]["physical"]["llama_memory_seq_pos"] == {"0": [0, 4], "1": [0, 2]}
@@ -156,7 +156,7 @@ def _strip_times(x):  # a trace's JSON without its wall-clock fields
 
 
 def test_cli_llamacpp_reads_no_tensor_data_and_trace_unchanged(monkeypatch, llama_cpp) -> None:
-    """Issue 20 "load only what is used": run --engine llama.cpp builds no infertrace weights (the
+    """Issue 20 "load only what is used": run --runtime llama.cpp builds no infertrace weights (the
     GGUF tensor reader and the quantised loader raise if called), and its trace equals the one made
     when the whole model was loaded first (timings aside)."""
     import infertrace.cli.common as common
@@ -164,7 +164,7 @@ def test_cli_llamacpp_reads_no_tensor_data_and_trace_unchanged(monkeypatch, llam
     import infertrace.loading.weights as weights_mod
     from infertrace.loading.model import HeaderOnlyModel
 
-    args = ["run", "--engine", "llama.cpp", "--prompt", "The capital of France is", "-n", "4", "--json"]
+    args = ["run", "--runtime", "llama.cpp", "--prompt", "The capital of France is", "-n", "4", "--json"]
     seen: list = []
     real = common.load_with_progress
 
@@ -181,7 +181,7 @@ def test_cli_llamacpp_reads_no_tensor_data_and_trace_unchanged(monkeypatch, llam
     assert seen[-1].ckpt.weights  # the full load really read tensors
 
     def no_tensors(*_a, **_k):
-        raise AssertionError("tensor data read for --engine llama.cpp")
+        raise AssertionError("tensor data read for --runtime llama.cpp")
 
     monkeypatch.setattr(weights_mod, "_gguf_tensors", no_tensors)
     monkeypatch.setattr("infertrace.quant.source.quant_weights", no_tensors)
@@ -195,7 +195,7 @@ def test_cli_llamacpp_reads_no_tensor_data_and_trace_unchanged(monkeypatch, llam
 
 
 def test_diff_backends_against_llamacpp_cli(llama_cpp) -> None:
-    res = CliRunner().invoke(app, ["diff-backends", "--against", "llama.cpp", "--prompt", "The capital of France is",
+    res = CliRunner().invoke(app, ["diff-runtimes", "llama.cpp", "--prompt", "The capital of France is",
                                    "-n", "4", "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)
@@ -232,7 +232,7 @@ def test_ggml_cpu_attention_hand_example() -> None:
 def _llamacpp_direct_logits(llama_cpp, path, tokens: list[int], flash: bool) -> tuple:  # (ctx, model, logits [V])
     """llama.cpp run directly through the binding (no eval callback, no batch of ours): the prompt as
     one llama_batch_get_one, then each next token; logits of the last position each time, with the
-    context settings run --engine llama.cpp uses (n_ctx 2048, n_batch = n_ubatch 2048, 2 threads,
+    context settings run --runtime llama.cpp uses (n_ctx 2048, n_batch = n_ubatch 2048, 2 threads,
     unified KV cache)."""
     import numpy as np
 
@@ -265,7 +265,7 @@ def _continue(llama_cpp, ctx, token: int, n_vocab: int):
 
 
 def test_flash_attn_setting_recorded_and_equals_llamacpp(smol, llama_cpp) -> None:
-    """run --engine llama.cpp with flash attention on and off: different numbers, each equal to
+    """run --runtime llama.cpp with flash attention on and off: different numbers, each equal to
     llama.cpp's own logits through the binding with that setting, and the header says which ran."""
     from infertrace.runtimes.llamacpp.engine import run_requests_llamacpp
 
@@ -298,7 +298,7 @@ def test_flash_attn_setting_recorded_and_equals_llamacpp(smol, llama_cpp) -> Non
 
 def test_flash_attn_cli_recorded_and_named_by_diff(tmp_path: Path, llama_cpp) -> None:
     r = CliRunner()
-    args = ["run", "--engine", "llama.cpp", "--prompt", THREE[0], "-n", "2", "--keep", "summary"]
+    args = ["run", "--runtime", "llama.cpp", "--prompt", THREE[0], "-n", "2", "--keep", "summary"]
     a, b = tmp_path / "fa_off", tmp_path / "fa_on"
     for d, fa in ((a, "off"), (b, "on")):
         res = r.invoke(app, [*args, "--llamacpp-flash-attn", fa, "--save", str(d)])
@@ -313,15 +313,15 @@ def test_flash_attn_cli_recorded_and_named_by_diff(tmp_path: Path, llama_cpp) ->
     show = r.invoke(app, ["show", str(a), "--steps", "0"]).output
     assert "flash attention off" in show
     res = r.invoke(app, ["run", "--prompt", "hi", "-n", "1", "--llamacpp-flash-attn", "on"])
-    assert res.exit_code == 2 and "needs --engine llama.cpp" in res.output
-    res = r.invoke(app, ["run", "--engine", "llama.cpp", "--prompt", "hi", "-n", "1", "--llamacpp-flash-attn", "maybe"])
+    assert res.exit_code == 2 and "needs --runtime llama.cpp" in res.output
+    res = r.invoke(app, ["run", "--runtime", "llama.cpp", "--prompt", "hi", "-n", "1", "--llamacpp-flash-attn", "maybe"])
     assert res.exit_code == 2 and "--llamacpp-flash-attn must be one of auto, on, off" in res.output
 
 
 def test_diff_backends_floor_follows_flash_attn(llama_cpp) -> None:
-    """--against llama.cpp with flash attention off: the report names the setting, the emulated floor
+    """diff-runtimes llama.cpp with flash attention off: the report names the setting, the emulated floor
     follows it, and llama.cpp stays within it."""
-    res = CliRunner().invoke(app, ["diff-backends", "--against", "llama.cpp", "--prompt", "The capital of France is",
+    res = CliRunner().invoke(app, ["diff-runtimes", "llama.cpp", "--prompt", "The capital of France is",
                                    "-n", "4", "--llamacpp-flash-attn", "off", "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)

@@ -24,7 +24,7 @@ def _strip_times(x):  # a trace's JSON without its wall-clock fields
 
 
 def _run(monkeypatch, no_cext: bool) -> tuple[dict, dict]:
-    """``run --engine llama.cpp`` on two prompts (one arriving at step 1: a packed prefill + decode step)
+    """``run --runtime llama.cpp`` on two prompts (one arriving at step 1: a packed prefill + decode step)
     with the Python callback counted: ``(trace JSON, {"ask": n, "computed": n})``."""
     from infertrace.runtimes.llamacpp.capture import LlamaCppContext
 
@@ -43,7 +43,7 @@ def _run(monkeypatch, no_cext: bool) -> tuple[dict, dict]:
         return real(self, addr, ask, user_data)
 
     monkeypatch.setattr(LlamaCppContext, "_eval", counted)
-    res = CliRunner().invoke(app, ["run", "--engine", "llama.cpp", "--prompt", "The capital of France is",
+    res = CliRunner().invoke(app, ["run", "--runtime", "llama.cpp", "--prompt", "The capital of France is",
                                    "--prompt", "def add(a, b):", "-n", "8", "--layer", "3", "--json"])
     assert res.exit_code == 0, res.output
     return json.loads(res.output), calls

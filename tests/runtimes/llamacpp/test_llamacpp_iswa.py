@@ -1,4 +1,4 @@
-"""llama.cpp's own Gemma 3 iSWA memory and Qwen3.5 recurrent cells, captured through ``--engine
+"""llama.cpp's own Gemma 3 iSWA memory and Qwen3.5 recurrent cells, captured through ``--runtime
 llama.cpp`` and diffed against the cells backend (issue 21 scope 4).
 
 Expected values are worked by hand from llama.cpp's source (llama-cpp-python 0.3.36's vendored

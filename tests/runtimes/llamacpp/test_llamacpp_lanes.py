@@ -1,4 +1,4 @@
-"""Request lanes of a real ``run --engine llama.cpp`` trace: our scheduler decides who runs, llama.cpp computes, so
+"""Request lanes of a real ``run --runtime llama.cpp`` trace: our scheduler decides who runs, llama.cpp computes, so
 the lanes are the hand-worked CHUNKED schedule of tests/unit/present/test_lanes.py, and every slot's positions
 ``C..C+T-1`` are the ``inp_pos`` values llama.cpp's own graph held for that request's rows of the ubatch
 (read from its tensors into ``step.positions.inp_pos``, packed rows ``ReqStep.rows``)."""
@@ -29,7 +29,7 @@ def test_llamacpp_lanes_are_the_hand_worked_schedule(smol, llama_cpp, tmp_path):
     assert (len(A), len(B)) == (6, 5)
     specs = [PromptSpec("", _p(3), 0, ids=A), PromptSpec("", _p(3), 2, ids=B)]
     trace = run_requests_llamacpp(smol, specs, EngineOptions(max_batch_tokens=4, ctx_size=256), layer=0)
-    assert trace.engine == "llama.cpp"
+    assert trace.runtime == "llama.cpp"
     assert _table(trace) == CHUNKED
     lanes = build_lanes(trace)
     assert [lanes.n_tokens[s] for s in lanes.steps] == CHUNKED_N
@@ -46,4 +46,4 @@ def test_llamacpp_lanes_are_the_hand_worked_schedule(smol, llama_cpp, tmp_path):
     assert CliRunner().invoke(app, ["export", str(d), "-o", str(out)]).exit_code == 0
     doc = json.loads(out.read_text())
     check_trace_events(doc)
-    assert doc["otherData"]["engine"] == "llama.cpp"
+    assert doc["otherData"]["runtime"] == "llama.cpp"

@@ -1,4 +1,4 @@
-"""llama.cpp's per-layer taps (``run --engine llama.cpp --keep tensors --layers``): ``attn_out`` / ``mlp_out`` /
+"""llama.cpp's per-layer taps (``run --runtime llama.cpp --keep tensors --layers``): ``attn_out`` / ``mlp_out`` /
 ``resid_post`` read from its graph nodes (``attn_out-N``, ``ffn_out-N``, ``l_out-N``), held to HF transformers'
 own forward hooks on the same GGUF (dequantised, fp32). llama.cpp multiplies Q4_1 weights by Q8_0-quantised
 activations, so its rows differ from HF's by a few percent; measured on this prompt (2026-12-02): largest
@@ -24,7 +24,7 @@ LIMIT = {"attn_out": 0.15, "mlp_out": 0.15, "resid_post": 0.05}
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, smol_path, llama_cpp):
     d = tmp_path_factory.mktemp("lc_taps") / "t"
-    r = CliRunner().invoke(app, ["run", "--engine", "llama.cpp", "-m", str(smol_path), "-p", PROMPT, "-n", "2",
+    r = CliRunner().invoke(app, ["run", "--runtime", "llama.cpp", "-m", str(smol_path), "-p", PROMPT, "-n", "2",
                                  "--save", str(d), "--keep", "tensors", "--layers", "all"])
     assert r.exit_code == 0, r.output
     from safetensors.numpy import load_file
@@ -104,7 +104,7 @@ def test_gemma3_taps_are_after_its_post_norms(gemma_path, hf_gemma, llama_cpp, t
     from safetensors.numpy import load_file
 
     d = tmp_path / "g"
-    r = CliRunner().invoke(app, ["run", "--engine", "llama.cpp", "-m", str(gemma_path), "-p", PROMPT, "-n", "1",
+    r = CliRunner().invoke(app, ["run", "--runtime", "llama.cpp", "-m", str(gemma_path), "-p", PROMPT, "-n", "1",
                                  "--save", str(d), "--layers", "0,8,16,17"])
     assert r.exit_code == 0, r.output
     m, t = json.loads((d / "trace.json").read_text()), load_file(str(d / "tensors.safetensors"))
@@ -133,7 +133,7 @@ def test_c_filter_and_python_path_keep_the_same_tensors(smol_path, llama_cpp, tm
         if name == "py":
             monkeypatch.setenv("INFERTRACE_NO_CEXT", "1")
         d = tmp_path / name
-        r = CliRunner().invoke(app, ["run", "--engine", "llama.cpp", "-m", str(smol_path), "-p", PROMPT, "-n", "2",
+        r = CliRunner().invoke(app, ["run", "--runtime", "llama.cpp", "-m", str(smol_path), "-p", PROMPT, "-n", "2",
                                      "--save", str(d), "--layers", "0,3,29"])
         assert r.exit_code == 0, r.output
         got[name] = load_file(str(d / "tensors.safetensors"))

@@ -132,7 +132,7 @@ def test_cli_saved_non_unified_traces_diff_clean(tmp_path, llama_cpp) -> None:
     args = ["run", "-p", "The capital of France is", "-p", "1, 2, 3,", "-n", "2", "--ctx-size", "512", "--kv-unified", "off",
             "--keep", "summary", "--json"]
     for eng in ("llama.cpp", "infertrace"):
-        r = CliRunner().invoke(app, args + ["--engine", eng, "--save", str(tmp_path / eng)])
+        r = CliRunner().invoke(app, args + ["--runtime", eng, "--save", str(tmp_path / eng)])
         assert r.exit_code == 0, r.output
         assert CliRunner().invoke(app, ["check", str(tmp_path / eng)]).exit_code == 0
     d = CliRunner().invoke(app, ["diff", str(tmp_path / "infertrace"), str(tmp_path / "llama.cpp")])

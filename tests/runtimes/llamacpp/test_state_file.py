@@ -1,7 +1,7 @@
 """llama.cpp's sequence state file (llama-server's slot save format) read by ``dump-kv --state``,
 checked on files llama.cpp itself writes through llama-cpp-python on the real SmolLM2-135M GGUF.
 
-Independent values: the K/V infertrace's ``--engine llama.cpp`` capture recorded for the same run
+Independent values: the K/V infertrace's ``--runtime llama.cpp`` capture recorded for the same run
 (llama.cpp's own ``cache_k_l{il}`` / ``Vcur-{il}`` graph tensors, read by the eval callback), the
 cell count / positions llama.cpp decided (one cell per decoded token), llama.cpp's own
 ``llama_model_n_head_kv`` / ``n_embd`` / ``n_head`` for the row width, and for a Q8_0 cache the

@@ -49,7 +49,7 @@ def _bisect(*args: str) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def vllm_traces(tmp_path_factory, vllm_mod):
     tmp = tmp_path_factory.mktemp("batch_invariance_vllm")
-    return {n: _run(tmp, n, p, "--engine", "vllm") for n, p in (("alone", ALONE), ("alone2", ALONE), ("crowd", CROWD))}
+    return {n: _run(tmp, n, p, "--runtime", "vllm") for n, p in (("alone", ALONE), ("alone2", ALONE), ("crowd", CROWD))}
 
 
 def test_vllm_alone_twice_is_deterministic(vllm_traces):

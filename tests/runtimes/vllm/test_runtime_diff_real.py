@@ -5,7 +5,7 @@
   where the first request computed them, said once, and counted consistently (per request = in all);
 * the K/V at each (request, position) both traces hold are compared against the noise floor;
 * `diff VLLM --seq 0 --seq 1`: what the second identical request read, who wrote it, its block table;
-* `run --engine vllm` names vLLM's own log in one line and keeps its warnings out of the output.
+* `run --runtime vllm` names vLLM's own log in one line and keeps its warnings out of the output.
 
 Reference values from the runtimes' own records: vLLM's scheduler output (``vllm.scheduler.new`` ->
 ``num_computed_tokens``) and attention metadata (``block_table``), llama.cpp's / vLLM's K/V cache tensors.
@@ -41,9 +41,9 @@ def traces(tmp_path_factory, llama_cpp):
     pytest.importorskip("vllm", reason="vLLM is installed by make setup-dev (the vllm extra)")
     d = tmp_path_factory.mktemp("rt")
     log = d / "vllm.log"
-    v = cli("run", "--engine", "vllm", *RUN, "--prefix-cache", "on", "--save", d / "vl", env={"INFERTRACE_VLLM_LOG": str(log)})
+    v = cli("run", "--runtime", "vllm", *RUN, "--prefix-cache", "on", "--save", d / "vl", env={"INFERTRACE_VLLM_LOG": str(log)})
     assert v.returncode == 0, v.stderr[-3000:]
-    lc = cli("run", "--engine", "llama.cpp", *RUN, "--save", d / "lc")
+    lc = cli("run", "--runtime", "llama.cpp", *RUN, "--save", d / "lc")
     assert lc.returncode == 0, lc.stderr[-3000:]
     return d, v, log
 

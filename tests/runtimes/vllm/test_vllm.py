@@ -206,7 +206,7 @@ def test_vllm_missing_names_the_extra(monkeypatch) -> None:
 
 
 def test_cli_saved_vllm_and_replayed_paged_traces_diff_clean(tmp_path: Path, smol, vllm_mod) -> None:
-    """Issue 19's "done when", through the CLI: ONE ``run --engine vllm --save A`` of three requests
+    """Issue 19's "done when", through the CLI: ONE ``run --runtime vllm --save A`` of three requests
     with arrivals 0/1/3, a chunked prefill, a prefix-cache hit and n-gram speculation; ``run --backend
     paged --replay A --save B``; ``diff A B``: zero structural differences; ``check`` passes on both;
     show, dump-kv and report read A. (Subprocesses: their own vLLM engine.)
@@ -229,12 +229,12 @@ def test_cli_saved_vllm_and_replayed_paged_traces_diff_clean(tmp_path: Path, smo
         return subprocess.run([sys.executable, "-m", "infertrace.cli.app", *xs], capture_output=True, text=True, timeout=900,
                               env=env)
 
-    r = cli("run", *args, "--prefix-cache", "on", "--speculative", "ngram", "--engine", "vllm", "--save", str(a), "--json")
+    r = cli("run", *args, "--prefix-cache", "on", "--speculative", "ngram", "--runtime", "vllm", "--save", str(a), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout)["engine"] == "vllm"  # --json: stdout holds the JSON only (vLLM logs go to stderr)
+    assert json.loads(r.stdout)["runtime"] == "vllm"  # --json: stdout holds the JSON only (vLLM logs go to stderr)
     m = json.loads((a / "trace.json").read_text())
     vl = m["options"]["vllm"]
-    assert m["engine"] == "vllm" and vl["block_size"] == 32 and vl["null_block"] == 0 and vl["num_blocks"] == 8
+    assert m["runtime"] == "vllm" and vl["block_size"] == 32 and vl["null_block"] == 0 and vl["num_blocks"] == 8
     assert vl["enable_prefix_caching"] is True and vl["speculative"]["method"] == "ngram"
     L = len(smol.tokenizer.encode(long))  # our tokenizer, not vLLM's
     hit = (L - 1) // 32 * 32  # full blocks only; the last prompt token is always computed
@@ -293,7 +293,7 @@ def test_tensor_parallel_2_per_rank_kv(tmp_path: Path, vllm_mod) -> None:
         return subprocess.run([sys.executable, "-m", "infertrace.cli.app", *xs], capture_output=True, text=True,
                               timeout=900, env=env)
 
-    r = cli("run", *args, "--engine", "vllm", "--tensor-parallel-size", "2", "--save", str(a), "--json")
+    r = cli("run", *args, "--runtime", "vllm", "--tensor-parallel-size", "2", "--save", str(a), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads((a / "trace.json").read_text())
     ranks = m["options"]["vllm"]["ranks"]
@@ -338,10 +338,10 @@ def test_diff_vllm_against_llamacpp_per_request_and_position(tmp_path: Path, smo
     a = tmp_path / "llamacpp"
     r = CliRunner()
     res = r.invoke(app, ["run", *[x for t in prompts for x in ("--prompt", t)], "-n", str(n), "--ignore-eos",
-                         "--engine", "llama.cpp", "--save", str(a), "--keep", "summary", "--json"])
+                         "--runtime", "llama.cpp", "--save", str(a), "--keep", "summary", "--json"])
     assert res.exit_code == 0, res.output
     ma, mb = read_manifest(a), read_manifest(b)
-    assert (ma["engine"], ma["options"]["backend"], mb["engine"], mb["options"]["backend"]) == ("llama.cpp", "cells", "vllm", "paged")
+    assert (ma["runtime"], ma["options"]["backend"], mb["runtime"], mb["options"]["backend"]) == ("llama.cpp", "cells", "vllm", "paged")
     # the schedules really differ: vLLM chunks the long prompt (two requests eligible), llama.cpp does not
     L1 = len(smol.tokenizer.encode(prompts[1]))
     assert [(x["C"], x["T"]) for s in ma["steps"] for x in s["batch"] if x["seq_id"] == 1 and x["phase"] == "prefill"] == [(0, L1)]

@@ -1,4 +1,4 @@
-"""Request lanes of a real ``run --engine vllm`` trace held to vLLM's own scheduler: every lane slot's
+"""Request lanes of a real ``run --runtime vllm`` trace held to vLLM's own scheduler: every lane slot's
 ``C`` / ``T`` is the ``num_computed_tokens`` / ``num_scheduled_tokens`` of vLLM's ``SchedulerOutput`` for that
 step (the objects its ``Scheduler.schedule`` returned, kept by the session engine as ``VllmRun.outs``), and
 the kinds follow from vLLM's own numbers: a ``verify`` when vLLM scheduled spec tokens for the request (its -1
@@ -127,7 +127,7 @@ def test_saved_vllm_trace_shows_and_exports_the_same_lanes(served, tmp_path):
     assert r.invoke(app, ["export", str(d), "-o", str(out)]).exit_code == 0
     doc = json.loads(out.read_text())
     tracks = check_trace_events(doc)
-    assert doc["otherData"]["time_axis"] == "wall" and doc["otherData"]["engine"] == "vllm"  # vLLM's step times recorded
+    assert doc["otherData"]["time_axis"] == "wall" and doc["otherData"]["runtime"] == "vllm"  # vLLM's step times recorded
     names = {e["args"]["name"]: e["tid"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
     want = _vllm_steps(outs)
     got = [(e["args"]["seq_id"], e["args"]["num_computed_tokens"], e["args"]["tokens"])

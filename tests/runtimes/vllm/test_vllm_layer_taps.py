@@ -1,4 +1,4 @@
-"""``run --engine vllm --keep tensors --layers``: vLLM's per-layer taps from forward hooks on its own modules
+"""``run --runtime vllm --keep tensors --layers``: vLLM's per-layer taps from forward hooks on its own modules
 (infertrace/runtimes/vllm/capture.py), the residual stream as ``hidden_states + residual`` (vLLM's decoder layers
 return the two apart, the add fused into the next layer's RMSNorm). Held to HF transformers' own forward hooks
 (tests/helpers/hf_taps.py) on the same prompt: vLLM runs float32 here, so every tap of the prefill rows agrees with

@@ -1,4 +1,4 @@
-"""``run --engine vllm`` held to vLLM itself on serving cases (issue 30): vLLM's placeholder drafts, its
+"""``run --runtime vllm`` held to vLLM itself on serving cases (issue 30): vLLM's placeholder drafts, its
 bfloat16 / float16 compute, the settings it requires (``max_num_seqs``, ``max_model_len``, tensor-parallel
 head splits), errors it raises while stepping, the runtime settings the recorded engines refuse, and what
 the trace says vLLM did (step times, scheduler order, ``num_cached_tokens``, resumed prefix lookups).
@@ -125,7 +125,7 @@ def test_placeholder_trace_checks_and_replays_identical(placeholder_run, tmp_pat
     assert res.exit_code == 0 and "structure: identical" in res.output, res.output[-4000:]
     res = r.invoke(app, ["check", str(b)])
     assert res.exit_code == 0 and "no violation" in res.output, res.output[-1500:]
-    assert json.loads((b / "trace.json").read_text())["options"]["engine"]["num_blocks"] == OPTS.num_blocks
+    assert json.loads((b / "trace.json").read_text())["options"]["settings"]["num_blocks"] == OPTS.num_blocks
 
 
 def test_num_blocks_has_one_meaning_stated_in_the_header(placeholder_run, vllm_run) -> None:
@@ -138,7 +138,7 @@ def test_num_blocks_has_one_meaning_stated_in_the_header(placeholder_run, vllm_r
     trace, _, _ = placeholder_run
     pool = vllm_run.sched.kv_cache_manager.block_pool
     assert pool.num_gpu_blocks == OPTS.num_blocks and pool.get_num_free_blocks() == OPTS.num_blocks - 1  # vLLM's own
-    assert trace.options["vllm"]["num_blocks"] == trace.options["engine"]["num_blocks"] == OPTS.num_blocks
+    assert trace.options["vllm"]["num_blocks"] == trace.options["settings"]["num_blocks"] == OPTS.num_blocks
     con = Console(width=400, record=True)
     render_run(con, trace, steps=[0])
     flat = " ".join(con.export_text().replace("│", " ").split())
@@ -153,7 +153,7 @@ def test_placeholder_case_through_the_cli(tmp_path: Path, smol) -> None:
     args = ["-p", P33, "-p", P33, "--arrival", "0", "--arrival", "1", "-n", "3", "--ignore-eos", "--tokens-per-block", "32",
             "--max-batch-tokens", "256", "--num-blocks", "8"]
     a, b = tmp_path / "vllm", tmp_path / "paged"
-    r = _cli("run", *args, "--prefix-cache", "on", "--speculative", "ngram", "--num-spec-tokens", "3", "--engine", "vllm",
+    r = _cli("run", *args, "--prefix-cache", "on", "--speculative", "ngram", "--num-spec-tokens", "3", "--runtime", "vllm",
              "--save", a, "--json")
     assert r.returncode == 0, r.stderr[-2500:]
     m = json.loads((a / "trace.json").read_text())
@@ -235,12 +235,12 @@ _DTYPE_RUNS: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
 
 
 def _dtype_run(model: Path, dtype: str, tmp: Path) -> tuple[subprocess.CompletedProcess, Path]:
-    """``run --engine vllm --dtype DTYPE`` with the default --ctx-size and a token budget of 32 (< 64)."""
+    """``run --runtime vllm --dtype DTYPE`` with the default --ctx-size and a token budget of 32 (< 64)."""
     if dtype not in _DTYPE_RUNS:
         a = tmp / f"vllm-{dtype}"
         r = _cli("run", "--model", model, "-p", "hello world", "-p", "abc abc abc", "--arrival", "0", "--arrival", "1",
                  "-n", "4", "--ignore-eos", "--max-batch-tokens", "32", "--num-blocks", "17", "--tokens-per-block", "32",
-                 "--layer", "1", "--engine", "vllm", "--dtype", dtype, "--save", a, "--json")
+                 "--layer", "1", "--runtime", "vllm", "--dtype", dtype, "--save", a, "--json")
         _DTYPE_RUNS[dtype] = (r, a)
     return _DTYPE_RUNS[dtype]
 
@@ -305,7 +305,7 @@ def test_small_token_budget_maps_max_num_seqs(tiny512, tmp_path_factory, vllm_mo
     vl = json.loads((a / "trace.json").read_text())["options"]["vllm"]
     assert (vl["max_num_batched_tokens"], vl["max_num_seqs"]) == (32, 2)
     res = CliRunner().invoke(app, ["run", "--model", str(tiny512), "-p", "a", "-p", "b", "-p", "c", "--max-batch-tokens", "2",
-                                   "--tokens-per-block", "32", "--engine", "vllm"])
+                                   "--tokens-per-block", "32", "--runtime", "vllm"])
     line = _one_line_error(res)
     assert "vLLM requires max_num_batched_tokens >= max_num_seqs" in line and "--max-batch-tokens 2" in line
 
@@ -317,14 +317,14 @@ def test_default_ctx_size_is_what_the_model_allows(tiny512, tmp_path_factory, vl
     r, a = _dtype_run(tiny512, "bfloat16", tmp_path_factory.mktemp("ctx"))
     assert r.returncode == 0, r.stderr[-2500:]
     m = json.loads((a / "trace.json").read_text())
-    assert m["options"]["engine"]["ctx_size"] == 512 == m["options"]["vllm"]["max_model_len"]  # vLLM's own value
+    assert m["options"]["settings"]["ctx_size"] == 512 == m["options"]["vllm"]["max_model_len"]  # vLLM's own value
     assert any("--ctx-size not given: 512 tokens" in n for n in m["notes"])
     res = CliRunner().invoke(app, ["run", "--model", str(tiny512), "-p", "hello", "-n", "2", "--json"])  # our engine
     assert res.exit_code == 0, res.output[-1500:]
     js = json.loads(res.stdout)
-    assert js["options"]["engine"]["ctx_size"] == 512 and any("--ctx-size not given: 512" in n for n in js["notes"])
+    assert js["options"]["settings"]["ctx_size"] == 512 and any("--ctx-size not given: 512" in n for n in js["notes"])
     res = CliRunner().invoke(app, ["run", "--model", str(tiny512), "-p", "hello", "-n", "2", "--ctx-size", "1024", "--json"])
-    assert res.exit_code == 0 and json.loads(res.stdout)["options"]["engine"]["ctx_size"] == 1024  # given: kept
+    assert res.exit_code == 0 and json.loads(res.stdout)["options"]["settings"]["ctx_size"] == 1024  # given: kept
     for cmd in (["dump-kv", "--step", "0"], ["diff-backends"]):  # the commands that share run's options say it too
         res = CliRunner().invoke(app, [*cmd, "--model", str(tiny512), "-p", "hello", "-n", "2"])
         assert res.exit_code == 0, (cmd, res.output[-1500:])
@@ -332,7 +332,7 @@ def test_default_ctx_size_is_what_the_model_allows(tiny512, tmp_path_factory, vl
 
 
 def test_default_ctx_size_under_llama_cpp_is_its_n_ctx_train(tmp_path: Path, llama_cpp) -> None:
-    """The same default under --engine llama.cpp: a GGUF whose context_length is 256 runs llama.cpp with
+    """The same default under --runtime llama.cpp: a GGUF whose context_length is 256 runs llama.cpp with
     n_ctx 256 (llama.cpp's own n_ctx, recorded from its context) instead of 2048."""
     from tests.helpers.tiny import make_weights, write_gguf
 
@@ -342,10 +342,10 @@ def test_default_ctx_size_under_llama_cpp_is_its_n_ctx_train(tmp_path: Path, lla
     n_train = model.n_ctx()
     model.close()
     assert n_train == 256
-    res = CliRunner().invoke(app, ["run", "--model", str(g), "-p", "hello", "-n", "2", "--engine", "llama.cpp", "--json"])
+    res = CliRunner().invoke(app, ["run", "--model", str(g), "-p", "hello", "-n", "2", "--runtime", "llama.cpp", "--json"])
     assert res.exit_code == 0, res.output[-1500:]
     js = json.loads(res.stdout)
-    assert js["options"]["engine"]["ctx_size"] == n_train == js["options"]["llama_cpp"]["n_ctx"]
+    assert js["options"]["settings"]["ctx_size"] == n_train == js["options"]["llama_cpp"]["n_ctx"]
     assert any("--ctx-size not given: 256" in n for n in js["notes"])
 
 
@@ -369,7 +369,7 @@ def test_tensor_parallel_refusals_are_vllms_words(tmp_path: Path, vllm_mod) -> N
     six = _tiny(tmp_path, "six", H=384, n_head=6, n_kv=3, head_dim=64)
     for model, want in ((nine, vllm_heads), (six, vllm_kv)):
         res = CliRunner().invoke(app, ["run", "--model", str(model), "-p", "hi", "-n", "1", "--tokens-per-block", "32",
-                                       "--engine", "vllm", "--tensor-parallel-size", "2"])
+                                       "--runtime", "vllm", "--tensor-parallel-size", "2"])
         line = _one_line_error(res)
         assert want in line and "replicate KV heads" not in line, (line, want)
 
@@ -381,7 +381,7 @@ def test_tensor_parallel_replicates_one_kv_head(tmp_path: Path, vllm_mod) -> Non
     args = ["--model", model, "-p", "hello world", "-n", "3", "--ignore-eos", "--num-blocks", "8", "--tokens-per-block", "32",
             "--ctx-size", "224", "--layer", "1"]
     a, b = tmp_path / "tp", tmp_path / "paged"
-    r = _cli("run", *args, "--engine", "vllm", "--tensor-parallel-size", "2", "--save", a, "--json")
+    r = _cli("run", *args, "--runtime", "vllm", "--tensor-parallel-size", "2", "--save", a, "--json")
     assert r.returncode == 0, r.stderr[-2500:]
     m = json.loads((a / "trace.json").read_text())
     assert [(x["tp_rank"], x["num_kv_heads"], x["num_heads"]) for x in m["options"]["vllm"]["ranks"]] == [(0, 1, 2), (1, 1, 2)]
@@ -417,7 +417,7 @@ def test_error_while_stepping_is_one_line_naming_vllms_refusal(tmp_path: Path, v
     _, phase, typ, msg = got.split(" ", 3)
     assert phase == "step", got  # vLLM itself builds the engine, then fails in the step
     r = _cli("run", "--model", model, "-p", "hel", "-n", "1", "--num-blocks", "8", "--tokens-per-block", "32",
-             "--ctx-size", "224", "--engine", "vllm")
+             "--ctx-size", "224", "--runtime", "vllm")
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr[-2000:]
@@ -435,11 +435,11 @@ def test_weights_and_kv_dtype_refused_naming_the_runtimes_setting(vllm_mod, llam
 
     r = CliRunner()
     for engine in ("vllm", "llama.cpp"):
-        line = _one_line_error(r.invoke(app, ["run", "-p", "hi", "--engine", engine, "--weights", "quant"]))
+        line = _one_line_error(r.invoke(app, ["run", "-p", "hi", "--runtime", engine, "--weights", "quant"]))
         assert "--weights quant" in line and "drop --weights" in line
-    line = _one_line_error(r.invoke(app, ["run", "-p", "hi", "--engine", "vllm", "--kv-dtype", "f16"]))
+    line = _one_line_error(r.invoke(app, ["run", "-p", "hi", "--runtime", "vllm", "--kv-dtype", "f16"]))
     assert f"kv_cache_dtype '{CacheConfig().cache_dtype}'" in line and "type_k" not in line
-    line = _one_line_error(r.invoke(app, ["run", "-p", "hi", "--engine", "llama.cpp", "--kv-dtype", "f16"]))
+    line = _one_line_error(r.invoke(app, ["run", "-p", "hi", "--runtime", "llama.cpp", "--kv-dtype", "f16"]))
     assert "type_k/type_v" in line
 
 

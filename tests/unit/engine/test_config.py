@@ -102,7 +102,7 @@ def test_views_carry_every_flat_field_once_and_the_record_is_flat():
     mapped = {"speculative" if f.name == "method" else f.name
               for c in (CacheConfig, SchedulerConfig, SpeculativeConfig, ServingConfig) for f in fields(c)}
     assert names - mapped == {"attention", "sampler_order"}  # the two engine-level choices
-    assert list(asdict(o)) == [f.name for f in fields(EngineOptions)]  # options["engine"] stays the flat record
+    assert list(asdict(o)) == [f.name for f in fields(EngineOptions)]  # options["settings"] stays the flat record
 
 
 def _raised_fields() -> set[str]:

@@ -38,7 +38,7 @@ def test_cells_kq_mask_worked_example():
     kv = CellsKV(1, 1, 4, size=64)
     inp = kv.prepare([ChunkSpec(0, 0, 3)])
     m = inp.kq_mask
-    # as llama.cpp builds it (measured by --engine llama.cpp): n_kv = min(size, pad(used, 256)) = 64,
+    # as llama.cpp builds it (measured by --runtime llama.cpp): n_kv = min(size, pad(used, 256)) = 64,
     # rows = n_tokens (no GGML_KQ_MASK_PAD any more)
     assert list(m.shape) == [1, 1, 3, 64]  # ne = [n_kv=64, n_tokens=3, 1, 1]
     keep = (m[0, 0, :3, :3] == 0).int().tolist()

@@ -120,7 +120,7 @@ def test_non_unified_generates_the_unified_tokens_with_one_ubatch_per_step(tmp_p
     (["run", "-p", "x", "--kv-unified", "off", "--backend", "paged"], "error: --kv-unified: off (one stream per sequence) is llama.cpp's cells convention; it needs backend cells"),
     (["run", "-p", "x", "--kv-unified", "off", "--prefix-cache", "on"], "error: --prefix-cache: needs kv_unified on: across streams"),
     (["run", "-p", "x", "--kv-unified", "maybe"], "--kv-unified"),
-    (["diff-backends", "-p", "x", "--kv-unified", "off"], "--against llama.cpp"),
+    (["diff-backends", "-p", "x", "--kv-unified", "off"], "diff-runtimes llama.cpp"),
 ])
 def test_kv_unified_refusals_are_one_line(args, msg):
     r = CliRunner().invoke(app, args)
@@ -141,7 +141,7 @@ def test_cli_trace_check_dump_kv_and_report_show_streams(tmp_path):
     assert run.exit_code == 0, run.output
     assert "stream 1 (seq 1)" in run.output  # the mask panel draws each stream's block
     d = json.loads((out / "trace.json").read_text())
-    assert d["options"]["engine"]["kv_unified"] is False and d["options"]["engine"]["n_seq_max"] == 2
+    assert d["options"]["settings"]["kv_unified"] is False and d["options"]["settings"]["n_seq_max"] == 2
     assert any("non-unified KV" in n for n in d["notes"])
     st0 = d["steps"][0]
     kq = st0["mask"]["kq_mask"]
@@ -199,7 +199,7 @@ def test_context_shift_per_stream_equals_each_request_alone(tmp_path):
 
 def test_windowed_model_non_unified_is_refused_in_one_line(tmp_path):
     """Gemma 3 style sliding window with --kv-unified off: llama.cpp keeps an iSWA pool (base + SWA
-    cells) per stream, which the cells backend does not model: refused in one line, like --engine llama.cpp."""
+    cells) per stream, which the cells backend does not model: refused in one line, like --runtime llama.cpp."""
     from tests.helpers.tiny import make_weights, write_hf
 
     w, s = make_weights(family="gemma3", n_layer=6, seed=4)

@@ -118,11 +118,11 @@ def test_big_endian_k_quants_from_llama_cpp_quantize_load_with_equal_logits(tmp_
 
 @pytest.mark.needs_llamacpp
 def test_llama_cpp_engine_names_the_byte_order(tmp_path):
-    """llama.cpp itself reads only its host's byte order: ``--engine llama.cpp`` on a big-endian file
+    """llama.cpp itself reads only its host's byte order: ``--runtime llama.cpp`` on a big-endian file
     says why in one line (exit 2)."""
     pytest.importorskip("llama_cpp")
     w, s = make_weights(seed=4)
     be = write_gguf(tmp_path / "be.gguf", w, s, endianess=gguf.GGUFEndian.BIG)
-    r = CliRunner().invoke(app, ["run", "-m", str(be), "-p", "Hello", "-n", "1", "--engine", "llama.cpp"])
+    r = CliRunner().invoke(app, ["run", "-m", str(be), "-p", "Hello", "-n", "1", "--runtime", "llama.cpp"])
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
     assert "big-endian GGUF" in r.output and "gguf_convert_endian.py" in r.output, r.output

@@ -127,10 +127,10 @@ def test_speculative_drafts_never_propose_padded_rows(padded, tmp_path):
 
 
 def test_against_hf_compares_the_tokenizer_rows(padded):
-    """``diff-backends --against hf``: HF's own argmax is the padded row 263; compared over the 259 real
+    """``diff-runtimes hf``: HF's own argmax is the padded row 263; compared over the 259 real
     rows (ours are -inf past them) the logits agree and the greedy tokens are equal (exit 0)."""
     pytest.importorskip("transformers")
-    out = _run("diff-backends", "-m", str(padded[0]), "-p", PROMPT, "-n", "3", "--ignore-eos", "--against", "hf")
+    out = _run("diff-runtimes", "hf", "-m", str(padded[0]), "-p", PROMPT, "-n", "3", "--ignore-eos")
     assert "logically identical to hf" in out and "greedy tokens equal" in out
 
 

@@ -95,7 +95,7 @@ def test_dump_kv_takes_weights_and_records_it():
 
 def test_diff_backends_takes_weights():
     """diff-backends --weights quant: both backends on the quantised model agree, and the report says so;
-    bad values and --against vllm are refused in one line."""
+    bad values and diff-runtimes vllm are refused in one line."""
     r = _cli("diff-backends", "--prompt", "The capital of France is", "-n", "2", "--dtype", "bfloat16",
              "--weights", "quant", "--json")
     assert r.exit_code == 0, r.output
@@ -103,5 +103,5 @@ def test_diff_backends_takes_weights():
     assert rep["identical"] and rep["weights"]["weights"] == "quant"
     r = _cli("diff-backends", "--prompt", "x", "--weights", "int3")
     assert r.exit_code == 2 and "--weights" in r.output and "Traceback" not in r.output
-    r = _cli("diff-backends", "--prompt", "x", "--against", "vllm", "--weights", "quant")
-    assert r.exit_code == 2 and "does not apply to --against vllm" in r.output
+    r = _cli("diff-runtimes", "vllm", "--prompt", "x", "--weights", "quant")
+    assert r.exit_code == 2 and "does not apply to diff-runtimes vllm" in r.output

@@ -9,7 +9,7 @@ from infertrace.trace import schema, store
 
 
 def test_the_store_accepts_exactly_the_registered_runtimes():
-    assert store.ENGINES == tuple(api.REGISTRY)
+    assert store.RUNTIMES == tuple(api.REGISTRY)
 
 
 def test_every_convention_is_a_schema_backend():

@@ -2,7 +2,7 @@
 (runtimes/vllm/replay.py: :class:`ReplayScheduler`, a :class:`ForcedSampler` of the plan's tokens and verify
 outcomes, :class:`PlanStops`, :class:`ReplayPool`). A paged run of ours on a tiny random model -- chunked
 prefill with arrivals, a prefix-cache hit, n-gram verify chunks with rejections, a preemption -- is relabelled
-as a vLLM trace (``engine`` vllm, ``options.vllm`` block size / pool) and replayed: every step's chunks,
+as a vLLM trace (``runtime`` vllm, ``options.vllm`` block size / pool) and replayed: every step's chunks,
 positions, block tables, slot mapping, logits rows, sampled / emitted tokens, verify records and prefix hits
 equal the source's, and the request outputs and stop reasons too. (The real vLLM replays:
 tests/runtimes/vllm/test_vllm.py.)"""
@@ -50,7 +50,7 @@ def tiny(tmp_path_factory):
 
 def _as_vllm(m: dict, opts: EngineOptions) -> dict:
     """Our paged trace dict relabelled as a vLLM one (what plan_from_manifest reads)."""
-    return {**m, "engine": "vllm", "options": {**m["options"], "vllm": {
+    return {**m, "runtime": "vllm", "options": {**m["options"], "vllm": {
         "block_size": opts.tokens_per_block, "num_blocks": opts.num_blocks, "enable_prefix_caching": opts.prefix_cache}}}
 
 
@@ -79,7 +79,7 @@ def replays(tiny):
 @pytest.mark.parametrize("case", list(CASES))
 def test_replay_reproduces_the_schedule_and_tokens(case, replays) -> None:
     src, rep = replays[case]
-    assert rep["engine"] == "infertrace" and len(rep["steps"]) == len(src["steps"])
+    assert rep["runtime"] == "infertrace" and len(rep["steps"]) == len(src["steps"])
     assert _rows(rep) == _rows(src)
     assert [(q["output_ids"], q["stop_reason"]) for q in rep["requests"]] == \
         [(q["output_ids"], q["stop_reason"]) for q in src["requests"]]
@@ -95,7 +95,7 @@ def test_each_case_exercises_its_part(replays) -> None:
                    "spec": any(r.get("spec") and r["spec"]["accepted"] < r["spec"]["drafted"] for r in rows)
                    and any(r.get("spec") and r["spec"]["accepted"] > 0 for r in rows),
                    "preempted": any(s["preempted"] for s in m["steps"])}[want]
-            assert got, (name, m["engine"])
+            assert got, (name, m["runtime"])
 
 
 def test_replayed_verify_and_prefix_records(replays) -> None:

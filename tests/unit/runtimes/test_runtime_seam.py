@@ -19,11 +19,11 @@ from infertrace.runtimes import api
 from infertrace.runtimes.api import RunSettings, RuntimeHeader, RuntimeInfo, SettingRefused, StepRecord
 
 
-def test_engine_choices_come_from_the_registry() -> None:
-    from infertrace.cli.common import ENGINES
-    from infertrace.trace.store import ENGINES as STORED
+def test_runtime_choices_come_from_the_registry() -> None:
+    from infertrace.cli.common import RUNTIMES
+    from infertrace.trace.store import RUNTIMES as STORED
 
-    assert ENGINES == STORED == ("infertrace", "llama.cpp", "vllm", "hf") == api.names()
+    assert RUNTIMES == STORED == ("infertrace", "llama.cpp", "vllm", "hf") == api.names()
     assert api.info("vllm").convention == "paged" and api.info("infertrace").conventions == ("cells", "paged")
     with pytest.raises(InfertraceError, match="unknown runtime 'x'; choose from infertrace, llama.cpp, vllm"):
         api.info("x")
@@ -69,10 +69,10 @@ def test_a_refusal_names_the_flag() -> None:
 
     with pytest.raises(InfertraceError) as e, refusals_as_flags({"opts.kv_dtype": "f16"}):
         raise SettingRefused("vllm", "opts.kv_dtype", "vLLM keeps its own cache dtype")
-    assert str(e.value) == "--engine vllm: vLLM keeps its own cache dtype; drop --kv-dtype f16"
+    assert str(e.value) == "--runtime vllm: vLLM keeps its own cache dtype; drop --kv-dtype f16"
     with pytest.raises(InfertraceError) as e, refusals_as_flags():
         raise SettingRefused("vllm", "forced", "vllm samples its own tokens")
-    assert str(e.value) == "--teacher-force needs --engine infertrace or llama.cpp or hf (vllm samples its own tokens)"
+    assert str(e.value) == "--teacher-force needs --runtime infertrace or llama.cpp or hf (vllm samples its own tokens)"
 
 
 # ----------------------------------------------------------------------------- the loop on a fake runtime
@@ -165,13 +165,13 @@ def test_the_loop_assembles_the_trace_one_way(tmp_path: Path) -> None:
     tr = record_run(FakeRuntime, _Loaded(f), [PromptSpec("ab"), PromptSpec("c", arrival_step=1)],
                     RunSettings(EngineOptions(), layer=1, show=("mask",), record={"dtype": "float32", "device": "cpu"}),
                     on_step=seen.append)
-    assert list(tr.options) == ["backend", "attention", "dtype", "device", "engine", "layer", "show", "sampler_order", "vllm"]
-    assert tr.options["layer"] == 1 and tr.options["show"] == ["mask"] and tr.options["engine"] == {"ctx_size": 8}
+    assert list(tr.options) == ["backend", "attention", "dtype", "device", "settings", "layer", "show", "sampler_order", "vllm"]
+    assert tr.options["layer"] == 1 and tr.options["show"] == ["mask"] and tr.options["settings"] == {"ctx_size": 8}
     assert tr.notes == ["model note", "tokenizer note", "runtime note"]
-    assert tr.engine == "vllm" and seen == [{"step": 0}, {"step": 1}] and tr.steps == seen
+    assert tr.runtime == "vllm" and seen == [{"step": 0}, {"step": 1}] and tr.steps == seen
     assert [(r["seq_id"], r["prompt_ids"], r["text"], r["arrival_step"], r["own"]) for r in tr.requests] == \
         [(0, [97, 98], "x", 0, 1), (1, [99], "x", 1, 1)]
-    assert set(tr.runtime) == {"threads", "threads_reason"} and FakeRuntime.closed == 1
+    assert set(tr.threads) == {"n", "reason"} and FakeRuntime.closed == 1
 
 
 def test_the_loop_closes_the_runtime_after_an_error(tmp_path: Path) -> None:

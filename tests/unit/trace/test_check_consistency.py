@@ -43,7 +43,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "gemma-shift": ("gemma3", ["-p", "abcdefgh", "-n", "8", "--ctx-size", "12", "--context-shift"]),
     "gemma-spec": ("gemma3", ["-p", "abcabcabcabcab", "-n", "6", "--speculative", "draft", "--draft-layers", "1",
                               "--spec-tree=-1,-1,0,0,1,2"]),
-    "llamacpp": ("llama", ["-p", "abcdefgh", "-p", "xy", "-n", "3", "--engine", "llama.cpp"]),
+    "llamacpp": ("llama", ["-p", "abcdefgh", "-p", "xy", "-n", "3", "--runtime", "llama.cpp"]),
     "summary": ("llama", ["-p", "abcdefgh", "-n", "2", "--keep", "summary"]),
     # far positions: pos 700 * inv_freq 0.75 (head_dim 64) is an angle float32 rounds by ~3e-5
     # (--ctx-size stated: the tiny model's trained context, 256, would be the default and refuse the 700-token prompt)
@@ -98,7 +98,7 @@ def test_llamacpp_engine_on_windowed_layers_passes_check(models, tmp_path):
     llama.cpp trace of a windowed model records visible = 0..p and visible_swa = p-W+1..p, and ``check`` passes
     it (before, the windowed mask was recorded as the global one and ``check`` refused it)."""
     d = tmp_path / "t"
-    res = invoke("run", "-m", models["gemma3"], "--ignore-eos", "-p", "abcdefgh", "-n", "3", "--engine", "llama.cpp",
+    res = invoke("run", "-m", models["gemma3"], "--ignore-eos", "-p", "abcdefgh", "-n", "3", "--runtime", "llama.cpp",
                  "--save", d)
     assert res.exit_code == 0, res.output
     chk = invoke("check", d)
@@ -220,9 +220,9 @@ MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
     "cache_before shifted": ("plain", lambda d: _row(d, 1).update(cache_before="1..8"), (1,), "cache_before"),
     "hidden row token not the packed token": ("plain", lambda d: d["steps"][0]["hidden"]["rows"][2].update(token_id=250), (1,),
                                               "hidden row 2"),
-    "num_blocks disagrees with the pool": ("serving", lambda d: d["options"]["engine"].update(num_blocks=9), (1,),
+    "num_blocks disagrees with the pool": ("serving", lambda d: d["options"]["settings"].update(num_blocks=9), (1,),
                                            "kv.physical.num_blocks is 8 but the run's options give 9"),
-    "ctx_size disagrees with the cells": ("plain", lambda d: d["options"]["engine"].update(ctx_size=4096), (1,),
+    "ctx_size disagrees with the cells": ("plain", lambda d: d["options"]["settings"].update(ctx_size=4096), (1,),
                                           "kv.physical.size is 2048"),
     "used cells": ("plain", lambda d: d["steps"][0]["kv"]["physical"].update(used=3), (1,), "used = 3"),
     "global visible with a gap": ("plain", lambda d: _row(d)["visible"].__setitem__(3, "0,2..3"), (1,),
@@ -249,9 +249,9 @@ MUTANTS: dict[str, tuple[str, Callable[[dict], None], tuple[int, ...], str]] = {
                                           "are not prompt_ids + output_ids there"),
     "position_ids disagree with the batch": ("plain", lambda d: d["steps"][1]["positions"].update(position_ids=[9, 3]), (1,),
                                              "position_ids"),
-    "spec verify rows with speculative off": ("spec-cells", lambda d: d["options"]["engine"].update(speculative=None), (1, 2),
+    "spec verify rows with speculative off": ("spec-cells", lambda d: d["options"]["settings"].update(speculative=None), (1, 2),
                                               "speculative"),
-    "draft_layers not below n_layer": ("spec-cells", lambda d: d["options"]["engine"].update(draft_layers=3), (1, 2),
+    "draft_layers not below n_layer": ("spec-cells", lambda d: d["options"]["settings"].update(draft_layers=3), (1, 2),
                                        "draft_layers"),
     "hybrid inp_pos disagrees with the batch": ("hybrid", lambda d: d["steps"][1]["hybrid"]["positions"].update(
         inp_pos=[5, 5, 5, 0]), (1, 2), "inp_pos"),
@@ -329,7 +329,7 @@ def iswa_traces(models, tmp_path_factory, llama_cpp) -> dict[str, Path]:
     for eng in ("cells", "llama.cpp"):
         d = root / eng.replace(".", "")
         res = invoke("run", "-m", models["gemma3"], "--ignore-eos", "-p", ISWA_LONG, "--ctx-size", "1024",
-                     "--max-batch-tokens", "64", "-n", "3", "--engine", "llama.cpp" if eng == "llama.cpp" else "infertrace",
+                     "--max-batch-tokens", "64", "-n", "3", "--runtime", "llama.cpp" if eng == "llama.cpp" else "infertrace",
                      "--save", d)
         assert res.exit_code == 0, res.output[-800:]
         out[eng] = d
@@ -415,7 +415,7 @@ def test_prefix_cache_ignored_on_a_hybrid_model_is_recorded_off(models, tmp_path
                  "--arrival", "2", "-n", "3", "--backend", "paged", "--prefix-cache", "on", "--save", d)
     assert res.exit_code == 0, res.output[-800:]
     m = _load(d)
-    assert "prefix_cache" not in m["options"]["engine"], m["options"]["engine"]
+    assert "prefix_cache" not in m["options"]["settings"], m["options"]["settings"]
     assert any(n.startswith("--prefix-cache on ignored") for n in m["notes"]), m["notes"]
     assert not any(r.get("prefix") for st in m["steps"] for r in st["batch"])
     assert invoke("check", d).exit_code == 0

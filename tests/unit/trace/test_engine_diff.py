@@ -1,4 +1,4 @@
-"""diff across engines (a --engine llama.cpp trace vs a cells trace): structure exactly, floats and
+"""diff across engines (a --runtime llama.cpp trace vs a cells trace): structure exactly, floats and
 storage dtypes summarised. Built from the golden cells trace, relabelled and perturbed as llama.cpp's
 trace differs (F16 mask and cache, float noise, another top token), so it runs without llama.cpp."""
 
@@ -19,7 +19,7 @@ GOLDEN = Path(__file__).resolve().parents[3] / "fixtures" / "golden" / "batching
 
 def _as_llamacpp(m: dict) -> dict:
     b = copy.deepcopy(m)
-    b["engine"] = "llama.cpp"
+    b["runtime"] = "llama.cpp"
     b["options"]["attention"] = "llama.cpp"
     for st in b["steps"]:
         if st.get("mask"):

@@ -15,9 +15,9 @@ from infertrace.trace import schema as S
 
 PAIRS = [(R.ReqStep, S.REQ_STEP), (R.RowStat, S.ROW_STAT), (R.HiddenRec, S.HIDDEN), (R.PositionsRec, S.POSITIONS),
          (R.MaskRec, S.MASK), (R.KVRec, S.KV), (R.DecodeRec, S.DECODE), (R.StepTrace, S.STEP)]
-#: RunTrace's fields that trace.json does not hold at the top level: ``runtime`` (machine facts) goes to
-#: timing.json; ``engine`` is an open top-level key (TOP_LEVEL has extra=True and store.py checks it)
-RUN_NOT_IN_TOP = {"runtime", "engine"}
+#: RunTrace's fields that trace.json does not hold at the top level: ``threads`` (machine facts) goes to
+#: timing.json; ``runtime`` is an open top-level key (TOP_LEVEL has extra=True and store.py checks it)
+RUN_NOT_IN_TOP = {"threads", "runtime"}
 #: top-level keys of trace.json that RunTrace does not hold: ``store`` (what was kept, the tensor index) is
 #: written by :func:`infertrace.trace.store.save_trace`
 TOP_NOT_IN_RUN = {"store"}

