@@ -172,7 +172,7 @@ def run(
     show: Annotated[Optional[list[str]], typer.Option("--show", help="Panels printed per step after the table, comma-separated: hidden,positions,mask,kv,decode, or all (the full output). Default: none, only the worked-example table and the summary (with --steps: all five). Display only: --save records every variable unless --keep says otherwise.")] = None,
     layer: Annotated[int, typer.Option("--layer", help="Layer whose RoPE evidence and K/V values are shown.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole trace as JSON on stdout (nothing else).")] = False,
-    backend: Annotated[Optional[str], typer.Option("--backend", help="KV cache / attention convention: cells (llama.cpp) or paged (TensorRT-LLM/vLLM). Default: the runtime's own (cells for infertrace).", show_default=False)] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="KV cache / attention convention: cells (llama.cpp) or paged (TensorRT-LLM/vLLM); dense (HF's padded batch) with --runtime hf only. Default: the runtime's own (cells for infertrace).", show_default=False)] = None,
     ctx_size: o.CtxSize = None,
     num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="paged: blocks in the pool (default ctx-size / tokens-per-block).")] = None,
     tokens_per_block: Annotated[int, typer.Option("--tokens-per-block", help="paged: slots per block.")] = EngineOptions.tokens_per_block,

@@ -346,7 +346,8 @@ def _mask_grid(kq: dict[str, Any], st: StepTrace, owners: dict[int, list[int]] |
     rows = kq["rows"]
     ncol = len(rows[0]) if rows else 0
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, pad_edge=False,
-              title=f"rows 0..{len(rows) - 1} of {kq['ne'][1]} (pad rows all -inf) × cells 0..{ncol - 1} of {kq['n_kv']};"
+              title=f"rows 0..{len(rows) - 1} of {kq['ne'][1]}{' (pad rows all -inf)' if kq['ne'][1] > st.N else ''} × cells "
+                    f"0..{ncol - 1} of {kq['n_kv']};"
                     " row sN qP = query of seq N at pos P", title_justify="left", title_style="italic")
     t.add_column(Text("cell\npos" + ("\nseq" if owners is not None else ""), justify="right"), justify="right", no_wrap=True)
     for c in range(ncol):

@@ -71,7 +71,7 @@ def _requests_facts(reqs: list[dict[str, Any]]) -> list[tuple[str, Text]]:
     for r in reqs:
         t = Text.assemble((piece_text(r.get("prompt", "")), DIM), " → ", (piece_text(r.get("text", "")), "bold"))
         if "prompt_len" in r:
-            t.append(f"  ({r['prompt_len']} prompt tokens, arrives at step {r['arrival_step']})", style=DIM)
+            t.append(f"  ({r['prompt_len']} prompt token{'' if r['prompt_len'] == 1 else 's'}, arrives at step {r['arrival_step']})", style=DIM)
         rows.append((f"seq {r['seq_id']}", t))
     return rows
 

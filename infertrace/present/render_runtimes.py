@@ -32,7 +32,8 @@ def _chunk(c: dict[str, Any] | None) -> str:
     elif "inp_pos" in c:  # llama.cpp's graph inputs (cells)
         ub = c.get("ubatch") or {}
         parts = [f"inp_pos {_ids(c.get('inp_pos'))}", f"kq_mask cells {c.get('cells')}", f"n_kv {c.get('n_kv')}",
-                 f"ubatch {ub.get('n_tokens')} tokens (n_ubatch {ub.get('n_ubatch')})"]
+                 f"ubatch {ub.get('n_tokens')} token{'' if ub.get('n_tokens') == 1 else 's'}"
+                 + (f" (n_ubatch {ub['n_ubatch']})" if ub.get("n_ubatch") is not None else "")]  # infertrace's side has none
     else:  # infertrace's paged metadata
         parts = [f"cu_seqlens {clip(str(c.get('cu_seqlens')), 40)}", f"kv_lens {c.get('kv_lens')}",
                  f"block_tables {c.get('block_tables')}", f"slot_mapping {_ids(c.get('slot_mapping'))}"]

@@ -391,7 +391,7 @@ def build_report(trace: RunTrace, source: str = "") -> str:
              ("rope", f"theta {c.get('rope_theta')} · rotary dims {c.get('rope_dim')} · pairing in file {c.get('rope_pairing_in_file')} → neox"),
              ("runtime", f"{trace.runtime} · backend {o.get('backend')} · attention {o.get('attention')} · ctx {eng.get('ctx_size')} · "
                         f"tokens_per_block {eng.get('tokens_per_block')} · max_batch_tokens {eng.get('max_batch_tokens')} · "
-                        f"prefill_chunk {eng.get('prefill_chunk')} · dtype {o.get('dtype')} · device {o.get('device')}")]
+                        f"prefill_chunk {eng.get('prefill_chunk') or 'off'} · dtype {o.get('dtype')} · device {o.get('device')}")]
     if isinstance(trace.spec, dict):
         sp = trace.spec
         facts.append(("speculative", f"{sp.get('method')} · tree {v.int_list_text(sp.get('tree'))} · tokens per target forward "

@@ -1,7 +1,7 @@
 """``infertrace diff A B`` across conventions: a ``cells`` trace (llama.cpp, ``run --runtime llama.cpp``)
 against a ``paged`` trace (vLLM, ``run --runtime vllm``) of the same requests.
 
-The two runtimes schedule differently (llama.cpp here runs infertrace's scheduler, vLLM its own:
+The two runtimes may schedule differently (infertrace and llama.cpp here run infertrace's scheduler, vLLM its own:
 token budget, ``long_prefill_token_threshold``, speculative lookahead), so their steps do not pair
 one to one, and their physical memories are different conventions (cells + ``kq_mask`` vs block
 tables + metadata). What both must agree on is logical, and is compared **per request and per
@@ -42,8 +42,8 @@ from infertrace.ranges import ranges_text
 from infertrace.trace.diff import DiffResult, Divergence
 
 #: how the comparison is described in the output (text and --json)
-NOTE = ("compared per request and per position of its sequence, not per step: the runtimes schedule "
-        "differently (llama.cpp here runs infertrace's scheduler, vLLM its own)")
+NOTE = ("compared per request and per position of its sequence, not per step: the two sides may schedule "
+        "differently (infertrace and llama.cpp here run infertrace's scheduler, vLLM its own)")
 #: at most this many chunks per request in the side-by-side listing (per runtime)
 MAX_CHUNKS = 64
 #: at most this many differences / disagreements kept for display (all are counted)
