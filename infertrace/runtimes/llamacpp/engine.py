@@ -45,6 +45,7 @@ from infertrace.engine.drive import drive_bounded, encode_requests
 from infertrace.engine.engine import Engine, EngineOptions
 from infertrace.runtimes.llamacpp.capture import TAP_NODES, Captured, LlamaCppContext, tap_node
 from infertrace.runtimes.llamacpp.native import add_native
+from infertrace.runtimes.readback import ReadBack
 from infertrace.runtimes.llamacpp.state_file import norm_to_neox  # torch-free; the slot-file reader uses it too
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import AttnInputs, CellsInputs, ChunkSpec, SwaPoolStep
@@ -55,7 +56,7 @@ from infertrace.model.taps import EMBED, K, K_ROT, Q, Q_ROT, V
 ENGINE = "llama.cpp"
 
 
-class LlamaCppKV:
+class LlamaCppKV(ReadBack):
     """llama.cpp's unified KV cache as read back at run time, in the ``cells`` shape infertrace
     records (so the ordinary recorder, ``show``, ``report`` and ``dump-kv`` read it).
 
@@ -100,32 +101,9 @@ class LlamaCppKV:
         """The next-slot search start after the last ubatch (``llama_kv_cache::head``, as ``apply_ubatch`` moves it)."""
         return self.mirror.head
 
-    @property
-    def capacity_tokens(self) -> int:
-        """Cells of llama.cpp's cache (``n_ctx``, padded to a multiple of 256 by llama.cpp)."""
-        return self.mirror.capacity_tokens
-
-    def can_fit(self, plan: list[tuple[int, int]]) -> bool:
-        """Whether every ``(seq_id, n_new)`` of ``plan`` fits in the free cells (the scheduler asks before packing)."""
-        return self.mirror.can_fit(plan)
-
-    def seq_len(self, seq_id: int) -> int:
-        """Cells ``seq_id`` owns (its cached tokens)."""
-        return self.mirror.seq_len(seq_id)
-
     def cells_of(self, seq_id: int) -> list[tuple[int, int]]:
         """``[(cell, pos)]`` owned by ``seq_id``, ordered by pos (read back from ``attn_inp_k_idxs``)."""
         return self.mirror.cells_of(seq_id)
-
-    def recurrent_state(self) -> None:
-        """No recurrent state is read back (a hybrid model's recurrent cells are in the snapshot)."""
-        return None
-
-    def describe(self) -> dict[str, Any]:
-        """As :meth:`CellsKV.describe`, with llama.cpp's layer count (every layer has a cache)."""
-        d = self.mirror.describe()
-        d["n_layer"], d["kv_layers"] = self.n_layer, list(range(self.n_layer))
-        return d
 
     def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
         positions, seq_ids = [], []
@@ -283,10 +261,6 @@ class LlamaCppKV:
     def n_kv(self) -> int:
         """``n_kv`` of the last ubatch as llama.cpp built it (``attn_inp_kq_mask`` ``ne[0]``)."""
         return self._n_kv
-
-    def holds_values(self, il: int) -> bool:
-        """Only the captured layer's K/V are read back (llama.cpp caches every layer)."""
-        return il == self.layer
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer != self.layer:

@@ -25,9 +25,10 @@ from infertrace.kv.base import ChunkSpec
 from infertrace.kv.streams import CellsStreamsKV, StreamsInputs, split_equal_chunks
 from infertrace.runtimes.llamacpp.capture import Captured
 from infertrace.runtimes.llamacpp.native import add_native
+from infertrace.runtimes.readback import ReadBack
 
 
-class LlamaCppStreamsKV:
+class LlamaCppStreamsKV(ReadBack):
     """llama.cpp's non-unified cache as read back (placement never chosen here; K/V of layer ``layer``
     only, as llama.cpp stored it, F16).
 
@@ -71,11 +72,6 @@ class LlamaCppStreamsKV:
         """Streams (llama.cpp ``n_seq_max``)."""
         return self.mirror.n_stream
 
-    @property
-    def capacity_tokens(self) -> int:
-        """What one sequence can hold: its stream."""
-        return self.mirror.capacity_tokens
-
     def stream_of(self, seq_id: int) -> Any:
         """The stream of ``seq_id`` (``seq_to_stream[seq_id] = seq_id``).
 
@@ -84,31 +80,9 @@ class LlamaCppStreamsKV:
         """
         return self.mirror.stream_of(seq_id)
 
-    def can_fit(self, plan: list[tuple[int, int]]) -> bool:
-        """Whether every ``(seq_id, n_new)`` fits in its own stream's free cells."""
-        return self.mirror.can_fit(plan)
-
-    def seq_len(self, seq_id: int) -> int:
-        """Cells ``seq_id`` owns in its stream."""
-        return self.mirror.seq_len(seq_id)
-
     def cells_of(self, seq_id: int) -> list[tuple[int, int]]:
         """``[(global cell row, pos)]`` of ``seq_id``, ordered by pos."""
         return self.mirror.cells_of(seq_id)
-
-    def logical_mask(self, inp: StreamsInputs, swa: bool = False) -> list[torch.Tensor]:
-        """Per chunk ``[T, C+T]`` bool read back from its stream's block of llama.cpp's ``kq_mask``."""
-        return self.mirror.logical_mask(inp, swa)
-
-    def recurrent_state(self) -> None:
-        """No recurrent state is read back."""
-        return None
-
-    def describe(self) -> dict[str, Any]:
-        """As :meth:`CellsStreamsKV.describe`, with llama.cpp's layer count (every layer has a cache)."""
-        d = self.mirror.describe()
-        d["n_layer"], d["kv_layers"] = self.n_layer, list(range(self.n_layer))
-        return d
 
     def prepare(self, chunks: Sequence[ChunkSpec]) -> StreamsInputs:
         """Pack positions and seq_ids; the rest is filled by :meth:`after_decode` from llama.cpp's graph.
@@ -222,10 +196,6 @@ class LlamaCppStreamsKV:
         """``n_kv`` of the last ubatch as llama.cpp built it (``attn_inp_kq_mask`` ``ne[0]``); before the
         first, as :meth:`CellsStreamsKV.n_kv`."""
         return self._n_kv if self._n_kv is not None else max(s.n_kv() for s in self.streams)
-
-    def holds_values(self, il: int) -> bool:
-        """Only the captured layer's K/V are read back (llama.cpp caches every layer)."""
-        return il == self.layer
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer != self.layer:

@@ -45,6 +45,7 @@ from infertrace.engine.scheduler import ScheduledBatch
 from infertrace.errors import InfertraceError
 from infertrace.kv.base import ChunkSpec
 from infertrace.kv.paged import PagedKV
+from infertrace.runtimes.readback import ReadBack
 from infertrace.runtimes.vllm import ENGINE, import_vllm, vllm_version
 from infertrace.runtimes.vllm.steprec import ours as _ours  # noqa: F401 - re-exported (tests)
 from infertrace.runtimes.vllm.steprec import pool_data, record_step, scheduler_data
@@ -58,7 +59,7 @@ DEFAULT_KV_SPACE_GIB = "1"
 FINISH = {"length": "max_new_tokens", "stop": "eos", "abort": "aborted"}
 
 
-class VllmKV:
+class VllmKV(ReadBack):
     """vLLM's paged cache as read back at run time, in the ``paged`` shape infertrace records.
 
     Not a memory our engine computes with, and not a subclass of one: it holds a
@@ -115,14 +116,6 @@ class VllmKV:
         self.mirror.tables.pop(seq_id, None)
         self.mirror.lens.pop(seq_id, None)
 
-    def seq_len(self, seq_id: int) -> int:
-        """Tokens cached for ``seq_id`` (vLLM's ``num_computed_tokens`` after the step)."""
-        return self.mirror.seq_len(seq_id)
-
-    def holds_values(self, il: int) -> bool:
-        """Only the captured layer's K/V are read back (vLLM's pool holds every layer)."""
-        return il == self.layer
-
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V ``[len, n_kv_heads, head_dim]`` float32 of ``seq_id`` in the captured layer, by position.
 
@@ -132,20 +125,6 @@ class VllmKV:
         if layer != self.layer:
             raise InfertraceError(f"--runtime vllm captured layer {self.layer} only; pass --layer {layer}")
         return self.mirror.read(0, seq_id)
-
-    def logical_mask(self, inp: Any, swa: bool = False) -> list[torch.Tensor]:
-        """Per request ``[T, kv_len]`` bool: vLLM's causal attention over its block-table row (as ``PagedKV``)."""
-        return self.mirror.logical_mask(inp, swa)
-
-    def recurrent_state(self) -> None:
-        """No recurrent state is read back."""
-        return None
-
-    def describe(self) -> dict[str, Any]:
-        """As :meth:`PagedKV.describe`, with vLLM's layer count (every layer has a cache)."""
-        d = self.mirror.describe()
-        d["n_layer"], d["kv_layers"] = self.n_layer, list(range(self.n_layer))
-        return d
 
     def snapshot(self) -> dict[str, Any]:
         """As :meth:`PagedKV.snapshot`, with vLLM's block pool: free / used blocks and the head of its free queue
