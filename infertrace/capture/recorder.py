@@ -132,7 +132,8 @@ class Recorder:
         data.require(self.want)
         self._spec_acc = {int(k): v["accepted_nodes"] for k, v in ((data.spec or {}).get("requests") or {}).items()}
         st = StepTrace(step=data.step, backend=data.backend, attention=data.attention, N=data.N, batch=[],
-                       preempted=list(data.preempted), admitted=list(data.admitted), time_ms=_r(data.time_ms, 3))
+                       preempted=list(data.preempted), admitted=list(data.admitted), time_ms=_r(data.time_ms, 3),
+                       vllm=data.vllm)  # the runtime's native section as it handed it (None but for run --runtime vllm)
         if data.idle:  # idle step: nothing scheduled (waiting for arrivals); N = 0, no variables but the cache
             if data.serving:  # e.g. a request stopped because the KV pool is full (kv_full)
                 st.serving = data.serving

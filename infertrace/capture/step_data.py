@@ -38,7 +38,7 @@ MAX_JSON_NODES = 1 << 22
 WIRE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                          torch.int16, torch.int8, torch.uint8, torch.bool})
 #: the open sections of a step (already in the trace's words; checked as bounded JSON, not field by field)
-_OPEN = ("serving", "spec", "mask", "mask_swa", "recurrent")
+_OPEN = ("serving", "spec", "mask", "mask_swa", "recurrent", "vllm")
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,8 @@ class StepData:
         part (None without windowed layers or without ``mask``).
         kv: :class:`KVData` (None unless ``kv`` is recorded).
         recurrent: a hybrid memory's recurrent state summary (``describe_state``) or None.
+        vllm: vLLM's native step section (``StepContext.vllm``: its scheduler output and attention metadata in
+            its own names), copied to ``StepTrace.vllm``; None for the other runtimes. Read back as bounded JSON.
         taps: ``(tap name, layer)`` -> tensor (:mod:`infertrace.model.taps`; the embedding under layer None,
             ``[N, H]``; Q/K ``[N, heads, head_dim]``; None for a tap whose fields are not tensors: ``ssm_state``,
             whose presence names the GDN layer tapped); embed_ids: the embedding's input ids ``[N]`` or None.
@@ -145,6 +147,7 @@ class StepData:
     mask_swa: dict[str, Any] | None = None
     kv: KVData | None = None
     recurrent: dict[str, Any] | None = None
+    vllm: dict[str, Any] | None = None
     taps: dict[tuple[str, int | None], torch.Tensor | None] = field(default_factory=dict)
     embed_ids: torch.Tensor | None = None
     cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -190,7 +193,7 @@ class StepData:
             "finished": [[sid, r] for sid, r in self.finished.items()],
             "serving": self.serving, "spec": self.spec, "mask": self.mask, "mask_swa": self.mask_swa,
             "kv": None if self.kv is None else {"describe": self.kv.describe, "snapshot": self.kv.snapshot},
-            "recurrent": self.recurrent, "taps": taps, "embed_ids": put("embed_ids", self.embed_ids), "cache": cache,
+            "recurrent": self.recurrent, "vllm": self.vllm, "taps": taps, "embed_ids": put("embed_ids", self.embed_ids), "cache": cache,
             "logits_topk": (None if self.logits_topk is None else
                             [put("logits_topk/values", self.logits_topk[0]), put("logits_topk/ids", self.logits_topk[1])]),
         }

@@ -117,6 +117,9 @@ def _mutated(pair, fn):
     (lambda d, t: d["chunks"][0].update(logical_swa="chunk0/logical"), "names tensor 'chunk0/logical' a second time"),
     (lambda d, t: d.update(serving={"a": {1, 2}}), "serving holds a set, not a JSON value"),
     (lambda d, t: d.update(serving=[1]), "serving is a list, not a dict"),
+    (lambda d, t: d.update(vllm=[1]), "vllm is a list, not a dict"),  # a runtime's native section: bounded JSON
+    (lambda d, t: d.update(vllm={"scheduler": {"free_blocks": {3}}}), "vllm holds a set, not a JSON value"),
+    (lambda d, t: d.update(vllm={"slot_mapping": [0] * ((1 << 22) + 1)}), "vllm has a list of 4194305 items"),
     (lambda d, t: d.update(serving={"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}),
      "deeper than 32"),
     (lambda d, t: d.update(samples=[[0, 1]]), "samples[0] has 2 items, not 4..4"),
@@ -157,3 +160,15 @@ def test_from_wire_refuses_what_is_not_a_mapping(one_step):
     with pytest.raises(InfertraceError, match="tensors are a list"):
         StepData.from_wire(one_step[0], [])
     StepData.from_wire(*_mutated(one_step, lambda d, t: None))  # the untouched pair reads
+
+
+def test_native_section_travels_and_is_recorded(smol, one_step):
+    """A runtime's native section (``vllm``) is step data: read back from the wire as given, and the recorder writes
+    it into the step record (nothing sets it on the record afterwards)."""
+    sec = {"scheduler": {"free_blocks": 3, "new_block_ids": {"0": [1, 2]}}, "logits_indices": [0], "kv_readback": None}
+    data = StepData.from_wire(*_mutated(one_step, lambda d, t: d.update(vllm=sec)))
+    assert data.vllm == sec
+    st = Recorder(smol.tokenizer, smol.config, layer=1, show=VARIABLES).record(data)
+    assert st.vllm == sec and st.to_dict()["vllm"] == sec
+    plain = Recorder(smol.tokenizer, smol.config, layer=1, show=VARIABLES).record(StepData.from_wire(*one_step))
+    assert plain.vllm is None and "vllm" not in plain.to_dict()
