@@ -103,7 +103,7 @@ def probe(ctx: Any, want: Want, taps: Mapping[tuple[str, int | None], Mapping[st
     return StepData(N=batch.N, chunks=tuple(chunks), positions=inp.positions, logits_shape=tuple(logits.shape),
                     logits_dtype=_dtype(logits), logits_rows=tuple(ctx.logits_rows), samples=samples,
                     finished=dict(ctx.finished), spec=spec, mask=mask, mask_swa=mask_swa, kv=kvd, recurrent=recurrent,
-                    cache=cache, logits_topk=topk, **common)
+                    cache=cache, logits_topk=topk, logits=logits if want.logits else None, **common)
 
 
 def _check_chunks(batch: Any, inp: Any) -> None:
