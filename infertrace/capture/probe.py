@@ -41,7 +41,7 @@ def probe(ctx: Any, want: Want, taps: Mapping[tuple[str, int | None], Mapping[st
     Args:
         ctx: the engine's step context (``step``, ``batch``, ``inp`` (None when idle), ``kv``, ``attention``,
             ``logits`` ``[M, V]``, ``logits_rows``, ``samples``, ``finished``, ``requests``, ``time_ms``,
-            ``sampler_order``, ``serving``, ``spec``).
+            ``sampler_order``, ``serving``, ``spec``, ``vllm``: the runtime's native section, copied as is).
         want: what to copy (the recorder's :class:`Want`).
         taps: the step's taps, ``(name, layer) -> {"value": tensor, ...}`` (the embedding: layer None, with
             ``ids``).
@@ -55,7 +55,7 @@ def probe(ctx: Any, want: Want, taps: Mapping[tuple[str, int | None], Mapping[st
     embed = taps.get((EMBED, None))
     common = dict(step=ctx.step, backend=kv.kind, attention=ctx.attention, time_ms=float(ctx.time_ms),
                   preempted=tuple(batch.preempted), admitted=tuple(batch.admitted), serving=ctx.serving or None,
-                  taps=tap_values, embed_ids=None if embed is None else embed.get("ids"))
+                  vllm=ctx.get("vllm") or None, taps=tap_values, embed_ids=None if embed is None else embed.get("ids"))
     state = kv.recurrent_state() if want.hybrid else None
     recurrent = state.describe_state(inp is not None) if state is not None else None
     if inp is None:  # idle step: nothing scheduled; only the cache state
@@ -103,7 +103,7 @@ def probe(ctx: Any, want: Want, taps: Mapping[tuple[str, int | None], Mapping[st
     return StepData(N=batch.N, chunks=tuple(chunks), positions=inp.positions, logits_shape=tuple(logits.shape),
                     logits_dtype=_dtype(logits), logits_rows=tuple(ctx.logits_rows), samples=samples,
                     finished=dict(ctx.finished), spec=spec, mask=mask, mask_swa=mask_swa, kv=kvd, recurrent=recurrent,
-                    cache=cache, logits_topk=topk, **common)
+                    cache=cache, logits_topk=topk, logits=logits if want.logits else None, **common)
 
 
 def _check_chunks(batch: Any, inp: Any) -> None:

@@ -10,7 +10,7 @@ or the engine.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -59,6 +59,10 @@ class Recorder:
             ``run --save --keep tensors``; names in :meth:`_capture`). None (default): no
             tensor is copied, the trace stays summary-sized.
         top_k_tensors: logits kept per logits row in ``tensors`` (values and ids).
+        keep_logits: ask the probe for each step's full logits ``[M, V]`` (:attr:`StepData.logits`).
+        on_record: called as ``on_record(data, step_trace)`` after each step is recorded, with the
+            :class:`StepData` it was built from and the kept :class:`StepTrace` (to keep more of the step
+            than the trace does, e.g. ``diff-runtimes vllm``'s full tensors; it must not change either).
     """
 
     enabled = True
@@ -66,7 +70,8 @@ class Recorder:
     def __init__(self, tokenizer: Any, config: Any, layer: int = 0, show: tuple[str, ...] = VARIABLES,
                  n_first: int = 4, top_k: int = 5, mask_rows: int = 8, mask_cols: int = 16,
                  layers: Iterable[int] | None = None, tensors: dict[str, torch.Tensor] | None = None,
-                 top_k_tensors: int = 20):
+                 top_k_tensors: int = 20, keep_logits: bool = False,
+                 on_record: Callable[[StepData, StepTrace], None] | None = None):
         self.tok = tokenizer
         self.cfg = config
         self.layer = layer
@@ -96,7 +101,8 @@ class Recorder:
         self.want = Want(layer=self.layer, show=frozenset(self.show),
                          tensor_layers=self.tensor_layers if tensors is not None else None, top_k_tensors=top_k_tensors,
                          mask_rows=mask_rows, mask_cols=mask_cols, windowed=bool(config.windowed_layers),
-                         hybrid=bool(getattr(config, "is_hybrid", False)))
+                         hybrid=bool(getattr(config, "is_hybrid", False)), logits=keep_logits)
+        self.on_record = on_record
 
     def tap(self, name: str, **fields: Any) -> None:
         """Keep this step's tap ``name`` (of layer ``fields["layer"]``; the embedding tap has none)."""
@@ -132,15 +138,14 @@ class Recorder:
         data.require(self.want)
         self._spec_acc = {int(k): v["accepted_nodes"] for k, v in ((data.spec or {}).get("requests") or {}).items()}
         st = StepTrace(step=data.step, backend=data.backend, attention=data.attention, N=data.N, batch=[],
-                       preempted=list(data.preempted), admitted=list(data.admitted), time_ms=_r(data.time_ms, 3))
+                       preempted=list(data.preempted), admitted=list(data.admitted), time_ms=_r(data.time_ms, 3),
+                       vllm=data.vllm)  # the runtime's native section as it handed it (None but for run --runtime vllm)
         if data.idle:  # idle step: nothing scheduled (waiting for arrivals); N = 0, no variables but the cache
             if data.serving:  # e.g. a request stopped because the KV pool is full (kv_full)
                 st.serving = data.serving
             if "kv" in self.show:
                 st.kv = self._kv(data)
-            self._hybrid(st, data)
-            self.steps.append(st)
-            return st
+            return self._append(st, data)
         st.batch = reqs = self._reqs(data)
         if data.spec:  # speculative decoding: the step's drafted / accepted / acceptance rate
             st.spec = {k: v for k, v in data.spec.items() if k != "requests"}
@@ -163,8 +168,14 @@ class Recorder:
             st.decode = self._decode(data, reqs)
         if self.tensors is not None:
             self._capture(data)
+        return self._append(st, data)
+
+    def _append(self, st: StepTrace, data: StepData) -> StepTrace:
+        """The step's last part (the hybrid record), then keep it and tell :attr:`on_record`."""
         self._hybrid(st, data)
         self.steps.append(st)
+        if self.on_record is not None:
+            self.on_record(data, st)
         return st
 
     def _reqs(self, data: StepData) -> list[ReqStep]:

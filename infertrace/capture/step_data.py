@@ -38,7 +38,7 @@ MAX_JSON_NODES = 1 << 22
 WIRE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                          torch.int16, torch.int8, torch.uint8, torch.bool})
 #: the open sections of a step (already in the trace's words; checked as bounded JSON, not field by field)
-_OPEN = ("serving", "spec", "mask", "mask_swa", "recurrent")
+_OPEN = ("serving", "spec", "mask", "mask_swa", "recurrent", "vllm")
 
 
 @dataclass(frozen=True)
@@ -117,12 +117,16 @@ class StepData:
         part (None without windowed layers or without ``mask``).
         kv: :class:`KVData` (None unless ``kv`` is recorded).
         recurrent: a hybrid memory's recurrent state summary (``describe_state``) or None.
+        vllm: vLLM's native step section (``StepContext.vllm``: its scheduler output and attention metadata in
+            its own names), copied to ``StepTrace.vllm``; None for the other runtimes. Read back as bounded JSON.
         taps: ``(tap name, layer)`` -> tensor (:mod:`infertrace.model.taps`; the embedding under layer None,
             ``[N, H]``; Q/K ``[N, heads, head_dim]``; None for a tap whose fields are not tensors: ``ssm_state``,
             whose presence names the GDN layer tapped); embed_ids: the embedding's input ids ``[N]`` or None.
         cache: ``(layer, seq_id)`` -> ``(k, v)`` ``[len, n_kv, head_dim]`` of every request holding cache
             (only for ``--keep tensors``).
         logits_topk: ``(values float32, ids int64)`` ``[M, k]`` (only for ``--keep tensors``).
+        logits: the step's full logits ``[M, V]`` in the forward's dtype (only when :attr:`Want.logits`: a
+            comparison of the floats, e.g. ``diff-runtimes vllm``); None otherwise and when idle.
     """
 
     step: int
@@ -145,10 +149,12 @@ class StepData:
     mask_swa: dict[str, Any] | None = None
     kv: KVData | None = None
     recurrent: dict[str, Any] | None = None
+    vllm: dict[str, Any] | None = None
     taps: dict[tuple[str, int | None], torch.Tensor | None] = field(default_factory=dict)
     embed_ids: torch.Tensor | None = None
     cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     logits_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    logits: torch.Tensor | None = None
 
     @property
     def idle(self) -> bool:
@@ -190,9 +196,10 @@ class StepData:
             "finished": [[sid, r] for sid, r in self.finished.items()],
             "serving": self.serving, "spec": self.spec, "mask": self.mask, "mask_swa": self.mask_swa,
             "kv": None if self.kv is None else {"describe": self.kv.describe, "snapshot": self.kv.snapshot},
-            "recurrent": self.recurrent, "taps": taps, "embed_ids": put("embed_ids", self.embed_ids), "cache": cache,
+            "recurrent": self.recurrent, "vllm": self.vllm, "taps": taps, "embed_ids": put("embed_ids", self.embed_ids), "cache": cache,
             "logits_topk": (None if self.logits_topk is None else
                             [put("logits_topk/values", self.logits_topk[0]), put("logits_topk/ids", self.logits_topk[1])]),
+            "logits": put("logits", self.logits),
         }
         return d, tensors
 
@@ -252,6 +259,9 @@ class StepData:
             topk = r.list(topk, "logits_topk", 2, 2)
             topk = (r.tensor(topk[0], "logits_topk.values", ndim=2), r.tensor(topk[1], "logits_topk.ids", ndim=2, dtypes=(torch.int64,)))
         shape = d.get("logits_shape")
+        logits = r.tensor(d.get("logits"), "logits", optional=True, ndim=2)
+        if logits is not None and (shape is None or list(logits.shape) != shape):
+            raise _bad("logits", f"tensor has shape {list(logits.shape)}, logits_shape says {_show(shape)}")
         out = cls(
             step=r.int(d.get("step"), "step", LIMITS["MAX_STEPS"]), backend=r.str(d.get("backend"), "backend", 64),
             attention=r.str(d.get("attention"), "attention", 256), N=N, time_ms=r.float(d.get("time_ms"), "time_ms"),
@@ -261,7 +271,7 @@ class StepData:
             logits_dtype=None if d.get("logits_dtype") is None else r.str(d["logits_dtype"], "logits_dtype", 64),
             logits_rows=r.ints(d.get("logits_rows"), "logits_rows", LIMITS["MAX_CTX"]), samples=samples, finished=finished,
             kv=kv, taps=taps, embed_ids=r.tensor(d.get("embed_ids"), "embed_ids", optional=True, ndim=1), cache=cache,
-            logits_topk=topk, **{k: r.json(d.get(k), k, dict, optional=True) for k in _OPEN},
+            logits_topk=topk, logits=logits, **{k: r.json(d.get(k), k, dict, optional=True) for k in _OPEN},
         )
         unused = sorted(set(tensors) - r.used)
         if unused:
@@ -443,6 +453,7 @@ class Want:
         (``--keep tensors``; None: no tensor is kept). top_k_tensors: logits kept per row with tensors.
         mask_rows, mask_cols: size of the ``kq_mask`` slice kept. windowed: the model has sliding-window
         layers (the mask's SWA side). hybrid: the model has recurrent (GDN) layers (the state summary).
+        logits: copy the step's full logits ``[M, V]`` (:attr:`StepData.logits`; for a float comparison).
     """
 
     layer: int
@@ -453,3 +464,4 @@ class Want:
     mask_cols: int = 16
     windowed: bool = False
     hybrid: bool = False
+    logits: bool = False

@@ -277,7 +277,7 @@ class StepTap:
             cells = kv.cells_of(sid)
             if cells:
                 own[sid] = [p for _, p in cells]
-        self.steps.append({
+        d = {
             "step": ctx["step"], "idle": False,
             "chunks": [(c.seq_id, c.C, c.T) for c in inp.chunks],
             "positions": inp.positions.tolist(), "n_kv": n_kv,
@@ -289,12 +289,13 @@ class StepTap:
             "head": (inp.head_before, inp.head_after), "logits_rows": list(ctx["logits_rows"]),
             "out_ids": _native(inp, "out_ids"), "memory_seq_pos": _native(inp, "memory_seq_pos"), "own": own,
             "logits": ctx["logits"].float().clone(), **self._t,
-        })
+        }
         if hasattr(inp, "streams"):  # non-unified KV: one mask block per stream
-            self.steps[-1].update(_stream_tap(inp))
+            d.update(_stream_tap(inp))
         sw = swa_step(inp, kv, ctx["requests"])
         if sw is not None:
-            self.steps[-1]["swa"] = sw
+            d["swa"] = sw
+        self.steps.append(d)  # the step's record complete before it is kept (tests/unit/test_layering.py)
 
 
 def swa_step(inp: Any, kv: Any, requests: Any) -> dict[str, Any] | None:

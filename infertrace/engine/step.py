@@ -30,6 +30,9 @@ class StepContext:
         engine/serving.py) or None.
         spec: speculative decoding: ``{"requests": {seq_id: verify record}, "drafted", "accepted",
         "acceptance_rate"}`` or None.
+        vllm: ``run --runtime vllm``: vLLM's own step section in its names (scheduler output, attention
+        metadata as built, logits indices, sampled ids; runtimes/vllm/steprec.py), JSON values only; the
+        recorder sets :attr:`StepTrace.vllm <infertrace.trace.records.StepTrace>` from it. None otherwise.
 
     ``ctx["step"]`` and ``ctx.get("time_ms")`` still work, for tracers written against the
     dict this replaced.
@@ -49,6 +52,7 @@ class StepContext:
     sampler_order: str | None = None
     serving: dict[str, Any] | None = None
     spec: dict[str, Any] | None = None  # speculative verify record of the step (engine/speculative.py)
+    vllm: dict[str, Any] | None = None  # vLLM's native step section (runtimes/vllm/steprec.py), JSON values
 
     def __getitem__(self, key: str) -> Any:
         try:

@@ -39,15 +39,12 @@ class TwinRecorder(Recorder):
         return self.record(data)
 
 
-def same_steps(rec: TwinRecorder, native: tuple[str, ...] = ()) -> None:
-    """Every live record equals its wire twin's (``to_dict``), and so do the kept tensors (dtype, shape, values).
-    ``native``: sections a runtime sets on the live record after the recorder made it (``vllm``: not step data yet)."""
+def same_steps(rec: TwinRecorder) -> None:
+    """Every live record equals its wire twin's (``to_dict``, the runtime's native section included), and so do
+    the kept tensors (dtype, shape, values)."""
     assert rec.steps and len(rec.steps) == len(rec.twin.steps)
     for a, b in zip(rec.steps, rec.twin.steps):
-        da, db = a.to_dict(), b.to_dict()
-        for k in native:
-            da.pop(k, None)
-        assert da == db, a.step
+        assert a.to_dict() == b.to_dict(), a.step
     if rec.tensors is not None:
         assert rec.tensors and sorted(rec.tensors) == sorted(rec.twin.tensors)
         for k, t in rec.tensors.items():

@@ -452,6 +452,31 @@ def memory_subclasses(p: Path) -> list[str]:
     return out
 
 
+def step_record_patches(p: Path) -> list[str]:
+    """Assignments (``=``, ``+=``, annotated) to the last step record or anything under it: ``X.steps[-1] = ...``,
+    ``X.steps[-1].vllm = ...``, ``X.steps[-1].vllm["served"] = ...`` (a runtime's section travels in the step
+    data the recorder reads: ``StepContext`` -> ``StepData`` -> ``Recorder.record``)."""
+    out = []
+    for node in ast.walk(_tree(p)):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in (e for t in targets for e in ast.walk(t)):  # a tuple target's elements too
+                if isinstance(t, (ast.Attribute, ast.Subscript)) and _patches_last_step(t):
+                    out.append(f"{_rel(p)}:{node.lineno} {ast.unparse(t)} = ...")
+                    break
+    return out
+
+
+def _patches_last_step(t: ast.AST) -> bool:
+    """``t`` is ``<x>.steps[-1]`` or an attribute / item under it."""
+    while isinstance(t, (ast.Attribute, ast.Subscript)):
+        if (isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr == "steps"
+                and ast.unparse(t.slice) == "-1"):
+            return True
+        t = t.value
+    return False
+
+
 def _allowed(found: list[str], rule: str) -> list[str]:
     return [f for f in found if (f.split(":", 1)[0], rule) not in ALLOW]
 
@@ -489,10 +514,17 @@ def test_no_runtime_subclasses_a_memory_to_be_read() -> None:
     assert {"CellsKV", "PagedKV", "CellsStreamsKV", "IswaCellsKV", "HybridKV"} <= memory_classes(ROOT)
 
 
+def test_no_step_record_patched_after_record() -> None:
+    """The recorder writes a step record once, from the step's data (issue 27): no runtime patches
+    ``tracer.steps[-1]`` afterwards (vLLM's section is ``StepContext.vllm`` -> ``StepData.vllm``)."""
+    found = [x for p in _files() for x in step_record_patches(p)]
+    assert _allowed(found, "step_patch") == [], "hand the section to the recorder in the step context instead"
+
+
 def test_allow_list_entries_still_needed() -> None:
     """An entry whose exception is gone must be removed (the list only shrinks)."""
     rules = {"name": name_branches, "subclass": engine_subclasses, "memory": memory_swaps,
-             "memory_subclass": memory_subclasses}
+             "memory_subclass": memory_subclasses, "step_patch": step_record_patches}
     stale = [k for k in ALLOW if not rules[k[1]](ROOT / k[0])]
     assert stale == []
 
@@ -603,6 +635,20 @@ def test_detectors_catch_each_violation(at_root: Path) -> None:
     assert [x.split(" ", 1)[1] for x in memory_swaps(bad)] == ["eng.kv = ...", "eng.scheduler.kv = ..."]
     assert memory_subclasses(_write(at_root, "import x\nclass A(x.PagedKV):\n    pass\nclass B(Mirror):\n    pass\n")) \
         == ["m.py:2 class A(PagedKV)"]
+
+
+def test_step_record_patch_detector(at_root: Path) -> None:
+    bad = _write(at_root, "def f(tracer, rec_, st):\n"
+                          "    tracer.steps[-1].vllm = 1\n"
+                          "    rec_.steps[-1].vllm['served'] = 2\n"
+                          "    self.steps[-1] = 3\n"
+                          "    a, tracer.steps[-1].hf = 4, 5\n"
+                          "    tracer.steps[-1].time_ms += 1.0\n"
+                          "    x = tracer.steps[-1].vllm\n"  # reads are fine
+                          "    tracer.steps[0].vllm = 6\n"  # not the last record: another rule's business
+                          "    st.vllm = 7\n")
+    assert [x.split(" ", 1)[0] for x in step_record_patches(bad)] == ["m.py:2", "m.py:3", "m.py:4", "m.py:5", "m.py:6"]
+    assert step_record_patches(_write(at_root, "steps = []\nsteps.append(1)\non_step(tracer.steps[-1])\n")) == []
 
 
 def test_memory_built_in_own_init_is_not_a_swap(at_root: Path) -> None:

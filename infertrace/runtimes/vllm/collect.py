@@ -236,19 +236,16 @@ def _one_step(rec_: Any, facts: _Facts, s: int, first: int, core: dict[str, Any]
     before = {k: len(r.output_ids) for k, r in by_id.items()}
     # the trace's batch is the marked rows: its scheduler total counts them (the whole batch is in served.batch)
     sd = {**core["sd"], "total_num_scheduled_tokens": int(rec["num_actual_tokens"])}
-    record_step(facts, rec_, s - first, sd, core["free"], rec, by_id, kv, finished, 0.0)
+    served = {"engine_step": s, "time": core.get("time"),
+              "batch": [{"request_id": vid, "num_scheduled_tokens": n} for vid, n in core["sd"]["num_scheduled_tokens"]],
+              "request_ids": {str(r.seq_id): k for k, r in by_id.items()},
+              "captured_batch": batch, "free_blocks": core["free"], "freed_blocks": sorted(core.get("freed") or [])}
+    record_step(facts, rec_, s - first, sd, core["free"], rec, by_id, kv, finished, 0.0, served)
     for vid, o in core["outputs"].items():  # the engine core's tokens are the worker's samples
         r = by_id.get(ours(vid))
         if r is not None and isinstance(o, dict) and r.output_ids[before[ours(vid)]:] != list(o.get("new_token_ids") or []):
             raise InfertraceError(f"collect: step {s}: the worker sampled {r.output_ids[before[ours(vid)]:]} for {vid}, the "
                                   f"engine core output {o.get('new_token_ids')}")
-    if rec_.steps:
-        rec_.steps[-1].vllm["served"] = {"engine_step": s, "time": core.get("time"),
-                                         "batch": [{"request_id": vid, "num_scheduled_tokens": n}
-                                                   for vid, n in core["sd"]["num_scheduled_tokens"]],
-                                         "request_ids": {str(r.seq_id): k for k, r in by_id.items()},
-                                         "captured_batch": batch, "free_blocks": core["free"],
-                                         "freed_blocks": sorted(core.get("freed") or [])}
     for sid in finished:
         kv.release(sid)
 

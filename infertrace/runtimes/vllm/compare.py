@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from infertrace.capture.recorder import Recorder
+from infertrace.capture.step_data import StepData
 from infertrace.compare.metrics import NEAR_TIE_GAP, NEAR_TIE_TOPK, compare_rows
 from infertrace.errors import InfertraceError
 
@@ -38,40 +39,48 @@ FLOAT_VARS = ("hidden", "k", "v", "logits")
 FLOOR_FACTOR = 4.0
 
 
-class KeepRecorder(Recorder):
-    """A :class:`Recorder` that also keeps, per step, the full tensors the comparison needs."""
+class KeepFull:
+    """The full tensors the comparison needs, per step, taken from the recorder's step data (its ``on_record``;
+    the recorder asked for the logits with ``keep_logits``).
 
-    def __init__(self, *a: Any, **k: Any):
-        super().__init__(*a, **k)
+    ``full[i]``: None for an idle step, else float64 copies: ``logits`` ``[M, V]``, and when tapped ``hidden``
+    (the embedding output ``[N, H]``), ``k`` / ``v`` (layer ``layer``'s K after RoPE and V as written,
+    ``[N, n_kv, head_dim]``).
+    """
+
+    def __init__(self, layer: int):
+        self.layer = layer
         self.full: list[dict[str, torch.Tensor] | None] = []
 
-    def end_step(self, ctx: Any) -> Any:
-        st = super().end_step(ctx)
-        if ctx.inp is None:
+    def __call__(self, data: StepData, st: Any) -> None:
+        if data.idle:
             self.full.append(None)
-            return st
-        d: dict[str, torch.Tensor] = {"logits": ctx.logits.double().clone()}  # [M, V]
+            return
         from infertrace.model.taps import EMBED, K_ROT, V
 
-        if (EMBED, None) in self._taps:  # the embedding tap has no layer
-            d["hidden"] = self._taps[(EMBED, None)]["value"].double().clone()  # [N, H]
-        k, v = self._value(K_ROT), self._value(V)  # the evidence layer's K after RoPE and V, as written
+        d: dict[str, torch.Tensor] = {"logits": data.logits.double().clone()}  # [M, V]
+        if (EMBED, None) in data.taps:  # the embedding tap has no layer
+            d["hidden"] = data.taps[(EMBED, None)].double().clone()  # [N, H]
+        k, v = data.taps.get((K_ROT, self.layer)), data.taps.get((V, self.layer))  # as written
         if k is not None and v is not None:
             d["k"], d["v"] = k.double().clone(), v.double().clone()  # [N, nkv, hd]
         self.full.append(d)
-        return st
 
 
-def _replay(model: Any, loaded: Any, prompts: list[Any], opts: Any, plan: dict[str, Any], layer: int) -> tuple[Any, KeepRecorder]:
+def _replay(model: Any, loaded: Any, prompts: list[Any], opts: Any, plan: dict[str, Any],
+            layer: int) -> tuple[Any, Recorder, list[dict[str, torch.Tensor] | None]]:
+    """Ours replaying vLLM's schedule ``plan``: (the engine, its recorder, :attr:`KeepFull.full` per step)."""
     from infertrace.runner import encode_prompt
     from infertrace.runtimes.vllm.replay import replay_engine
 
-    rec = KeepRecorder(loaded.tokenizer, loaded.config, layer=layer, layers=[layer])
+    keep = KeepFull(layer)
+    rec = Recorder(loaded.tokenizer, loaded.config, layer=layer, layers=[layer], keep_logits=True, on_record=keep)
+    keep.layer = rec.layer  # the layer the recorder records (a hybrid model's GDN layer is moved)
     eng = replay_engine(model, loaded.tokenizer, opts, rec, plan)
     for s in prompts:
         eng.add_request(encode_prompt(loaded.tokenizer, s), s.params, s.arrival_step, s.text)
     eng.run()
-    return eng, rec
+    return eng, rec, keep.full
 
 
 def _float64_model(loaded: Any) -> Any:
@@ -165,8 +174,8 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
     ad = A.to_dict()
     validate_trace(ad, "the vLLM trace")
     plan = plan_from_manifest(ad)
-    eng, ours = _replay(loaded.model, loaded, prompts, o, plan, layer)
-    floor_rec = _replay(_float64_model(loaded), loaded, prompts, o, plan, layer)[1] if floor else None
+    eng, ours, ours_full = _replay(loaded.model, loaded, prompts, o, plan, layer)
+    floor_full = _replay(_float64_model(loaded), loaded, prompts, o, plan, layer)[2] if floor else None
     B = RunTrace(model=A.model, config=A.config, options={"backend": "paged"}, notes=[], steps=list(ours.steps),
                  requests=[{"seq_id": r.seq_id, "prompt": r.prompt_text, "prompt_ids": r.prompt_ids,
                             "arrival_step": r.arrival_step, "params": r.params.to_dict()} for r in eng.requests.values()])
@@ -176,21 +185,21 @@ def compare_with_vllm(loaded: Any, prompts: list[Any], opts: Any, layer: int = 0
     if not res.equal and not struct_mism:
         struct_mism = [{"step": None, "variable": "structure", "detail": f"{res.count} differing fields"}]
     vfull = _vllm_full(A._vllm_raw)  # type: ignore[attr-defined]
-    spread = _spread(ours.full, vfull)
-    floor_spread = _spread(ours.full, floor_rec.full) if floor_rec is not None else []
+    spread = _spread(ours_full, vfull)
+    floor_spread = _spread(ours_full, floor_full) if floor_full is not None else []
     fmax = {v: max((d.get(v, 0.0) for d in floor_spread), default=0.0) for v in FLOAT_VARS}
     vmax = {v: max((d.get(v, 0.0) for d in spread), default=0.0) for v in FLOAT_VARS}
-    first = _first_exceeding(spread, fmax, layer) if floor_rec is not None else None
-    base, labels = _rows(B, ours.full)
+    first = _first_exceeding(spread, fmax, layer) if floor_full is not None else None
+    base, labels = _rows(B, ours_full)
     vrows, _ = _rows(A, vfull)
     nt = compare_rows(base, vrows, labels)
     nt_floor = None
-    if floor_rec is not None:
-        nt_floor = compare_rows(base, _rows(B, floor_rec.full)[0], labels)
+    if floor_full is not None:
+        nt_floor = compare_rows(base, _rows(B, floor_full)[0], labels)
         nt_floor.pop("disagreements")
     mism = _mismatches(struct_mism, first, nt)
     checked = sum(len(st.batch) for st in A.steps)
-    per_rank = _per_rank(ours.full, vfull, loaded.config.n_head_kv, tp)
+    per_rank = _per_rank(ours_full, vfull, loaded.config.n_head_kv, tp)
     return {"against": "vllm", "backend": "paged", "layer": layer,
             "structural": {"checked_requests_steps": checked, "differences": res.count, "mismatches": struct_mism,
                            "identical": res.equal,

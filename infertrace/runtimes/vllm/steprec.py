@@ -268,14 +268,18 @@ def _spec_ctx(sv: dict[str, Any], spec_rec: dict[str, Any]) -> dict[str, Any] | 
 
 
 def record_step(run: Any, tracer: Any, step: int, sd: dict[str, Any] | None, free: int | None, rec: dict[str, Any],
-                by_id: dict[str, Request], kv: Any, finished: dict[int, str], time_ms: float = 0.0) -> dict[str, Any]:
+                by_id: dict[str, Request], kv: Any, finished: dict[int, str], time_ms: float = 0.0,
+                served: dict[str, Any] | None = None) -> dict[str, Any]:
     """Turn one vLLM step (plain data: scheduler data ``sd``, capture ``rec``) into our step context, hand it to
-    the recorder, update the requests.
+    the recorder, update the requests. vLLM's own section (:func:`_vllm_section`) travels in the context
+    (``StepContext.vllm``): the recorder writes it into the step record; nothing is set on the record after.
 
     Args:
         run: anything with ``block_size`` and ``layer`` (the captured layer).
         kv: the trace's view of vLLM's pool (:class:`~infertrace.runtimes.vllm.engine.VllmKV`).
         finished: seq_id -> our stop reason, of the requests this step finished.
+        served: a served vLLM's facts of the step (``infertrace collect``: the engine step, the whole batch, the
+            request ids; :mod:`.collect`), kept as ``step.vllm.served``; None for ``run --runtime vllm``.
 
     Raises:
         InfertraceError: a capture that does not line up with the scheduler data (unknown request, ids or
@@ -309,13 +313,14 @@ def record_step(run: Any, tracer: Any, step: int, sd: dict[str, Any] | None, fre
     reqs = {r.seq_id: r for r in by_id.values()}
     serving = _serving(sv, known_of, rec, by_id, kv, B)
     vsec = _vllm_section(chunks, rec, sv, by_id, free, logits_idx, readback, B)
+    if served is not None:
+        vsec["served"] = served
     for sid in acc_nodes:  # a verify step keeps C + accepted + 1 tokens (vLLM's num_computed_tokens)
         kv.rewind(sid, reqs[sid].num_computed)
     tracer.end_step(StepContext(step=step, batch=batch, inp=inp, kv=kv, attention="vllm", logits=lg,
                                 logits_rows=used_rows, samples=samples, finished=finished, requests=reqs,
-                                sampler_order="hf", serving=serving, spec=_spec_ctx(sv, spec_rec), time_ms=time_ms))
-    if tracer.steps:
-        tracer.steps[-1].vllm = vsec
+                                sampler_order="hf", serving=serving, spec=_spec_ctx(sv, spec_rec), time_ms=time_ms,
+                                vllm=vsec))
     for sid in finished:
         reqs[sid].status = FINISHED
         reqs[sid].stop_reason = finished[sid]

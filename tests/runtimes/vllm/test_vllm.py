@@ -159,8 +159,8 @@ def test_ngram_speculation_equals_greedy(case_report, smol) -> None:
 @pytest.mark.parametrize("case", ["three", "prefix", "spec"])
 def test_step_data_through_the_wire_records_the_same_vllm_step(case, smol, vllm_run) -> None:
     """vLLM's steps (read back through VllmKV, a PagedKV mirror held by composition) recorded from the live step
-    and from its StepData sent through JSON + safetensors are equal; ``vllm`` (the native section the runtime sets
-    on the record afterwards) is left out, it is not step data yet."""
+    and from its StepData sent through JSON + safetensors are equal, ``vllm`` (vLLM's native section, step data:
+    ``StepContext.vllm`` -> ``StepData.vllm``) included."""
     from infertrace.capture.recorder import VARIABLES
     from infertrace.engine.drive import encode_requests
     from infertrace.engine.request import Request
@@ -171,7 +171,8 @@ def test_step_data_through_the_wire_records_the_same_vllm_step(case, smol, vllm_
     reqs = [Request(i, list(e.ids), e.params.validate(), e.arrival_step, e.text)
             for i, e in enumerate(encode_requests(smol.tokenizer, CASES[case]))]
     drive(vllm_run, reqs, rec)
-    same_steps(rec, native=("vllm",))
+    same_steps(rec)
+    assert all(st.vllm and st.vllm == d.vllm for st, d in zip(rec.twin.steps, rec.data) if not d.idle)
     if case == "spec":
         assert any(d.spec for d in rec.data)
     if case == "prefix":

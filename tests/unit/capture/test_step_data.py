@@ -117,9 +117,14 @@ def _mutated(pair, fn):
     (lambda d, t: d["chunks"][0].update(logical_swa="chunk0/logical"), "names tensor 'chunk0/logical' a second time"),
     (lambda d, t: d.update(serving={"a": {1, 2}}), "serving holds a set, not a JSON value"),
     (lambda d, t: d.update(serving=[1]), "serving is a list, not a dict"),
+    (lambda d, t: d.update(vllm=[1]), "vllm is a list, not a dict"),  # a runtime's native section: bounded JSON
+    (lambda d, t: d.update(vllm={"scheduler": {"free_blocks": {3}}}), "vllm holds a set, not a JSON value"),
+    (lambda d, t: d.update(vllm={"slot_mapping": [0] * ((1 << 22) + 1)}), "vllm has a list of 4194305 items"),
     (lambda d, t: d.update(serving={"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}),
      "deeper than 32"),
     (lambda d, t: d.update(samples=[[0, 1]]), "samples[0] has 2 items, not 4..4"),
+    (lambda d, t: (d.update(logits="logits"), t.update(logits=torch.zeros(2, 3))),
+     "logits tensor has shape [2, 3], logits_shape says"),
     (lambda d, t: d["kv"].update(snapshot={1: 2}), "kv.snapshot has a key 1 that is not a string"),
     (lambda d, t: t.update({"chunk0/logical": torch.zeros(1, 1, dtype=torch.bool).expand(1, 1 << 29)}),
      "has shape [1, 536870912], at most 268435456 elements"),
@@ -157,3 +162,33 @@ def test_from_wire_refuses_what_is_not_a_mapping(one_step):
     with pytest.raises(InfertraceError, match="tensors are a list"):
         StepData.from_wire(one_step[0], [])
     StepData.from_wire(*_mutated(one_step, lambda d, t: None))  # the untouched pair reads
+
+
+def test_native_section_travels_and_is_recorded(smol, one_step):
+    """A runtime's native section (``vllm``) is step data: read back from the wire as given, and the recorder writes
+    it into the step record (nothing sets it on the record afterwards)."""
+    sec = {"scheduler": {"free_blocks": 3, "new_block_ids": {"0": [1, 2]}}, "logits_indices": [0], "kv_readback": None}
+    data = StepData.from_wire(*_mutated(one_step, lambda d, t: d.update(vllm=sec)))
+    assert data.vllm == sec
+    st = Recorder(smol.tokenizer, smol.config, layer=1, show=VARIABLES).record(data)
+    assert st.vllm == sec and st.to_dict()["vllm"] == sec
+    plain = Recorder(smol.tokenizer, smol.config, layer=1, show=VARIABLES).record(StepData.from_wire(*one_step))
+    assert plain.vllm is None and "vllm" not in plain.to_dict()
+
+
+def test_on_record_sees_each_step_and_its_full_logits(smol):
+    """``keep_logits`` asks the probe for the full logits ``[M, V]``; ``on_record`` gets each step's data and record
+    (``diff-runtimes vllm`` keeps its float tensors this way), through the wire as well."""
+    seen = []
+    rec = Recorder(smol.tokenizer, smol.config, layer=1, show=VARIABLES, keep_logits=True,
+                   on_record=lambda data, st: seen.append((data, st)))
+    eng = Engine(smol.model, smol.tokenizer, EngineOptions(attention="torch", backend="paged"), rec)
+    drive(eng, encode_requests(smol.tokenizer, [PromptSpec("Hi", SamplingParams(max_new_tokens=2).validate(), 1)]))
+    assert [st for _, st in seen] == rec.steps and seen[0][0].idle and seen[0][0].logits is None
+    for data, st in seen[1:]:
+        assert data.logits is not None and tuple(data.logits.shape) == data.logits_shape == (1, smol.config.vocab_size)
+        from tests.helpers.step_wire import wire
+
+        assert torch.equal(wire(data).logits, data.logits)
+    plain = _run(smol, [("Hi", 0)], 1, tensors=False, backend="paged")
+    assert all(d.logits is None for d in plain.data)  # not asked: not copied
