@@ -18,6 +18,8 @@ the engine.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -264,7 +266,7 @@ class StepData:
             raise _bad("logits", f"tensor has shape {list(logits.shape)}, logits_shape says {_show(shape)}")
         out = cls(
             step=r.int(d.get("step"), "step", LIMITS["MAX_STEPS"]), backend=r.str(d.get("backend"), "backend", 64),
-            attention=r.str(d.get("attention"), "attention", 256), N=N, time_ms=r.float(d.get("time_ms"), "time_ms"),
+            attention=r.str(d.get("attention"), "attention", 256), N=N, time_ms=r.float(d.get("time_ms"), "time_ms", finite=True),
             preempted=r.ints(d.get("preempted"), "preempted", LIMITS["MAX_SEQ_ID"]),
             admitted=r.ints(d.get("admitted"), "admitted", LIMITS["MAX_SEQ_ID"]), chunks=chunks, positions=pos,
             logits_shape=None if shape is None else r.ints(shape, "logits_shape", LIMITS["MAX_ID"], 2),
@@ -302,11 +304,26 @@ class StepData:
         for i, c in enumerate(self.chunks):
             if c.k_rows is None and ("kv" in want.show or evidence):
                 raise _bad(f"chunks[{i}].k_rows", "are missing (the recorder records kv or the RoPE evidence)")
+            if evidence and c.k_rows is not None:  # compared row by row with the recorded layer's K/V taps
+                kv_shape = tuple(self.taps[(K, want.layer)].shape[1:])  # [n_kv, head_dim]
+                if tuple(c.k_rows.shape[1:]) != kv_shape or (c.parents is None and c.k_rows.shape[0] != c.T) \
+                        or (c.T and not c.k_rows.shape[0]):
+                    raise _bad(f"chunks[{i}].k_rows", f"have shape {list(c.k_rows.shape)}, not [T = {c.T}, "
+                               f"{', '.join(map(str, kv_shape))}] as the layer's K tap")
             if want.windowed and c.logical_swa is None:
                 raise _bad(f"chunks[{i}].logical_swa", "is missing (the model has sliding-window layers)")
             if c.logical.shape[0] != c.T:
                 raise _bad(f"chunks[{i}].logical", f"has {c.logical.shape[0]} rows for T = {c.T}")
-        for sid, v in ((self.spec or {}).get("requests") or {}).items():
+        if self.serving is not None:
+            if not isinstance(self.serving.get("prefix", {}), dict):
+                raise _bad("serving.prefix", "is not an object (seq_id -> prefix hit)")
+            ops = self.serving.get("ops_before_step", [])
+            if not isinstance(ops, list) or not all(isinstance(op, dict) for op in ops):
+                raise _bad("serving.ops_before_step", "is not a list of objects")
+        reqs = (self.spec or {}).get("requests") or {}
+        if not isinstance(reqs, dict):
+            raise _bad("spec.requests", f"is a {type(reqs).__name__}, not an object (seq_id -> verify record)")
+        for sid, v in reqs.items():
             _keys(v, f"spec.requests[{_show(sid)}]", ("accepted_nodes", "emitted", "parents", "drafted", "accepted"))
             for k in ("accepted_nodes", "emitted", "parents"):
                 if not isinstance(v[k], list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v[k]):
@@ -349,10 +366,18 @@ class _Reader:
             raise _bad(where, f"is {_show(x)}, not an integer in {lo}..{hi}")
         return x
 
-    def float(self, x: Any, where: str) -> float:
+    def float(self, x: Any, where: str, finite: bool = False) -> float:
+        """A number as float (an int past float's range is refused, not an OverflowError); ``finite``:
+        NaN and ±inf refused too (a wall time; a logit may be -inf)."""
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise _bad(where, f"is {_show(x)}, not a number")
-        return float(x)
+        try:
+            f = float(x)
+        except OverflowError:
+            raise _bad(where, f"is {_show(x)}, outside the range of a float") from None
+        if finite and not math.isfinite(f):
+            raise _bad(where, f"is {_show(x)}, not a finite number")
+        return f
 
     def str(self, x: Any, where: str, max_len: int = LIMITS["MAX_STR"]) -> str:
         if not isinstance(x, str) or len(x) > max_len:
@@ -409,7 +434,9 @@ class _Reader:
             raise _bad(where, f"names tensor {_show(name)} a second time")
         self.used.add(name)
         t = self.tensors[name]
-        if not isinstance(t, torch.Tensor) or t.dtype not in (dtypes or WIRE_DTYPES) or t.is_sparse:
+        if isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.is_meta):  # no data to read
+            raise _bad(where, f"tensor {_show(name)} is a {t.layout} tensor on {t.device}, not a dense one with data")
+        if not isinstance(t, torch.Tensor) or t.dtype not in (dtypes or WIRE_DTYPES):
             kind = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise _bad(where, f"tensor {_show(name)} is {kind}, not one of {sorted(str(x) for x in (dtypes or WIRE_DTYPES))}")
         if ndim is not None and t.dim() != ndim:

@@ -209,6 +209,21 @@ def parse_steps(text: Optional[str]) -> Optional[Callable[[int], bool]]:
     return lambda s: any(lo <= s and (hi is None or s <= hi) for lo, hi in ranges)
 
 
+def _check_line_limits(where: str, obj: dict[str, Any], top_k: int, max_new_tokens: int, arrival: int) -> None:
+    """A ``--prompts`` line's values within the trace schema's limits, named by the file's key and line (the
+    run's :func:`~infertrace.cli.run_options.check_request_limits` names the flag, which the line did not use).
+
+    Raises:
+        InfertraceError: ``top_k`` over ``MAX_ID``, ``max_new_tokens`` over ``MAX_CTX``, ``arrival`` over ``MAX_STEPS``.
+    """
+    from infertrace.trace.schema import LIMITS
+
+    for key, v, lim, hint in (("top_k", top_k, "MAX_ID", "; use 0 for off"), ("max_new_tokens", max_new_tokens, "MAX_CTX", ""),
+                              ("arrival", arrival, "MAX_STEPS", "")):
+        if key in obj and v > LIMITS[lim]:
+            raise InfertraceError(f"{where}: {key!r} {v} is over the limit of {LIMITS[lim]} ({lim} of the trace format){hint}")
+
+
 def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival: int = 0) -> list[PromptSpec]:
     """Parse ``--prompts`` JSONL: one object per non-empty line, keys of :data:`PROMPT_KEYS`
     (``prompt`` required; the others default to the command-line values).
@@ -258,6 +273,7 @@ def read_prompts_file(path: Path, defaults: dict[str, Any], chat: bool, arrival:
         a = obj.get("arrival", arrival)
         if a < 0:
             raise InfertraceError(f"{where}: 'arrival' must be >= 0 (got {a})")
+        _check_line_limits(where, obj, sp.top_k, sp.max_new_tokens, a)
         specs.append(PromptSpec(obj["prompt"], sp, a, bool(obj.get("chat", chat))))
     if not specs:
         raise InfertraceError(f"--prompts {path} holds no prompts")

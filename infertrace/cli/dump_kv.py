@@ -29,6 +29,7 @@ HELP = ("Show the KV cache right after step N of a run (same options as run): ce
 
 
 def dump_kv(
+    ctx: typer.Context,
     step: Annotated[Optional[int], typer.Option("--step", help="Step whose end state is shown (0-based; idle steps count).")] = None,
     trace_dir: Annotated[Optional[Path], typer.Argument(help="A trace saved with 'run --save DIR' (then no prompt/model options).", show_default=False)] = None,
     prompt: o.Prompt = None,
@@ -78,6 +79,7 @@ def dump_kv(
         raise InfertraceError(f"step {step} out of range: steps are numbered from 0")
     pos = _value_options(layer, head, positions, full)
     if trace_dir is not None:  # a saved trace: the step's record (+ saved tensors for values), no model, no run
+        _refuse_live_options(ctx)
         return _dump_saved(trace_dir, step, prompt or prompts, layer, head, pos, full, as_json)
     from infertrace.threads import check_thread_settings
 
@@ -100,6 +102,27 @@ def dump_kv(
     from infertrace.present.render_kv import render_kv_dump
 
     render_kv_dump(stdout_console(), d)
+
+
+#: dump-kv's parameters that only a live run reads (the model, the requests' sampling, the engine settings)
+LIVE_ONLY = ("model", "arrival", "max_new_tokens", "chat", "temperature", "top_k", "top_p", "min_p",
+             "repetition_penalty", "seed", "ignore_eos", "backend", "ctx_size", "num_blocks", "tokens_per_block",
+             "max_batch_tokens", "prefill_chunk", "attention", "dtype", "device", "weights", "threads", "prefix_cache",
+             "context_shift", "n_keep", "n_discard", "audit_kv", "kv_unified")
+
+
+def _refuse_live_options(ctx: Any) -> None:
+    """``dump-kv DIR`` with a run option on the command line (``--dtype``, ``--backend``, ``--temperature`` ...):
+    the saved trace was computed with its own settings, so such an option would be ignored silently.
+
+    Raises:
+        InfertraceError: naming the first such option.
+    """
+    given = [p.opts[0] for p in ctx.command.params if p.name in LIVE_ONLY
+             and getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"]
+    if given:
+        raise InfertraceError(f"{given[0]} is for a live run; the saved trace DIR was computed with its own settings "
+                              "(drop it, or drop DIR to run again with it)")
 
 
 def _dump_saved(trace_dir: Path, step: int, prompt: Optional[object], layer: Optional[int], head: Optional[int],

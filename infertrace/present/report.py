@@ -43,7 +43,10 @@ def _tag(recorded: bool) -> Markup:
 
 
 def _facts(pairs: list[tuple[str, str]]) -> Markup:
-    return M('<dl class="facts">{}</dl>').format(J(M("<dt>{}</dt><dd>{}</dd>").format(k, val) for k, val in pairs))
+    """The header facts as ``<dl>``; a plain string value (model file, notes: from the trace) has its control
+    and bidi characters made visible (:func:`visible`), then is HTML-escaped; Markup passes as is."""
+    return M('<dl class="facts">{}</dl>').format(J(M("<dt>{}</dt><dd>{}</dd>").format(
+        k, val if isinstance(val, Markup) else visible(val)) for k, val in pairs))
 
 
 def _spec_of(r: Any) -> dict[str, Any] | None:

@@ -96,3 +96,22 @@ def test_tensor_parallel_size_is_capped_by_the_cores():
     line = _one_line(invoke("run", "--runtime", "vllm", "--prompt", "a", "--tensor-parallel-size", 4096))
     assert "4096" in line and f"at most {cores}" in line
     assert "must be >= 1" in _one_line(invoke("run", "--runtime", "vllm", "--prompt", "a", "--tensor-parallel-size", 0))
+
+
+# ----------------------------------------------------------------------------- breaker: a --prompts line's limits
+
+
+@pytest.mark.parametrize("kv, want", [
+    ('"top_k": 3000000000', "p.jsonl line 2: 'top_k' 3000000000 is over the limit of 2147483648"),
+    ('"max_new_tokens": 99999999999999999999', "p.jsonl line 2: 'max_new_tokens' 99999999999999999999 is over the limit"),
+    ('"arrival": 99999999999999999999', "p.jsonl line 2: 'arrival' 99999999999999999999 is over the limit"),
+])
+def test_prompts_file_value_over_a_trace_limit_names_the_key_and_line(tmp_path, kv, want):
+    """A --prompts line's top_k / max_new_tokens / arrival over the trace format's limit was reported as
+    '--top-k 3000000000 is over the limit ...': a flag the user never passed, no file, no line."""
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "Hi"}\n{"prompt": "Yo", %s}\n' % kv)
+    res = invoke("run", "--prompts", p, "-n", "2")
+    assert res.exit_code == 2, res.output
+    line = res.output.strip()
+    assert "\n" not in line and line.startswith("error: " + want) and "--" not in line, line

@@ -40,3 +40,20 @@ def test_help_and_bare_command_unchanged() -> None:
     assert h.returncode == 0 and "Usage: infertrace show" in h.stdout
     bare = _cli("show")  # no_args_is_help: the help, exit 2 (click's convention)
     assert bare.returncode == 2 and "Usage: infertrace show" in bare.stdout
+
+
+# ----------------------------------------------------------------------------- breaker: dump-kv DIR and run options
+
+GOLDEN_CELLS = __import__("pathlib").Path(__file__).resolve().parents[2] / "fixtures" / "golden" / "worked-example-cells"
+
+
+@pytest.mark.parametrize("extra", [("--dtype", "bfloat16"), ("--backend", "paged"), ("--temperature", "-1"),
+                                   ("--max-new-tokens", "5"), ("--model", "/nonexistent.gguf"), ("--ctx-size", "64")])
+def test_dump_kv_of_a_saved_trace_refuses_run_options(extra: tuple[str, ...]) -> None:
+    """``dump-kv DIR --step 0 --dtype bfloat16`` (or --backend, --temperature -1 ...) printed the saved step,
+    exit 0: the forward-pass setting was ignored silently (an invalid value too). --prompt was refused."""
+    r = _cli("dump-kv", str(GOLDEN_CELLS), "--step", "0", *extra)
+    assert r.returncode == 2, r.stdout[-400:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {extra[0]} is for a live run"), r.stderr
+    assert _cli("dump-kv", str(GOLDEN_CELLS), "--step", "0").returncode == 0

@@ -73,3 +73,25 @@ def test_v2_refuses_the_v1_names(tmp_path, edit, want):
     with pytest.raises(InfertraceError) as e:
         read_manifest(_write(tmp_path, d))
     assert want in _one_line(e)
+
+
+# ----------------------------------------------------------------------------- breaker: report facts of a hostile trace
+
+UNSAFE = ("\x1b", "\x07", "\u202e")
+
+
+@pytest.mark.parametrize("src", [V1 / "worked-example-cells", GOLDEN / "worked-example-cells"], ids=["schema1", "schema2"])
+def test_report_facts_show_control_and_bidi_characters_of_notes_and_model_file(tmp_path, src):
+    """The report's header facts (model file, notes) reached the HTML with raw ESC / BEL / U+202E (only the
+    <title> and <h1> went through visible()): an RLO in a note reorders what the reader sees."""
+    d = json.loads((src / "trace.json").read_text(encoding="utf-8"))
+    evil = "evil\u202egguf.\x1b[31m\x07<b>x</b>"
+    d["notes"] = [evil]
+    d["model"]["file"] = evil
+    t = _write(tmp_path, d)
+    out = tmp_path / "r.html"
+    res = CliRunner().invoke(app, ["report", str(t), "-o", str(out)], env=ENV)
+    assert res.exit_code == 0, res.output
+    html = out.read_text(encoding="utf-8")
+    assert not [c for c in UNSAFE if c in html]
+    assert "evil\\u202egguf.\\x1b[31m\\x07&lt;b&gt;x&lt;/b&gt;" in html

@@ -192,3 +192,40 @@ def test_on_record_sees_each_step_and_its_full_logits(smol):
         assert torch.equal(wire(data).logits, data.logits)
     plain = _run(smol, [("Hi", 0)], 1, tensors=False, backend="paged")
     assert all(d.logits is None for d in plain.data)  # not asked: not copied
+
+
+# ----------------------------------------------------------------------------- breaker: hostile wire data
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda d, t: d.update(time_ms=10 ** 400), "step data: time_ms is 1000"),
+    (lambda d, t: d.update(time_ms=float("nan")), "step data: time_ms is nan, not a finite number"),
+    (lambda d, t: d["samples"][0][2][0].__setitem__(1, 10 ** 400), "step data: samples[0].top logit is 1000"),
+    (lambda d, t: t.update({"tap/q/0": torch.empty(1, 9, 64, device="meta")}), "not a dense one with data"),
+    (lambda d, t: t.update({"chunk0/logical": torch.ones(1, 4, dtype=torch.bool).to_sparse_csr()}), "not a dense one with data"),
+])
+def test_from_wire_refuses_numbers_and_tensors_it_cannot_read(one_step, fn, message):
+    """An int past float's range gave an OverflowError, a NaN wall time a trace json.dumps refuses later,
+    a meta / sparse-CSR tensor a RuntimeError in the recorder."""
+    d, t = _mutated(one_step, fn)
+    with pytest.raises(InfertraceError) as e:
+        StepData.from_wire(d, t)
+    assert message in str(e.value) and str(e.value).startswith("step data: ") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda d, t: d.update(serving={"prefix": "x"}), "step data: serving.prefix is not an object"),
+    (lambda d, t: d.update(serving={"ops_before_step": [1]}), "step data: serving.ops_before_step is not a list of objects"),
+    (lambda d, t: d.update(spec={"requests": 5}), "step data: spec.requests is a int, not an object"),
+    # the recorded layer's cache rows against its K/V taps (the RoPE evidence): RuntimeError today
+    (lambda d, t: t.update({"chunk0/k_rows": torch.zeros(1, 7, 5), "chunk0/v_rows": torch.zeros(1, 7, 5)}), "step data: chunks[0].k_rows"),
+    (lambda d, t: t.update({"chunk0/k_rows": torch.zeros(0, 3, 64), "chunk0/v_rows": torch.zeros(0, 3, 64)}), "step data: chunks[0].k_rows"),
+])
+def test_record_refuses_wire_sections_of_the_wrong_shape(smol, one_step, fn, message):
+    """Well-formed JSON of the wrong shape reached the recorder: AttributeError ('str' object has no attribute
+    'get') on serving / spec, RuntimeError on cache rows whose [n, n_kv, head_dim] do not match the taps."""
+    data = StepData.from_wire(*_mutated(one_step, fn))
+    rec = Recorder(smol.tokenizer, smol.config, layer=1, show=VARIABLES, layers=[0, 1], tensors={})
+    with pytest.raises(InfertraceError) as e:
+        rec.record(data)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
