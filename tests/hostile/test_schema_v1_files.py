@@ -14,21 +14,8 @@ from infertrace.cli.app import app
 from infertrace.errors import InfertraceError
 from infertrace.trace.store import read_manifest
 
-ROOT = Path(__file__).resolve().parents[2]
-V1 = ROOT / "fixtures" / "traces" / "v1"
-GOLDEN = ROOT / "fixtures" / "golden"
-ENV = {"COLUMNS": "120"}
+from tests.helpers.v1_traces import ENV, GOLDEN, V1, v1_manifest as _v1, write_trace as _write  # noqa: F401
 
-
-def _v1(name: str) -> dict:
-    return json.loads((V1 / name / "trace.json").read_text(encoding="utf-8"))
-
-
-def _write(tmp_path: Path, d: dict, name: str = "t") -> Path:
-    out = tmp_path / name
-    out.mkdir()
-    (out / "trace.json").write_text(json.dumps(d), encoding="utf-8")
-    return out
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:

@@ -17,22 +17,9 @@ from infertrace.trace.records import SCHEMA_VERSION
 from infertrace.trace.store import load_trace, read_manifest, save_trace
 from infertrace.trace.upgrade import upgrade
 
-ROOT = Path(__file__).resolve().parents[3]
-V1 = ROOT / "fixtures" / "traces" / "v1"
-GOLDEN = ROOT / "fixtures" / "golden"
+from tests.helpers.v1_traces import ENV, GOLDEN, V1, v1_manifest as _v1, write_trace as _write  # noqa: F401
+
 NAMES = ["batching-paged", "worked-example-cells"]
-ENV = {"COLUMNS": "120"}
-
-
-def _v1(name: str) -> dict:
-    return json.loads((V1 / name / "trace.json").read_text(encoding="utf-8"))
-
-
-def _write(tmp_path: Path, d: dict, name: str = "t") -> Path:
-    out = tmp_path / name
-    out.mkdir()
-    (out / "trace.json").write_text(json.dumps(d), encoding="utf-8")
-    return out
 
 
 @pytest.mark.parametrize("name", NAMES)
