@@ -145,3 +145,39 @@ def test_replay_refuses_options_that_do_not_match(tiny, replays) -> None:
                       (EngineOptions(backend="paged", tokens_per_block=4, prefix_cache=True), "drop --prefix-cache")):
         with pytest.raises(InfertraceError, match=msg):
             replay_engine(tiny.model, tiny.tokenizer, opts, _null(), plan)
+
+
+# ----------------------------------------------------------------------------- breaker: a hostile vLLM trace
+
+
+def test_replay_refuses_block_tables_not_one_per_scheduled_request(replays) -> None:
+    """A step with fewer block-table rows than scheduled requests gave 'internal error: IndexError' (exit 1)."""
+    import copy
+
+    from infertrace.runtimes.vllm.replay import plan_from_manifest
+
+    src, _ = replays["chunked"]
+    m = copy.deepcopy(_as_vllm(src, CASES["chunked"][1]))
+    st = next(s for s in m["steps"] if len(s["batch"]) == 2)
+    st["mask"]["metadata"]["block_tables"].pop()
+    with pytest.raises(InfertraceError, match=f"step {st['step']} has 1 block tables for 2 scheduled requests"):
+        plan_from_manifest(m)
+
+
+def test_replay_refuses_a_plan_preempting_a_request_of_no_run(tiny, replays) -> None:
+    """A plan preempting (or scheduling) a seq_id that never arrived gave 'internal error: KeyError: 7' (exit 1)."""
+    from infertrace.runner import run_requests
+    from infertrace.runtimes.vllm.replay import plan_from_manifest
+
+    src, _ = replays["chunked"]
+    specs, opts = CASES["chunked"]
+    o = EngineOptions(backend="paged", tokens_per_block=4, ctx_size=64, max_batch_tokens=opts.max_batch_tokens,
+                      prefill_chunk=opts.prefill_chunk)
+    for key, what in (("preempted", "preempts"), ("chunk", "schedules")):
+        plan = plan_from_manifest(_as_vllm(src, opts))
+        if key == "preempted":
+            plan["steps"][1]["preempted"] = [7]
+        else:
+            plan["steps"][1]["chunks"][0]["seq_id"] = 7
+        with pytest.raises(InfertraceError, match=f"replay step 1: the vLLM trace {what} seq 7, which has not arrived"):
+            run_requests(tiny, specs, o, replay=plan)
