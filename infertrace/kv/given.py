@@ -43,7 +43,8 @@ class GivenTablesKV(PagedKV):
         """Take the given table's first ``ceil((len + n_new) / B)`` blocks.
 
         Raises:
-            InfertraceError: no table given, one too short for the step, or a block outside the pool.
+            InfertraceError: no table given, one too short for the step, a block outside the pool, or (prefix
+                cache off) a block another request's table holds.
         """
         tab = self.given.get(seq_id)
         need = -(-(self.lens.get(seq_id, 0) + n_new) // self.B)
@@ -51,6 +52,12 @@ class GivenTablesKV(PagedKV):
             raise InfertraceError(f"replay: seq {seq_id} needs {need} blocks, the trace's table has {len(tab or [])}")
         if any(not 0 <= b < self.num_blocks for b in tab):
             raise InfertraceError(f"replay: seq {seq_id}'s block table {tab[:8]} lies outside the pool of {self.num_blocks}")
+        if not self.prefix_cache:  # vLLM shares a block only through its prefix cache
+            held = {b: sid for sid, t in self.tables.items() if sid != seq_id for b in t}
+            shared = next((b for b in tab[:need] if b in held), None)
+            if shared is not None:
+                raise InfertraceError(f"replay: seq {seq_id}'s block table holds block {shared}, which seq {held[shared]} "
+                                      "holds too, with the prefix cache off; the trace is not a consistent vLLM trace")
         self.tables[seq_id] = list(tab[:need])
         self.lens[seq_id] = self.lens.get(seq_id, 0) + n_new
 

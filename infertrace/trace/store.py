@@ -206,7 +206,8 @@ def validate_manifest(d: Any, path: str, consistency: bool = True) -> dict[str, 
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise InfertraceError(f"{path}: schema_version must be a positive integer, got {json.dumps(v)}")
     if v > SCHEMA_VERSION:
-        raise InfertraceError(f"trace schema {v} is newer than this infertrace supports ({SCHEMA_VERSION}); upgrade infertrace")
+        shown_v = str(v) if v < 10 ** 12 else f"{str(v)[:12]}… ({len(str(v))} digits)"  # a file's number: bounded in the line
+        raise InfertraceError(f"trace schema {shown_v} is newer than this infertrace supports ({SCHEMA_VERSION}); upgrade infertrace")
     if v == SCHEMA_VERSION:
         if "engine" in d:
             raise InfertraceError(f"{path}: 'engine' is the schema 1 name of 'runtime'; a schema {v} trace has 'runtime' only")

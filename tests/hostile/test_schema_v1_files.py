@@ -82,3 +82,14 @@ def test_report_facts_show_control_and_bidi_characters_of_notes_and_model_file(t
     html = out.read_text(encoding="utf-8")
     assert not [c for c in UNSAFE if c in html]
     assert "evil\\u202egguf.\\x1b[31m\\x07&lt;b&gt;x&lt;/b&gt;" in html
+
+
+def test_a_huge_schema_version_is_cut_in_the_message(tmp_path):
+    """schema_version 10**400 printed all 401 digits in the one line (a number the file controls, unbounded up to
+    Python's 4300-digit parse limit)."""
+    d = json.loads((GOLDEN / "worked-example-cells" / "trace.json").read_text(encoding="utf-8"))
+    d["schema_version"] = 10 ** 400
+    with pytest.raises(InfertraceError) as e:
+        read_manifest(_write(tmp_path, d))
+    msg = _one_line(e)
+    assert len(msg) < 200 and "(401 digits)" in msg and "upgrade infertrace" in msg, msg

@@ -40,6 +40,7 @@ from infertrace.engine.request import FINISHED, RUNNING, Request
 from infertrace.engine.scheduler import ScheduledBatch, ScheduledChunk
 from infertrace.errors import InfertraceError
 from infertrace.kv.given import GivenTablesKV
+from infertrace.safe_text import visible
 
 
 def load_plan(directory: Path) -> dict[str, Any]:
@@ -73,6 +74,9 @@ def plan_from_manifest(m: dict[str, Any], directory: str = "the trace") -> dict[
         rows = tables.get("block_tables") if isinstance(tables, dict) else None
         if st["batch"] and rows is None:
             raise InfertraceError(f"--replay {directory}: step {st['step']} has no block tables; record it with --show mask")
+        if rows is not None and len(rows) != len(st["batch"]):
+            raise InfertraceError(f"--replay {directory}: step {st['step']} has {len(rows)} block tables for "
+                                  f"{len(st['batch'])} scheduled requests; the trace is not a consistent vLLM trace")
         for i, b in enumerate(st["batch"]):
             sp = b.get("spec")
             chunks.append({"seq_id": b["seq_id"], "C": b["C"], "T": b["T"], "token_ids": list(b["token_ids"]),
@@ -168,13 +172,25 @@ class ReplayScheduler:
         """True until the plan's last step has been scheduled."""
         return self.next_step <= self.plan["last_step"]
 
+    def _request(self, step: int, sid: Any, what: str) -> Any:
+        """The added request ``sid`` the plan's ``step`` names.
+
+        Raises:
+            InfertraceError: no such request has arrived (a plan naming an unknown or not yet arrived seq_id).
+        """
+        r = self.requests.get(sid) if isinstance(sid, int) else None
+        if r is None:
+            raise InfertraceError(f"replay step {step}: the vLLM trace {what} seq {visible(repr(sid)[:40])}, which has not "
+                                  "arrived in this run; pass the trace's prompts and arrivals")
+        return r
+
     def schedule(self, step: int) -> ScheduledBatch:
         """The plan's batch of ``step`` (see the class docstring)."""
         self.next_step = step + 1
         p = self.plan["steps"].get(step, IDLE_STEP)
         kv = self.kv
         for sid in p["preempted"]:
-            r = self.requests[sid]
+            r = self._request(step, sid, "preempts")
             kv.release(sid)
             r.num_computed, r.num_preemptions = 0, r.num_preemptions + 1
             if r in self.running:
@@ -182,7 +198,7 @@ class ReplayScheduler:
                 self.waiting.appendleft(r)
         chunks, prefix = [], {}
         for c in p["chunks"]:
-            r = self.requests[c["seq_id"]]
+            r = self._request(step, c["seq_id"], "schedules")
             if r in self.waiting:
                 self.waiting.remove(r)
                 self.running.append(r)

@@ -145,3 +145,73 @@ def test_replay_refuses_options_that_do_not_match(tiny, replays) -> None:
                       (EngineOptions(backend="paged", tokens_per_block=4, prefix_cache=True), "drop --prefix-cache")):
         with pytest.raises(InfertraceError, match=msg):
             replay_engine(tiny.model, tiny.tokenizer, opts, _null(), plan)
+
+
+# ----------------------------------------------------------------------------- breaker: a hostile vLLM trace
+
+
+def test_replay_refuses_block_tables_not_one_per_scheduled_request(replays) -> None:
+    """A step with fewer block-table rows than scheduled requests gave 'internal error: IndexError' (exit 1)."""
+    import copy
+
+    from infertrace.runtimes.vllm.replay import plan_from_manifest
+
+    src, _ = replays["chunked"]
+    m = copy.deepcopy(_as_vllm(src, CASES["chunked"][1]))
+    st = next(s for s in m["steps"] if len(s["batch"]) == 2)
+    st["mask"]["metadata"]["block_tables"].pop()
+    with pytest.raises(InfertraceError, match=f"step {st['step']} has 1 block tables for 2 scheduled requests"):
+        plan_from_manifest(m)
+
+
+def test_replay_refuses_a_plan_preempting_a_request_of_no_run(tiny, replays) -> None:
+    """A plan preempting (or scheduling) a seq_id that never arrived gave 'internal error: KeyError: 7' (exit 1)."""
+    from infertrace.runner import run_requests
+    from infertrace.runtimes.vllm.replay import plan_from_manifest
+
+    src, _ = replays["chunked"]
+    specs, opts = CASES["chunked"]
+    o = EngineOptions(backend="paged", tokens_per_block=4, ctx_size=64, max_batch_tokens=opts.max_batch_tokens,
+                      prefill_chunk=opts.prefill_chunk)
+    for key, what in (("preempted", "preempts"), ("chunk", "schedules")):
+        plan = plan_from_manifest(_as_vllm(src, opts))
+        if key == "preempted":
+            plan["steps"][1]["preempted"] = [7]
+        else:
+            plan["steps"][1]["chunks"][0]["seq_id"] = 7
+        with pytest.raises(InfertraceError, match=f"replay step 1: the vLLM trace {what} seq 7, which has not arrived"):
+            run_requests(tiny, specs, o, replay=plan)
+
+
+def _chunked_run_inputs(replays):
+    from infertrace.runtimes.vllm.replay import plan_from_manifest
+
+    src, _ = replays["chunked"]
+    specs, opts = CASES["chunked"]
+    o = EngineOptions(backend="paged", tokens_per_block=4, ctx_size=64, max_batch_tokens=opts.max_batch_tokens,
+                      prefill_chunk=opts.prefill_chunk)
+    return specs, o, plan_from_manifest(_as_vllm(src, opts))
+
+
+def test_replay_refuses_a_plan_that_ends_before_its_requests_finish(tiny, replays) -> None:
+    """A vLLM trace cut after step 1 (or with no steps) replayed to exit 0 with 'stop: None' outputs: a partial run
+    passed off as the replay of the whole one. Expected: one line saying the trace ends before request N finished."""
+    from infertrace.runner import run_requests
+
+    specs, o, plan = _chunked_run_inputs(replays)
+    plan["steps"] = {k: v for k, v in plan["steps"].items() if k <= 1}
+    plan["last_step"] = 1
+    with pytest.raises(InfertraceError, match="finish"):
+        run_requests(tiny, specs, o, replay=plan)
+
+
+def test_replay_refuses_one_block_in_two_tables_without_the_prefix_cache(tiny, replays) -> None:
+    """Two requests' tables naming the same block with the prefix cache off (vLLM never shares a block then)
+    replayed to exit 0: the second request's K/V overwrote the first's in the shared block."""
+    from infertrace.runner import run_requests
+
+    specs, o, plan = _chunked_run_inputs(replays)
+    st = next(s for s in plan["steps"].values() if len(s["chunks"]) == 2 and all(c["table"] for c in s["chunks"]))
+    st["chunks"][1]["table"][0] = st["chunks"][0]["table"][0]
+    with pytest.raises(InfertraceError, match="block"):
+        run_requests(tiny, specs, o, replay=plan)
