@@ -169,8 +169,19 @@ class ReplayScheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        """True until the plan's last step has been scheduled."""
-        return self.next_step <= self.plan["last_step"]
+        """True until the plan's last step has been scheduled.
+
+        Raises:
+            InfertraceError: the plan is over while a request has not finished (a vLLM trace cut short: replaying
+                it would pass a partial run off as the whole one).
+        """
+        if self.next_step <= self.plan["last_step"]:
+            return True
+        left = sorted(sid for sid, r in self.requests.items() if r.status != FINISHED)
+        if left:
+            raise InfertraceError(f"--replay: the vLLM trace ends after step {self.plan['last_step']} before seq {left[0]} "
+                                  "finished (a truncated trace); replay a whole trace")
+        return False
 
     def _request(self, step: int, sid: Any, what: str) -> Any:
         """The added request ``sid`` the plan's ``step`` names.
