@@ -615,7 +615,7 @@ def test_top_k_over_max_id_is_refused_before_the_run(tmp_path):
     refused(invoke("run", "-p", "hi", "--top-k", 2**40), f"--top-k {2**40} is over the limit of {2**31} (MAX_ID")
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "hi", "top_k": 3000000000}\n')
-    refused(invoke("run", "--prompts", f), "--top-k 3000000000 is over the limit")
+    refused(invoke("run", "--prompts", f), "p.jsonl line 1: 'top_k' 3000000000 is over the limit")  # the file's key, not a flag
 
 
 @pytest.mark.parametrize("key", ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
