@@ -157,7 +157,9 @@ def render_header(console: Console, trace: RunTrace) -> None:
                                 f" · evidence layer {o.get('layer', 0)}"))
     if trace.threads.get("n"):
         n = trace.threads["n"]
-        lines.append(("cpu", f"{n} thread{'s' if n != 1 else ''} ({trace.threads.get('reason', '')})"))
+        other = isinstance(lc, dict) or isinstance(vl, dict) or isinstance(o.get("hf"), dict)  # another runtime computed
+        lines.append(("cpu", ("infertrace's torch: " if other else "") + f"{n} thread{'s' if n != 1 else ''} "
+                             f"({trace.threads.get('reason', '')})" + ("; the computing runtime's own are on its line" if other else "")))
     for n in trace.notes:
         lines.append(("note", Text(n, style="yellow")))
     console.print(Panel(_facts(lines), title=Text("infertrace run", style="bold"), title_align="left", box=box.ROUNDED))
