@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from infertrace.errors import ConfigError, InfertraceError
+
 
 class ReadBack:
     """The read-only answers every read-back memory gives from its mirror.
@@ -26,6 +28,26 @@ class ReadBack:
     mirror: Any
     n_layer: int
     layer: int
+    #: the runtime whose cache this is (named in the refusals)
+    runtime: str = ""
+
+    def check_layer(self, layer: int) -> None:
+        """Refuse a layer whose K/V were not read back.
+
+        Raises:
+            ConfigError: ``run.layer``: ``layer`` is not the captured one (the CLI names ``--layer``).
+        """
+        if layer != self.layer:
+            raise ConfigError("run.layer", f"{self.runtime} captured layer {self.layer} only; record layer {layer} "
+                                           "by passing it as the recorded layer")
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: Any) -> None:  # pragma: no cover
+        """Never called: the runtime writes its own cache.
+
+        Raises:
+            InfertraceError: always.
+        """
+        raise InfertraceError(f"{self.runtime} writes its own cache")
 
     @property
     def capacity_tokens(self) -> int:

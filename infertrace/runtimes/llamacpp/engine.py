@@ -76,6 +76,7 @@ class LlamaCppKV(ReadBack):
     """
 
     kind = "cells"
+    runtime = "llama.cpp"
     layout = "cells"  # what the views read (infertrace.capture.kv_views)
 
     def __init__(self, cfg: Any, lctx: LlamaCppContext, n_seq_max: int, layer: int):
@@ -106,6 +107,12 @@ class LlamaCppKV(ReadBack):
         return self.mirror.cells_of(seq_id)
 
     def prepare(self, chunks: Sequence[ChunkSpec]) -> AttnInputs:
+        """Pack the step's positions and seq_ids; the cells, n_kv and kq_mask are filled by :meth:`after_decode` from
+        llama.cpp's graph (placement is never chosen here).
+
+        Raises:
+            InfertraceError: a seq_id outside ``0..n_seq_max-1``.
+        """
         positions, seq_ids = [], []
         for c in chunks:
             self.mirror._check_seq(c.seq_id)
@@ -263,13 +270,15 @@ class LlamaCppKV(ReadBack):
         return self._n_kv
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer != self.layer:
-            raise InfertraceError(f"--runtime llama.cpp captured layer {self.layer} only; pass --layer {layer}")
+        """K/V ``[len, n_kv_heads, head_dim]`` (F16, as llama.cpp stored them) of ``seq_id`` in the captured layer,
+        by position.
+
+        Raises:
+            ConfigError: ``layer`` is not the captured one.
+        """
+        self.check_layer(layer)
         cells = torch.tensor([c for c, _ in self.mirror.cells_of(seq_id)], dtype=torch.int64)
         return self.mirror.k[0][cells], self.mirror.v[0][cells]  # [L, n_kv_heads, hd] each
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: AttnInputs) -> None:  # pragma: no cover
-        raise InfertraceError("llama.cpp writes its own cache")
 
     def release(self, seq_id: int) -> None:
         """``llama_memory_seq_rm(seq_id, -1, -1)``; head moves back to the first freed cell

@@ -46,6 +46,7 @@ class LlamaCppStreamsKV(ReadBack):
     """
 
     kind = "cells"
+    runtime = "llama.cpp"
     layout = "cells_streams"  # what the views read (infertrace.capture.kv_views)
 
     def __init__(self, cfg: Any, lctx: Any, n_seq_max: int, layer: int, to_neox: Callable[[np.ndarray], np.ndarray]):
@@ -198,12 +199,14 @@ class LlamaCppStreamsKV(ReadBack):
         return self._n_kv if self._n_kv is not None else max(s.n_kv() for s in self.streams)
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer != self.layer:
-            raise InfertraceError(f"--runtime llama.cpp captured layer {self.layer} only; pass --layer {layer}")
-        return self.stream_of(seq_id).read(0, seq_id)  # [L, n_kv_heads, hd] each
+        """K/V ``[len, n_kv_heads, head_dim]`` (F16, as llama.cpp stored them) of ``seq_id`` in the captured layer,
+        by position.
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, inp: Any) -> None:  # pragma: no cover
-        raise InfertraceError("llama.cpp writes its own cache")
+        Raises:
+            ConfigError: ``layer`` is not the captured one.
+        """
+        self.check_layer(layer)
+        return self.stream_of(seq_id).read(0, seq_id)  # [L, n_kv_heads, hd] each
 
     def release(self, seq_id: int) -> None:
         """``llama_memory_seq_rm(seq_id, -1, -1)`` and the same on the read-back stream."""

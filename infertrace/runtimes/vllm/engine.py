@@ -75,6 +75,7 @@ class VllmKV(ReadBack):
     """
 
     kind = "paged"
+    runtime = "vllm"
     layout = "paged"  # what the views read (infertrace.capture.kv_views)
 
     def __init__(self, cfg: Any, num_blocks: int, block_size: int, layer: int, n_kv_heads: int):
@@ -120,10 +121,9 @@ class VllmKV(ReadBack):
         """K/V ``[len, n_kv_heads, head_dim]`` float32 of ``seq_id`` in the captured layer, by position.
 
         Raises:
-            InfertraceError: ``layer`` is not the captured one.
+            ConfigError: ``layer`` is not the captured one.
         """
-        if layer != self.layer:
-            raise InfertraceError(f"--runtime vllm captured layer {self.layer} only; pass --layer {layer}")
+        self.check_layer(layer)
         return self.mirror.read(0, seq_id)
 
     def snapshot(self) -> dict[str, Any]:
